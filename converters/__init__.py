@@ -1,0 +1,95 @@
+"""Converters: weights in, quantized weights out (``ondevice convert``).
+
+``convert`` is the one entry point; it dispatches on ``to`` and writes atomically into ``out``.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from ondevice.errors import OndeviceError
+
+FORMATS = ("gguf", "mlx", "coreml")
+
+
+def convert(
+    src: str | Path,
+    *,
+    to: str = "gguf",
+    out: str | Path,
+    quant: str = "q4_k_m",
+    bits: int = 4,
+    group_size: int = 64,
+    draft: str | Path | None = None,
+    progress: bool = True,
+) -> dict:
+    """Convert ``src`` (and optionally a ``draft``) into a new directory ``out``.
+
+    Args:
+        src: HF checkpoint directory (or GGUF file for ``to="mlx"``).
+        to: "gguf" | "mlx" | "coreml".
+        out: a new directory; a pair writes ``out/target`` and ``out/draft``.
+        quant: GGUF quantization: f16 | q8_0 | q4_0 | q4_k_m.
+        bits, group_size: MLX quantization.
+        draft: a draft checkpoint to convert with the same settings, after checking its vocabulary.
+        progress: show rich progress bars.
+    Returns:
+        A JSON-able summary (sizes, seconds, bits per weight, tensor types, fallbacks).
+    """
+    from converters.output import atomic_dir, check_out
+
+    src, out = Path(src), Path(out)
+    if to not in FORMATS:
+        raise OndeviceError(f"--to {to}: unknown format; choose one of {', '.join(FORMATS)}")
+    if to == "gguf":
+        from converters.gguf_writer import QUANTS
+
+        if quant not in QUANTS:
+            raise OndeviceError(f"--quant {quant}: unknown; choose one of {', '.join(QUANTS)}")
+    check_out(out)
+    t0 = time.perf_counter()
+    if draft is not None:
+        from converters.pairs import check_vocabs
+
+        vt, vd = _vocab_of(src), _vocab_of(Path(draft))
+        check_vocabs(vt, vd, src, draft)  # before anything is written
+        with atomic_dir(out) as tmp:
+            summary = {
+                "target": _convert_one(src, to, tmp / "target", quant, bits, group_size, progress),
+                "draft": _convert_one(Path(draft), to, tmp / "draft", quant, bits, group_size, progress),
+            }
+        summary["out"] = str(out)
+    else:
+        with atomic_dir(out) as tmp:
+            summary = _convert_one(src, to, tmp, quant, bits, group_size, progress)
+        summary["out"] = str(out)
+    summary["seconds"] = round(time.perf_counter() - t0, 3)
+    return summary
+
+
+def _vocab_of(path: Path) -> list[str]:
+    if path.suffix == ".gguf":
+        from converters.pairs import gguf_tokens
+
+        return gguf_tokens(path)
+    from converters.hf import open_checkpoint
+    from converters.tokenizer import read_hf_vocab
+
+    ckpt = open_checkpoint(path)
+    return read_hf_vocab(ckpt.path, ckpt.vocab_size, ckpt.config).tokens
+
+
+def _convert_one(src: Path, to: str, out: Path, quant: str, bits: int, group_size: int, progress: bool) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    if to == "gguf":
+        from converters.to_gguf import hf_to_gguf
+
+        return hf_to_gguf(src, out, quant=quant, progress=progress)
+    if to == "mlx":
+        from converters.mlx import to_mlx
+
+        return to_mlx(src, out, bits=bits, group_size=group_size, progress=progress)
+    from converters.coreml import to_coreml
+
+    return to_coreml(src, out, progress=progress)

@@ -1,0 +1,46 @@
+"""Atomic output directories and manifests: nothing half-written survives an error or Ctrl-C."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+from ondevice.errors import OndeviceError
+
+
+def check_out(out: Path) -> None:
+    """Refuse an existing non-empty ``out`` and an unwritable parent, before any work is done."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise OndeviceError(f"{out}: already exists and is not empty; choose a new --out directory")
+    parent = out.parent if str(out.parent) else Path(".")
+    parent = parent.resolve()
+    probe = parent
+    while not probe.exists():
+        probe = probe.parent
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise OndeviceError(f"{out}: cannot write to {probe}; choose a writable --out directory")
+
+
+@contextlib.contextmanager
+def atomic_dir(out: Path) -> Iterator[Path]:
+    """Yield a temp dir beside ``out``; rename it to ``out`` only if the block succeeds."""
+    check_out(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+    try:
+        yield tmp
+        if out.exists():
+            out.rmdir()  # empty, checked above
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def write_manifest(directory: Path, manifest: dict) -> None:
+    (directory / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")

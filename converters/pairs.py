@@ -1,0 +1,53 @@
+"""Target/draft pair checks: a draft is usable only if every token id means the same text."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ondevice.errors import OndeviceError
+
+MAX_PADDING_ROWS = 128
+
+
+def _is_padding(token: str) -> bool:
+    return token.startswith("[PAD") or token == ""
+
+
+def check_vocabs(target: list[str], draft: list[str], target_name: str | Path, draft_name: str | Path) -> int:
+    """Compare two vocabularies by text, id by id.
+
+    Extra rows at the end of the longer one are allowed when they are at most ``MAX_PADDING_ROWS``
+    padding tokens (or when the longer side has <= that many extra ids; the sampler masks them).
+    Differing text at a shared id is never allowed.
+
+    Returns:
+        The shared vocabulary size (the sampler masks ids at or above it).
+    Raises:
+        OndeviceError: naming the first differing id and both texts.
+    """
+    n = min(len(target), len(draft))
+    for i in range(n):
+        if target[i] != draft[i]:
+            raise OndeviceError(
+                f"vocab mismatch between {target_name} and {draft_name}: id {i} is {target[i]!r} in the target "
+                f"but {draft[i]!r} in the draft; use a draft trained with the target's tokenizer"
+            )
+    longer = target if len(target) > n else draft
+    extra = longer[n:]
+    if len(extra) > MAX_PADDING_ROWS and not all(_is_padding(t) for t in extra):
+        raise OndeviceError(
+            f"vocab mismatch between {target_name} ({len(target)} tokens) and {draft_name} ({len(draft)} tokens): "
+            f"{len(extra)} extra ids beyond padding; use a draft trained with the target's tokenizer"
+        )
+    return n
+
+
+def gguf_tokens(path: Path) -> list[str]:
+    """The token texts of a GGUF file, in id order."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    field = reader.fields.get("tokenizer.ggml.tokens")
+    if field is None:
+        raise OndeviceError(f"{path}: GGUF has no tokenizer.ggml.tokens; it cannot be paired")
+    return [bytes(field.parts[i]).decode("utf-8", "replace") for i in field.data]

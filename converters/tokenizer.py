@@ -1,0 +1,142 @@
+"""Tokenizer facts shared by the converters: HF tokenizer.json ⇄ GGUF vocab keys.
+
+GGUF stores only the *name* of the pre-tokenizer (``tokenizer.ggml.pre``). We keep a table of the
+names we know, each with the HF ``pre_tokenizer`` it stands for, used both ways: to name an HF
+tokenizer when writing GGUF, and to rebuild a ``tokenizer.json`` from a GGUF vocab.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from ondevice.errors import OndeviceError
+
+GPT2_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+QWEN2_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+LLAMA3_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def _bytelevel(use_regex: bool) -> dict:
+    return {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": use_regex}
+
+
+def _split(regex: str) -> dict:
+    return {"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated", "invert": False}
+
+
+# GGUF pre-tokenizer name → HF pre_tokenizer JSON (the part of tokenizer.json that differs).
+PRE_TOKENIZERS: dict[str, dict] = {
+    "gpt2": _bytelevel(True),
+    "smollm": {"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": True}, _bytelevel(True)]},
+    "qwen2": {"type": "Sequence", "pretokenizers": [_split(QWEN2_REGEX), _bytelevel(False)]},
+    "llama-bpe": {"type": "Sequence", "pretokenizers": [_split(LLAMA3_REGEX), _bytelevel(False)]},
+}
+
+
+def _canon(pre: dict | None) -> str:
+    """Canonical form for comparing pre-tokenizers: drop flags that do not change the split."""
+
+    def strip(node):
+        if isinstance(node, dict):
+            return {k: strip(v) for k, v in sorted(node.items()) if k not in ("trim_offsets", "prepend_scheme")}
+        if isinstance(node, list):
+            return [strip(v) for v in node]
+        return node
+
+    return json.dumps(strip(pre), sort_keys=True)
+
+
+def pre_tokenizer_name(tokenizer_json: dict, source: Path) -> str:
+    """Name an HF byte-level BPE pre-tokenizer the way llama.cpp does, or refuse clearly."""
+    pre = _canon(tokenizer_json.get("pre_tokenizer"))
+    for name, spec in PRE_TOKENIZERS.items():
+        if _canon(spec) == pre:
+            return name
+    raise OndeviceError(
+        f"{source}: unknown pre-tokenizer; known: {', '.join(PRE_TOKENIZERS)} (add its regex to converters/tokenizer.py)"
+    )
+
+
+@dataclass
+class Vocab:
+    """A byte-level BPE vocabulary as GGUF stores it."""
+
+    tokens: list[str]
+    types: list[int]  # gguf.TokenType values
+    merges: list[str]  # "a b"
+    pre: str
+    bos_id: int | None
+    eos_id: int | None
+    add_bos: bool
+    chat_template: str | None
+
+    def sha256(self) -> str:
+        """Identity of the vocabulary: token text and type, in id order."""
+        h = hashlib.sha256()
+        for t, ty in zip(self.tokens, self.types, strict=True):
+            h.update(t.encode("utf-8", "surrogatepass") + b"\x00" + str(ty).encode() + b"\n")
+        return h.hexdigest()
+
+
+def read_hf_vocab(model_dir: Path, vocab_size: int, config: dict) -> Vocab:
+    """Read tokenizer.json (+ tokenizer_config.json) of an HF checkpoint into GGUF form.
+
+    Args:
+        model_dir: the checkpoint directory.
+        vocab_size: rows of the embedding; the token list is padded with ``[PAD{i}]`` to match.
+        config: parsed config.json (for bos/eos ids when tokenizer_config lacks them).
+    """
+    import gguf
+
+    tj_path = model_dir / "tokenizer.json"
+    if not tj_path.is_file():
+        raise OndeviceError(f"{tj_path}: missing; the converter needs the HF fast tokenizer file tokenizer.json")
+    try:
+        tj = json.loads(tj_path.read_text(encoding="utf-8"))
+    except ValueError as e:
+        raise OndeviceError(f"{tj_path}: not valid JSON ({e})") from e
+    model = tj.get("model") or {}
+    if model.get("type") != "BPE":
+        raise OndeviceError(f"{tj_path}: only byte-level BPE tokenizers are supported (found {model.get('type')!r})")
+    pre = pre_tokenizer_name(tj, tj_path)
+    tc_path = model_dir / "tokenizer_config.json"
+    tc = json.loads(tc_path.read_text(encoding="utf-8")) if tc_path.is_file() else {}
+
+    by_id: dict[int, tuple[str, int]] = {i: (t, gguf.TokenType.NORMAL) for t, i in model["vocab"].items()}
+    for added in tj.get("added_tokens", []):
+        ty = gguf.TokenType.CONTROL if added.get("special") else gguf.TokenType.USER_DEFINED
+        by_id[added["id"]] = (added["content"], ty)
+    n = max(vocab_size, max(by_id) + 1)
+    if n > vocab_size:
+        raise OndeviceError(f"{tj_path}: tokenizer has {n} tokens but the model's embedding has {vocab_size} rows")
+    tokens, types = [], []
+    for i in range(n):
+        t, ty = by_id.get(i, (f"[PAD{i}]", gguf.TokenType.UNUSED))
+        tokens.append(t)
+        types.append(int(ty))
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+
+    def special_id(key: str, cfg_key: str) -> int | None:
+        tok = tc.get(key)
+        if isinstance(tok, dict):
+            tok = tok.get("content")
+        if isinstance(tok, str):
+            for i, t in enumerate(tokens):
+                if t == tok:
+                    return i
+        v = config.get(cfg_key)
+        return v[0] if isinstance(v, list) else v
+
+    template = tc.get("chat_template")
+    if isinstance(template, list):  # named templates: keep the default one
+        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    add_bos = bool(tc.get("add_bos_token", False))
+    return Vocab(tokens, types, merges, pre, special_id("bos_token", "bos_token_id"),
+                 special_id("eos_token", "eos_token_id"), add_bos, template)

@@ -1,0 +1,1 @@
+"""Catalog data (``catalog.toml``), shipped inside the ``ondevice.models`` package."""

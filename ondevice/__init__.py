@@ -1,0 +1,48 @@
+"""ondevice: exact speculative decoding on a laptop.
+
+The public API is imported lazily so that ``import ondevice`` stays fast and never pulls in
+llama.cpp, MLX or Core ML until a model is loaded.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Chunk",
+    "OndeviceError",
+    "Result",
+    "Runtime",
+    "SamplingParams",
+    "Stats",
+    "load",
+    "__version__",
+]
+
+_LAZY = {
+    "load": "ondevice.runtime",
+    "Runtime": "ondevice.runtime",
+    "Result": "ondevice.speculative",
+    "Chunk": "ondevice.speculative",
+    "Stats": "ondevice.speculative",
+    "SamplingParams": "ondevice.params",
+    "OndeviceError": "ondevice.errors",
+}
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ondevice.errors import OndeviceError
+    from ondevice.params import SamplingParams
+    from ondevice.runtime import Runtime, load
+    from ondevice.speculative import Chunk, Result, Stats
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ondevice' has no attribute {name!r}")
+    value = getattr(import_module(module), name)
+    globals()[name] = value
+    return value

@@ -1,0 +1,3 @@
+from ondevice.cli import main
+
+main()

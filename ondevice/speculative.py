@@ -1,0 +1,191 @@
+"""The speculative loop, layered: ``steps`` (one target pass each) → ``stream`` (text chunks, stops).
+
+Invariant between steps: the target's cache holds ``context[:-1]``; the last token is *pending*.
+One step evaluates ``[pending] + draft`` in a single target pass, so plain decoding is just γ = 0.
+"""
+
+from __future__ import annotations
+
+import codecs
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ondevice.backends import Backend
+from ondevice.drafters import Drafter
+from ondevice.sampling import SamplingParams, probs_batch, verify
+
+
+@dataclass
+class Step:
+    """One target forward pass."""
+
+    tokens: list[int]  # emitted: accepted drafts, then the target's own token
+    from_draft: list[bool]
+    gamma: int  # drafts asked for
+    drafted: int  # drafts proposed (a drafter may propose fewer than asked)
+    accepted: int
+    draft_seconds: float
+    verify_seconds: float
+
+
+@dataclass
+class Chunk:
+    """A piece of streamed output."""
+
+    text: str
+    tokens: list[int]
+    from_draft: list[bool]
+
+
+@dataclass
+class Stats:
+    """Per-request statistics (the same names appear in every ``--json``).
+
+    ``mean_accepted_per_forward`` counts tokens emitted per decoding target pass (accepted drafts
+    plus the target's own token), the usual τ of the speculative decoding literature; plain decoding
+    gives 1.0. ``accept_counts[k]`` is how many passes accepted exactly k drafts.
+    """
+
+    tokens: int = 0
+    target_forwards: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    acceptance_rate: float = 0.0
+    mean_accepted_per_forward: float = 0.0
+    tokens_per_second: float = 0.0
+    decode_tokens_per_second: float = 0.0
+    time_to_first_token: float = 0.0
+    load_seconds: float = 0.0
+    prompt_tokens: int = 0
+    prompt_eval_tokens: int = 0
+    prompt_seconds: float = 0.0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    total_seconds: float = 0.0
+    plain_steps: int = 0
+    accept_counts: list[int] = field(default_factory=list)
+    gamma_counts: dict[int, int] = field(default_factory=dict)
+    drafter: str = "none"
+    stop_reason: str = ""
+
+    def add(self, step: Step) -> None:
+        self.target_forwards += 1
+        self.drafted += step.drafted
+        self.accepted += step.accepted
+        self.draft_seconds += step.draft_seconds
+        self.verify_seconds += step.verify_seconds
+        self.gamma_counts[step.gamma] = self.gamma_counts.get(step.gamma, 0) + 1
+        if step.drafted == 0:
+            self.plain_steps += 1
+        while len(self.accept_counts) <= step.accepted:
+            self.accept_counts.append(0)
+        self.accept_counts[step.accepted] += 1
+
+    def finish(self, t_start: float, t_first: float | None, t_end: float) -> None:
+        self.total_seconds = t_end - t_start
+        self.acceptance_rate = self.accepted / self.drafted if self.drafted else 0.0
+        self.mean_accepted_per_forward = (self.accepted + self.target_forwards) / self.target_forwards if self.target_forwards else 0.0
+        self.tokens_per_second = self.tokens / self.total_seconds if self.total_seconds > 0 else 0.0
+        if t_first is not None:
+            self.time_to_first_token = t_first - t_start
+            decode = t_end - t_first
+            self.decode_tokens_per_second = (self.tokens - 1) / decode if self.tokens > 1 and decode > 0 else 0.0
+
+
+@dataclass
+class Result:
+    text: str
+    tokens: list[int]  # generated ids only
+    stats: Stats
+
+
+def _one_hot(tokens: Sequence[int], V: int) -> np.ndarray:
+    q = np.zeros((len(tokens), V))
+    q[np.arange(len(tokens)), np.asarray(tokens, dtype=np.int64)] = 1.0
+    return q
+
+
+def steps(
+    target: Backend,
+    drafter: Drafter | None,
+    context: list[int],
+    params: SamplingParams,
+    gamma: Callable[[], int],
+    rng: np.random.Generator,
+    vocab_limit: int | None = None,
+) -> Iterator[Step]:
+    """Draft → verify once → accept → roll back, forever (the caller stops it).
+
+    Args:
+        target: holds ``context[:-1]`` in its cache on entry; kept so after every step.
+        drafter: proposes drafts (None = plain decoding).
+        context: the whole sequence so far; extended in place with every emitted token.
+        gamma: called once per step for the number of tokens to draft (0 = plain step).
+        rng: draws every random number (draft sampling and verification).
+        vocab_limit: shared vocabulary size of the pair; larger ids are masked.
+    Yields:
+        One ``Step`` per target pass.
+    """
+    V = target.vocab_size
+    while True:
+        base = target.n_past  # == len(context) - 1
+        g = max(0, min(gamma(), target.n_ctx - base - 1))
+        t0 = time.perf_counter()
+        draft: list[int] = []
+        q = None
+        if g > 0 and drafter is not None:
+            draft, q = drafter.propose(context, g, params, rng)
+            draft = draft[:g]
+        t1 = time.perf_counter()
+        logits = target.eval([context[-1], *draft])  # [len(draft)+1, V]
+        p = probs_batch(logits, params, context, draft, vocab_limit)
+        if draft:
+            q = _one_hot(draft, V) if q is None else q[: len(draft)]
+        n_acc, nxt = verify(draft, q, p, rng)
+        target.rollback(base + 1 + n_acc)  # keep pending + accepted drafts; nxt becomes pending
+        emitted = [*draft[:n_acc], nxt]
+        context.extend(emitted)
+        t2 = time.perf_counter()
+        yield Step(emitted, [True] * n_acc + [False], g, len(draft), n_acc, t1 - t0, t2 - t1)
+
+
+class TextAssembler:
+    """Bytes of tokens → text, holding back incomplete UTF-8 and anything that may begin a stop string."""
+
+    def __init__(self, token_bytes: Callable[[int], bytes], stop: Sequence[str]) -> None:
+        self._bytes = token_bytes
+        self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.stop = [s for s in stop if s]
+        self.text = ""  # everything decoded so far
+        self.emitted = 0  # characters of text already released
+        self.stopped = False
+
+    def feed(self, token: int) -> str:
+        """Add a token; return newly releasable text (may be empty). Sets ``stopped`` on a stop string."""
+        self.text += self._dec.decode(self._bytes(token))
+        return self._release(final=False)
+
+    def flush(self) -> str:
+        self.text += self._dec.decode(b"", final=True)
+        return self._release(final=True)
+
+    def _release(self, final: bool) -> str:
+        for s in self.stop:
+            i = self.text.find(s, max(0, self.emitted - len(s)))
+            if i >= 0:
+                self.text = self.text[:i]
+                self.stopped = True
+                final = True
+        end = len(self.text)
+        if not final:
+            for s in self.stop:  # hold back a suffix that could still grow into a stop string
+                for k in range(min(len(s) - 1, end), 0, -1):
+                    if self.text.endswith(s[:k]):
+                        end = min(end, len(self.text) - k)
+                        break
+        out = self.text[self.emitted : end]
+        self.emitted = max(self.emitted, end)
+        return out

@@ -1,0 +1,202 @@
+"""Tiny deterministic models for tests: random-weight HF checkpoints with a trained BPE tokenizer.
+
+Every input dimension is a multiple of 256 (and of the MLX group size), so llama.cpp's K-quants and
+mlx-lm's quantizer really quantize every linear layer instead of silently falling back.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+QWEN2_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+_WORDS = (
+    "the model draft target token verify accept reject sample speculative decode laptop memory cache "
+    "quantize weight layer attention head vector matrix python numpy return value function class import "
+    "from def for while if else print list dict string number zero one two three four five six seven "
+    "eight nine ten river mountain cloud apple orange green blue red fast slow small large kernel thread"
+).split()
+_CODE = [
+    "def add(a, b):\n    return a + b\n",
+    "for i in range(10):\n    print(i * 2)\n",
+    "class Cache:\n    def __init__(self, n):\n        self.n = n\n",
+    "import numpy as np\nx = np.zeros((4, 4))\n",
+    "if value is None:\n    raise ValueError('missing value')\n",
+]
+
+
+def corpus(n_lines: int = 3000, seed: int = 1234) -> list[str]:
+    """Deterministic mixed text: prose-like word salad, numbers, punctuation, code, unicode."""
+    rng = random.Random(seed)
+    lines = []
+    for i in range(n_lines):
+        words = [rng.choice(_WORDS) for _ in range(rng.randint(4, 14))]
+        if i % 5 == 0:
+            words.insert(rng.randrange(len(words)), str(rng.randint(0, 99999)))
+        line = " ".join(words)
+        line = line[0].upper() + line[1:] + rng.choice([".", "!", "?", ",", ";"])
+        if i % 7 == 0:
+            line = rng.choice(_CODE) + line
+        if i % 11 == 0:
+            line += " café naïve 東京 ∑ → ✓"
+        lines.append(line)
+    return lines
+
+
+def train_tokenizer(arch: str, vocab_size: int = 512):
+    """Train a byte-level BPE of exactly ``vocab_size`` tokens (specials first: ids 0, 1, 2).
+
+    ``llama`` gets SmolLM2's pre-tokenizer (single digits + GPT-2 regex), ``qwen2`` Qwen2's regex split.
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    if arch == "qwen2":
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(QWEN2_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus(), trainer=trainer)
+    if tok.get_vocab_size() != vocab_size:
+        raise RuntimeError(f"trained {tok.get_vocab_size()} tokens, wanted {vocab_size}")
+    return tok
+
+
+def _config(arch: str, n_layers: int, vocab_size: int, tie: bool, **overrides) -> dict:
+    cfg = {
+        "architectures": ["LlamaForCausalLM" if arch == "llama" else "Qwen2ForCausalLM"],
+        "model_type": arch,
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_hidden_layers": n_layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": vocab_size,
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-5 if arch == "llama" else 1e-6,
+        "rope_theta": 10000.0 if arch == "llama" else 1000000.0,
+        "hidden_act": "silu",
+        "tie_word_embeddings": tie,
+        "bos_token_id": 0,
+        "eos_token_id": 2,
+        "torch_dtype": "float16",
+    }
+    if arch == "qwen2":
+        cfg.update(use_sliding_window=False, sliding_window=None, max_window_layers=n_layers)
+    cfg.update(overrides)
+    return cfg
+
+
+def _weights(cfg: dict, seed: int, scale: float = 1.0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    h, f, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    hd = h // cfg["num_attention_heads"]
+    kv = cfg["num_key_value_heads"] * hd
+
+    def lin(out_dim: int, in_dim: int, gain: float = 1.0) -> np.ndarray:
+        return rng.normal(0.0, gain * scale / np.sqrt(in_dim), (out_dim, in_dim))
+
+    # Tied models read logits off the embedding: keep it small, or every token predicts itself.
+    emb_std = 0.25 if cfg["tie_word_embeddings"] else 1.0
+    w = {"model.embed_tokens.weight": rng.normal(0.0, emb_std * scale, (v, h))}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        w[p + "input_layernorm.weight"] = 1.0 + 0.1 * rng.normal(size=h)
+        w[p + "post_attention_layernorm.weight"] = 1.0 + 0.1 * rng.normal(size=h)
+        w[p + "self_attn.q_proj.weight"] = lin(h, h, 2.0)
+        w[p + "self_attn.k_proj.weight"] = lin(kv, h, 2.0)
+        w[p + "self_attn.v_proj.weight"] = lin(kv, h)
+        w[p + "self_attn.o_proj.weight"] = lin(h, h, 2.0)
+        w[p + "mlp.gate_proj.weight"] = lin(f, h)
+        w[p + "mlp.up_proj.weight"] = lin(f, h)
+        w[p + "mlp.down_proj.weight"] = lin(h, f, 2.0)
+        if cfg["model_type"] == "qwen2":
+            w[p + "self_attn.q_proj.bias"] = 0.1 * scale * rng.normal(size=h)
+            w[p + "self_attn.k_proj.bias"] = 0.1 * scale * rng.normal(size=kv)
+            w[p + "self_attn.v_proj.bias"] = 0.1 * scale * rng.normal(size=kv)
+    w["model.norm.weight"] = 1.0 + 0.1 * rng.normal(size=h)
+    if not cfg["tie_word_embeddings"]:
+        w["lm_head.weight"] = lin(v, h, 4.0)
+    return w
+
+
+def make_tiny_hf(
+    out: str | Path,
+    arch: str = "llama",
+    *,
+    n_layers: int = 2,
+    vocab_size: int = 512,
+    seed: int = 0,
+    tie_word_embeddings: bool | None = None,
+    perturb_seed: int | None = None,
+    perturb_scale: float = 0.0,
+    **config_overrides,
+) -> Path:
+    """Write a deterministic random-weight HF checkpoint to ``out`` and return it.
+
+    Args:
+        out: directory to create (config.json, model.safetensors, tokenizer.json, tokenizer_config.json).
+        arch: "llama" (SmolLM2-like, tied embeddings by default) or "qwen2" (q/k/v biases, untied).
+        n_layers: decoder layers (2–4 is plenty).
+        vocab_size: tokenizer and embedding size (a multiple of 256).
+        seed: weight seed; the tokenizer is the same for every seed, so models pair as target/draft.
+        perturb_seed, perturb_scale: add ``perturb_scale`` × an independent draw, to make a draft that
+            is close to, but not equal to, the model with ``seed``.
+    Returns:
+        The checkpoint directory.
+    """
+    from safetensors.numpy import save_file
+
+    if arch not in ("llama", "qwen2"):
+        raise ValueError(f"unsupported tiny arch {arch!r}")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tie = (arch == "llama") if tie_word_embeddings is None else tie_word_embeddings
+    cfg = _config(arch, n_layers, vocab_size, tie, **config_overrides)
+    weights = _weights(cfg, seed)
+    if perturb_seed is not None and perturb_scale:
+        noise = _weights(cfg, perturb_seed)
+        weights = {k: w + perturb_scale * noise[k] for k, w in weights.items()}
+    save_file({k: np.ascontiguousarray(v, dtype=np.float16) for k, v in weights.items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    tok = train_tokenizer(arch, vocab_size)
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": SPECIAL_TOKENS[0],
+        "eos_token": SPECIAL_TOKENS[2],
+        "pad_token": SPECIAL_TOKENS[0],
+        "unk_token": None,
+        "add_bos_token": False,
+        "model_max_length": cfg["max_position_embeddings"],
+        "chat_template": CHATML_TEMPLATE,
+        "added_tokens_decoder": {
+            str(i): {"content": t, "special": True, "lstrip": False, "rstrip": False, "normalized": False,
+                     "single_word": False}
+            for i, t in enumerate(SPECIAL_TOKENS)
+        },
+    }, indent=2))
+    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": 2}))
+    return out
