@@ -1,0 +1,77 @@
+"""Shared fixtures: tiny models built once per session, and the real default model."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _fingerprint() -> str:
+    """Tiny models are cached on disk, keyed by the code that makes them, so edits rebuild them."""
+    h = hashlib.sha256()
+    for f in sorted([ROOT / "ondevice" / "testing.py", Path(__file__), *(ROOT / "converters").glob("*.py")]):
+        h.update(f.read_bytes())
+    return h.hexdigest()[:12]
+
+
+TINY_CACHE = Path(os.environ.get("ONDEVICE_TEST_CACHE", ROOT / "build" / "test-models")) / _fingerprint()
+
+
+def pytest_collection_modifyitems(config, items):
+    if sys.platform != "darwin":
+        skip = pytest.mark.skip(reason="needs macOS (Metal / Core ML prediction); this is " + sys.platform)
+        for item in items:
+            if "macos" in item.keywords:
+                item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_hf():
+    """name → HF checkpoint dir. Targets, drafts close to them (perturbed weights), same tokenizer per arch."""
+    from ondevice.testing import make_tiny_hf
+
+    specs = {
+        "llama": dict(arch="llama", seed=0),
+        "llama_draft": dict(arch="llama", seed=0, perturb_seed=11, perturb_scale=0.03),
+        "qwen2": dict(arch="qwen2", seed=1),
+        "qwen2_draft": dict(arch="qwen2", seed=1, perturb_seed=12, perturb_scale=0.05),
+    }
+    out = {}
+    for name, kw in specs.items():
+        d = TINY_CACHE / "hf" / name
+        if not (d / "model.safetensors").is_file():
+            make_tiny_hf(d, **kw)
+        out[name] = d
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tiny_hf):
+    """(name, quant) → model.gguf converted by our own converter (cached on disk between runs)."""
+    from converters import convert
+
+    def get(name: str, quant: str = "q8_0") -> Path:
+        out = TINY_CACHE / "gguf" / f"{name}-{quant}"
+        if not (out / "model.gguf").is_file():
+            if out.exists():
+                import shutil
+
+                shutil.rmtree(out)
+            convert(tiny_hf[name], to="gguf", out=out, quant=quant, progress=False)
+        return out / "model.gguf"
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    """The real default model (98 MB), pulled through the catalog once and cached."""
+    from ondevice import catalog
+
+    return catalog.pull("smollm2-135m-instruct", quiet=True)
