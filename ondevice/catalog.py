@@ -204,6 +204,8 @@ def pull(name: str, *, force: bool = False, quiet: bool = False) -> Path:
     dest = cached_path(entry)
     if dest.is_file() and not force and verify_cached(entry, quiet=quiet):
         return dest
+    dest.unlink(missing_ok=True)
+    _stamp(dest).unlink(missing_ok=True)
     dest.parent.mkdir(parents=True, exist_ok=True)
     downloads = home() / "downloads" / entry.name
     downloads.mkdir(parents=True, exist_ok=True)
