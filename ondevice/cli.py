@@ -24,6 +24,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # plain click help: rendering it with rich costs ~0.3 s at every start
 )
 _state = {"debug": False}
 

@@ -114,6 +114,7 @@ class Runtime:
         self._lock = threading.Lock()
         self._kv: list[int] = []  # the ids whose K/V the target cache holds
         self._current: Stream | None = None
+        self.observer = None  # optional verify observer (benchmarks): see speculative.steps
 
     # -- context manager -------------------------------------------------------------------------
     def __enter__(self) -> Runtime:
@@ -188,6 +189,12 @@ class Runtime:
         text = render(t.chat_template, messages, add_generation_prompt=add_generation_prompt, bos_token=bos)
         return self.tokenize(text, add_bos=not (bos and text.startswith(bos)))
 
+    def reset(self) -> None:
+        """Forget the cached prefix: the next request evaluates its whole prompt."""
+        with self._lock:
+            self.target.rollback(0)
+            self._kv = []
+
     def cancel(self) -> None:
         """Cancel the stream that is running now, if any."""
         cur = self._current
@@ -232,7 +239,7 @@ class Runtime:
                 rng = np.random.default_rng(params.seed)
                 text = TextAssembler(t.token_bytes, stop)
                 drafter = self.drafter if gamma > 0 else None
-                for step in steps(t, drafter, context, params, lambda: gamma, rng, self.vocab_limit):
+                for step in steps(t, drafter, context, params, lambda: gamma, rng, self.vocab_limit, self.observer):
                     self._kv = context[:-1]
                     stats.add(step)
                     if stats.target_forwards == 1:
@@ -265,6 +272,12 @@ class Runtime:
                     if out.cancelled:
                         stats.stop_reason = "cancelled"
                         break
+                else:
+                    stats.stop_reason = "context"
+                    tail = text.flush()
+                    if tail:
+                        out.text += tail
+                        yield Chunk(tail, [], [])
             finally:
                 self._kv = context[:-1]
                 stats.finish(t_start, t_first, time.perf_counter())

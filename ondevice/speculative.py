@@ -116,6 +116,7 @@ def steps(
     gamma: Callable[[], int],
     rng: np.random.Generator,
     vocab_limit: int | None = None,
+    observer: Callable[[list[int], np.ndarray | None, np.ndarray, int], None] | None = None,
 ) -> Iterator[Step]:
     """Draft → verify once → accept → roll back, forever (the caller stops it).
 
@@ -126,12 +127,15 @@ def steps(
         gamma: called once per step for the number of tokens to draft (0 = plain step).
         rng: draws every random number (draft sampling and verification).
         vocab_limit: shared vocabulary size of the pair; larger ids are masked.
+        observer: called as ``observer(draft, q, p, n_accepted)`` after each verification (benchmarks).
     Yields:
         One ``Step`` per target pass.
     """
     V = target.vocab_size
     while True:
         base = target.n_past  # == len(context) - 1
+        if base + 1 > target.n_ctx:
+            return  # the context is full: the caller reports stop_reason "context"
         g = max(0, min(gamma(), target.n_ctx - base - 1))
         t0 = time.perf_counter()
         draft: list[int] = []
@@ -145,6 +149,8 @@ def steps(
         if draft:
             q = _one_hot(draft, V) if q is None else q[: len(draft)]
         n_acc, nxt = verify(draft, q, p, rng)
+        if observer is not None:
+            observer(draft, q, p, n_acc)
         target.rollback(base + 1 + n_acc)  # keep pending + accepted drafts; nxt becomes pending
         emitted = [*draft[:n_acc], nxt]
         context.extend(emitted)

@@ -224,12 +224,17 @@ def test_bad_inputs_are_one_line_errors(tiny_gguf, tmp_path):
         ondevice.load(tiny_gguf("llama"), tiny_gguf("qwen2"))
     with pytest.raises(OndeviceError, match="unknown model"):
         ondevice.load("no-such-model")
-    with ondevice.load(tiny_gguf("llama"), n_ctx=32) as rt:
+    with ondevice.load(tiny_gguf("llama"), n_ctx=256) as rt:
+        n_ctx = rt.target.n_ctx
+        ids = (rt.tokenize(PROMPT) * n_ctx)[:n_ctx]
         with pytest.raises(OndeviceError, match="n_ctx"):
-            rt.generate("word " * 100, max_tokens=4)
+            rt.generate(ids, max_tokens=4)
         with pytest.raises(OndeviceError, match="temperature"):
             rt.generate(PROMPT, temperature=-1)
         with pytest.raises(OndeviceError, match="top_p"):
             rt.generate(PROMPT, top_p=2.0)
-        res = rt.generate(PROMPT, max_tokens=100, temperature=0)  # runs into n_ctx: stops cleanly
-        assert res.stats.stop_reason in ("eos", "length", "context")
+        with pytest.raises(OndeviceError, match="max_tokens"):
+            rt.generate(PROMPT, max_tokens=0)
+        for gamma in (0, 4):  # runs into the end of the context: stops cleanly, never overflows
+            res = rt.generate(ids[: n_ctx - 6], max_tokens=100, temperature=0, gamma=gamma)
+            assert res.stats.stop_reason in ("context", "eos") and res.stats.tokens <= 6
