@@ -38,8 +38,10 @@ def convert(
         A JSON-able summary (sizes, seconds, bits per weight, tensor types, fallbacks).
     """
     from converters.output import atomic_dir, check_out
+    from ondevice import catalog
 
-    src, out = Path(src), Path(out)
+    src, out = catalog.resolve(src), Path(out)  # a catalog name is accepted wherever a path is
+    draft = catalog.resolve(draft) if draft is not None else None
     if to not in FORMATS:
         raise OndeviceError(f"--to {to}: unknown format; choose one of {', '.join(FORMATS)}")
     if to == "gguf":

@@ -22,7 +22,7 @@ def check_out(out: Path) -> None:
     probe = parent
     while not probe.exists():
         probe = probe.parent
-    if not os.access(probe, os.W_OK | os.X_OK):
+    if not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK):
         raise OndeviceError(f"{out}: cannot write to {probe}; choose a writable --out directory")
 
 
@@ -30,8 +30,11 @@ def check_out(out: Path) -> None:
 def atomic_dir(out: Path) -> Iterator[Path]:
     """Yield a temp dir beside ``out``; rename it to ``out`` only if the block succeeds."""
     check_out(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+    except OSError as e:
+        raise OndeviceError(f"{out}: cannot write there ({e.strerror}); choose a writable --out directory") from e
     try:
         yield tmp
         if out.exists():

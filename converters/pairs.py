@@ -51,3 +51,22 @@ def gguf_tokens(path: Path) -> list[str]:
     if field is None:
         raise OndeviceError(f"{path}: GGUF has no tokenizer.ggml.tokens; it cannot be paired")
     return [bytes(field.parts[i]).decode("utf-8", "replace") for i in field.data]
+
+
+def model_tokens(path: Path) -> list[str]:
+    """Token texts of a GGUF file, a directory holding model.gguf, or an HF/MLX directory."""
+    path = Path(path)
+    if path.is_dir() and (path / "model.gguf").is_file():
+        path = path / "model.gguf"
+    if path.suffix == ".gguf":
+        return gguf_tokens(path)
+    tj = path / "tokenizer.json"
+    if not tj.is_file():
+        raise OndeviceError(f"{tj}: missing; cannot read this model's vocabulary")
+    import json
+
+    data = json.loads(tj.read_text(encoding="utf-8"))
+    by_id = {i: t for t, i in data["model"]["vocab"].items()}
+    for a in data.get("added_tokens", []):
+        by_id[a["id"]] = a["content"]
+    return [by_id.get(i, f"[PAD{i}]") for i in range(max(by_id) + 1)]

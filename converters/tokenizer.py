@@ -140,3 +140,74 @@ def read_hf_vocab(model_dir: Path, vocab_size: int, config: dict) -> Vocab:
     add_bos = bool(tc.get("add_bos_token", False))
     return Vocab(tokens, types, merges, pre, special_id("bos_token", "bos_token_id"),
                  special_id("eos_token", "eos_token_id"), add_bos, template)
+
+
+def read_gguf_vocab(g) -> Vocab:
+    """The vocabulary of a ``GGUFFile`` (byte-level BPE only)."""
+    tokens = g.tokens
+    types = [int(t) for t in (g.get("tokenizer.ggml.token_type") or [1] * len(tokens))]
+    merges = list(g.get("tokenizer.ggml.merges") or [])
+    pre = str(g.get("tokenizer.ggml.pre") or "default")
+    if pre not in PRE_TOKENIZERS:
+        raise OndeviceError(
+            f"{g.path}: pre-tokenizer {pre!r} is not in our table ({', '.join(PRE_TOKENIZERS)}); "
+            "add its regex to converters/tokenizer.py"
+        )
+    bos, eos = g.get("tokenizer.ggml.bos_token_id"), g.get("tokenizer.ggml.eos_token_id")
+    return Vocab(tokens, types, merges, pre, None if bos is None else int(bos), None if eos is None else int(eos),
+                 bool(g.get("tokenizer.ggml.add_bos_token", False)), g.get("tokenizer.chat_template"))
+
+
+def hf_tokenizer_json(v: Vocab) -> dict:
+    """A ``tokenizer.json`` equivalent to the GGUF vocabulary ``v``."""
+    import gguf
+
+    vocab: dict[str, int] = {}
+    added = []
+    for i, (t, ty) in enumerate(zip(v.tokens, v.types, strict=True)):
+        vocab.setdefault(t, i)
+        if ty in (gguf.TokenType.CONTROL, gguf.TokenType.USER_DEFINED):
+            added.append({"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
+                          "normalized": False, "special": ty == gguf.TokenType.CONTROL})
+    post = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
+    if v.add_bos and v.bos_id is not None:
+        bos = v.tokens[v.bos_id]
+        post = {"type": "TemplateProcessing",
+                "single": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+                "pair": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                         {"Sequence": {"id": "B", "type_id": 1}}],
+                "special_tokens": {bos: {"id": bos, "ids": [v.bos_id], "tokens": [bos]}}}
+    return {
+        "version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
+        "pre_tokenizer": PRE_TOKENIZERS[v.pre], "post_processor": post,
+        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
+                  "ignore_merges": v.pre == "llama-bpe", "vocab": vocab, "merges": v.merges},
+    }
+
+
+def write_hf_tokenizer(g, out: Path) -> dict:
+    """Write tokenizer.json + tokenizer_config.json for a GGUFFile into ``out``; return facts for the manifest."""
+    from tokenizers import Tokenizer
+
+    v = read_gguf_vocab(g)
+    tj = hf_tokenizer_json(v)
+    text = json.dumps(tj, ensure_ascii=False)
+    try:
+        Tokenizer.from_str(text)  # validate before writing
+    except Exception as e:
+        raise OndeviceError(f"{g.path}: could not rebuild a tokenizer from the GGUF vocabulary ({e})") from e
+    (out / "tokenizer.json").write_text(text, encoding="utf-8")
+    tc = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": v.tokens[v.bos_id] if v.bos_id is not None else None,
+        "eos_token": v.tokens[v.eos_id] if v.eos_id is not None else None,
+        "add_bos_token": v.add_bos,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": int(g.get(f"{g.arch}.context_length", 2048)),
+    }
+    if v.chat_template:
+        tc["chat_template"] = v.chat_template
+    (out / "tokenizer_config.json").write_text(json.dumps(tc, indent=2, ensure_ascii=False), encoding="utf-8")
+    return {"pre": v.pre, "vocab_sha256": v.sha256()}

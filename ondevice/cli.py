@@ -124,6 +124,7 @@ RepOpt = Annotated[float, typer.Option("--repetition-penalty", help="1 = off.")]
 SeedOpt = Annotated[int | None, typer.Option("--seed", help="Random seed.")]
 GammaOpt = Annotated[int, typer.Option("--gamma", min=0, help="Tokens drafted per target pass (0 = plain).")]
 CtxOpt = Annotated[int, typer.Option("--n-ctx", min=16, help="Context length.")]
+DeviceOpt = Annotated[str | None, typer.Option("--device", help="gpu | cpu (default: Metal GPU when available).")]
 ThreadsOpt = Annotated[int | None, typer.Option("--threads", min=1, help="CPU threads (default: all cores).")]
 
 
@@ -150,6 +151,7 @@ def generate_cmd(
     gamma: GammaOpt = DEFAULT_GAMMA,
     n_ctx: CtxOpt = DEFAULT_N_CTX,
     threads: ThreadsOpt = None,
+    device: DeviceOpt = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object: text, tokens, stats.")] = False,
 ) -> None:
     """Generate a completion, speculatively when a draft or n-gram drafter is given."""
@@ -157,7 +159,7 @@ def generate_cmd(
 
     from ondevice.runtime import load
 
-    with load(model, draft, drafter=_drafter(draft, ngram, no_spec), n_ctx=n_ctx, threads=threads) as rt:
+    with load(model, draft, drafter=_drafter(draft, ngram, no_spec), n_ctx=n_ctx, threads=threads, device=device) as rt:
         kw = dict(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                   repetition_penalty=repetition_penalty, seed=seed, gamma=gamma)
         if json_out:
@@ -189,6 +191,36 @@ def convert_cmd(
         _dump(summary)
     else:
         typer.echo(f"wrote {out}")
+
+
+@command("check-pair")
+def check_pair_cmd(
+    target: Annotated[str, typer.Argument(help="Target model (path or catalog name).")],
+    draft: Annotated[str, typer.Argument(help="Draft model (path or catalog name).")],
+) -> None:
+    """Check that a draft can verify against a target: same token text for every shared id."""
+    from converters.pairs import check_vocabs, model_tokens
+    from ondevice import catalog
+
+    t, d = catalog.resolve(target), catalog.resolve(draft)
+    n = check_vocabs(model_tokens(t), model_tokens(d), t, d)
+    typer.echo(f"compatible: {n} shared token ids ({t} + {d})")
+
+
+@command("info")
+def info_cmd(
+    model: Annotated[str, typer.Argument(help="Model path or catalog name.")],
+    device: Annotated[str | None, typer.Option("--device", help="MLX device: gpu | cpu.")] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """Show a model's format, architecture, quantization, vocabulary and device."""
+    from ondevice.info import describe
+
+    info = describe(model, device)
+    if json_out:
+        return _dump(info)
+    for k, v in info.items():
+        typer.echo(f"{k:>16}: {v}")
 
 
 def main() -> None:

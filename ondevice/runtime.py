@@ -26,6 +26,7 @@ def load(
     drafter: str | None = None,
     n_ctx: int = DEFAULT_N_CTX,
     threads: int | None = None,
+    device: str | None = None,
 ) -> Runtime:
     """Load a target model (and optionally a draft) for speculative generation.
 
@@ -37,6 +38,8 @@ def load(
             Default: "model" when a draft is given, else "ngram".
         n_ctx: context length of the caches.
         threads: CPU threads (default: all cores).
+        device: 'gpu' | 'cpu' | None: where MLX runs (default Metal when available) and whether
+            llama.cpp offloads layers.
     Returns:
         A ``Runtime``; use it as a context manager or call ``close()``.
     """
@@ -52,14 +55,14 @@ def load(
         raise OndeviceError("drafter='model' needs a draft model: pass draft=PATH (or --draft)")
     if kind != "model" and draft is not None:
         raise OndeviceError(f"a draft model was given but drafter={kind!r} would not use it; drop one of them")
-    target = open_backend(catalog.resolve(model), n_ctx=n_ctx, threads=threads)
+    target = open_backend(catalog.resolve(model), n_ctx=n_ctx, threads=threads, device=device)
     drafter_obj: Drafter | None = None
     vocab_limit = target.vocab_size
     try:
         if kind == "model":
             from converters.pairs import check_vocabs
 
-            draft_backend = open_backend(catalog.resolve(draft), n_ctx=n_ctx, threads=threads)
+            draft_backend = open_backend(catalog.resolve(draft), n_ctx=n_ctx, threads=threads, device=device)
             try:
                 vocab_limit = check_vocabs(target.vocab_tokens(), draft_backend.vocab_tokens(), target.path, draft_backend.path)
             except BaseException:

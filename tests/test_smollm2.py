@@ -45,3 +45,45 @@ def test_sandboxed_template_cannot_reach_python(smollm2):
     evil = "{{ messages.__class__.__mro__[1].__subclasses__() }}"
     with pytest.raises(OndeviceError, match="sandbox|template"):
         render(evil, [{"role": "user", "content": "x"}])
+
+
+def _strings(n: int = 240) -> list[str]:
+    """Deterministic mixed strings: prose, code, unicode, digits, whitespace runs, specials."""
+    import random
+
+    rng = random.Random(7)
+    pool = ["hello", " world", "  ", "\n", "\n\n", "\t", "    ", "def", " f(x):", "return", "x**2", "123", "4567890",
+            "3.14159", "café", "naïve", "東京", "日本語", "🙂", "🚀✨", "Ωμέγα", "привет", "مرحبا", "<|im_start|>",
+            "<|im_end|>", "don't", "I'm", "we'll", "{\"a\": [1, 2]}", "<div class='x'>", "//", "#!", "___", "...", "!?",
+            "\r\n", "   \n  ", "ABC", "camelCase", "snake_case", "x=y+z", "λ", "€100", "1e-9", "0x1F"]
+    out = ["", " ", "  leading", "trailing  ", "a\u00a0b", "tabs\t\tand\tspaces  "]
+    while len(out) < n:
+        out.append("".join(rng.choice(pool) for _ in range(rng.randint(1, 12))))
+    return out
+
+
+def test_smollm2_gguf_to_mlx_tokenizes_identically_and_agrees(smollm2, tmp_path):
+    """Real model: our GGUF → MLX path keeps tokenization and (teacher-forced) top-1 predictions."""
+    import mlx.core as mx
+    import numpy as np
+
+    from converters import convert
+    from ondevice.backends.llama import LlamaBackend
+    from ondevice.backends.mlx import MLXBackend
+
+    s = convert(smollm2, to="mlx", out=tmp_path / "smol", progress=False)
+    assert s["requantized_tensors"] == 0  # Q4_1 / Q8_0: the lossless path
+    g = LlamaBackend(smollm2, n_ctx=1024)
+    m = MLXBackend(tmp_path / "smol", n_ctx=1024, device="cpu")
+    strings = _strings()
+    assert len(strings) >= 200
+    for text in strings:
+        assert m.tokenize(text) == g.tokenize(text), repr(text)
+    text = " ".join(strings)
+    ids = g.tokenize(text)[:256]
+    assert len(ids) == 256
+    ref = g.eval(ids)
+    out = np.array(m.model(mx.array([ids]))[0].astype(mx.float32))
+    agree = float((out.argmax(1) == ref.argmax(1)).mean())
+    print(f"SmolLM2 GGUF vs MLX teacher-forced top-1 agreement over 256 tokens: {agree:.3f}")
+    assert agree >= 0.9

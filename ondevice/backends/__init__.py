@@ -89,8 +89,17 @@ def detect_format(path: Path) -> str:
     )
 
 
-def open_backend(path: str | Path, *, n_ctx: int, threads: int | None = None, **kw) -> Backend:
-    """Open ``path`` with the backend its format needs."""
+def open_backend(path: str | Path, *, n_ctx: int, threads: int | None = None, device: str | None = None) -> Backend:
+    """Open ``path`` with the backend its format needs.
+
+    Args:
+        path: a .gguf file (or a directory holding model.gguf), an MLX directory, or a .mlpackage.
+        n_ctx: context length of the cache.
+        threads: CPU threads (llama.cpp).
+        device: 'gpu' | 'cpu' | None (default: the GPU when the backend has one).
+    """
+    if device not in (None, "gpu", "cpu"):
+        raise OndeviceError(f"device={device!r}: choose 'gpu' or 'cpu'")
     path = Path(path)
     fmt = detect_format(path)
     if fmt == "gguf":
@@ -98,11 +107,11 @@ def open_backend(path: str | Path, *, n_ctx: int, threads: int | None = None, **
 
         if path.is_dir():
             path = path / "model.gguf"
-        return LlamaBackend(path, n_ctx=n_ctx, threads=threads, **kw)
+        return LlamaBackend(path, n_ctx=n_ctx, threads=threads, device=device)
     if fmt == "mlx":
         from ondevice.backends.mlx import MLXBackend
 
-        return MLXBackend(path, n_ctx=n_ctx, **kw)
+        return MLXBackend(path, n_ctx=n_ctx, device=device)
     from ondevice.backends.coreml import CoreMLBackend
 
-    return CoreMLBackend(path, n_ctx=n_ctx, **kw)
+    return CoreMLBackend(path, n_ctx=n_ctx)

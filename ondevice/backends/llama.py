@@ -58,6 +58,7 @@ class LlamaBackend:
         threads: CPU threads for decode and batches (default: all cores).
         n_batch: most tokens per llama_decode call.
         mmap, mlock: how the weights are loaded.
+        device: 'cpu' keeps every layer on the CPU; 'gpu' offloads all; None is llama.cpp's default.
     """
 
     def __init__(
@@ -69,6 +70,7 @@ class LlamaBackend:
         n_batch: int = 512,
         mmap: bool = True,
         mlock: bool = False,
+        device: str | None = None,
         debug: bool = False,
     ) -> None:
         import llama_cpp
@@ -84,6 +86,10 @@ class LlamaBackend:
             (False, True): llama_cpp.LLAMA_LOAD_MODE_MLOCK,
             (False, False): llama_cpp.LLAMA_LOAD_MODE_NONE,
         }[(mmap, mlock)]
+        if device == "cpu":
+            mp.n_gpu_layers = 0
+        elif device == "gpu":
+            mp.n_gpu_layers = 999  # all layers on Metal/CUDA when llama.cpp was built with it
         self._model = llama_cpp.llama_model_load_from_file(str(self.path).encode(), mp)
         if not self._model:
             raise OndeviceError(f"{self.path}: llama.cpp could not load this GGUF (corrupt, truncated or unsupported); re-download or reconvert it")

@@ -1,0 +1,107 @@
+"""Reading GGUF files: metadata, vocabulary, and an HF-style config for the llama/qwen2 archs."""
+
+from __future__ import annotations
+
+from functools import cached_property
+from pathlib import Path
+
+from ondevice.errors import OndeviceError
+
+# GGUF tensor name (per block: blk.N.<x>) → HF/mlx-lm module path
+BLOCK_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+SUPPORTED = ("llama", "qwen2")
+
+
+def hf_name(gguf_name: str) -> str:
+    """``blk.3.attn_q.weight`` → ``model.layers.3.self_attn.q_proj.weight``."""
+    parts = gguf_name.split(".")
+    if parts[0] == "blk":
+        base = BLOCK_NAMES.get(parts[2])
+        if base is None:
+            raise KeyError(gguf_name)
+        return f"model.layers.{parts[1]}.{base}." + ".".join(parts[3:])
+    base = TOP_NAMES.get(parts[0])
+    if base is None:
+        raise KeyError(gguf_name)
+    return base + "." + ".".join(parts[1:])
+
+
+class GGUFFile:
+    """A GGUF file read with ``gguf``: metadata fields, tensors, and the vocabulary."""
+
+    def __init__(self, path: str | Path) -> None:
+        import gguf
+
+        from ondevice.backends.llama import check_gguf_file
+
+        self.path = Path(path)
+        check_gguf_file(self.path)
+        try:
+            self.reader = gguf.GGUFReader(str(self.path))
+        except Exception as e:  # gguf raises ValueError/IndexError/struct errors on corrupt files
+            raise OndeviceError(f"{self.path}: corrupt GGUF ({type(e).__name__}: {e}); re-download or reconvert it") from e
+
+    def get(self, key: str, default=None):
+        field = self.reader.fields.get(key)
+        if field is None:
+            return default
+        return field.contents()
+
+    @cached_property
+    def arch(self) -> str:
+        return str(self.get("general.architecture"))
+
+    def require_supported(self) -> None:
+        if self.arch not in SUPPORTED:
+            raise OndeviceError(f"{self.path}: architecture {self.arch!r} is not supported here; supported: {', '.join(SUPPORTED)}")
+        model = self.get("tokenizer.ggml.model")
+        if model != "gpt2":
+            raise OndeviceError(
+                f"{self.path}: tokenizer model {model!r} is not supported (only byte-level BPE 'gpt2'; SentencePiece GGUFs such as gemma3 are refused)"
+            )
+
+    @cached_property
+    def tokens(self) -> list[str]:
+        return list(self.get("tokenizer.ggml.tokens") or [])
+
+    def config(self) -> dict:
+        """An HF-style config.json for this GGUF (llama / qwen2)."""
+        a = self.arch
+        names = {t.name for t in self.reader.tensors}
+        n_head = int(self.get(f"{a}.attention.head_count"))
+        hidden = int(self.get(f"{a}.embedding_length"))
+        cfg = {
+            "model_type": a,
+            "architectures": ["LlamaForCausalLM" if a == "llama" else "Qwen2ForCausalLM"],
+            "hidden_size": hidden,
+            "intermediate_size": int(self.get(f"{a}.feed_forward_length")),
+            "num_hidden_layers": int(self.get(f"{a}.block_count")),
+            "num_attention_heads": n_head,
+            "num_key_value_heads": int(self.get(f"{a}.attention.head_count_kv", n_head)),
+            "rms_norm_eps": float(self.get(f"{a}.attention.layer_norm_rms_epsilon")),
+            "rope_theta": float(self.get(f"{a}.rope.freq_base", 10000.0)),
+            "max_position_embeddings": int(self.get(f"{a}.context_length", 2048)),
+            "vocab_size": len(self.tokens),
+            "tie_word_embeddings": "output.weight" not in names,
+            "hidden_act": "silu",
+        }
+        head_dim = self.get(f"{a}.attention.key_length")
+        if head_dim and int(head_dim) != hidden // n_head:
+            cfg["head_dim"] = int(head_dim)
+        bos, eos = self.get("tokenizer.ggml.bos_token_id"), self.get("tokenizer.ggml.eos_token_id")
+        if bos is not None:
+            cfg["bos_token_id"] = int(bos)
+        if eos is not None:
+            cfg["eos_token_id"] = int(eos)
+        return cfg

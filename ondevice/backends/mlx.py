@@ -1,0 +1,180 @@
+"""MLX backend on mlx-lm model classes: Metal GPU on a Mac, CPU elsewhere.
+
+The cache is mlx-lm's per-layer list; rollback trims it. Caches that cannot be trimmed are refused
+at load; a rotating (sliding-window) cache trims exactly only until it wraps, after which rollback
+is refused with an error instead of silently returning wrong logits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+
+from ondevice.errors import OndeviceError
+
+PREFILL_CHUNK = 512
+
+
+def pick_device(device: str | None):
+    """'gpu' | 'cpu' | None (Metal GPU when available, else CPU) → an mx.Device; set as default."""
+    import mlx.core as mx
+
+    has_gpu = mx.metal.is_available() if hasattr(mx, "metal") else False
+    if device not in (None, "gpu", "cpu"):
+        raise OndeviceError(f"device={device!r}: choose 'gpu' or 'cpu'")
+    if device == "gpu" and not has_gpu:
+        raise OndeviceError("device='gpu' needs Metal (Apple silicon); use device='cpu' here")
+    dev = mx.gpu if (device == "gpu" or (device is None and has_gpu)) else mx.cpu
+    mx.set_default_device(dev)
+    return dev
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's printable-character ↔ byte table, inverted (byte-level BPE tokens → raw bytes)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs, strict=True)}
+
+
+class MLXBackend:
+    """An mlx-lm model directory and its KV cache (see ``ondevice.backends.Backend``).
+
+    Args:
+        path: an mlx-lm style directory (config.json, *.safetensors, tokenizer files).
+        n_ctx: context length (checked on every eval).
+        device: 'gpu', 'cpu' or None (Metal when available).
+    """
+
+    def __init__(self, path: str | Path, *, n_ctx: int = 4096, device: str | None = None, threads: int | None = None) -> None:
+        self.path = Path(path)
+        for need in ("config.json", "tokenizer.json"):
+            if not (self.path / need).is_file():
+                raise OndeviceError(f"{self.path / need}: missing; an MLX model directory needs config.json, weights and tokenizer.json")
+        self.device = pick_device(device)
+        import mlx.core as mx
+        from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
+        from mlx_lm.utils import load
+
+        self._mx = mx
+        try:
+            self.model, self.tokenizer = load(str(self.path))
+        except (ValueError, FileNotFoundError, KeyError) as e:
+            raise OndeviceError(f"{self.path}: mlx-lm could not load this model ({e})") from e
+        self.cache = make_prompt_cache(self.model)
+        for c in self.cache:
+            if not isinstance(c, (KVCache, RotatingKVCache)) or not hasattr(c, "trim"):
+                raise OndeviceError(f"{self.path}: its {type(c).__name__} cache cannot be rolled back; speculative decoding needs a trimmable cache")
+        self.n_ctx = int(n_ctx)
+        args = getattr(self.model, "args", None)
+        self.vocab_size = int(getattr(args, "vocab_size", 0) or len(self.tokenizer.get_vocab()))
+        tok = self.tokenizer._tokenizer  # the HF PreTrainedTokenizerFast
+        self._hf = tok
+        self.bos_id = tok.bos_token_id
+        self.add_bos = bool(getattr(tok, "add_bos_token", False)) and self.bos_id is not None
+        self.chat_template = getattr(tok, "chat_template", None)
+        self._eog = frozenset(int(t) for t in (self.tokenizer.eos_token_ids or []))
+        self._pieces: dict[int, bytes] | None = None
+
+    # -- vocabulary ------------------------------------------------------------------------------
+    def is_eog(self, token: int) -> bool:
+        return int(token) in self._eog
+
+    @property
+    def eog_ids(self) -> frozenset[int]:
+        return self._eog
+
+    def tokenize(self, text: str, *, add_bos: bool = True, special: bool = True) -> list[int]:
+        ids = self._hf.encode(text, add_special_tokens=False, split_special_tokens=not special)
+        if add_bos and self.add_bos and (not ids or ids[0] != self.bos_id):
+            ids.insert(0, self.bos_id)
+        return list(ids)
+
+    def _build_pieces(self) -> dict[int, bytes]:
+        dec = _byte_decoder()
+        special = set(self._hf.all_special_ids)
+        added = {i: t.content for i, t in self._hf.added_tokens_decoder.items()}
+        pieces = {}
+        for text, i in self._hf.get_vocab().items():
+            if i in special or (i in added and getattr(self._hf.added_tokens_decoder[i], "special", False)):
+                pieces[i] = b""
+            elif i in added:
+                pieces[i] = added[i].encode("utf-8")
+            else:
+                try:
+                    pieces[i] = bytes(dec[c] for c in text)
+                except KeyError:  # not a byte-level token (e.g. SentencePiece): fall back to its text
+                    pieces[i] = text.replace("▁", " ").encode("utf-8")
+        return pieces
+
+    def token_bytes(self, token: int) -> bytes:
+        if self._pieces is None:
+            self._pieces = self._build_pieces()
+        return self._pieces.get(int(token), b"")
+
+    def vocab_tokens(self) -> list[str]:
+        inv = {i: t for t, i in self._hf.get_vocab().items()}
+        return [inv.get(i, f"[PAD{i}]") for i in range(self.vocab_size)]
+
+    # -- cache -----------------------------------------------------------------------------------
+    @property
+    def n_past(self) -> int:
+        return int(self.cache[0].offset)
+
+    def eval(self, tokens: Sequence[int], logits: Literal["all", "last"] = "all") -> np.ndarray:
+        mx = self._mx
+        n = len(tokens)
+        if n == 0:
+            raise ValueError("eval needs at least one token")
+        if self.n_past + n > self.n_ctx:
+            raise OndeviceError(
+                f"context overflow: {self.n_past + n} tokens exceed n_ctx={self.n_ctx} of {self.path.name}; "
+                "raise n_ctx or shorten the prompt"
+            )
+        rows = []
+        for start in range(0, n, PREFILL_CHUNK):
+            chunk = list(tokens[start : start + PREFILL_CHUNK])
+            out = self.model(mx.array([chunk]), cache=self.cache)[0]  # [m, V]
+            if logits == "last":
+                if start + PREFILL_CHUNK >= n:
+                    rows.append(out[-1:])
+                else:
+                    mx.eval([c.state for c in self.cache])
+            else:
+                rows.append(out)
+        res = rows[0] if len(rows) == 1 else mx.concatenate(rows)
+        return np.array(res.astype(mx.float32))
+
+    def rollback(self, n_past: int) -> None:
+        cur = self.n_past
+        if n_past > cur or n_past < 0:
+            raise ValueError(f"cannot roll back to {n_past}: cache holds {cur} positions")
+        if n_past == cur:
+            return
+        for c in self.cache:
+            if not c.is_trimmable():
+                raise OndeviceError(
+                    f"{self.path.name}: its {type(c).__name__} has wrapped around its window; rolling back would "
+                    f"give wrong logits, so it is refused (use a context no longer than the window)"
+                )
+        for c in self.cache:
+            c.trim(cur - n_past)
+
+    def reset(self) -> None:
+        self.rollback(0)
+
+    def close(self) -> None:
+        self.cache = []
+        self.model = None
+        try:
+            self._mx.clear_cache()
+        except AttributeError:  # older mlx
+            pass

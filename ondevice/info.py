@@ -1,0 +1,62 @@
+"""``ondevice info``: what a model is (format, arch, quant, vocab, device) without loading weights."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+from ondevice import catalog
+from ondevice.backends import detect_format
+
+
+def describe(model: str | Path, device: str | None = None) -> dict:
+    """Facts about a model path or catalog name (pulls a catalog model if needed)."""
+    path = catalog.resolve(model)
+    fmt = detect_format(path)
+    info: dict = {"path": str(path), "format": fmt, "size_bytes": _size(path)}
+    if fmt == "gguf":
+        from converters.gguf_reader import GGUFFile
+
+        g = GGUFFile(path / "model.gguf" if path.is_dir() else path)
+        types = Counter(t.tensor_type.name for t in g.reader.tensors)
+        info.update(arch=g.arch, quant=_file_type(g), tensor_types=dict(types), vocab_size=len(g.tokens),
+                    tokenizer=g.get("tokenizer.ggml.model"), pre_tokenizer=g.get("tokenizer.ggml.pre"),
+                    context_length=g.get(f"{g.arch}.context_length"), sliding_window=g.get(f"{g.arch}.attention.sliding_window"),
+                    chat_template=g.get("tokenizer.chat_template") is not None, device="cpu (llama.cpp)")
+    elif fmt == "mlx":
+        cfg = json.loads((path / "config.json").read_text())
+        q = cfg.get("quantization") or {}
+        info.update(arch=cfg.get("model_type"), quant=f"affine{q['bits']}g{q['group_size']}" if q else "float",
+                    vocab_size=cfg.get("vocab_size"), context_length=cfg.get("max_position_embeddings"),
+                    sliding_window=cfg.get("sliding_window"), device=_mlx_device(device))
+    else:
+        info.update(device="Core ML (macOS only)")
+    return info
+
+
+def _size(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def _file_type(g) -> str:
+    import gguf
+
+    ft = g.get("general.file_type")
+    try:
+        return gguf.LlamaFileType(int(ft)).name.removeprefix("MOSTLY_") if ft is not None else "unknown"
+    except ValueError:
+        return str(ft)
+
+
+def _mlx_device(device: str | None) -> str:
+    try:
+        import mlx.core as mx
+    except ImportError:
+        return "unavailable (pip install 'ondevice[mlx]')"
+    gpu = mx.metal.is_available() if hasattr(mx, "metal") else False
+    if device == "cpu" or not gpu:
+        return "cpu (MLX)"
+    return "gpu (MLX, Metal)"

@@ -1,0 +1,202 @@
+"""Converters: parity between independent implementations, quantization really applied, bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from converters import convert
+from ondevice.backends.llama import LlamaBackend
+from ondevice.errors import OndeviceError
+
+TEXT = "The model draft and the target verify 12345; def add(a, b): return a + b — café 東京"
+
+
+def _mlx_float32(hf_dir):
+    import mlx.core as mx
+    from mlx.utils import tree_map
+    from mlx_lm import load
+
+    model, tok = load(str(hf_dir))
+    model.update(tree_map(lambda x: x.astype(mx.float32), model.parameters()))
+    return model, tok
+
+
+def _mlx_logits(model, ids):
+    import mlx.core as mx
+
+    return np.array(model(mx.array([ids]))[0].astype(mx.float32))
+
+
+def _tokens64(backend):
+    ids = backend.tokenize(TEXT * 4)
+    return ids[:64]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_gguf_f16_matches_mlx_float32(tiny_hf, tiny_gguf, arch):
+    """Our GGUF writer (run by llama.cpp) and mlx-lm (reading the HF checkpoint) agree."""
+    b = LlamaBackend(tiny_gguf(arch, "f16"), n_ctx=256)
+    ids = _tokens64(b)
+    assert len(ids) == 64
+    ref = b.eval(ids)
+    b.close()
+    model, tok = _mlx_float32(tiny_hf[arch])
+    assert tok.encode(TEXT * 4)[:64] == ids  # same tokenizer on both sides
+    out = _mlx_logits(model, ids)
+    delta = float(np.abs(out - ref).max())
+    print(f"{arch}: max |Δ| logits, GGUF f16 (llama.cpp) vs mlx-lm float32, 64 tokens: {delta:.4f}")
+    assert delta < 0.05 * float(np.abs(ref).max())
+    assert (out.argmax(1) == ref.argmax(1)).mean() >= 0.95
+
+
+def test_q8_0_stays_close_to_float(tiny_gguf):
+    f16 = LlamaBackend(tiny_gguf("qwen2", "f16"), n_ctx=256)
+    ids = _tokens64(f16)
+    ref = f16.eval(ids)
+    f16.close()
+    q8 = LlamaBackend(tiny_gguf("qwen2", "q8_0"), n_ctx=256)
+    out = q8.eval(ids)
+    q8.close()
+    cos = (out * ref).sum(1) / np.linalg.norm(out, axis=1) / np.linalg.norm(ref, axis=1)
+    assert cos.min() >= 0.99, cos.min()
+
+
+def test_quantized_types_are_what_was_asked(tiny_hf, tmp_path):
+    s = convert(tiny_hf["qwen2"], to="gguf", out=tmp_path / "q4km", quant="q4_k_m", progress=False)
+    assert s["tensor_types"].get("Q4_K", 0) >= 10 and s["fallbacks"] == {}
+    assert 4.0 < s["bits_per_weight"] < 6.5
+    manifest = json.loads((tmp_path / "q4km" / "manifest.json").read_text())
+    assert {"source", "source_sha256", "format", "quant", "arch", "vocab_sha256", "tensor_types"} <= set(manifest)
+    assert "Q4_K" in manifest["tensor_types"].values()
+    s = convert(tiny_hf["qwen2"], to="gguf", out=tmp_path / "q40", quant="q4_0", progress=False)
+    assert s["tensor_types"].get("Q4_0", 0) >= 10 and s["fallbacks"] == {}
+    m = convert(tiny_hf["qwen2"], to="mlx", out=tmp_path / "mlx", bits=4, group_size=64, progress=False)
+    n_layers = 2
+    assert m["unquantized_linear_layers"] == []
+    assert m["quantized_layers"] == 7 * n_layers + 2  # every linear layer, the embedding and the untied head
+    assert all(v == "affine4g64" for v in json.loads((tmp_path / "mlx" / "manifest.json").read_text())["tensor_types"].values())
+    from mlx_lm import load
+
+    load(str(tmp_path / "mlx"))  # loadable by mlx_lm.load
+
+
+def test_gguf_to_mlx_is_lossless_for_q8_0_and_q4_0(tiny_gguf, tmp_path):
+    import gguf
+    import mlx.core as mx
+
+    from converters.mlx import _unpermute_rows
+
+    for quant in ("q8_0", "q4_0"):
+        src = tiny_gguf("llama", quant)
+        s = convert(src, to="mlx", out=tmp_path / quant, progress=False)
+        other = sum(n for t, n in s["source_types"].items() if t not in ("Q4_0", "Q4_1", "Q8_0", "F32", "F16"))
+        assert s["requantized_tensors"] == other and s["lossless_tensors"] >= 14  # q4_0 gives the tied embedding Q6_K
+        # lossless: MLX's dequantized weights equal gguf's dequantization of the source, value for value
+        conv = mx.load(str(tmp_path / quant / "model.safetensors"))
+        reader = gguf.GGUFReader(str(src))
+        for t in reader.tensors:
+            if t.name not in ("blk.0.ffn_up.weight", "blk.1.attn_q.weight"):
+                continue
+            ref = gguf.dequantize(t.data, t.tensor_type).reshape([int(d) for d in reversed(t.shape)])
+            if "attn_q" in t.name:
+                ref = _unpermute_rows(ref, 4)
+            base = "model.layers.0.mlp.up_proj" if "ffn_up" in t.name else "model.layers.1.self_attn.q_proj"
+            bits = 8 if quant == "q8_0" else 4
+            got = mx.dequantize(conv[base + ".weight"], conv[base + ".scales"], conv[base + ".biases"], group_size=32, bits=bits)
+            assert np.allclose(np.array(got.astype(mx.float32)), ref, atol=1e-3), (quant, t.name)
+        if quant == "q8_0":
+            b = LlamaBackend(src, n_ctx=256)
+            ids = _tokens64(b)
+            ref_logits = b.eval(ids)
+            b.close()
+            from mlx_lm import load
+
+            model, tok = load(str(tmp_path / quant))
+            assert tok.encode(TEXT * 4)[:64] == ids
+            out = _mlx_logits(model, ids)
+            assert (out.argmax(1) == ref_logits.argmax(1)).mean() >= 0.9
+
+
+def test_gguf_to_mlx_requantizes_k_quants(tiny_gguf, tmp_path):
+    s = convert(tiny_gguf("qwen2", "q4_k_m"), to="mlx", out=tmp_path / "m", progress=False)
+    assert s["requantized_tensors"] >= 10 and s["lossless_tensors"] == 0
+
+
+def test_pair_conversion_and_check(tiny_hf, tmp_path):
+    s = convert(tiny_hf["llama"], to="gguf", out=tmp_path / "pair", quant="q8_0", draft=tiny_hf["llama_draft"], progress=False)
+    assert (tmp_path / "pair" / "target" / "model.gguf").is_file() and (tmp_path / "pair" / "draft" / "model.gguf").is_file()
+    assert s["target"]["quant"] == s["draft"]["quant"] == "q8_0"
+    r = _cli("check-pair", str(tmp_path / "pair" / "target"), str(tmp_path / "pair" / "draft"))
+    assert r.returncode == 0 and "compatible" in r.stdout
+    with pytest.raises(OndeviceError, match="vocab mismatch.*id \\d+"):
+        convert(tiny_hf["llama"], to="gguf", out=tmp_path / "bad", draft=tiny_hf["qwen2"], progress=False)
+    assert not (tmp_path / "bad").exists()
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "ondevice", *args], capture_output=True, text=True, timeout=600)
+
+
+def _one_line_error(r, needle):
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode != 0, r.stdout
+    assert len(lines) == 1 and needle in lines[0], r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_bad_input_is_one_line_and_leaves_nothing(tiny_hf, tiny_gguf, tmp_path):
+    import shutil
+
+    def clone(name):
+        d = tmp_path / name
+        shutil.copytree(tiny_hf["llama"], d)
+        return d
+
+    no_cfg = clone("nocfg")
+    (no_cfg / "config.json").unlink()
+    arch = clone("arch")
+    cfg = json.loads((arch / "config.json").read_text())
+    cfg["model_type"] = "mamba"
+    (arch / "config.json").write_text(json.dumps(cfg))
+    trunc = clone("trunc")
+    st = trunc / "model.safetensors"
+    st.write_bytes(st.read_bytes()[: st.stat().st_size // 2])
+    corrupt = tmp_path / "corrupt.gguf"
+    corrupt.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\xff" * 100)
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "x").write_text("keep me")
+    afile = tmp_path / "afile"
+    afile.write_text("a file, not a directory")
+    cases = [
+        (["convert", str(no_cfg), "--out", str(tmp_path / "o1")], "config.json", tmp_path / "o1"),
+        (["convert", str(arch), "--out", str(tmp_path / "o2")], "unsupported architecture", tmp_path / "o2"),
+        (["convert", str(trunc), "--out", str(tmp_path / "o3")], "model.safetensors", tmp_path / "o3"),
+        (["convert", str(corrupt), "--to", "mlx", "--out", str(tmp_path / "o4")], "corrupt.gguf", tmp_path / "o4"),
+        (["convert", str(tiny_hf["llama"]), "--draft", str(tiny_hf["qwen2"]), "--out", str(tmp_path / "o5")], "vocab mismatch", tmp_path / "o5"),
+        (["convert", str(tiny_hf["llama"]), "--out", str(busy)], "not empty", None),
+    ]
+    cases.append((["convert", str(tiny_hf["llama"]), "--out", str(afile / "o6")], "cannot write", None))
+    for args, needle, out in cases:
+        _one_line_error(_cli(*args), needle)
+        if out is not None:
+            assert not out.exists(), args
+    assert (busy / "x").read_text() == "keep me" and len(list(busy.iterdir())) == 1
+    assert not list(tmp_path.glob(".*.partial"))
+
+
+def test_interrupted_conversion_leaves_nothing(tiny_hf, tmp_path, monkeypatch):
+    import converters.to_gguf as tg
+
+    def boom(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(tg, "quantize", boom)
+    with pytest.raises(KeyboardInterrupt):
+        convert(tiny_hf["llama"], to="gguf", out=tmp_path / "x", quant="q4_0", progress=False)
+    assert not (tmp_path / "x").exists() and not list(tmp_path.glob(".*"))
