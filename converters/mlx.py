@@ -1,5 +1,6 @@
-"""→ MLX (mlx-lm style directories): HF via ``mlx_lm.convert``; GGUF via ``mx.load`` (lossless for
-Q4_0/Q4_1/Q8_0, which MLX keeps as affine group-32 quantized arrays) or ``gguf`` dequantize + requantize."""
+"""→ MLX (mlx-lm style directories): HF via ``mlx_lm.convert``; GGUF losslessly for Q4_0/Q4_1/Q8_0
+(their blocks are MLX affine group-32 arrays, as ``mx.load`` reads them) or by ``gguf`` dequantize +
+``mx.quantize`` for other types."""
 
 from __future__ import annotations
 
@@ -108,14 +109,15 @@ def _unpermute_rows(a: np.ndarray, n_head: int) -> np.ndarray:
 def gguf_to_mlx(src: Path, out: Path, *, bits: int = 4, group_size: int = 64, progress: bool = True) -> dict:
     """GGUF (llama/qwen2, BPE tokenizer) → mlx-lm directory.
 
-    Q4_0/Q4_1/Q8_0 tensors stay exactly as they were (``mx.load`` gives them as affine group-32
-    arrays). Other quantized types are dequantized with ``gguf`` and requantized with
+    Q4_0/Q4_1/Q8_0 tensors stay exactly as they were (converted block for block into the affine
+    group-32 arrays ``mx.load`` would give). Other quantized types are dequantized with ``gguf`` and requantized with
     ``mx.quantize`` at ``group_size`` and ``bits`` (8 bits for sources of 5 bits or more, such as
     the Q6_K output layer); float tensors stay float.
     """
     import gguf
     import mlx.core as mx
 
+    from converters.gguf_blocks import to_mlx_affine
     from converters.gguf_reader import GGUFFile, hf_name
     from converters.tokenizer import write_hf_tokenizer
 
@@ -127,7 +129,6 @@ def gguf_to_mlx(src: Path, out: Path, *, bits: int = 4, group_size: int = 64, pr
     n_head, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     types = {t.name: t.tensor_type.name for t in g.reader.tensors}
     n_params = sum(int(np.prod(t.shape)) for t in g.reader.tensors)
-    loaded = mx.load(str(src))  # quantized Q4_0/Q4_1/Q8_0 come as name.weight/.scales/.biases
     weights: dict[str, mx.array] = {}
     per_layer: dict[str, dict] = {}
     requantized, kept = [], []
@@ -140,11 +141,12 @@ def gguf_to_mlx(src: Path, out: Path, *, bits: int = 4, group_size: int = 64, pr
         if g.arch == "llama" and (".attn_q." in name or ".attn_k." in name):
             perm = n_head if ".attn_q." in name else n_kv
         if ttype in LOSSLESS and base is not None:
-            stem = name[: -len(".weight")]
-            w, s, b = loaded[name], loaded[f"{stem}.scales"], loaded[f"{stem}.biases"]
+            # the same arrays mx.load gives for these types (tested), also in files that mix in
+            # types mx.load cannot read (Q5_0)
+            w, s, b = to_mlx_affine(tinfo.data, ttype, int(tinfo.shape[1]), int(tinfo.shape[0]))
             if perm:
-                w, s, b = (mx.array(_unpermute_rows(np.array(x), perm)) for x in (w, s, b))
-            weights[target], weights[f"{base}.scales"], weights[f"{base}.biases"] = w, s, b
+                w, s, b = (_unpermute_rows(x, perm) for x in (w, s, b))
+            weights[target], weights[f"{base}.scales"], weights[f"{base}.biases"] = (mx.array(x) for x in (w, s, b))
             per_layer[base] = {"group_size": 32, "bits": 8 if ttype == "Q8_0" else 4}
             kept.append(name)
             continue

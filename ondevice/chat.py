@@ -55,3 +55,53 @@ def render(
         raise OndeviceError(f"chat template rejected by the sandbox: {e}") from e
     except TemplateError as e:
         raise OndeviceError(f"chat template failed to render: {e}") from e
+
+
+class ChatSession:
+    """A conversation on a ``Runtime``: history, the model's template, and trimming to fit n_ctx.
+
+    Each turn re-renders the whole history; the runtime's prefix reuse then evaluates only the
+    tokens after what its caches already hold.
+
+    Args:
+        runtime: a loaded ``Runtime``.
+        system: optional system prompt (always kept).
+        gen: keyword arguments for ``Runtime.stream`` (max_tokens, temperature, ...).
+    """
+
+    def __init__(self, runtime, system: str | None = None, **gen) -> None:
+        self.rt = runtime
+        self.system = system
+        self.gen = gen
+        self.turns: list[tuple[str, str]] = []  # (user, assistant)
+        self.dropped = 0  # turns dropped to fit the context
+
+    def messages(self, user: str | None = None) -> list[dict]:
+        msgs = [{"role": "system", "content": self.system}] if self.system else []
+        for u, a in self.turns:
+            msgs += [{"role": "user", "content": u}, {"role": "assistant", "content": a}]
+        if user is not None:
+            msgs.append({"role": "user", "content": user})
+        return msgs
+
+    def prompt_ids(self, user: str) -> list[int]:
+        """Token ids for the next answer, dropping the oldest turns while the prompt would not fit."""
+        budget = self.rt.target.n_ctx - int(self.gen.get("max_tokens", 256))
+        while True:
+            ids = self.rt.render_chat(self.messages(user))
+            if len(ids) <= budget or not self.turns:
+                return ids
+            self.turns.pop(0)
+            self.dropped += 1
+
+    def ask(self, user: str):
+        """Start the answer to ``user``; returns the ``Stream``. Call ``commit`` when it is done."""
+        return self.rt.stream(self.prompt_ids(user), **self.gen)
+
+    def commit(self, user: str, answer: str) -> None:
+        self.turns.append((user, answer))
+
+    def reset(self) -> None:
+        self.turns.clear()
+        self.dropped = 0
+        self.rt.reset()

@@ -171,6 +171,43 @@ def generate_cmd(
         sys.stdout.write("\n")
 
 
+DEFAULT_CHAT_MODEL = "smollm2-135m-instruct"
+
+
+@command("chat")
+def chat_cmd(
+    model: Annotated[str, typer.Argument(help="Model: path or catalog name.")] = DEFAULT_CHAT_MODEL,
+    draft: DraftOpt = None,
+    ngram: NgramOpt = False,
+    no_spec: NoSpecOpt = False,
+    system: Annotated[str | None, typer.Option("--system", help="System prompt.")] = None,
+    max_tokens: MaxTokOpt = DEFAULT_MAX_TOKENS,
+    temperature: TempOpt = DEFAULTS.temperature,
+    top_k: TopKOpt = DEFAULTS.top_k,
+    top_p: TopPOpt = DEFAULTS.top_p,
+    min_p: MinPOpt = DEFAULTS.min_p,
+    repetition_penalty: RepOpt = DEFAULTS.repetition_penalty,
+    seed: SeedOpt = DEFAULTS.seed,
+    gamma: GammaOpt = DEFAULT_GAMMA,
+    n_ctx: CtxOpt = DEFAULT_N_CTX,
+    threads: ThreadsOpt = None,
+    device: DeviceOpt = None,
+    show_draft: Annotated[bool, typer.Option("--show-draft", help="Colour tokens that came from the draft.")] = False,
+    stats: Annotated[bool, typer.Option("--stats", help="Print tok/s and acceptance after each answer.")] = False,
+) -> None:
+    """Chat in the terminal (streaming). With no arguments: SmolLM2 with n-gram drafting. Piped stdin: one turn per line."""
+    from ondevice.repl import run_chat
+    from ondevice.runtime import load
+
+    drafter = _drafter(draft, ngram, no_spec)
+    with load(model, draft, drafter=drafter, n_ctx=n_ctx, threads=threads, device=device) as rt:
+        name = rt.drafter.name if rt.drafter else "none"
+        gen = dict(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                   repetition_penalty=repetition_penalty, seed=seed, gamma=gamma if rt.drafter else 0)
+        run_chat(rt, system=system, show_draft=show_draft, show_stats=stats, gen=gen,
+                 title=f"ondevice chat · {model} · drafter {name}")
+
+
 @command("convert")
 def convert_cmd(
     src: Annotated[Path, typer.Argument(help="HF checkpoint directory (or a GGUF file with --to mlx).")],

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -114,10 +114,13 @@ class Runtime:
         self.drafter = drafter
         self.vocab_limit = vocab_limit
         self.load_seconds = load_seconds
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards native state; never held while user code runs
+        self._slot = threading.Lock()  # one request at a time (a stream holds it until it ends)
+        self._owner: int | None = None
         self._kv: list[int] = []  # the ids whose K/V the target cache holds
         self._current: Stream | None = None
         self.observer = None  # optional verify observer (benchmarks): see speculative.steps
+        self.last_stats: Stats | None = None  # statistics of the last finished request
 
     # -- context manager -------------------------------------------------------------------------
     def __enter__(self) -> Runtime:
@@ -127,12 +130,17 @@ class Runtime:
         self.close()
 
     def close(self) -> None:
-        """Free native memory (both models)."""
-        with self._lock:
-            if self.drafter is not None:
-                self.drafter.close()
-                self.drafter = None
-            self.target.close()
+        """Cancel any running stream, wait for it, then free native memory (both models)."""
+        self.cancel()
+        self._enter(None)
+        try:
+            with self._lock:
+                if self.drafter is not None:
+                    self.drafter.close()
+                    self.drafter = None
+                self.target.close()
+        finally:
+            self._exit()
 
     # -- API -------------------------------------------------------------------------------------
     def tokenize(self, text: str, *, add_bos: bool = True) -> list[int]:
@@ -173,6 +181,39 @@ class Runtime:
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         return Stream(self, prompt, params, int(max_tokens), int(gamma), stops)
 
+    async def astream(self, prompt: str | Sequence[int], **kwargs) -> AsyncIterator[Chunk]:
+        """``stream`` for asyncio: the model runs in a worker thread, chunks arrive on the event loop.
+
+        Takes the same arguments as ``stream``. Leaving the ``async for`` early cancels generation;
+        ``Runtime.last_stats`` holds the statistics when it ends.
+        """
+        import asyncio
+
+        stream = self.stream(prompt, **kwargs)
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        done = object()
+
+        def produce() -> None:
+            try:
+                for chunk in stream:
+                    loop.call_soon_threadsafe(queue.put_nowait, chunk)
+            except BaseException as e:  # noqa: BLE001 - re-raised on the event loop
+                loop.call_soon_threadsafe(queue.put_nowait, e)
+            finally:
+                loop.call_soon_threadsafe(queue.put_nowait, done)
+
+        worker = threading.Thread(target=produce, name="ondevice-astream", daemon=True)
+        worker.start()
+        try:
+            while (item := await queue.get()) is not done:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            stream.cancel()
+            await asyncio.to_thread(worker.join)
+
     def generate(self, prompt: str | Sequence[int], **kwargs) -> Result:
         """Generate to completion. Takes the same arguments as ``stream``; returns ``Result``."""
         s = self.stream(prompt, **kwargs)
@@ -194,9 +235,13 @@ class Runtime:
 
     def reset(self) -> None:
         """Forget the cached prefix: the next request evaluates its whole prompt."""
-        with self._lock:
-            self.target.rollback(0)
-            self._kv = []
+        self._enter(None)
+        try:
+            with self._lock:
+                self.target.rollback(0)
+                self._kv = []
+        finally:
+            self._exit()
 
     def cancel(self) -> None:
         """Cancel the stream that is running now, if any."""
@@ -205,6 +250,18 @@ class Runtime:
             cur.cancel()
 
     # -- the loop --------------------------------------------------------------------------------
+    def _enter(self, stream: Stream | None) -> None:
+        if self._owner == threading.get_ident():
+            raise OndeviceError("this thread is still iterating a stream of this Runtime; finish, cancel or close it first")
+        self._slot.acquire()
+        self._owner = threading.get_ident()
+        self._current = stream
+
+    def _exit(self) -> None:
+        self._owner = None
+        self._current = None
+        self._slot.release()
+
     def _prefill(self, ids: list[int]) -> int:
         """Make the target cache hold ``ids[:-1]``, reusing the longest cached prefix. Returns tokens reused."""
         keep = min(_common_prefix(self._kv, ids), len(ids) - 1)
@@ -228,60 +285,74 @@ class Runtime:
         bad = [x for x in ids if not 0 <= x < t.vocab_size]
         if bad:
             raise OndeviceError(f"prompt token id {bad[0]} is outside the vocabulary (size {t.vocab_size})")
-        with self._lock:
-            self._current = out
-            stats = out.stats
-            stats.load_seconds = self.load_seconds
-            stats.prompt_tokens = len(ids)
-            stats.drafter = self.drafter.name if (self.drafter and gamma > 0) else "none"
-            t_start = time.perf_counter()
-            t_first = None
-            context = list(ids)
-            try:
+        self._enter(out)
+        stats = out.stats
+        stats.load_seconds = self.load_seconds
+        stats.prompt_tokens = len(ids)
+        stats.drafter = self.drafter.name if (self.drafter and gamma > 0) else "none"
+        t_start = time.perf_counter()
+        t_first = None
+        context = list(ids)
+        try:
+            with self._lock:
                 stats.prompt_eval_tokens = len(ids) - self._prefill(ids)
-                rng = np.random.default_rng(params.seed)
-                text = TextAssembler(t.token_bytes, stop)
-                drafter = self.drafter if gamma > 0 else None
-                for step in steps(t, drafter, context, params, lambda: gamma, rng, self.vocab_limit, self.observer):
+            rng = np.random.default_rng(params.seed)
+            text = TextAssembler(t.token_bytes, stop)
+            drafter = self.drafter if gamma > 0 else None
+            it = steps(t, drafter, context, params, lambda: gamma, rng, self.vocab_limit, self.observer)
+            while True:
+                with self._lock:  # native state is touched only here; user code never runs under it
+                    step = next(it, None)
                     self._kv = context[:-1]
-                    stats.add(step)
-                    if stats.target_forwards == 1:
-                        stats.prompt_seconds = time.perf_counter() - t_start
-                    toks, flags, piece = [], [], ""
-                    for tok, fd in zip(step.tokens, step.from_draft, strict=True):
-                        if t.is_eog(tok):
-                            stats.stop_reason = "eos"
-                            break
-                        toks.append(tok)
-                        flags.append(fd)
-                        piece += text.feed(tok)
-                        if text.stopped:
-                            stats.stop_reason = "stop"
-                            break
-                        if stats.tokens + len(toks) >= max_tokens:
-                            stats.stop_reason = "length"
-                            break
-                    if stats.stop_reason or out.cancelled:
-                        piece += text.flush()
-                    stats.tokens += len(toks)
-                    out.tokens.extend(toks)
-                    out.text += piece
-                    if toks and t_first is None:
-                        t_first = time.perf_counter()
-                    if piece or toks:
-                        yield Chunk(piece, toks, flags)
-                    if stats.stop_reason:
-                        break
-                    if out.cancelled:
-                        stats.stop_reason = "cancelled"
-                        break
-                else:
+                if step is None:
                     stats.stop_reason = "context"
                     tail = text.flush()
                     if tail:
                         out.text += tail
                         yield Chunk(tail, [], [])
-            finally:
-                self._kv = context[:-1]
-                stats.finish(t_start, t_first, time.perf_counter())
-                self._current = None
+                    break
+                stats.add(step)
+                if stats.target_forwards == 1:
+                    stats.prompt_seconds = time.perf_counter() - t_start
+                chunks: list[Chunk] = []
+                for tok, fd in zip(step.tokens, step.from_draft, strict=True):
+                    if t.is_eog(tok):
+                        stats.stop_reason = "eos"
+                        break
+                    piece = text.feed(tok)
+                    if chunks and chunks[-1].from_draft[-1] == fd:  # one chunk per run of draft / target tokens
+                        chunks[-1].tokens.append(tok)
+                        chunks[-1].from_draft.append(fd)
+                        chunks[-1].text += piece
+                    else:
+                        chunks.append(Chunk(piece, [tok], [fd]))
+                    stats.tokens += 1
+                    if text.stopped:
+                        stats.stop_reason = "stop"
+                        break
+                    if stats.tokens >= max_tokens:
+                        stats.stop_reason = "length"
+                        break
+                if stats.stop_reason or out.cancelled:
+                    tail = text.flush()
+                    if tail:
+                        if chunks:
+                            chunks[-1].text += tail
+                        else:
+                            chunks.append(Chunk(tail, [], []))
+                for c in chunks:
+                    out.tokens.extend(c.tokens)
+                    out.text += c.text
+                    if c.tokens and t_first is None:
+                        t_first = time.perf_counter()
+                for c in chunks:
+                    yield c
+                if stats.stop_reason:
+                    break
+                if out.cancelled:
+                    stats.stop_reason = "cancelled"
+                    break
+        finally:
+            stats.finish(t_start, t_first, time.perf_counter())
+            self.last_stats = stats
+            self._exit()

@@ -200,3 +200,25 @@ def test_interrupted_conversion_leaves_nothing(tiny_hf, tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         convert(tiny_hf["llama"], to="gguf", out=tmp_path / "x", quant="q4_0", progress=False)
     assert not (tmp_path / "x").exists() and not list(tmp_path.glob(".*"))
+
+
+def test_block_conversion_matches_mx_load(tiny_gguf, smollm2):
+    """Our numpy Q4_0/Q4_1/Q8_0 → MLX affine conversion gives the arrays mx.load gives, bit for bit."""
+    import gguf
+    import mlx.core as mx
+
+    from converters.gguf_blocks import to_mlx_affine
+
+    for path in (tiny_gguf("llama", "q4_0"), tiny_gguf("llama", "q8_0"), smollm2):
+        loaded = mx.load(str(path))
+        n = 0
+        for t in gguf.GGUFReader(str(path)).tensors:
+            if t.tensor_type.name not in ("Q4_0", "Q4_1", "Q8_0"):
+                continue
+            w, s, b = to_mlx_affine(t.data, t.tensor_type.name, int(t.shape[1]), int(t.shape[0]))
+            stem = t.name[: -len(".weight")]
+            assert np.array_equal(w, np.array(loaded[t.name]))
+            assert np.array_equal(s, np.array(loaded[stem + ".scales"]).astype(np.float16))
+            assert np.array_equal(b, np.array(loaded[stem + ".biases"]).astype(np.float16))
+            n += 1
+        assert n >= 14

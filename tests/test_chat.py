@@ -1,0 +1,119 @@
+"""`ondevice chat` and the desktop API: piped turns, prefix reuse, one-line errors, threads, asyncio."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import subprocess
+import sys
+import threading
+
+import pytest
+
+import ondevice
+
+PROMPT = "The model draft and the target verify"
+
+
+def _chat(*args, input: bytes):
+    return subprocess.run([sys.executable, "-m", "ondevice", "chat", *args], input=input, capture_output=True, timeout=600)
+
+
+def test_piped_chat_on_default_model_reuses_prefix(smollm2):
+    r = _chat("--stats", "--max-tokens", "24", "--temperature", "0",
+              input="Hello! Who are you?\nWhat is 2 + 2?\nName a colour.\n".encode())
+    assert r.returncode == 0, r.stderr.decode()
+    err = r.stderr.decode()
+    evaluated = [(int(a), int(b)) for a, b in re.findall(r"prompt (\d+)/(\d+) evaluated", err)]
+    assert len(evaluated) == 3
+    assert evaluated[0][0] == evaluated[0][1]  # first turn: the whole prompt
+    for done, total in evaluated[1:]:
+        assert done < total / 2  # later turns: only what follows the cached prefix
+    assert len([ln for ln in r.stdout.decode().splitlines() if ln.strip()]) >= 3
+
+
+def test_chat_commands_and_show_draft(smollm2):
+    r = _chat("--show-draft", "--max-tokens", "16", "--temperature", "0", input=b"Hi\n/stats\n/reset\nHi\n/exit\nnever asked\n")
+    assert r.returncode == 0
+    assert "tokens/pass" in r.stderr.decode() and "history cleared" in r.stderr.decode()
+
+
+def _one_line(r, needle):
+    err = r.stderr.decode()
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert r.returncode != 0 and len(lines) == 1 and needle in lines[0] and "Traceback" not in err, err
+
+
+def test_chat_errors_are_one_line(tmp_path, tiny_hf, smollm2):
+    _one_line(_chat("no-such-model", input=b"hi\n"), "unknown model")
+    _one_line(_chat(str(tmp_path / "missing.gguf"), input=b"hi\n"), "missing.gguf")
+    bad = tmp_path / "corrupt.gguf"
+    bad.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\x01" * 300)
+    _one_line(_chat(str(bad), input=b"hi\n"), "corrupt.gguf")
+    _one_line(_chat("--max-tokens", "4", input=b"hello\n\xff\xfe broken\n"), "not valid UTF-8")
+    # a chat template that reaches for Python internals is stopped by the sandbox
+    import shutil
+
+    from converters import convert
+
+    evil = tmp_path / "evil"
+    shutil.copytree(tiny_hf["llama"], evil)
+    tc = json.loads((evil / "tokenizer_config.json").read_text())
+    tc["chat_template"] = "{{ messages.__class__.__mro__[1].__subclasses__() }}"
+    (evil / "tokenizer_config.json").write_text(json.dumps(tc))
+    convert(evil, to="gguf", out=tmp_path / "evil-gguf", quant="q8_0", progress=False)
+    _one_line(_chat(str(tmp_path / "evil-gguf" / "model.gguf"), input=b"hi\n"), "template")
+
+
+def test_two_threads_share_one_runtime(tiny_gguf):
+    target, draft = tiny_gguf("llama"), tiny_gguf("llama_draft")
+    prompts = [PROMPT, "def add(a, b):"]
+    with ondevice.load(target, draft) as rt:
+        expected = {p: rt.generate(p, max_tokens=40, temperature=0, gamma=3).tokens for p in prompts}
+        got, errors = {}, []
+
+        def worker(p):
+            try:
+                for _ in range(3):
+                    s = rt.stream(p, max_tokens=40, temperature=0, gamma=3)
+                    toks = [t for c in s for t in c.tokens]
+                    assert toks == expected[p]
+                got[p] = True
+            except Exception as e:  # surfaced below
+                errors.append(e)
+
+        threads = [threading.Thread(target=worker, args=(p,)) for p in prompts]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert not errors and got == {p: True for p in prompts}
+
+
+def test_reentrant_use_from_a_callback_is_an_error_not_a_deadlock(tiny_gguf):
+    with ondevice.load(tiny_gguf("llama"), drafter="none") as rt:
+        s = rt.stream(PROMPT, max_tokens=20, temperature=0)
+        next(s)
+        with pytest.raises(ondevice.OndeviceError, match="still iterating"):
+            rt.generate(PROMPT, max_tokens=2)
+        s.cancel()
+        list(s)
+        assert rt.generate(PROMPT, max_tokens=2).stats.tokens == 2
+
+
+def test_astream_under_asyncio(tiny_gguf):
+    with ondevice.load(tiny_gguf("llama"), drafter="ngram") as rt:
+        ref = rt.generate(PROMPT, max_tokens=30, temperature=0, gamma=3)
+
+        async def main():
+            chunks = [c async for c in rt.astream(PROMPT, max_tokens=30, temperature=0, gamma=3)]
+            # leaving early cancels
+            async for _ in rt.astream(PROMPT, max_tokens=200, temperature=0, gamma=3):
+                break
+            return chunks
+
+        chunks = asyncio.run(main())
+        assert [t for c in chunks for t in c.tokens] == ref.tokens
+        assert "".join(c.text for c in chunks) == ref.text
+        assert rt.last_stats.stop_reason == "cancelled"
