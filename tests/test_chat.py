@@ -22,7 +22,7 @@ def _chat(*args, input: bytes):
 
 def test_piped_chat_on_default_model_reuses_prefix(smollm2):
     r = _chat("--stats", "--max-tokens", "24", "--temperature", "0",
-              input="Hello! Who are you?\nWhat is 2 + 2?\nName a colour.\n".encode())
+              input=b"Hello! Who are you?\nWhat is 2 + 2?\nName a colour.\n")
     assert r.returncode == 0, r.stderr.decode()
     err = r.stderr.decode()
     evaluated = [(int(a), int(b)) for a, b in re.findall(r"prompt (\d+)/(\d+) evaluated", err)]
