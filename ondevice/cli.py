@@ -122,10 +122,22 @@ TopPOpt = Annotated[float, typer.Option("--top-p", help="1 = off.")]
 MinPOpt = Annotated[float, typer.Option("--min-p", help="0 = off.")]
 RepOpt = Annotated[float, typer.Option("--repetition-penalty", help="1 = off.")]
 SeedOpt = Annotated[int | None, typer.Option("--seed", help="Random seed.")]
-GammaOpt = Annotated[int, typer.Option("--gamma", min=0, help="Tokens drafted per target pass (0 = plain).")]
+GammaOpt = Annotated[str, typer.Option("--gamma", help="auto (cost-aware) or tokens drafted per target pass (0 = plain).")]
 CtxOpt = Annotated[int, typer.Option("--n-ctx", min=16, help="Context length.")]
 DeviceOpt = Annotated[str | None, typer.Option("--device", help="gpu | cpu (default: Metal GPU when available).")]
 ThreadsOpt = Annotated[int | None, typer.Option("--threads", min=1, help="CPU threads (default: all cores).")]
+
+
+def _gamma(value: str) -> int | str:
+    if value == "auto":
+        return value
+    try:
+        g = int(value)
+    except ValueError:
+        raise typer.BadParameter(f"--gamma {value}: use auto or an integer >= 0") from None
+    if g < 0:
+        raise typer.BadParameter(f"--gamma {value}: use auto or an integer >= 0")
+    return g
 
 
 def _drafter(draft: str | None, ngram: bool, no_spec: bool) -> str | None:
@@ -161,7 +173,7 @@ def generate_cmd(
 
     with load(model, draft, drafter=_drafter(draft, ngram, no_spec), n_ctx=n_ctx, threads=threads, device=device) as rt:
         kw = dict(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                  repetition_penalty=repetition_penalty, seed=seed, gamma=gamma)
+                  repetition_penalty=repetition_penalty, seed=seed, gamma=_gamma(gamma))
         if json_out:
             res = rt.generate(prompt, **kw)
             return _dump({"text": res.text, "tokens": res.tokens, "stats": dataclasses.asdict(res.stats)})
@@ -203,7 +215,7 @@ def chat_cmd(
     with load(model, draft, drafter=drafter, n_ctx=n_ctx, threads=threads, device=device) as rt:
         name = rt.drafter.name if rt.drafter else "none"
         gen = dict(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                   repetition_penalty=repetition_penalty, seed=seed, gamma=gamma if rt.drafter else 0)
+                   repetition_penalty=repetition_penalty, seed=seed, gamma=_gamma(gamma) if rt.drafter else 0)
         run_chat(rt, system=system, show_draft=show_draft, show_stats=stats, gen=gen,
                  title=f"ondevice chat · {model} · drafter {name}")
 
@@ -228,6 +240,51 @@ def convert_cmd(
         _dump(summary)
     else:
         typer.echo(f"wrote {out}")
+
+
+@command("bench")
+def bench_cmd(
+    model: Annotated[str, typer.Argument(help="Target model: path or catalog name (a pair name sets --draft).")],
+    draft: DraftOpt = None,
+    ngram: NgramOpt = False,
+    classes: Annotated[str, typer.Option("--classes", help="Comma-separated prompt classes.")] = "code,edit,summary,chat",
+    max_tokens: Annotated[int, typer.Option("--max-tokens", min=1, help="Tokens per request.")] = 64,
+    repeats: Annotated[int, typer.Option("--repeats", min=1, help="Repeats per prompt (interleaved).")] = 3,
+    gamma: Annotated[str, typer.Option("--gamma", help="N, sweep (1,2,4,8 and auto) or auto.")] = str(DEFAULT_GAMMA),
+    anchors: Annotated[bool, typer.Option("--anchors", help="Also run raw llama-cpp-python (plain, prompt lookup).")] = False,
+    cold_start: Annotated[bool, typer.Option("--cold-start", help="Measure process start → first token, cold and warm.")] = False,
+    synthetic: Annotated[str | None, typer.Option("--synthetic", help="Measure costs on a shape-true random model (e.g. qwen2.5-1.5b) instead.")] = None,
+    per_class: Annotated[int | None, typer.Option("--per-class", min=1, help="Only the first N prompts of each class.")] = None,
+    temperature: TempOpt = 0.0,
+    threads: ThreadsOpt = None,
+    device: DeviceOpt = None,
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write the JSON document here.")] = None,
+    plot: Annotated[Path | None, typer.Option("--plot", help="Write PNG plots into this directory.")] = None,
+) -> None:
+    """Benchmark plain vs speculative decoding (and anchors) on the prompt suite; JSON + table + plots."""
+    from ondevice import bench, bench_tools, catalog
+
+    if draft is None:
+        pair = catalog.resolve_pair(model)
+        if pair:
+            model, draft = pair
+    if synthetic:
+        doc = bench_tools.synthetic_costs(synthetic, draft_config=draft, threads=threads, device=device)
+    else:
+        doc = bench.run_bench(model, draft, ngram=ngram, classes=[c.strip() for c in classes.split(",") if c.strip()],
+                              max_tokens=max_tokens, repeats=repeats, gamma=gamma, anchors=anchors, per_class=per_class,
+                              temperature=temperature, threads=threads,
+                              progress=lambda r: typer.echo(f"{r['class']:>8} {r['mode']:<28} {r['tokens_per_second']:7.1f} tok/s", err=True))
+        if cold_start:
+            doc["cold_start"] = bench_tools.cold_start(catalog.resolve(model))
+        bench_tools.table(doc)
+        if plot:
+            doc["plots"] = [str(p) for p in bench_tools.plots(doc, plot)]
+    text = json.dumps(doc, indent=2, default=str)
+    if json_path:
+        json_path.write_text(text)
+    else:
+        typer.echo(text)
 
 
 @command("check-pair")

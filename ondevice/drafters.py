@@ -25,6 +25,10 @@ class Drafter(Protocol):
         """Guess up to ``gamma`` tokens that follow ``context`` (the whole sequence so far)."""
         ...
 
+    def reset(self) -> None:
+        """Forget any cached state."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -49,6 +53,7 @@ class ModelDrafter:
     """
 
     name = "model"
+    cheap = False
 
     def __init__(self, backend: Backend, vocab_limit: int, target_vocab: int) -> None:
         self.backend = backend
@@ -65,7 +70,9 @@ class ModelDrafter:
         self._cached = list(context)
         return logits
 
-    def propose(self, context, gamma, params, rng):
+    def propose(self, context, gamma, params, rng, keep_drafting=None):
+        """Sample up to ``gamma`` tokens; ``keep_drafting(confidences)`` may stop early (confidence =
+        the draft's probability of each token it drew)."""
         if gamma <= 0:
             return [], np.zeros((0, self.target_vocab))
         if len(context) + gamma > self.backend.n_ctx:
@@ -74,13 +81,16 @@ class ModelDrafter:
                 return [], np.zeros((0, self.target_vocab))
         hist = list(context)
         logits = self._sync(context)
-        tokens, rows = [], []
+        tokens, rows, confs = [], [], []
         for i in range(gamma):
             q = probs(logits, params, hist, self.vocab_limit)
             t = sample(q, rng)
             tokens.append(t)
             rows.append(q)
+            confs.append(float(q[t]))
             hist.append(t)
+            if i + 1 < gamma and keep_drafting is not None and not keep_drafting(confs):
+                break
             if i + 1 < gamma:
                 logits = self.backend.eval([t], logits="last")[-1]
                 self._cached.append(t)
@@ -91,6 +101,11 @@ class ModelDrafter:
         elif V > self.target_vocab:
             q = q[:, : self.target_vocab]
         return tokens, q
+
+    def reset(self) -> None:
+        """Forget the draft cache (after someone else emptied or changed it)."""
+        self.backend.rollback(0)
+        self._cached = []
 
     def close(self) -> None:
         self.backend.close()
@@ -104,6 +119,7 @@ class NgramDrafter:
     """
 
     name = "ngram"
+    cheap = True  # proposing costs nothing: the policy trims the longest guess
 
     def __init__(self, max_ngram: int = 4, min_ngram: int = 1) -> None:
         self.max_ngram = max_ngram
@@ -128,6 +144,9 @@ class NgramDrafter:
                     self.last_match_len = size
                     return out, None
         return [], None
+
+    def reset(self) -> None:
+        pass
 
     def close(self) -> None:
         pass

@@ -12,7 +12,7 @@ from typing import Any
 from ondevice.errors import OndeviceError
 
 DEFAULT_MAX_TOKENS = 256
-DEFAULT_GAMMA = 4
+DEFAULT_GAMMA = "auto"  # the cost-aware policy; an integer fixes γ (0 = plain decoding)
 DEFAULT_N_CTX = 4096
 
 

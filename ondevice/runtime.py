@@ -11,9 +11,11 @@ import numpy as np
 
 from ondevice import catalog
 from ondevice.backends import Backend, open_backend
+from ondevice.costs import Costs
 from ondevice.drafters import Drafter, ModelDrafter, NgramDrafter, _common_prefix
 from ondevice.errors import OndeviceError
 from ondevice.params import DEFAULT_GAMMA, DEFAULT_MAX_TOKENS, DEFAULT_N_CTX, DEFAULTS, SamplingParams
+from ondevice.policy import AdaptivePolicy, FixedGamma
 from ondevice.speculative import Chunk, Result, Stats, TextAssembler, steps
 
 DRAFTERS = ("model", "ngram", "none")
@@ -27,6 +29,7 @@ def load(
     n_ctx: int = DEFAULT_N_CTX,
     threads: int | None = None,
     device: str | None = None,
+    mmap: bool = True,
 ) -> Runtime:
     """Load a target model (and optionally a draft) for speculative generation.
 
@@ -40,6 +43,7 @@ def load(
         threads: CPU threads (default: all cores).
         device: 'gpu' | 'cpu' | None: where MLX runs (default Metal when available) and whether
             llama.cpp offloads layers.
+        mmap: memory-map GGUF weights (the default; False reads them into memory).
     Returns:
         A ``Runtime``; use it as a context manager or call ``close()``.
     """
@@ -55,14 +59,14 @@ def load(
         raise OndeviceError("drafter='model' needs a draft model: pass draft=PATH (or --draft)")
     if kind != "model" and draft is not None:
         raise OndeviceError(f"a draft model was given but drafter={kind!r} would not use it; drop one of them")
-    target = open_backend(catalog.resolve(model), n_ctx=n_ctx, threads=threads, device=device)
+    target = open_backend(catalog.resolve(model), n_ctx=n_ctx, threads=threads, device=device, mmap=mmap)
     drafter_obj: Drafter | None = None
     vocab_limit = target.vocab_size
     try:
         if kind == "model":
             from converters.pairs import check_vocabs
 
-            draft_backend = open_backend(catalog.resolve(draft), n_ctx=n_ctx, threads=threads, device=device)
+            draft_backend = open_backend(catalog.resolve(draft), n_ctx=n_ctx, threads=threads, device=device, mmap=mmap)
             try:
                 vocab_limit = check_vocabs(target.vocab_tokens(), draft_backend.vocab_tokens(), target.path, draft_backend.path)
             except BaseException:
@@ -121,6 +125,7 @@ class Runtime:
         self._current: Stream | None = None
         self.observer = None  # optional verify observer (benchmarks): see speculative.steps
         self.last_stats: Stats | None = None  # statistics of the last finished request
+        self._adaptive = None  # AdaptivePolicy, created at the first gamma="auto" request
 
     # -- context manager -------------------------------------------------------------------------
     def __enter__(self) -> Runtime:
@@ -158,7 +163,7 @@ class Runtime:
         min_p: float = DEFAULTS.min_p,
         repetition_penalty: float = DEFAULTS.repetition_penalty,
         seed: int | None = DEFAULTS.seed,
-        gamma: int = DEFAULT_GAMMA,
+        gamma: int | str = DEFAULT_GAMMA,
         stop: Sequence[str] | str | None = None,
     ) -> Stream:
         """Generate, yielding ``Chunk(text, tokens, from_draft)`` as target passes complete.
@@ -167,7 +172,8 @@ class Runtime:
             prompt: text (tokenized like create_completion) or token ids.
             max_tokens: most tokens to generate.
             temperature, top_k, top_p, min_p, repetition_penalty, seed: see ``SamplingParams``.
-            gamma: tokens drafted per target pass (0 = plain decoding).
+            gamma: "auto" (the cost-aware policy: plain steps wherever speculation would not pay)
+                or a fixed number of tokens drafted per target pass (0 = plain decoding).
             stop: strings that end generation (not included in the text).
         Returns:
             A ``Stream``: iterate it for chunks; ``.cancel()`` stops it; ``.stats`` when finished.
@@ -176,10 +182,10 @@ class Runtime:
                                 repetition_penalty=repetition_penalty, seed=seed)
         if int(max_tokens) != max_tokens or max_tokens < 1:
             raise OndeviceError(f"max_tokens={max_tokens!r}: must be an integer >= 1")
-        if int(gamma) != gamma or gamma < 0:
-            raise OndeviceError(f"gamma={gamma!r}: must be an integer >= 0 (0 = plain decoding)")
+        if gamma != "auto" and (isinstance(gamma, str) or int(gamma) != gamma or gamma < 0):
+            raise OndeviceError(f"gamma={gamma!r}: must be 'auto' or an integer >= 0 (0 = plain decoding)")
         stops = [stop] if isinstance(stop, str) else list(stop or [])
-        return Stream(self, prompt, params, int(max_tokens), int(gamma), stops)
+        return Stream(self, prompt, params, int(max_tokens), gamma if gamma == "auto" else int(gamma), stops)
 
     async def astream(self, prompt: str | Sequence[int], **kwargs) -> AsyncIterator[Chunk]:
         """``stream`` for asyncio: the model runs in a worker thread, chunks arrive on the event loop.
@@ -240,6 +246,8 @@ class Runtime:
             with self._lock:
                 self.target.rollback(0)
                 self._kv = []
+                if self.drafter is not None:
+                    self.drafter.reset()
         finally:
             self._exit()
 
@@ -250,6 +258,29 @@ class Runtime:
             cur.cancel()
 
     # -- the loop --------------------------------------------------------------------------------
+    def _policy(self, gamma, stats: Stats):
+        """FixedGamma(γ), or the runtime's adaptive policy (measuring costs on first use)."""
+        if gamma != "auto":
+            return FixedGamma(int(gamma))
+        if self._adaptive is None:
+            t0 = time.perf_counter()
+            with self._lock:
+                costs = self._costs()
+            self._adaptive = AdaptivePolicy(costs, self.drafter.name)
+            stats.probe_seconds = time.perf_counter() - t0
+        return self._adaptive
+
+    def _costs(self) -> Costs:
+        """Measured costs, cached on disk per model files, device and threads (a probe of a few seconds)."""
+        from ondevice.costs import cached_measure
+
+        draft = getattr(self.drafter, "backend", None)
+        costs = cached_measure(self.target, draft)
+        self._kv = []  # the probe emptied both caches
+        if self.drafter is not None:
+            self.drafter.reset()
+        return costs
+
     def _enter(self, stream: Stream | None) -> None:
         if self._owner == threading.get_ident():
             raise OndeviceError("this thread is still iterating a stream of this Runtime; finish, cancel or close it first")
@@ -289,7 +320,13 @@ class Runtime:
         stats = out.stats
         stats.load_seconds = self.load_seconds
         stats.prompt_tokens = len(ids)
-        stats.drafter = self.drafter.name if (self.drafter and gamma > 0) else "none"
+        use_draft = self.drafter is not None and gamma != 0
+        stats.drafter = self.drafter.name if use_draft else "none"
+        try:
+            policy = self._policy(gamma, stats) if use_draft else FixedGamma(0)
+        except BaseException:
+            self._exit()
+            raise
         t_start = time.perf_counter()
         t_first = None
         context = list(ids)
@@ -298,8 +335,8 @@ class Runtime:
                 stats.prompt_eval_tokens = len(ids) - self._prefill(ids)
             rng = np.random.default_rng(params.seed)
             text = TextAssembler(t.token_bytes, stop)
-            drafter = self.drafter if gamma > 0 else None
-            it = steps(t, drafter, context, params, lambda: gamma, rng, self.vocab_limit, self.observer)
+            drafter = self.drafter if use_draft else None
+            it = steps(t, drafter, context, params, policy, rng, self.vocab_limit, self.observer)
             while True:
                 with self._lock:  # native state is touched only here; user code never runs under it
                     step = next(it, None)

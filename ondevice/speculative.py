@@ -15,6 +15,7 @@ import numpy as np
 
 from ondevice.backends import Backend
 from ondevice.drafters import Drafter
+from ondevice.policy import Policy
 from ondevice.sampling import SamplingParams, probs_batch, verify
 
 
@@ -59,6 +60,7 @@ class Stats:
     decode_tokens_per_second: float = 0.0
     time_to_first_token: float = 0.0
     load_seconds: float = 0.0
+    probe_seconds: float = 0.0  # one-time cost measurement for gamma="auto" (not in tokens_per_second)
     prompt_tokens: int = 0
     prompt_eval_tokens: int = 0
     prompt_seconds: float = 0.0
@@ -113,7 +115,7 @@ def steps(
     drafter: Drafter | None,
     context: list[int],
     params: SamplingParams,
-    gamma: Callable[[], int],
+    policy: Policy,
     rng: np.random.Generator,
     vocab_limit: int | None = None,
     observer: Callable[[list[int], np.ndarray | None, np.ndarray, int], None] | None = None,
@@ -124,7 +126,9 @@ def steps(
         target: holds ``context[:-1]`` in its cache on entry; kept so after every step.
         drafter: proposes drafts (None = plain decoding).
         context: the whole sequence so far; extended in place with every emitted token.
-        gamma: called once per step for the number of tokens to draft (0 = plain step).
+        policy: chooses γ per step (0 = plain step) and learns from each outcome. A cheap drafter
+            (n-gram) proposes its longest guess first and the policy keeps a prefix, judged by the
+            match length; a model drafter is asked for exactly γ tokens.
         rng: draws every random number (draft sampling and verification).
         vocab_limit: shared vocabulary size of the pair; larger ids are masked.
         observer: called as ``observer(draft, q, p, n_accepted)`` after each verification (benchmarks).
@@ -136,13 +140,22 @@ def steps(
         base = target.n_past  # == len(context) - 1
         if base + 1 > target.n_ctx:
             return  # the context is full: the caller reports stop_reason "context"
-        g = max(0, min(gamma(), target.n_ctx - base - 1))
+        room = target.n_ctx - base - 1
         t0 = time.perf_counter()
         draft: list[int] = []
         q = None
-        if g > 0 and drafter is not None:
-            draft, q = drafter.propose(context, g, params, rng)
+        hint = 0
+        if drafter is None:
+            g = 0
+        elif getattr(drafter, "cheap", False):
+            draft, q = drafter.propose(context, min(policy.max_gamma, room), params, rng)
+            hint = getattr(drafter, "last_match_len", 0)
+            g = min(policy.next_gamma(hint), room) if draft else 0
             draft = draft[:g]
+        else:
+            g = max(0, min(policy.next_gamma(0), room))
+            if g > 0:
+                draft, q = drafter.propose(context, g, params, rng, keep_drafting=getattr(policy, "keep_drafting", None))
         t1 = time.perf_counter()
         logits = target.eval([context[-1], *draft])  # [len(draft)+1, V]
         p = probs_batch(logits, params, context, draft, vocab_limit)
@@ -151,6 +164,7 @@ def steps(
         n_acc, nxt = verify(draft, q, p, rng)
         if observer is not None:
             observer(draft, q, p, n_acc)
+        policy.update(len(draft), n_acc, hint)
         target.rollback(base + 1 + n_acc)  # keep pending + accepted drafts; nxt becomes pending
         emitted = [*draft[:n_acc], nxt]
         context.extend(emitted)

@@ -111,6 +111,8 @@ def _config(arch: str, n_layers: int, vocab_size: int, tie: bool, **overrides) -
 def _weights(cfg: dict, seed: int, scale: float = 1.0) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     h, f, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    if h * v + cfg["num_hidden_layers"] * 4 * h * f > 50_000_000:  # synthetic big shapes: float32 draws in place
+        return _big_weights(cfg, rng, scale)
     hd = h // cfg["num_attention_heads"]
     kv = cfg["num_key_value_heads"] * hd
 
@@ -141,6 +143,33 @@ def _weights(cfg: dict, seed: int, scale: float = 1.0) -> dict[str, np.ndarray]:
     return w
 
 
+def _big_weights(cfg: dict, rng, scale: float) -> dict[str, np.ndarray]:
+    """Same layout as ``_weights`` for shape-true synthetic models, drawn as float16 to bound memory."""
+    h, f, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    hd = cfg.get("head_dim") or h // cfg["num_attention_heads"]
+    qd, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
+
+    def lin(o, i):
+        return (rng.standard_normal((o, i), dtype=np.float32) * (scale / np.sqrt(i))).astype(np.float16)
+
+    w = {"model.embed_tokens.weight": (rng.standard_normal((v, h), dtype=np.float32) * 0.02).astype(np.float16)}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        w[p + "input_layernorm.weight"] = np.ones(h, np.float16)
+        w[p + "post_attention_layernorm.weight"] = np.ones(h, np.float16)
+        for name, (o, n) in {"self_attn.q_proj": (qd, h), "self_attn.k_proj": (kv, h), "self_attn.v_proj": (kv, h),
+                             "self_attn.o_proj": (h, qd), "mlp.gate_proj": (f, h), "mlp.up_proj": (f, h),
+                             "mlp.down_proj": (h, f)}.items():
+            w[p + name + ".weight"] = lin(o, n)
+        if cfg["model_type"] == "qwen2":
+            for name, n in (("q_proj", qd), ("k_proj", kv), ("v_proj", kv)):
+                w[p + f"self_attn.{name}.bias"] = np.zeros(n, np.float16)
+    w["model.norm.weight"] = np.ones(h, np.float16)
+    if not cfg["tie_word_embeddings"]:
+        w["lm_head.weight"] = lin(v, h)
+    return w
+
+
 def make_tiny_hf(
     out: str | Path,
     arch: str = "llama",
@@ -151,6 +180,7 @@ def make_tiny_hf(
     tie_word_embeddings: bool | None = None,
     perturb_seed: int | None = None,
     perturb_scale: float = 0.0,
+    tokenizer_vocab: int | None = None,
     **config_overrides,
 ) -> Path:
     """Write a deterministic random-weight HF checkpoint to ``out`` and return it.
@@ -163,6 +193,8 @@ def make_tiny_hf(
         seed: weight seed; the tokenizer is the same for every seed, so models pair as target/draft.
         perturb_seed, perturb_scale: add ``perturb_scale`` × an independent draw, to make a draft that
             is close to, but not equal to, the model with ``seed``.
+        tokenizer_vocab: train the tokenizer to this size (default ``vocab_size``); the embedding
+            keeps ``vocab_size`` rows, the converter pads the vocabulary (shape-true synthetic models).
     Returns:
         The checkpoint directory.
     """
@@ -181,7 +213,7 @@ def make_tiny_hf(
     save_file({k: np.ascontiguousarray(v, dtype=np.float16) for k, v in weights.items()}, str(out / "model.safetensors"),
               metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    tok = train_tokenizer(arch, vocab_size)
+    tok = train_tokenizer(arch, tokenizer_vocab or vocab_size)
     tok.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast",

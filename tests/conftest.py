@@ -23,6 +23,16 @@ def _fingerprint() -> str:
 TINY_CACHE = Path(os.environ.get("ONDEVICE_TEST_CACHE", ROOT / "build" / "test-models")) / _fingerprint()
 
 
+def pytest_sessionstart(session):
+    """Drop tiny models built by other versions of the code."""
+    import shutil
+
+    if TINY_CACHE.parent.is_dir():
+        for old in TINY_CACHE.parent.iterdir():
+            if old != TINY_CACHE and old.is_dir():
+                shutil.rmtree(old, ignore_errors=True)
+
+
 def pytest_collection_modifyitems(config, items):
     if sys.platform != "darwin":
         skip = pytest.mark.skip(reason="needs macOS (Metal / Core ML prediction); this is " + sys.platform)

@@ -89,7 +89,9 @@ def detect_format(path: Path) -> str:
     )
 
 
-def open_backend(path: str | Path, *, n_ctx: int, threads: int | None = None, device: str | None = None) -> Backend:
+def open_backend(
+    path: str | Path, *, n_ctx: int, threads: int | None = None, device: str | None = None, mmap: bool = True
+) -> Backend:
     """Open ``path`` with the backend its format needs.
 
     Args:
@@ -97,6 +99,7 @@ def open_backend(path: str | Path, *, n_ctx: int, threads: int | None = None, de
         n_ctx: context length of the cache.
         threads: CPU threads (llama.cpp).
         device: 'gpu' | 'cpu' | None (default: the GPU when the backend has one).
+        mmap: memory-map GGUF weights (llama.cpp); False reads them into memory.
     """
     if device not in (None, "gpu", "cpu"):
         raise OndeviceError(f"device={device!r}: choose 'gpu' or 'cpu'")
@@ -107,7 +110,7 @@ def open_backend(path: str | Path, *, n_ctx: int, threads: int | None = None, de
 
         if path.is_dir():
             path = path / "model.gguf"
-        return LlamaBackend(path, n_ctx=n_ctx, threads=threads, device=device)
+        return LlamaBackend(path, n_ctx=n_ctx, threads=threads, device=device, mmap=mmap)
     if fmt == "mlx":
         from ondevice.backends.mlx import MLXBackend
 

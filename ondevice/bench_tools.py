@@ -1,0 +1,209 @@
+"""Benchmark extras: cold start, synthetic shape-true models, plots and the terminal table."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from ondevice.errors import OndeviceError
+
+# Shape-true configs (weights random): for measuring c and cost(k) where no real model can be brought.
+SYNTHETIC = {
+    "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                         num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                         num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "qwen2.5-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                       num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
+}
+
+
+def synthetic_gguf(name: str, out_dir: Path, quant: str = "q4_k_m") -> Path:
+    """Build (once) a random-weight GGUF with the shapes of ``name``; returns its path."""
+    from converters import convert
+    from ondevice.testing import make_tiny_hf
+
+    if name not in SYNTHETIC:
+        raise OndeviceError(f"--synthetic {name}: unknown; choose one of {', '.join(SYNTHETIC)}")
+    final = out_dir / f"{name}-{quant}" / "model.gguf"
+    if final.is_file():
+        return final
+    hf = out_dir / f"{name}-hf"
+    if not (hf / "model.safetensors").is_file():
+        cfg = dict(SYNTHETIC[name])
+        vocab = cfg.pop("vocab_size")
+        make_tiny_hf(hf, "qwen2", vocab_size=vocab, tokenizer_vocab=512, n_layers=cfg.pop("num_hidden_layers"),
+                     tie_word_embeddings=cfg.pop("tie_word_embeddings"), **cfg)
+    convert(hf, to="gguf", out=final.parent, quant=quant, progress=False)
+    return final
+
+
+_COLD = r"""
+import sys, time, json
+t0 = time.perf_counter()
+kind, path, mmap = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
+if kind == "ondevice":
+    import ondevice
+    t_imp = time.perf_counter()
+    rt = ondevice.load(path, drafter="none", n_ctx=512, mmap=mmap)
+    t_load = time.perf_counter()
+    next(iter(rt.stream("Hello", max_tokens=1, temperature=0)))
+else:
+    import llama_cpp
+    t_imp = time.perf_counter()
+    llm = llama_cpp.Llama(path, n_ctx=512, use_mmap=mmap, verbose=False)
+    t_load = time.perf_counter()
+    llm.create_completion("Hello", max_tokens=1, temperature=0)
+t_end = time.perf_counter()
+print(json.dumps({"import": t_imp - t0, "load": t_load - t_imp, "first_token": t_end - t_load, "in_process": t_end - t0}))
+"""
+
+
+def evict(path: Path) -> str:
+    """Drop ``path`` from the page cache (Linux: posix_fadvise DONTNEED); returns the method used."""
+    if not hasattr(os, "posix_fadvise"):
+        return "none (warm only: no posix_fadvise on this OS)"
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    return "posix_fadvise(POSIX_FADV_DONTNEED)"
+
+
+def cold_start(model_path: Path, repeats: int = 3) -> dict:
+    """Fresh process → first token, cold (evicted) and warm, mmap on/off, ours and raw llama-cpp-python."""
+    rows = []
+    method = None
+    for rep in range(repeats):
+        for kind in ("ondevice", "llama_cpp"):
+            for mmap in (True, False):
+                for state in ("cold", "warm"):
+                    if state == "cold":
+                        method = evict(model_path)
+                    t0 = time.perf_counter()
+                    r = subprocess.run([sys.executable, "-c", _COLD, kind, str(model_path), "1" if mmap else "0"],
+                                       capture_output=True, text=True, timeout=600)
+                    wall = time.perf_counter() - t0
+                    if r.returncode != 0:
+                        raise OndeviceError(f"cold-start run failed: {r.stderr.strip().splitlines()[-1:]}")
+                    rows.append({"runner": kind, "mmap": mmap, "cache": state, "repeat": rep, "process_to_first_token": wall,
+                                 **json.loads(r.stdout.strip().splitlines()[-1])})
+    imp = [_import_time() for _ in range(repeats)]
+    summary = {}
+    for kind in ("ondevice", "llama_cpp"):
+        for mmap in (True, False):
+            for state in ("cold", "warm"):
+                vals = [r["process_to_first_token"] for r in rows if (r["runner"], r["mmap"], r["cache"]) == (kind, mmap, state)]
+                summary[f"{kind}/{'mmap' if mmap else 'no-mmap'}/{state}"] = statistics.median(vals)
+    return {"eviction": method, "import_ondevice_seconds": statistics.median(imp), "runs": rows, "summary": summary}
+
+
+def _import_time() -> float:
+    code = "import time; t = time.perf_counter(); import ondevice; print(time.perf_counter() - t)"
+    return float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+
+
+def table(doc: dict) -> None:
+    """Print the summary as a rich table."""
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table("class", "mode", "tok/s (median)", "min–max", "× plain", "bound", "acceptance", title="ondevice bench")
+    for r in doc["summary"]:
+        f = lambda x, fmt: "" if x is None else format(x, fmt)  # noqa: E731
+        t.add_row(r["class"], r["mode"], f(r["median_tokens_per_second"], ".1f"),
+                  f"{r['min_tokens_per_second']:.1f}–{r['max_tokens_per_second']:.1f}", f(r["speedup_vs_plain"], ".2f"),
+                  f(r["bound"], ".2f"), f(r["acceptance_rate"], ".0%"))
+    Console(stderr=True).print(t)
+
+
+def plots(doc: dict, out_dir: Path) -> list[Path]:
+    """PNG plots: tok/s by mode and class, acceptance vs γ, realized speedup vs bound."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise OndeviceError("--plot needs matplotlib: pip install 'ondevice[plot]'") from e
+    out_dir.mkdir(parents=True, exist_ok=True)
+    s = doc["summary"]
+    classes = list(dict.fromkeys(r["class"] for r in s))
+    modes = list(dict.fromkeys(r["mode"] for r in s))
+    files = []
+    fig, ax = plt.subplots(figsize=(9, 4))
+    w = 0.8 / max(len(modes), 1)
+    for i, m in enumerate(modes):
+        ys = [next((r["median_tokens_per_second"] for r in s if r["mode"] == m and r["class"] == c), 0) for c in classes]
+        ax.bar([j + i * w for j in range(len(classes))], ys, w, label=m)
+    ax.set_xticks([j + 0.4 - w / 2 for j in range(len(classes))], classes)
+    ax.set_ylabel("tokens/s (median)")
+    ax.legend(fontsize=7)
+    files.append(out_dir / "tokens_per_second.png")
+    fig.savefig(files[-1], dpi=120, bbox_inches="tight")
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for c in classes:
+        pts = sorted((r["gamma"], r["acceptance_rate"]) for r in doc["runs"]
+                     if r["class"] == c and isinstance(r.get("gamma"), int) and r["gamma"] > 0 and r["acceptance_rate"] is not None)
+        if pts:
+            gs = sorted({g for g, _ in pts})
+            ax.plot(gs, [statistics.fmean(a for g2, a in pts if g2 == g) for g in gs], marker="o", label=c)
+    ax.set_xlabel("γ")
+    ax.set_ylabel("acceptance rate")
+    ax.legend()
+    files.append(out_dir / "acceptance_vs_gamma.png")
+    fig.savefig(files[-1], dpi=120, bbox_inches="tight")
+    fig, ax = plt.subplots(figsize=(5, 5))
+    pts = [(r["bound"], r["speedup_vs_plain"], r["mode"]) for r in s if r["bound"] is not None and r["speedup_vs_plain"]]
+    for b, real, m in pts:
+        ax.scatter(b, real)
+        ax.annotate(m, (b, real), fontsize=6)
+    lim = max([1.2] + [max(b, r) for b, r, _ in pts])
+    ax.plot([0, lim], [0, lim], "k--", lw=0.8)
+    ax.set_xlabel("bound from measured α, c, cost(k)")
+    ax.set_ylabel("realized speedup vs plain")
+    files.append(out_dir / "realized_vs_bound.png")
+    fig.savefig(files[-1], dpi=120, bbox_inches="tight")
+    plt.close("all")
+    return files
+
+
+def synthetic_costs(config: str, *, draft_config: str | None = None, threads: int | None = None, device: str | None = None,
+                    alphas=(0.5, 0.7, 0.8, 0.9, 0.95), cache_dir: Path | None = None) -> dict:
+    """Costs (c, cost(k)) on shape-true random-weight models, and the speedups they *predict*.
+
+    Acceptance does not depend on the hardware: combine these costs with α measured on real
+    models (``alphas``) to predict the speedup on this machine. Labelled as a prediction.
+    """
+    from ondevice import catalog
+    from ondevice.backends import open_backend
+    from ondevice.bench import machine
+    from ondevice.costs import measure, speedup_bound
+
+    cache_dir = cache_dir or catalog.home() / "synthetic"
+    t0 = time.perf_counter()
+    target_path = synthetic_gguf(config, cache_dir)
+    draft_path = synthetic_gguf(draft_config, cache_dir) if draft_config else None
+    build = time.perf_counter() - t0
+    target = open_backend(target_path, n_ctx=1024, threads=threads, device=device)
+    draft = open_backend(draft_path, n_ctx=1024, threads=threads, device=device) if draft_path else None
+    costs = measure(target, draft, ks=tuple(range(1, 17)))
+    target.close()
+    if draft:
+        draft.close()
+    c = costs.draft_cost_ratio if draft else 0.0
+    predictions = []
+    for a in alphas:
+        by_gamma = {g: speedup_bound(a, g, c, costs.verify_cost(g + 1)) for g in range(1, 17)}
+        best = max(by_gamma, key=by_gamma.get)
+        predictions.append({"alpha": a, "best_gamma": best, "predicted_speedup": by_gamma[best],
+                            "predicted_speedup_by_gamma": {str(g): v for g, v in by_gamma.items()}})
+    return {"machine": machine(), "synthetic": {"target": config, "draft": draft_config, "device": device or "default",
+            "build_seconds": build}, "costs": costs.to_json(), "prediction": predictions,
+            "note": "speedups are predictions from measured costs and assumed acceptance, not measurements"}

@@ -1,0 +1,127 @@
+"""Measured costs of a backend pair: draft cost ratio c and the verify curve cost(k)/cost(1).
+
+Used by the benchmark (bounds, predictions) and by the adaptive γ policy. Pure timing of the
+backends' own ``eval``; no sampling involved.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from ondevice.backends import Backend
+
+
+@dataclass
+class Costs:
+    """Seconds of one target pass over k tokens, and of one draft token.
+
+    Attributes:
+        target_seconds: {k: median seconds of target.eval of k tokens}.
+        draft_seconds: median seconds of one draft token (0 for n-gram drafts).
+    """
+
+    target_seconds: dict[int, float] = field(default_factory=dict)
+    draft_seconds: float = 0.0
+
+    @property
+    def draft_cost_ratio(self) -> float:
+        """c = draft token time ÷ one target decode."""
+        return self.draft_seconds / self.target_seconds[1] if self.target_seconds.get(1) else 0.0
+
+    def verify_cost(self, k: int) -> float:
+        """cost(k)/cost(1), interpolated linearly between measured k (extrapolated from the last two)."""
+        ks = sorted(self.target_seconds)
+        t1 = self.target_seconds[1]
+        if k in self.target_seconds:
+            return self.target_seconds[k] / t1
+        lo = max((x for x in ks if x < k), default=ks[0])
+        hi = min((x for x in ks if x > k), default=None)
+        if hi is None:  # beyond the curve: extend the last slope
+            a, b = ks[-2], ks[-1]
+            slope = (self.target_seconds[b] - self.target_seconds[a]) / (b - a)
+            return (self.target_seconds[b] + slope * (k - b)) / t1
+        w = (k - lo) / (hi - lo)
+        return ((1 - w) * self.target_seconds[lo] + w * self.target_seconds[hi]) / t1
+
+    def to_json(self) -> dict:
+        return {"draft_cost_ratio": self.draft_cost_ratio,
+                "verify_cost": {str(k): self.verify_cost(k) for k in sorted(self.target_seconds)},
+                **{k: v for k, v in asdict(self).items() if k != "target_seconds"},
+                "target_seconds": {str(k): v for k, v in self.target_seconds.items()}}
+
+
+def _time_eval(b: Backend, context: list[int], tokens: list[int], reps: int) -> float:
+    base = b.n_past
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        b.eval(tokens)
+        ts.append(time.perf_counter() - t0)
+        b.rollback(base)
+    return statistics.median(ts)
+
+
+def measure(target: Backend, draft: Backend | None = None, *, ks=(1, 2, 3, 4, 5, 6, 8, 12, 16), reps: int = 5,
+            context_tokens: int = 64) -> Costs:
+    """Time the target on k-token batches after a ``context_tokens`` prefix (and one draft token).
+
+    Both caches are left empty (callers reset their bookkeeping, e.g. ``Runtime.reset``).
+    """
+    ids = [(i * 7919) % max(target.vocab_size - 1, 1) + 1 for i in range(context_tokens + max(ks))]
+    target.rollback(0)
+    target.eval(ids[:context_tokens], logits="last")
+    c = Costs()
+    _time_eval(target, ids, ids[context_tokens : context_tokens + 1], 1)  # warm-up
+    for k in ks:
+        c.target_seconds[k] = _time_eval(target, ids, ids[context_tokens : context_tokens + k], reps)
+    target.rollback(0)
+    if draft is not None:
+        draft.rollback(0)
+        draft.eval(ids[:context_tokens], logits="last")
+        _time_eval(draft, ids, ids[context_tokens : context_tokens + 1], 1)
+        c.draft_seconds = _time_eval(draft, ids, ids[context_tokens : context_tokens + 1], reps)
+        draft.rollback(0)
+    return c
+
+
+def speedup_bound(alpha: float, gamma: int, c: float, verify_cost: float) -> float:
+    """Expected speedup of γ-draft speculation over plain decoding (Leviathan et al., with verify cost):
+
+        E[tokens per pass] = (1 − α^(γ+1)) / (1 − α);   cost per pass = γ·c + cost(γ+1)/cost(1)
+    """
+    if gamma == 0:
+        return 1.0
+    tokens = gamma + 1 if alpha >= 1.0 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
+    return tokens / (gamma * c + verify_cost)
+
+
+def _key(b: Backend) -> str:
+    p = Path(b.path)
+    st = p.stat() if p.is_file() else (p / "config.json").stat()
+    return f"{type(b).__name__}:{p.resolve()}:{st.st_size}:{st.st_mtime_ns}:{getattr(b, 'threads', '')}:{getattr(b, 'device', '')}"
+
+
+def cached_measure(target: Backend, draft: Backend | None = None) -> Costs:
+    """``measure``, cached in ``$ONDEVICE_HOME/costs.json`` per (model files, threads, device)."""
+    from ondevice import catalog
+
+    key = _key(target) + ("|" + _key(draft) if draft is not None else "")
+    path = catalog.home() / "costs.json"
+    try:
+        cache = json.loads(path.read_text())
+    except (OSError, ValueError):
+        cache = {}
+    if key in cache:
+        e = cache[key]
+        return Costs({int(k): v for k, v in e["target_seconds"].items()}, e["draft_seconds"])
+    c = measure(target, draft, reps=3)
+    cache[key] = {"target_seconds": {str(k): v for k, v in c.target_seconds.items()}, "draft_seconds": c.draft_seconds}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(cache, indent=1))
+    tmp.replace(path)
+    return c

@@ -1,0 +1,142 @@
+"""Choosing γ each step: maximise expected tokens per second from measured costs and acceptance.
+
+Exactness never depends on γ (the rejection rule is exact for any γ chosen before the target sees
+the drafts), so the policy is free to use anything it has seen so far.
+
+Model of one step with γ drafts (units: one plain target decode):
+    E[tokens] = 1 + Σ_{i=1..γ} Π_{j≤i} α_j        (α_j: chance draft j is kept, given j−1 were)
+    cost      = γ·c + cost(γ+1)/cost(1)            (c: draft token ÷ target decode; 0 for n-gram)
+γ = 0 is plain decoding with E = 1, cost = 1, so speculation is chosen only when it is expected to
+win; a cheap probe (γ = 1) now and then keeps the acceptance estimates fresh.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from ondevice.costs import Costs
+
+
+class Policy(Protocol):
+    max_gamma: int
+
+    def next_gamma(self, hint: int = 0) -> int:
+        """γ for the next step (``hint``: n-gram match length, 0 for model drafts)."""
+        ...
+
+    def update(self, drafted: int, accepted: int, hint: int = 0) -> None:
+        """Learn from a verified step."""
+        ...
+
+
+@dataclass
+class AcceptanceEstimate:
+    """Exponentially weighted acceptance per draft position, with a prior."""
+
+    prior: float = 0.6
+    weight: float = 0.1  # EMA step
+    by_position: list[float] = field(default_factory=list)
+
+    def at(self, i: int) -> float:
+        if i < len(self.by_position):
+            return self.by_position[i]
+        return self.by_position[-1] if self.by_position else self.prior
+
+    def update(self, drafted: int, accepted: int) -> None:
+        """Positions 0..accepted were judged (the first rejection, if any, included)."""
+        for i in range(min(drafted, accepted + 1)):
+            while len(self.by_position) <= i:
+                self.by_position.append(self.at(i))
+            hit = 1.0 if i < accepted else 0.0
+            self.by_position[i] += self.weight * (hit - self.by_position[i])
+
+
+def expected_rate(alphas: list[float], gamma: int, c: float, costs: Costs) -> float:
+    """Expected tokens per unit time (plain decoding = 1.0) of a step with ``gamma`` drafts."""
+    if gamma == 0:
+        return 1.0
+    tokens, run = 1.0, 1.0
+    for i in range(gamma):
+        run *= alphas[i]
+        tokens += run
+    return tokens / (gamma * c + costs.verify_cost(gamma + 1))
+
+
+class FixedGamma:
+    """Always the same γ (``gamma=N``)."""
+
+    def __init__(self, gamma: int) -> None:
+        self.gamma = self.max_gamma = gamma
+
+    def next_gamma(self, hint: int = 0) -> int:
+        return self.gamma
+
+    def update(self, drafted: int, accepted: int, hint: int = 0) -> None:
+        pass
+
+
+class AdaptivePolicy:
+    """γ per step from the cost model and running acceptance estimates (``gamma="auto"``).
+
+    For a model drafter one estimate is kept per draft position. For n-gram drafts the estimate is
+    kept per *match length* of the lookup (longer matches are copied text and are accepted more), and
+    a streak of fully accepted drafts lets γ grow to ``max_gamma`` (long verbatim copies).
+
+    Args:
+        costs: measured target verify curve and draft cost.
+        drafter: "model" or "ngram".
+        max_gamma: largest γ considered (8 for models, 32 for n-gram by default).
+        probe_every: after this many plain steps, try γ = 1 once to refresh the estimates.
+    """
+
+    def __init__(self, costs: Costs, drafter: str, max_gamma: int | None = None, probe_every: int = 24) -> None:
+        self.costs = costs
+        self.drafter = drafter
+        self.c = costs.draft_cost_ratio if drafter == "model" else 0.0
+        self.max_gamma = max_gamma or (8 if drafter == "model" else 32)
+        self.probe_every = probe_every
+        self.estimates: dict[int, AcceptanceEstimate] = {}
+        self.plain_run = 0
+        self.streak = 0  # consecutive steps whose drafts were all accepted
+
+    def _estimate(self, hint: int) -> AcceptanceEstimate:
+        key = min(hint, 4) if self.drafter == "ngram" else 0
+        if key not in self.estimates:
+            self.estimates[key] = AcceptanceEstimate(prior=0.5 if self.drafter == "ngram" else 0.7)
+        return self.estimates[key]
+
+    def next_gamma(self, hint: int = 0) -> int:
+        """γ for the next step; ``hint`` is the n-gram match length (0 for model drafts)."""
+        est = self._estimate(hint)
+        limit = self.max_gamma if (self.drafter == "model" or self.streak >= 2) else min(self.max_gamma, 8)
+        alphas = [est.at(i) for i in range(limit)]
+        best, best_rate = 0, 1.0
+        for g in range(1, limit + 1):
+            r = expected_rate(alphas, g, self.c, self.costs)
+            if r > best_rate:
+                best, best_rate = g, r
+        if best == 0:
+            self.plain_run += 1
+            if self.plain_run >= self.probe_every:
+                self.plain_run = 0
+                return 1
+        else:
+            self.plain_run = 0
+        return best
+
+    def keep_drafting(self, confidences: list[float]) -> bool:
+        """Draft one more token? Only if it raises the expected rate, judging the drafts so far by
+        min(position estimate, the draft's own probability of its token)."""
+        est = self._estimate(0)
+        k = len(confidences)
+        if k >= self.max_gamma:
+            return False
+        alphas = [min(est.at(j), confidences[j]) for j in range(k)] + [est.at(k)]
+        return expected_rate(alphas, k + 1, self.c, self.costs) > expected_rate(alphas, k, self.c, self.costs)
+
+    def update(self, drafted: int, accepted: int, hint: int = 0) -> None:
+        if drafted == 0:
+            return
+        self._estimate(hint).update(drafted, accepted)
+        self.streak = self.streak + 1 if accepted == drafted else 0

@@ -1,0 +1,132 @@
+"""The adaptive γ policy on synthetic cost curves and acceptance sequences, and exactness with it on."""
+
+from __future__ import annotations
+
+import numpy as np
+
+import ondevice
+from ondevice.costs import Costs, speedup_bound
+from ondevice.policy import AdaptivePolicy, expected_rate
+
+PROMPT = "The model draft and the target verify"
+
+
+def curve(per_token: float, c_seconds: float = 0.0, base: float = 1.0) -> Costs:
+    """cost(k) = base + per_token·(k − 1) seconds."""
+    return Costs({k: base + per_token * (k - 1) for k in (1, 2, 4, 8, 16)}, c_seconds)
+
+
+def feed(policy, outcomes, hint=0):
+    for drafted, accepted in outcomes:
+        policy.update(drafted, accepted, hint)
+
+
+def test_plain_when_verify_is_expensive():
+    p = AdaptivePolicy(curve(per_token=1.0, c_seconds=0.5), "model")  # verifying k costs k decodes
+    feed(p, [(4, 4)] * 50)  # even perfect acceptance cannot pay for it
+    assert [p.next_gamma() for _ in range(10)] == [0] * 10
+
+
+def test_gamma_grows_with_acceptance_when_verify_is_cheap():
+    cheap = curve(per_token=0.05, c_seconds=0.05)
+    low, high = AdaptivePolicy(cheap, "model"), AdaptivePolicy(cheap, "model")
+    feed(low, [(4, 0)] * 40)
+    feed(high, [(4, 4)] * 40)
+    assert low.next_gamma() == 0
+    assert high.next_gamma() >= 6
+
+
+def test_this_cpu_shape_prefers_plain_for_a_costly_draft():
+    # measured here for the Qwen pair: c ≈ 0.43, cost(k) ≈ k^0.8 → even α = 0.97 loses
+    costs = Costs({k: k ** 0.8 for k in range(1, 17)}, 0.43)
+    assert max(speedup_bound(0.97, g, 0.43, costs.verify_cost(g + 1)) for g in range(1, 9)) < 1.0
+    p = AdaptivePolicy(costs, "model")
+    feed(p, [(2, 2)] * 30)
+    assert p.next_gamma() == 0
+
+
+def test_probe_refreshes_estimates_after_plain_run():
+    p = AdaptivePolicy(curve(per_token=0.1), "model", probe_every=5)
+    feed(p, [(4, 0)] * 40)
+    gammas = [p.next_gamma() for _ in range(10)]
+    assert gammas.count(1) == 2 and gammas.count(0) == 8  # a γ = 1 probe every 5 plain steps
+    feed(p, [(1, 1)] * 40)  # the world changed: drafts are now accepted
+    assert p.next_gamma() >= 2
+
+
+def test_ngram_long_copies_unlock_long_drafts():
+    p = AdaptivePolicy(curve(per_token=0.3), "ngram")
+    assert p.max_gamma == 32
+    feed(p, [(8, 8)] * 30, hint=4)
+    assert p.next_gamma(hint=4) > 8  # a long verbatim copy under way: past the usual γ ≤ 8 ceiling
+    feed(p, [(8, 0)] * 30, hint=1)
+    assert p.next_gamma(hint=1) == 0  # one-token matches are rejected here: plain steps
+
+
+def test_keep_drafting_stops_on_low_confidence():
+    p = AdaptivePolicy(curve(per_token=0.1, c_seconds=0.2), "model")
+    feed(p, [(4, 4)] * 30)
+    assert p.keep_drafting([0.99, 0.98])
+    assert not p.keep_drafting([0.99, 0.02])
+
+
+def test_expected_rate_matches_closed_form():
+    costs = curve(per_token=0.3, c_seconds=0.1)
+    for a in (0.3, 0.8, 0.95):
+        for g in (1, 3, 6):
+            assert np.isclose(expected_rate([a] * g, g, 0.1, costs), speedup_bound(a, g, 0.1, costs.verify_cost(g + 1)))
+
+
+def _forced_policy(rt):
+    """An adaptive policy that believes verification is cheap, so it speculates with varying γ."""
+    rt._adaptive = AdaptivePolicy(curve(per_token=0.05, c_seconds=0.05), rt.drafter.name, max_gamma=6)
+    return rt
+
+
+def test_greedy_equality_with_policy_on(tiny_gguf):
+    target, draft = tiny_gguf("llama"), tiny_gguf("llama_draft")
+    with ondevice.load(target, drafter="none") as rt:
+        ref = rt.generate(PROMPT, max_tokens=48, temperature=0)
+    with _forced_policy(ondevice.load(target, draft)) as rt:
+        res = rt.generate(PROMPT, max_tokens=48, temperature=0, gamma="auto")
+        assert res.tokens == ref.tokens
+        assert res.stats.drafted > 0 and len(res.stats.gamma_counts) >= 2  # γ really varied
+    with ondevice.load(target, drafter="ngram") as rt:  # real measured costs
+        assert rt.generate(PROMPT, max_tokens=48, temperature=0, gamma="auto").tokens == ref.tokens
+
+
+def test_sampled_law_with_policy_on(tiny_gguf, monkeypatch):
+    from test_engine import _chisquare, _exact_joint_law
+
+    from ondevice import sampling
+
+    target, draft = tiny_gguf("qwen2"), tiny_gguf("qwen2_draft")
+    n = 1500
+    with _forced_policy(ondevice.load(target, draft)) as rt:
+        ids = rt.tokenize(PROMPT)
+        params = sampling.SamplingParams(temperature=1.0, top_k=6, top_p=1.0, min_p=0.0)
+        law = _exact_joint_law(target, ids, params)
+
+        def counts():
+            c = {}
+            for seed in range(n):
+                key = tuple(rt.generate(ids, max_tokens=3, temperature=1.0, top_k=6, top_p=1.0, min_p=0.0, seed=seed,
+                                        gamma="auto").tokens)
+                c[key] = c.get(key, 0) + 1
+            return c
+
+        assert _chisquare(counts(), law, n) > 1e-3
+        assert rt.last_stats.drafted > 0
+        monkeypatch.setattr(sampling, "residual", lambda p, q: p)
+        assert _chisquare(counts(), law, n) < 1e-4
+
+
+def test_auto_is_default_and_reports_gamma_histogram(tiny_gguf, tmp_path, monkeypatch):
+    monkeypatch.setenv("ONDEVICE_HOME", str(tmp_path))
+    with ondevice.load(tiny_gguf("llama"), drafter="ngram") as rt:
+        res = rt.generate(PROMPT, max_tokens=24, temperature=0)
+        assert res.stats.probe_seconds > 0  # measured once, at the first auto request
+        assert sum(res.stats.gamma_counts.values()) == res.stats.target_forwards
+        again = rt.generate(PROMPT, max_tokens=24, temperature=0)
+        assert again.stats.probe_seconds == 0
+    assert (tmp_path / "costs.json").is_file()
