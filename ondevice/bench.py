@@ -180,17 +180,23 @@ def run_bench(
 
 
 def _gammas(gamma: str) -> list:
+    """'sweep' → 1, 2, 4, 8 and auto; otherwise a comma list of numbers and/or 'auto'."""
     if gamma == "sweep":
         return [1, 2, 4, 8, "auto"]
-    if gamma == "auto":
-        return ["auto"]
-    try:
-        g = int(gamma)
-    except ValueError:
-        raise OndeviceError(f"--gamma {gamma}: use a number, 'sweep' or 'auto'") from None
-    if g < 1:
-        raise OndeviceError(f"--gamma {gamma}: speculative modes need gamma >= 1 (plain runs anyway)")
-    return [g]
+    out = []
+    for part in str(gamma).split(","):
+        part = part.strip()
+        if part == "auto":
+            out.append("auto")
+            continue
+        try:
+            g = int(part)
+        except ValueError:
+            raise OndeviceError(f"--gamma {gamma}: use numbers, 'auto' or 'sweep'") from None
+        if g < 1:
+            raise OndeviceError(f"--gamma {gamma}: speculative modes need gamma >= 1 (plain runs anyway)")
+        out.append(g)
+    return out
 
 
 def summarize(runs: list[dict], costs: Costs) -> list[dict]:

@@ -250,7 +250,7 @@ def bench_cmd(
     classes: Annotated[str, typer.Option("--classes", help="Comma-separated prompt classes.")] = "code,edit,summary,chat",
     max_tokens: Annotated[int, typer.Option("--max-tokens", min=1, help="Tokens per request.")] = 64,
     repeats: Annotated[int, typer.Option("--repeats", min=1, help="Repeats per prompt (interleaved).")] = 3,
-    gamma: Annotated[str, typer.Option("--gamma", help="N, sweep (1,2,4,8 and auto) or auto.")] = str(DEFAULT_GAMMA),
+    gamma: Annotated[str, typer.Option("--gamma", help="auto, N, a list (2,4,auto) or sweep (1,2,4,8,auto).")] = str(DEFAULT_GAMMA),
     anchors: Annotated[bool, typer.Option("--anchors", help="Also run raw llama-cpp-python (plain, prompt lookup).")] = False,
     cold_start: Annotated[bool, typer.Option("--cold-start", help="Measure process start → first token, cold and warm.")] = False,
     synthetic: Annotated[str | None, typer.Option("--synthetic", help="Measure costs on a shape-true random model (e.g. qwen2.5-1.5b) instead.")] = None,
