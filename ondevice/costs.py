@@ -32,20 +32,38 @@ class Costs:
         """c = draft token time ÷ one target decode."""
         return self.draft_seconds / self.target_seconds[1] if self.target_seconds.get(1) else 0.0
 
+    def _curve(self) -> dict[int, float]:
+        """The measured times made monotone (a larger batch never costs less; noise can say otherwise)
+        and capped at k single decodes."""
+        out, best = {}, 0.0
+        t1 = self.target_seconds[1]
+        for k in sorted(self.target_seconds):
+            best = max(best, min(self.target_seconds[k], k * t1))
+            out[k] = best
+        return out
+
     def verify_cost(self, k: int) -> float:
         """cost(k)/cost(1), interpolated linearly between measured k (extrapolated from the last two)."""
-        ks = sorted(self.target_seconds)
-        t1 = self.target_seconds[1]
-        if k in self.target_seconds:
-            return self.target_seconds[k] / t1
+        curve = self._curve()
+        ks = sorted(curve)
+        t1 = curve[1]
+        if k in curve:
+            return curve[k] / t1
         lo = max((x for x in ks if x < k), default=ks[0])
         hi = min((x for x in ks if x > k), default=None)
         if hi is None:  # beyond the curve: extend the last slope
             a, b = ks[-2], ks[-1]
-            slope = (self.target_seconds[b] - self.target_seconds[a]) / (b - a)
-            return (self.target_seconds[b] + slope * (k - b)) / t1
+            slope = (curve[b] - curve[a]) / (b - a)
+            return (curve[b] + slope * (k - b)) / t1
         w = (k - lo) / (hi - lo)
-        return ((1 - w) * self.target_seconds[lo] + w * self.target_seconds[hi]) / t1
+        return ((1 - w) * curve[lo] + w * curve[hi]) / t1
+
+    def observe(self, k: int, seconds: float, draft_seconds_per_token: float | None = None, weight: float = 0.05) -> None:
+        """Fold one real step's timing into the curve (online refinement of the load-time probe)."""
+        old = self.target_seconds.get(k)
+        self.target_seconds[k] = seconds if old is None else old + weight * (seconds - old)
+        if draft_seconds_per_token is not None:
+            self.draft_seconds += weight * (draft_seconds_per_token - self.draft_seconds)
 
     def to_json(self) -> dict:
         return {"draft_cost_ratio": self.draft_cost_ratio,
@@ -118,7 +136,7 @@ def cached_measure(target: Backend, draft: Backend | None = None) -> Costs:
     if key in cache:
         e = cache[key]
         return Costs({int(k): v for k, v in e["target_seconds"].items()}, e["draft_seconds"])
-    c = measure(target, draft, reps=3)
+    c = measure(target, draft, reps=7)
     cache[key] = {"target_seconds": {str(k): v for k, v in c.target_seconds.items()}, "draft_seconds": c.draft_seconds}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")

@@ -88,10 +88,13 @@ class AdaptivePolicy:
         drafter: "model" or "ngram".
         max_gamma: largest γ considered (8 for models, 32 for n-gram by default).
         probe_every: after this many plain steps, try γ = 1 once to refresh the estimates.
+        learn_costs: refine the cost curve with every step's real timings.
     """
 
-    def __init__(self, costs: Costs, drafter: str, max_gamma: int | None = None, probe_every: int = 24) -> None:
+    def __init__(self, costs: Costs, drafter: str, max_gamma: int | None = None, probe_every: int = 24,
+                 learn_costs: bool = True) -> None:
         self.costs = costs
+        self.learn_costs = learn_costs
         self.drafter = drafter
         self.c = costs.draft_cost_ratio if drafter == "model" else 0.0
         self.max_gamma = max_gamma or (8 if drafter == "model" else 32)
@@ -134,6 +137,15 @@ class AdaptivePolicy:
             return False
         alphas = [min(est.at(j), confidences[j]) for j in range(k)] + [est.at(k)]
         return expected_rate(alphas, k + 1, self.c, self.costs) > expected_rate(alphas, k, self.c, self.costs)
+
+    def observe_step(self, drafted: int, verify_seconds: float, draft_seconds: float) -> None:
+        """Refine the cost model with a real step's timings (the probe at load can be noisy)."""
+        if not self.learn_costs:
+            return
+        per_token = draft_seconds / drafted if (drafted and self.drafter == "model") else None
+        self.costs.observe(drafted + 1, verify_seconds, per_token)
+        if self.drafter == "model":
+            self.c = self.costs.draft_cost_ratio
 
     def update(self, drafted: int, accepted: int, hint: int = 0) -> None:
         if drafted == 0:

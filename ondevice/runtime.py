@@ -349,6 +349,8 @@ class Runtime:
                         yield Chunk(tail, [], [])
                     break
                 stats.add(step)
+                if hasattr(policy, "observe_step") and stats.target_forwards > 1:  # the first pass holds the prompt
+                    policy.observe_step(step.drafted, step.verify_seconds, step.draft_seconds)
                 if stats.target_forwards == 1:
                     stats.prompt_seconds = time.perf_counter() - t_start
                 chunks: list[Chunk] = []

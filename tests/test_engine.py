@@ -88,18 +88,18 @@ def test_draft_equal_to_target_accepts_every_draft(tiny_gguf):
         assert s.mean_accepted_per_forward == gamma + 1
 
 
-def _exact_joint_law(path, ids, params, depth=3):
-    """Exact target law of the next ``depth`` tokens: enumerate every sequence with nonzero mass."""
-    b = LlamaBackend(path, n_ctx=256)
-    b.eval(ids[:-1])
-    base = b.n_past
+def exact_law(backend, ids, params, depth=3):
+    """Exact target law of the next ``depth`` tokens, enumerating every sequence with nonzero mass,
+    evaluated with ``backend`` (which is left empty)."""
+    backend.rollback(0)
+    backend.eval(ids[:-1])
+    base = backend.n_past
     law = {}
 
     def walk(prefix, mass):
-        b.rollback(base + len(prefix))
+        backend.rollback(base + len(prefix))
         ctx = ids + list(prefix)
-        logits = b.eval([ctx[-1]])[0]
-        p = sampling.probs(logits, params, ctx)
+        p = sampling.probs(backend.eval([ctx[-1]])[0], params, ctx)
         for t in np.flatnonzero(p):
             if len(prefix) + 1 == depth:
                 law[(*prefix, int(t))] = mass * p[t]
@@ -107,8 +107,16 @@ def _exact_joint_law(path, ids, params, depth=3):
                 walk((*prefix, int(t)), mass * p[t])
 
     walk((), 1.0)
-    b.close()
+    backend.rollback(0)
     return law
+
+
+def _exact_joint_law(path, ids, params, depth=3):
+    b = LlamaBackend(path, n_ctx=256)
+    try:
+        return exact_law(b, ids, params, depth)
+    finally:
+        b.close()
 
 
 def _chisquare(counts: dict, law: dict, n: int) -> float:

@@ -95,7 +95,7 @@ def test_cross_backend_greedy_equality(tiny_mlx, tiny_gguf, pair):
 
 
 def test_statistical_exactness_on_mlx_target(tiny_mlx, monkeypatch):
-    from test_engine import _chisquare
+    from test_engine import _chisquare, exact_law
 
     from ondevice import sampling
 
@@ -104,7 +104,7 @@ def test_statistical_exactness_on_mlx_target(tiny_mlx, monkeypatch):
     with ondevice.load(target, draft, device="cpu") as rt:
         ids = rt.tokenize(PROMPT)
         params = sampling.SamplingParams(temperature=T, top_k=top_k, top_p=1.0, min_p=0.0)
-        law = _exact_law(rt.target, ids, params)
+        law = exact_law(rt.target, ids, params)
         kw = dict(max_tokens=3, temperature=T, top_k=top_k, top_p=1.0, min_p=0.0, gamma=2)
 
         def counts():
@@ -117,30 +117,6 @@ def test_statistical_exactness_on_mlx_target(tiny_mlx, monkeypatch):
         assert _chisquare(counts(), law, n) > 1e-3
         monkeypatch.setattr(sampling, "residual", lambda p, q: p)
         assert _chisquare(counts(), law, n) < 1e-4
-
-
-def _exact_law(backend, ids, params, depth=3):
-    """The target's exact law of the next 3 tokens, evaluated with the runtime's own backend."""
-    from ondevice import sampling
-
-    backend.rollback(0)
-    backend.eval(ids[:-1])
-    base = backend.n_past
-    law = {}
-
-    def walk(prefix, mass):
-        backend.rollback(base + len(prefix))
-        ctx = ids + list(prefix)
-        p = sampling.probs(backend.eval([ctx[-1]])[0], params, ctx)
-        for t in np.flatnonzero(p):
-            if len(prefix) + 1 == depth:
-                law[(*prefix, int(t))] = mass * p[t]
-            else:
-                walk((*prefix, int(t)), mass * p[t])
-
-    walk((), 1.0)
-    backend.rollback(0)
-    return law
 
 
 def test_rotating_cache_rolls_back_exactly_or_refuses(tiny_mlx):

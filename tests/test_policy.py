@@ -79,7 +79,7 @@ def test_expected_rate_matches_closed_form():
 
 def _forced_policy(rt):
     """An adaptive policy that believes verification is cheap, so it speculates with varying γ."""
-    rt._adaptive = AdaptivePolicy(curve(per_token=0.05, c_seconds=0.05), rt.drafter.name, max_gamma=6)
+    rt._adaptive = AdaptivePolicy(curve(per_token=0.05, c_seconds=0.05), rt.drafter.name, max_gamma=6, learn_costs=False)
     return rt
 
 

@@ -69,6 +69,16 @@ class Backend(Protocol):
     def close(self) -> None: ...
 
 
+def check_room(n_past: int, n: int, n_ctx: int, path: Path) -> None:
+    """Refuse to evaluate ``n`` more tokens when the cache cannot hold them."""
+    if n == 0:
+        raise ValueError("eval needs at least one token")
+    if n_past + n > n_ctx:
+        raise OndeviceError(
+            f"context overflow: {n_past + n} tokens exceed n_ctx={n_ctx} of {Path(path).name}; raise n_ctx or shorten the prompt"
+        )
+
+
 def detect_format(path: Path) -> str:
     """'gguf', 'mlx' or 'coreml', from the path alone; a clear error otherwise."""
     if path.is_file() and path.suffix == ".gguf":

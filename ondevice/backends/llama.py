@@ -15,6 +15,7 @@ from typing import Literal
 
 import numpy as np
 
+from ondevice.backends import check_room
 from ondevice.errors import OndeviceError
 
 _LOG_CB = None
@@ -165,13 +166,7 @@ class LlamaBackend:
 
     def eval(self, tokens: Sequence[int], logits: Literal["all", "last"] = "all") -> np.ndarray:
         n = len(tokens)
-        if n == 0:
-            raise ValueError("eval needs at least one token")
-        if self._n_past + n > self.n_ctx:
-            raise OndeviceError(
-                f"context overflow: {self._n_past + n} tokens exceed n_ctx={self.n_ctx} of {self.path.name}; "
-                "raise n_ctx or shorten the prompt"
-            )
+        check_room(self._n_past, n, self.n_ctx, self.path)
         lib, b = self._lib, self._batch
         rows = []
         for start in range(0, n, self.n_batch):

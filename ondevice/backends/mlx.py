@@ -13,6 +13,7 @@ from typing import Literal
 
 import numpy as np
 
+from ondevice.backends import check_room
 from ondevice.errors import OndeviceError
 
 PREFILL_CHUNK = 512
@@ -132,13 +133,7 @@ class MLXBackend:
     def eval(self, tokens: Sequence[int], logits: Literal["all", "last"] = "all") -> np.ndarray:
         mx = self._mx
         n = len(tokens)
-        if n == 0:
-            raise ValueError("eval needs at least one token")
-        if self.n_past + n > self.n_ctx:
-            raise OndeviceError(
-                f"context overflow: {self.n_past + n} tokens exceed n_ctx={self.n_ctx} of {self.path.name}; "
-                "raise n_ctx or shorten the prompt"
-            )
+        check_room(self.n_past, n, self.n_ctx, self.path)
         rows = []
         for start in range(0, n, PREFILL_CHUNK):
             chunk = list(tokens[start : start + PREFILL_CHUNK])
