@@ -61,6 +61,10 @@ class ModelDrafter:
         self.target_vocab = target_vocab
         self._cached: list[int] = []  # the ids whose K/V the draft cache holds
 
+    def lag(self, context: Sequence[int]) -> int:
+        """Tokens of ``context`` the draft cache would have to evaluate before drafting."""
+        return len(context) - min(_common_prefix(self._cached, context), len(context) - 1)
+
     def _sync(self, context: Sequence[int]) -> np.ndarray:
         """Make the cache hold ``context``; return logits [V] after its last token."""
         keep = min(_common_prefix(self._cached, context), len(context) - 1)

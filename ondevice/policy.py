@@ -7,7 +7,9 @@ Model of one step with γ drafts (units: one plain target decode):
     E[tokens] = 1 + Σ_{i=1..γ} Π_{j≤i} α_j        (α_j: chance draft j is kept, given j−1 were)
     cost      = γ·c + cost(γ+1)/cost(1)            (c: draft token ÷ target decode; 0 for n-gram)
 γ = 0 is plain decoding with E = 1, cost = 1, so speculation is chosen only when it is expected to
-win; a cheap probe (γ = 1) now and then keeps the acceptance estimates fresh.
+win; a cheap probe (γ = 1) now and then keeps the acceptance estimates fresh, unless even perfect
+acceptance could not win on this machine (then the drafter is never asked). A model draft that fell
+behind during plain steps must first catch up: that batch is charged to the step that drafts.
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ from ondevice.costs import Costs
 class Policy(Protocol):
     max_gamma: int
 
-    def next_gamma(self, hint: int = 0) -> int:
-        """γ for the next step (``hint``: n-gram match length, 0 for model drafts)."""
+    def next_gamma(self, hint: int = 0, lag: int = 0) -> int:
+        """γ for the next step (``hint``: n-gram match length; ``lag``: how far the draft cache is behind)."""
         ...
 
     def update(self, drafted: int, accepted: int, hint: int = 0) -> None:
@@ -52,15 +54,16 @@ class AcceptanceEstimate:
             self.by_position[i] += self.weight * (hit - self.by_position[i])
 
 
-def expected_rate(alphas: list[float], gamma: int, c: float, costs: Costs) -> float:
-    """Expected tokens per unit time (plain decoding = 1.0) of a step with ``gamma`` drafts."""
+def expected_rate(alphas: list[float], gamma: int, c: float, costs: Costs, extra: float = 0.0) -> float:
+    """Expected tokens per unit time (plain decoding = 1.0) of a step with ``gamma`` drafts
+    (``extra``: a one-off cost of the step, e.g. catching the draft cache up)."""
     if gamma == 0:
         return 1.0
     tokens, run = 1.0, 1.0
     for i in range(gamma):
         run *= alphas[i]
         tokens += run
-    return tokens / (gamma * c + costs.verify_cost(gamma + 1))
+    return tokens / (gamma * c + costs.verify_cost(gamma + 1) + extra)
 
 
 class FixedGamma:
@@ -69,7 +72,7 @@ class FixedGamma:
     def __init__(self, gamma: int) -> None:
         self.gamma = self.max_gamma = gamma
 
-    def next_gamma(self, hint: int = 0) -> int:
+    def next_gamma(self, hint: int = 0, lag: int = 0) -> int:
         return self.gamma
 
     def update(self, drafted: int, accepted: int, hint: int = 0) -> None:
@@ -98,7 +101,8 @@ class AdaptivePolicy:
         self.drafter = drafter
         self.c = costs.draft_cost_ratio if drafter == "model" else 0.0
         self.max_gamma = max_gamma or (8 if drafter == "model" else 32)
-        self.probe_every = probe_every
+        self.probe_every = self.base_probe_every = probe_every
+        self.probing = False
         self.estimates: dict[int, AcceptanceEstimate] = {}
         self.plain_run = 0
         self.streak = 0  # consecutive steps whose drafts were all accepted
@@ -109,20 +113,37 @@ class AdaptivePolicy:
             self.estimates[key] = AcceptanceEstimate(prior=0.5 if self.drafter == "ngram" else 0.7)
         return self.estimates[key]
 
-    def next_gamma(self, hint: int = 0) -> int:
-        """γ for the next step; ``hint`` is the n-gram match length (0 for model drafts)."""
+    def _catch_up(self, lag: int) -> float:
+        """Extra cost (in target decodes) of bringing a draft cache that is ``lag`` tokens behind up to
+        date: one batch on the draft, whose curve is taken to have the target's shape."""
+        return self.c * (self.costs.verify_cost(lag) - 1.0) if lag > 1 else 0.0
+
+    def next_gamma(self, hint: int = 0, lag: int = 0) -> int:
+        """γ for the next step.
+
+        Args:
+            hint: the n-gram match length (0 for model drafts).
+            lag: tokens the draft's cache is behind the context (model drafts after plain steps).
+        """
+        self.probing = False
         est = self._estimate(hint)
         limit = self.max_gamma if (self.drafter == "model" or self.streak >= 2) else min(self.max_gamma, 8)
+        extra = self._catch_up(lag)
+        # Even drafts that are always accepted cannot beat plain decoding on this machine: never draft.
+        ceiling = max(expected_rate([1.0] * g, g, self.c, self.costs, extra) for g in range(1, limit + 1))
+        if ceiling <= 1.0:
+            return 0
         alphas = [est.at(i) for i in range(limit)]
         best, best_rate = 0, 1.0
         for g in range(1, limit + 1):
-            r = expected_rate(alphas, g, self.c, self.costs)
+            r = expected_rate(alphas, g, self.c, self.costs, extra)
             if r > best_rate:
                 best, best_rate = g, r
         if best == 0:
             self.plain_run += 1
             if self.plain_run >= self.probe_every:
                 self.plain_run = 0
+                self.probing = True
                 return 1
         else:
             self.plain_run = 0
@@ -152,3 +173,5 @@ class AdaptivePolicy:
             return
         self._estimate(hint).update(drafted, accepted)
         self.streak = self.streak + 1 if accepted == drafted else 0
+        if self.probing:  # a failed probe waits twice as long for the next one (a success resets that)
+            self.probe_every = self.base_probe_every if accepted == drafted else min(self.probe_every * 2, 512)

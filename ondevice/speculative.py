@@ -153,7 +153,8 @@ def steps(
             g = min(policy.next_gamma(hint), room) if draft else 0
             draft = draft[:g]
         else:
-            g = max(0, min(policy.next_gamma(0), room))
+            lag = drafter.lag(context) if hasattr(drafter, "lag") else 0
+            g = max(0, min(policy.next_gamma(0, lag), room))
             if g > 0:
                 draft, q = drafter.propose(context, g, params, rng, keep_drafting=getattr(policy, "keep_drafting", None))
         t1 = time.perf_counter()

@@ -45,6 +45,19 @@ def test_this_cpu_shape_prefers_plain_for_a_costly_draft():
     assert p.next_gamma() == 0
 
 
+def test_never_drafts_or_probes_when_even_perfect_drafts_lose():
+    costs = Costs({k: k ** 0.8 for k in range(1, 17)}, 0.43)  # the Qwen pair on this CPU
+    p = AdaptivePolicy(costs, "model", probe_every=2)
+    assert [p.next_gamma() for _ in range(20)] == [0] * 20  # no probes either: they could not pay
+
+
+def test_a_lagging_draft_cache_is_charged_to_the_step():
+    p = AdaptivePolicy(curve(per_token=0.2, c_seconds=0.3), "model")
+    feed(p, [(4, 4)] * 40)
+    assert p.next_gamma(lag=1) > 0
+    assert p.next_gamma(lag=200) == 0  # catching up 200 tokens would cost more than speculation gains
+
+
 def test_probe_refreshes_estimates_after_plain_run():
     p = AdaptivePolicy(curve(per_token=0.1), "model", probe_every=5)
     feed(p, [(4, 0)] * 40)
