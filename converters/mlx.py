@@ -133,36 +133,47 @@ def gguf_to_mlx(src: Path, out: Path, *, bits: int = 4, group_size: int = 64, pr
     per_layer: dict[str, dict] = {}
     requantized, kept = [], []
     tensors = {t.name: t for t in g.reader.tensors}
-    for name, tinfo in tensors.items():
-        ttype = types[name]
-        target = hf_name(name)
-        base = target[: -len(".weight")] if target.endswith(".weight") else None
-        perm = None
-        if g.arch == "llama" and (".attn_q." in name or ".attn_k." in name):
-            perm = n_head if ".attn_q." in name else n_kv
-        if ttype in LOSSLESS and base is not None:
-            # the same arrays mx.load gives for these types (tested), also in files that mix in
-            # types mx.load cannot read (Q5_0)
-            w, s, b = to_mlx_affine(tinfo.data, ttype, int(tinfo.shape[1]), int(tinfo.shape[0]))
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), console=Console(stderr=True),
+                   disable=not progress, transient=True)
+    task = bar.add_task(f"mlx {src.name}", total=len(tensors))
+    bar.start()
+    try:
+        for name, tinfo in tensors.items():
+            bar.update(task, advance=1, description=f"mlx {name}")
+            ttype = types[name]
+            target = hf_name(name)
+            base = target[: -len(".weight")] if target.endswith(".weight") else None
+            perm = None
+            if g.arch == "llama" and (".attn_q." in name or ".attn_k." in name):
+                perm = n_head if ".attn_q." in name else n_kv
+            if ttype in LOSSLESS and base is not None:
+                # the same arrays mx.load gives for these types (tested), also in files that mix in
+                # types mx.load cannot read (Q5_0)
+                w, s, b = to_mlx_affine(tinfo.data, ttype, int(tinfo.shape[1]), int(tinfo.shape[0]))
+                if perm:
+                    w, s, b = (_unpermute_rows(x, perm) for x in (w, s, b))
+                weights[target], weights[f"{base}.scales"], weights[f"{base}.biases"] = (mx.array(x) for x in (w, s, b))
+                per_layer[base] = {"group_size": 32, "bits": 8 if ttype == "Q8_0" else 4}
+                kept.append(name)
+                continue
+            arr = gguf.dequantize(tinfo.data, tinfo.tensor_type) if ttype not in KEEP_FLOAT else np.array(tinfo.data)
+            arr = np.asarray(arr, dtype=np.float32).reshape([int(d) for d in reversed(tinfo.shape)])
             if perm:
-                w, s, b = (_unpermute_rows(x, perm) for x in (w, s, b))
-            weights[target], weights[f"{base}.scales"], weights[f"{base}.biases"] = (mx.array(x) for x in (w, s, b))
-            per_layer[base] = {"group_size": 32, "bits": 8 if ttype == "Q8_0" else 4}
-            kept.append(name)
-            continue
-        arr = gguf.dequantize(tinfo.data, tinfo.tensor_type) if ttype not in KEEP_FLOAT else np.array(tinfo.data)
-        arr = np.asarray(arr, dtype=np.float32).reshape([int(d) for d in reversed(tinfo.shape)])
-        if perm:
-            arr = _unpermute_rows(arr, perm)
-        if ttype in KEEP_FLOAT or arr.ndim < 2:
-            weights[target] = mx.array(arr.astype(np.float16) if arr.ndim >= 2 else arr)
-            continue
-        # A source with more bits than asked (Q5_*, Q6_K: llama.cpp's choice for output/embedding) keeps 8.
-        qbits = 8 if ttype.startswith(("Q5", "Q6", "Q8")) else bits
-        w, s, b = mx.quantize(mx.array(arr, dtype=mx.float16), group_size=group_size, bits=qbits)
-        weights[target], weights[f"{base}.scales"], weights[f"{base}.biases"] = w, s, b
-        per_layer[base] = {"group_size": group_size, "bits": qbits}
-        requantized.append(name)
+                arr = _unpermute_rows(arr, perm)
+            if ttype in KEEP_FLOAT or arr.ndim < 2:
+                weights[target] = mx.array(arr.astype(np.float16) if arr.ndim >= 2 else arr)
+                continue
+            # A source with more bits than asked (Q5_*, Q6_K: llama.cpp's choice for output/embedding) keeps 8.
+            qbits = 8 if ttype.startswith(("Q5", "Q6", "Q8")) else bits
+            w, s, b = mx.quantize(mx.array(arr, dtype=mx.float16), group_size=group_size, bits=qbits)
+            weights[target], weights[f"{base}.scales"], weights[f"{base}.biases"] = w, s, b
+            per_layer[base] = {"group_size": group_size, "bits": qbits}
+            requantized.append(name)
+    finally:
+        bar.stop()
     # mlx-lm infers each layer's bits from its shapes; the top-level entry is the default.
     cfg["quantization"] = {"group_size": group_size, "bits": bits, **per_layer}
     cfg["quantization_config"] = cfg["quantization"]

@@ -58,6 +58,28 @@ class Costs:
         w = (k - lo) / (hi - lo)
         return ((1 - w) * curve[lo] + w * curve[hi]) / t1
 
+    def verify_costs(self, n: int) -> list[float]:
+        """[cost(1), …, cost(n)] relative to cost(1), from one pass over the curve (the policy's hot path)."""
+        curve = self._curve()
+        ks = sorted(curve)
+        t1 = curve[1]
+        out = []
+        j = 0
+        for k in range(1, n + 1):
+            while j + 1 < len(ks) and ks[j + 1] <= k:
+                j += 1
+            lo = ks[j]
+            if k == lo:
+                out.append(curve[lo] / t1)
+            elif j + 1 < len(ks):
+                hi = ks[j + 1]
+                w = (k - lo) / (hi - lo)
+                out.append(((1 - w) * curve[lo] + w * curve[hi]) / t1)
+            else:
+                a, b = ks[-2], ks[-1]
+                out.append((curve[b] + (curve[b] - curve[a]) / (b - a) * (k - b)) / t1)
+        return out
+
     def observe(self, k: int, seconds: float, draft_seconds_per_token: float | None = None, weight: float = 0.05) -> None:
         """Fold one real step's timing into the curve (online refinement of the load-time probe)."""
         old = self.target_seconds.get(k)

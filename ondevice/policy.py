@@ -128,17 +128,22 @@ class AdaptivePolicy:
         self.probing = False
         est = self._estimate(hint)
         limit = self.max_gamma if (self.drafter == "model" or self.streak >= 2) else min(self.max_gamma, 8)
-        extra = self._catch_up(lag)
+        vc = self.costs.verify_costs(limit + 1)  # one pass over the curve per step
+        extra = self.c * (vc[lag - 1] - 1.0) if 1 < lag <= len(vc) else (self._catch_up(lag) if lag > 1 else 0.0)
+        alphas = [est.at(i) for i in range(limit)]
+        best, best_rate, ceiling = 0, 1.0, 0.0
+        tokens, perfect, run = 1.0, 1.0, 1.0
+        for g in range(1, limit + 1):
+            cost = g * self.c + vc[g] + extra
+            run *= alphas[g - 1]
+            tokens += run
+            perfect += 1.0
+            ceiling = max(ceiling, perfect / cost)
+            if tokens / cost > best_rate:
+                best, best_rate = g, tokens / cost
         # Even drafts that are always accepted cannot beat plain decoding on this machine: never draft.
-        ceiling = max(expected_rate([1.0] * g, g, self.c, self.costs, extra) for g in range(1, limit + 1))
         if ceiling <= 1.0:
             return 0
-        alphas = [est.at(i) for i in range(limit)]
-        best, best_rate = 0, 1.0
-        for g in range(1, limit + 1):
-            r = expected_rate(alphas, g, self.c, self.costs, extra)
-            if r > best_rate:
-                best, best_rate = g, r
         if best == 0:
             self.plain_run += 1
             if self.plain_run >= self.probe_every:

@@ -87,3 +87,19 @@ def test_smollm2_gguf_to_mlx_tokenizes_identically_and_agrees(smollm2, tmp_path)
     agree = float((out.argmax(1) == ref.argmax(1)).mean())
     print(f"SmolLM2 GGUF vs MLX teacher-forced top-1 agreement over 256 tokens: {agree:.3f}")
     assert agree >= 0.9
+    g.close()
+    m.close()
+
+    # the converted model as an MLX target: greedy n-gram speculation == greedy plain, where MLX is batch-invariant
+    from test_mlx import _mlx_batch_invariant
+
+    import ondevice
+
+    if not _mlx_batch_invariant(tmp_path / "smol"):
+        pytest.skip("MLX CPU logits of SmolLM2 depend on batch size here; greedy equality not asserted")
+    prompt = "The capital of France is Paris. The capital of France is"
+    with ondevice.load(tmp_path / "smol", drafter="none", device="cpu") as rt:
+        ref = rt.generate(prompt, max_tokens=16, temperature=0)
+    with ondevice.load(tmp_path / "smol", drafter="ngram", device="cpu") as rt:
+        res = rt.generate(prompt, max_tokens=16, temperature=0, gamma=4)
+    assert res.tokens == ref.tokens and res.stats.drafted > 0
