@@ -215,7 +215,7 @@ def chat_cmd(
     with load(model, draft, drafter=drafter, n_ctx=n_ctx, threads=threads, device=device) as rt:
         name = rt.drafter.name if rt.drafter else "none"
         gen = dict(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                   repetition_penalty=repetition_penalty, seed=seed, gamma=_gamma(gamma) if rt.drafter else 0)
+                   repetition_penalty=repetition_penalty, seed=seed, gamma=_gamma(gamma))
         run_chat(rt, system=system, show_draft=show_draft, show_stats=stats, gen=gen,
                  title=f"ondevice chat · {model} · drafter {name}")
 

@@ -44,19 +44,7 @@ class Costs:
 
     def verify_cost(self, k: int) -> float:
         """cost(k)/cost(1), interpolated linearly between measured k (extrapolated from the last two)."""
-        curve = self._curve()
-        ks = sorted(curve)
-        t1 = curve[1]
-        if k in curve:
-            return curve[k] / t1
-        lo = max((x for x in ks if x < k), default=ks[0])
-        hi = min((x for x in ks if x > k), default=None)
-        if hi is None:  # beyond the curve: extend the last slope
-            a, b = ks[-2], ks[-1]
-            slope = (curve[b] - curve[a]) / (b - a)
-            return (curve[b] + slope * (k - b)) / t1
-        w = (k - lo) / (hi - lo)
-        return ((1 - w) * curve[lo] + w * curve[hi]) / t1
+        return self.verify_costs(k)[k - 1]
 
     def verify_costs(self, n: int) -> list[float]:
         """[cost(1), …, cost(n)] relative to cost(1), from one pass over the curve (the policy's hot path)."""

@@ -61,13 +61,17 @@ class ModelDrafter:
         self.target_vocab = target_vocab
         self._cached: list[int] = []  # the ids whose K/V the draft cache holds
 
+    def _keep(self, context: Sequence[int]) -> int:
+        """Cached positions still valid for ``context`` (at least its last token is re-evaluated)."""
+        return min(_common_prefix(self._cached, context), len(context) - 1)
+
     def lag(self, context: Sequence[int]) -> int:
         """Tokens of ``context`` the draft cache would have to evaluate before drafting."""
-        return len(context) - min(_common_prefix(self._cached, context), len(context) - 1)
+        return len(context) - self._keep(context)
 
     def _sync(self, context: Sequence[int]) -> np.ndarray:
         """Make the cache hold ``context``; return logits [V] after its last token."""
-        keep = min(_common_prefix(self._cached, context), len(context) - 1)
+        keep = self._keep(context)
         self.backend.rollback(keep)
         self._cached = list(context[:keep])
         logits = self.backend.eval(context[keep:], logits="last")[-1]

@@ -99,7 +99,6 @@ class AdaptivePolicy:
         self.costs = costs
         self.learn_costs = learn_costs
         self.drafter = drafter
-        self.c = costs.draft_cost_ratio if drafter == "model" else 0.0
         self.max_gamma = max_gamma or (8 if drafter == "model" else 32)
         self.probe_every = self.base_probe_every = probe_every
         self.probing = False
@@ -107,16 +106,16 @@ class AdaptivePolicy:
         self.plain_run = 0
         self.streak = 0  # consecutive steps whose drafts were all accepted
 
+    @property
+    def c(self) -> float:
+        """Draft token ÷ target decode (n-gram drafts cost nothing)."""
+        return self.costs.draft_cost_ratio if self.drafter == "model" else 0.0
+
     def _estimate(self, hint: int) -> AcceptanceEstimate:
         key = min(hint, 4) if self.drafter == "ngram" else 0
         if key not in self.estimates:
             self.estimates[key] = AcceptanceEstimate(prior=0.5 if self.drafter == "ngram" else 0.7)
         return self.estimates[key]
-
-    def _catch_up(self, lag: int) -> float:
-        """Extra cost (in target decodes) of bringing a draft cache that is ``lag`` tokens behind up to
-        date: one batch on the draft, whose curve is taken to have the target's shape."""
-        return self.c * (self.costs.verify_cost(lag) - 1.0) if lag > 1 else 0.0
 
     def next_gamma(self, hint: int = 0, lag: int = 0) -> int:
         """γ for the next step.
@@ -128,13 +127,16 @@ class AdaptivePolicy:
         self.probing = False
         est = self._estimate(hint)
         limit = self.max_gamma if (self.drafter == "model" or self.streak >= 2) else min(self.max_gamma, 8)
-        vc = self.costs.verify_costs(limit + 1)  # one pass over the curve per step
-        extra = self.c * (vc[lag - 1] - 1.0) if 1 < lag <= len(vc) else (self._catch_up(lag) if lag > 1 else 0.0)
+        c = self.c
+        vc = self.costs.verify_costs(max(limit + 1, lag))  # one pass over the curve per step
+        # A draft cache ``lag`` tokens behind must catch up first: one batch on the draft, whose curve
+        # is taken to have the target's shape; it is charged to the step that drafts.
+        extra = c * (vc[lag - 1] - 1.0) if lag > 1 else 0.0
         alphas = [est.at(i) for i in range(limit)]
         best, best_rate, ceiling = 0, 1.0, 0.0
         tokens, perfect, run = 1.0, 1.0, 1.0
         for g in range(1, limit + 1):
-            cost = g * self.c + vc[g] + extra
+            cost = g * c + vc[g] + extra
             run *= alphas[g - 1]
             tokens += run
             perfect += 1.0
@@ -170,8 +172,6 @@ class AdaptivePolicy:
             return
         per_token = draft_seconds / drafted if (drafted and self.drafter == "model") else None
         self.costs.observe(drafted + 1, verify_seconds, per_token)
-        if self.drafter == "model":
-            self.c = self.costs.draft_cost_ratio
 
     def update(self, drafted: int, accepted: int, hint: int = 0) -> None:
         if drafted == 0:

@@ -23,7 +23,6 @@ class Backend(Protocol):
         path: the model file or directory.
         vocab_size: rows of the output layer (logits width).
         n_ctx: the context length the cache was created with.
-        eog_ids: ids that end generation.
         add_bos / bos_id: whether a prompt starts with BOS, and which id.
         chat_template: the model's jinja chat template, if any.
     """
@@ -31,7 +30,6 @@ class Backend(Protocol):
     path: Path
     vocab_size: int
     n_ctx: int
-    eog_ids: frozenset[int]
     add_bos: bool
     bos_id: int | None
     chat_template: str | None
@@ -39,6 +37,10 @@ class Backend(Protocol):
     @property
     def n_past(self) -> int:
         """Tokens currently in the KV cache."""
+        ...
+
+    def is_eog(self, token: int) -> bool:
+        """Does ``token`` end generation (EOS, EOT, or any other end-of-generation id)?"""
         ...
 
     def tokenize(self, text: str, *, add_bos: bool = True, special: bool = True) -> list[int]:

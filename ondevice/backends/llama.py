@@ -129,10 +129,6 @@ class LlamaBackend:
     def is_eog(self, token: int) -> bool:
         return bool(self._lib.llama_vocab_is_eog(self._vocab, int(token)))
 
-    @property
-    def eog_ids(self) -> frozenset[int]:
-        return frozenset(t for t in (self._lib.llama_vocab_eos(self._vocab), self._lib.llama_vocab_eot(self._vocab)) if t >= 0)
-
     def tokenize(self, text: str, *, add_bos: bool = True, special: bool = True) -> list[int]:
         data = text.encode("utf-8")
         n_max = len(data) + 8
@@ -210,10 +206,6 @@ class LlamaBackend:
                 f"{self.path.name}: rollback to {n_past} is not exact (cache holds positions {pos_min}..{pos_max}); "
                 "this cache pruned positions the model still needs"
             )
-
-    def reset(self) -> None:
-        self._lib.llama_memory_clear(self._mem, True)
-        self._n_past = 0
 
     def close(self) -> None:
         lib = self._lib

@@ -89,10 +89,6 @@ class MLXBackend:
     def is_eog(self, token: int) -> bool:
         return int(token) in self._eog
 
-    @property
-    def eog_ids(self) -> frozenset[int]:
-        return self._eog
-
     def tokenize(self, text: str, *, add_bos: bool = True, special: bool = True) -> list[int]:
         ids = self._hf.encode(text, add_special_tokens=False, split_special_tokens=not special)
         if add_bos and self.add_bos and (not ids or ids[0] != self.bos_id):
@@ -162,9 +158,6 @@ class MLXBackend:
                 )
         for c in self.cache:
             c.trim(cur - n_past)
-
-    def reset(self) -> None:
-        self.rollback(0)
 
     def close(self) -> None:
         self.cache = []
