@@ -232,6 +232,8 @@ def test_bad_inputs_are_one_line_errors(tiny_gguf, tmp_path):
         ondevice.load(tiny_gguf("llama"), tiny_gguf("qwen2"))
     with pytest.raises(OndeviceError, match="unknown model"):
         ondevice.load("no-such-model")
+    with pytest.raises(OndeviceError, match="device="):
+        ondevice.load(tiny_gguf("llama"), device="tpu")
     with ondevice.load(tiny_gguf("llama"), n_ctx=256) as rt:
         n_ctx = rt.target.n_ctx
         ids = (rt.tokenize(PROMPT) * n_ctx)[:n_ctx]
@@ -243,6 +245,8 @@ def test_bad_inputs_are_one_line_errors(tiny_gguf, tmp_path):
             rt.generate(PROMPT, top_p=2.0)
         with pytest.raises(OndeviceError, match="max_tokens"):
             rt.generate(PROMPT, max_tokens=0)
+        with pytest.raises(OndeviceError, match="gamma"):
+            rt.generate(PROMPT, gamma="fast")
         for gamma in (0, 4):  # runs into the end of the context: stops cleanly, never overflows
             res = rt.generate(ids[: n_ctx - 6], max_tokens=100, temperature=0, gamma=gamma)
             assert res.stats.stop_reason in ("context", "eos") and res.stats.tokens <= 7
