@@ -22,16 +22,21 @@ def convert(
     bits: int = 4,
     group_size: int = 64,
     draft: str | Path | None = None,
+    context: int = 512,
+    compress: str = "int4",
+    compute_units: str = "CPU_AND_NE",
     progress: bool = True,
 ) -> dict:
     """Convert ``src`` (and optionally a ``draft``) into a new directory ``out``.
 
     Args:
-        src: HF checkpoint directory (or GGUF file for ``to="mlx"``).
+        src: HF checkpoint directory, or a GGUF file for ``to="mlx"`` / ``to="coreml"``.
         to: "gguf" | "mlx" | "coreml".
         out: a new directory; a pair writes ``out/target`` and ``out/draft``.
         quant: GGUF quantization: f16 | q8_0 | q4_0 | q4_k_m.
         bits, group_size: MLX quantization.
+        context, compress, compute_units: Core ML: cache slots (fixed at conversion), int4 | palettize4 | none,
+            the compute units recorded in the package (CPU_AND_NE: Neural Engine).
         draft: a draft checkpoint to convert with the same settings, after checking its vocabulary.
         progress: show rich progress bars.
     Returns:
@@ -49,6 +54,8 @@ def convert(
 
         if quant not in QUANTS:
             raise OndeviceError(f"--quant {quant}: unknown; choose one of {', '.join(QUANTS)}")
+    opts = {"quant": quant, "bits": bits, "group_size": group_size, "context": context, "compress": compress,
+            "compute_units": compute_units, "progress": progress}
     check_out(out)
     t0 = time.perf_counter()
     if draft is not None:
@@ -58,13 +65,13 @@ def convert(
         check_vocabs(vt, vd, src, draft)  # before anything is written
         with atomic_dir(out) as tmp:
             summary = {
-                "target": _convert_one(src, to, tmp / "target", quant, bits, group_size, progress),
-                "draft": _convert_one(Path(draft), to, tmp / "draft", quant, bits, group_size, progress),
+                "target": _convert_one(src, to, tmp / "target", **opts),
+                "draft": _convert_one(Path(draft), to, tmp / "draft", **opts),
             }
         summary["out"] = str(out)
     else:
         with atomic_dir(out) as tmp:
-            summary = _convert_one(src, to, tmp, quant, bits, group_size, progress)
+            summary = _convert_one(src, to, tmp, **opts)
         summary["out"] = str(out)
     summary["seconds"] = round(time.perf_counter() - t0, 3)
     return summary
@@ -82,7 +89,8 @@ def _vocab_of(path: Path) -> list[str]:
     return read_hf_vocab(ckpt.path, ckpt.vocab_size, ckpt.config).tokens
 
 
-def _convert_one(src: Path, to: str, out: Path, quant: str, bits: int, group_size: int, progress: bool) -> dict:
+def _convert_one(src: Path, to: str, out: Path, *, quant: str, bits: int, group_size: int, context: int,
+                 compress: str, compute_units: str, progress: bool) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     if to == "gguf":
         from converters.to_gguf import hf_to_gguf
@@ -94,4 +102,4 @@ def _convert_one(src: Path, to: str, out: Path, quant: str, bits: int, group_siz
         return to_mlx(src, out, bits=bits, group_size=group_size, progress=progress)
     from converters.coreml import to_coreml
 
-    return to_coreml(src, out, progress=progress)
+    return to_coreml(src, out, context=context, compress=compress, compute_units=compute_units, progress=progress)

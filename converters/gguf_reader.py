@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from functools import cached_property
 from pathlib import Path
+
+import numpy as np
 
 from ondevice.errors import OndeviceError
 
@@ -105,3 +108,28 @@ class GGUFFile:
         if eos is not None:
             cfg["eos_token_id"] = int(eos)
         return cfg
+
+
+def unpermute_rows(a: np.ndarray, n_head: int) -> np.ndarray:
+    """Inverse of the llama Q/K row permutation (GGUF interleaved rope rows → HF rotate-half rows)."""
+    rows = a.shape[0]
+    return a.reshape(n_head, rows // n_head // 2, 2, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape)
+
+
+def llama_permuted_heads(g: GGUFFile, name: str, cfg: dict) -> int | None:
+    """For a llama GGUF's Q or K weight, the head count its rows were permuted with; else None."""
+    if g.arch == "llama" and (".attn_q." in name or ".attn_k." in name):
+        return cfg["num_attention_heads"] if ".attn_q." in name else cfg["num_key_value_heads"]
+    return None
+
+
+def float_tensors(g: GGUFFile) -> Iterator[tuple[str, np.ndarray]]:
+    """Every tensor dequantized to float32, in HF layout and under its HF name."""
+    import gguf
+
+    cfg = g.config()
+    for t in g.reader.tensors:
+        arr = np.asarray(gguf.dequantize(t.data, t.tensor_type), dtype=np.float32)
+        arr = arr.reshape([int(d) for d in reversed(t.shape)])
+        heads = llama_permuted_heads(g, t.name, cfg)
+        yield hf_name(t.name), unpermute_rows(arr, heads) if heads else arr

@@ -100,12 +100,6 @@ def quantized_layers(directory: Path) -> dict:
     return {"layers": layers, "quantized": len(layers) - len(unquantized), "unquantized": unquantized}
 
 
-def _unpermute_rows(a: np.ndarray, n_head: int) -> np.ndarray:
-    """Inverse of the llama Q/K row permutation (GGUF interleaved rope rows → HF rotate-half rows)."""
-    rows = a.shape[0]
-    return a.reshape(n_head, rows // n_head // 2, 2, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape)
-
-
 def gguf_to_mlx(src: Path, out: Path, *, bits: int = 4, group_size: int = 64, progress: bool = True) -> dict:
     """GGUF (llama/qwen2, BPE tokenizer) → mlx-lm directory.
 
@@ -118,7 +112,7 @@ def gguf_to_mlx(src: Path, out: Path, *, bits: int = 4, group_size: int = 64, pr
     import mlx.core as mx
 
     from converters.gguf_blocks import to_mlx_affine
-    from converters.gguf_reader import GGUFFile, hf_name
+    from converters.gguf_reader import GGUFFile, hf_name, llama_permuted_heads, unpermute_rows
     from converters.tokenizer import write_hf_tokenizer
 
     t0 = time.perf_counter()
@@ -126,7 +120,6 @@ def gguf_to_mlx(src: Path, out: Path, *, bits: int = 4, group_size: int = 64, pr
     g.require_supported()
     cfg = g.config()
     tok_info = write_hf_tokenizer(g, out)  # fails early on an unknown pre-tokenizer
-    n_head, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     types = {t.name: t.tensor_type.name for t in g.reader.tensors}
     n_params = sum(int(np.prod(t.shape)) for t in g.reader.tensors)
     weights: dict[str, mx.array] = {}
@@ -146,15 +139,13 @@ def gguf_to_mlx(src: Path, out: Path, *, bits: int = 4, group_size: int = 64, pr
             ttype = types[name]
             target = hf_name(name)
             base = target[: -len(".weight")] if target.endswith(".weight") else None
-            perm = None
-            if g.arch == "llama" and (".attn_q." in name or ".attn_k." in name):
-                perm = n_head if ".attn_q." in name else n_kv
+            perm = llama_permuted_heads(g, name, cfg)
             if ttype in LOSSLESS and base is not None:
                 # the same arrays mx.load gives for these types (tested), also in files that mix in
                 # types mx.load cannot read (Q5_0)
                 w, s, b = to_mlx_affine(tinfo.data, ttype, int(tinfo.shape[1]), int(tinfo.shape[0]))
                 if perm:
-                    w, s, b = (_unpermute_rows(x, perm) for x in (w, s, b))
+                    w, s, b = (unpermute_rows(x, perm) for x in (w, s, b))
                 weights[target], weights[f"{base}.scales"], weights[f"{base}.biases"] = (mx.array(x) for x in (w, s, b))
                 per_layer[base] = {"group_size": 32, "bits": 8 if ttype == "Q8_0" else 4}
                 kept.append(name)
@@ -162,7 +153,7 @@ def gguf_to_mlx(src: Path, out: Path, *, bits: int = 4, group_size: int = 64, pr
             arr = gguf.dequantize(tinfo.data, tinfo.tensor_type) if ttype not in KEEP_FLOAT else np.array(tinfo.data)
             arr = np.asarray(arr, dtype=np.float32).reshape([int(d) for d in reversed(tinfo.shape)])
             if perm:
-                arr = _unpermute_rows(arr, perm)
+                arr = unpermute_rows(arr, perm)
             if ttype in KEEP_FLOAT or arr.ndim < 2:
                 weights[target] = mx.array(arr.astype(np.float16) if arr.ndim >= 2 else arr)
                 continue

@@ -31,7 +31,16 @@ def describe(model: str | Path, device: str | None = None) -> dict:
                     vocab_size=cfg.get("vocab_size"), context_length=cfg.get("max_position_embeddings"),
                     sliding_window=cfg.get("sliding_window"), device=_mlx_device(device))
     else:
-        info.update(device="Core ML (macOS only)")
+        from converters.coreml import describe_package
+        from ondevice.backends.coreml import package_dir, read_manifest
+
+        directory, package = package_dir(path)
+        m = read_manifest(directory)
+        desc = describe_package(package)
+        info.update(arch=m.get("arch"), quant=m.get("quant"), vocab_size=m.get("vocab_size"), context_length=m["context"],
+                    prefill_chunk=m.get("prefill_chunk"), functions=sorted(desc["functions"]),
+                    weights=desc["functions"][desc["default_function"]]["weights"],
+                    device=f"Core ML {m.get('compute_units', '')} (prediction on macOS 15+ only)")
     return info
 
 

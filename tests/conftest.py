@@ -80,6 +80,24 @@ def tiny_gguf(tiny_hf):
 
 
 @pytest.fixture(scope="session")
+def tiny_coreml(tiny_hf):
+    """(name, compress) → a Core ML directory converted by our converter (context 128, cached on disk)."""
+    from converters import convert
+
+    def get(name: str, compress: str = "int4") -> Path:
+        out = TINY_CACHE / "coreml" / f"{name}-{compress}"
+        if not (out / "manifest.json").is_file():
+            if out.exists():
+                import shutil
+
+                shutil.rmtree(out)
+            convert(tiny_hf[name], to="coreml", out=out, context=128, compress=compress, progress=False)
+        return out
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def smollm2() -> Path:
     """The real default model (98 MB), pulled through the catalog once and cached."""
     from ondevice import catalog

@@ -129,4 +129,4 @@ def open_backend(
         return MLXBackend(path, n_ctx=n_ctx, device=device)
     from ondevice.backends.coreml import CoreMLBackend
 
-    return CoreMLBackend(path, n_ctx=n_ctx)
+    return CoreMLBackend(path, n_ctx=n_ctx, device=device)

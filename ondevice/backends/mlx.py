@@ -14,6 +14,7 @@ from typing import Literal
 import numpy as np
 
 from ondevice.backends import check_room
+from ondevice.backends.hf_vocab import HFVocab
 from ondevice.errors import OndeviceError
 
 PREFILL_CHUNK = 512
@@ -33,20 +34,7 @@ def pick_device(device: str | None):
     return dev
 
 
-def _byte_decoder() -> dict[str, int]:
-    """GPT-2's printable-character ↔ byte table, inverted (byte-level BPE tokens → raw bytes)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {chr(c): b for b, c in zip(bs, cs, strict=True)}
-
-
-class MLXBackend:
+class MLXBackend(HFVocab):
     """An mlx-lm model directory and its KV cache (see ``ondevice.backends.Backend``).
 
     Args:
@@ -77,49 +65,7 @@ class MLXBackend:
         self.n_ctx = int(n_ctx)
         args = getattr(self.model, "args", None)
         self.vocab_size = int(getattr(args, "vocab_size", 0) or len(self.tokenizer.get_vocab()))
-        tok = self.tokenizer._tokenizer  # the HF PreTrainedTokenizerFast
-        self._hf = tok
-        self.bos_id = tok.bos_token_id
-        self.add_bos = bool(getattr(tok, "add_bos_token", False)) and self.bos_id is not None
-        self.chat_template = getattr(tok, "chat_template", None)
-        self._eog = frozenset(int(t) for t in (self.tokenizer.eos_token_ids or []))
-        self._pieces: dict[int, bytes] | None = None
-
-    # -- vocabulary ------------------------------------------------------------------------------
-    def is_eog(self, token: int) -> bool:
-        return int(token) in self._eog
-
-    def tokenize(self, text: str, *, add_bos: bool = True, special: bool = True) -> list[int]:
-        ids = self._hf.encode(text, add_special_tokens=False, split_special_tokens=not special)
-        if add_bos and self.add_bos and (not ids or ids[0] != self.bos_id):
-            ids.insert(0, self.bos_id)
-        return list(ids)
-
-    def _build_pieces(self) -> dict[int, bytes]:
-        dec = _byte_decoder()
-        special = set(self._hf.all_special_ids)
-        added = {i: t.content for i, t in self._hf.added_tokens_decoder.items()}
-        pieces = {}
-        for text, i in self._hf.get_vocab().items():
-            if i in special or (i in added and getattr(self._hf.added_tokens_decoder[i], "special", False)):
-                pieces[i] = b""
-            elif i in added:
-                pieces[i] = added[i].encode("utf-8")
-            else:
-                try:
-                    pieces[i] = bytes(dec[c] for c in text)
-                except KeyError:  # not a byte-level token (e.g. SentencePiece): fall back to its text
-                    pieces[i] = text.replace("▁", " ").encode("utf-8")
-        return pieces
-
-    def token_bytes(self, token: int) -> bytes:
-        if self._pieces is None:
-            self._pieces = self._build_pieces()
-        return self._pieces.get(int(token), b"")
-
-    def vocab_tokens(self) -> list[str]:
-        inv = {i: t for t, i in self._hf.get_vocab().items()}
-        return [inv.get(i, f"[PAD{i}]") for i in range(self.vocab_size)]
+        self._init_vocab(self.tokenizer._tokenizer, self.tokenizer.eos_token_ids or [])  # the HF fast tokenizer
 
     # -- cache -----------------------------------------------------------------------------------
     @property

@@ -1,0 +1,308 @@
+"""→ Core ML: a stateful, multifunction ``model.mlpackage`` for a draft-sized llama / qwen2 decoder.
+
+The graph is emitted by running ``converters.decoder.forward`` with ``MILOps`` (the coremltools MIL
+builder; no torch), once per function: ``decode`` (1 token) and ``prefill`` (a fixed chunk of N
+tokens). Both take ``input_ids`` [1, S] int32 and ``position`` [1] int32 (the cache slot of the first
+token), return ``logits`` [1, S, vocab] float32, and share one fp16 KV state per layer
+(``k_cache_i`` / ``v_cache_i``: [kv_heads, context, head_dim]). Weights are compressed with
+coremltools' own optimizers (int4 per-block or 4-bit palettization) and deduplicated across the two
+functions by ``save_multifunction``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import logging
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+
+from converters.decoder import MASK_VALUE, DecoderConfig, forward, load_weights
+from converters.output import write_manifest
+from ondevice.errors import OndeviceError
+
+COMPRESSIONS = ("int4", "palettize4", "none")
+COMPUTE_UNITS = ("CPU_AND_NE", "CPU_ONLY", "CPU_AND_GPU", "ALL")
+BLOCK_SIZE = 32
+PREFILL_CHUNK = 64
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+
+
+class MILOps:
+    """MIL-builder primitives for ``forward``: fp16 throughout, the KV cache in Core ML states."""
+
+    def __init__(self, cfg: DecoderConfig, context: int, s: int, states: dict) -> None:
+        from coremltools.converters.mil import Builder as mb
+
+        self.mb, self.cfg, self.context, self.s, self.states = mb, cfg, context, s, states
+        cos, sin = cfg.rope_tables(context)
+        self.cos, self.sin = cos.astype(np.float16), sin.astype(np.float16)
+
+    @staticmethod
+    def _w(a: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(a, dtype=np.float16)
+
+    def embed(self, table, ids):
+        mb = self.mb
+        x = mb.gather(x=self._w(table), indices=mb.reshape(x=ids, shape=[self.s]), axis=0)
+        return x  # [S, hidden]
+
+    def positions(self, position):
+        mb = self.mb
+        pos = mb.add(x=np.arange(self.s, dtype=np.int32), y=position)  # [S]
+        cos = mb.gather(x=mb.const(val=self.cos, name="rope_cos"), indices=pos, axis=0)
+        sin = mb.gather(x=mb.const(val=self.sin, name="rope_sin"), indices=pos, axis=0)
+        visible = mb.less_equal(x=np.arange(self.context, dtype=np.int32)[None, :], y=mb.reshape(x=pos, shape=[self.s, 1]))
+        mask = mb.select(cond=visible, a=np.float16(0.0), b=np.float16(MASK_VALUE))  # [S, context]
+        return cos, sin, mask
+
+    def rms_norm(self, x, weight, eps):
+        # x / sqrt(mean(x²) + eps), rewritten with m = max|x| so that x² cannot overflow fp16 (activation
+        # outliers of 10³ are common): y = (x/m) / sqrt(mean((x/m)²) + eps/m²). Exact for any m > 0.
+        mb = self.mb
+        m = mb.maximum(x=mb.reduce_max(x=mb.abs(x=x), axes=[-1], keep_dims=True), y=np.float16(1e-3))
+        xs = mb.real_div(x=x, y=m)
+        ms = mb.reduce_mean(x=mb.mul(x=xs, y=xs), axes=[-1], keep_dims=True)
+        ms = mb.add(x=ms, y=mb.real_div(x=np.float16(eps), y=mb.mul(x=m, y=m)))
+        return mb.mul(x=mb.mul(x=xs, y=mb.rsqrt(x=ms)), y=self._w(weight))
+
+    def linear(self, x, weight, bias=None):
+        kw = {} if bias is None else {"bias": self._w(bias)}
+        return self.mb.linear(x=x, weight=self._w(weight), **kw)
+
+    def split_heads(self, x, n, d):
+        mb = self.mb
+        return mb.transpose(x=mb.reshape(x=x, shape=[self.s, n, d]), perm=[1, 0, 2])
+
+    def rope(self, x, cos, sin):
+        mb = self.mb
+        x1, x2 = mb.split(x=x, num_splits=2, axis=-1)
+        rotated = mb.concat(values=[mb.mul(x=x2, y=np.float16(-1.0)), x1], axis=-1)
+        return mb.add(x=mb.mul(x=x, y=cos), y=mb.mul(x=rotated, y=sin))
+
+    def cache_write(self, layer, k, v, position):
+        mb = self.mb
+        hkv, d = self.cfg.n_kv_heads, self.cfg.head_dim
+        zero = np.zeros(1, np.int32)
+        begin = mb.concat(values=[zero, position, zero], axis=0)
+        end = mb.concat(values=[np.array([hkv], np.int32), mb.add(x=position, y=np.int32(self.s)), np.array([d], np.int32)], axis=0)
+        out = []
+        for name, new in ((f"k_cache_{layer}", k), (f"v_cache_{layer}", v)):
+            state = self.states[name]
+            written = mb.slice_update(x=mb.read_state(input=state), update=new, begin=begin, end=end)
+            # coremltools 9: the state update must directly follow the op producing its value
+            out.append(mb.coreml_update_state(state=state, value=written))
+        return out[0], out[1]
+
+    def attention(self, q, k, v, mask, n_rep, scale):
+        mb = self.mb
+        h, s, d, c = self.cfg.n_heads, self.s, self.cfg.head_dim, self.context
+        g = h // n_rep
+        qg = mb.reshape(x=q, shape=[g, n_rep * s, d])
+        scores = mb.mul(x=mb.matmul(x=qg, y=k, transpose_y=True), y=np.float16(scale))
+        scores = mb.add(x=mb.reshape(x=scores, shape=[g, n_rep, s, c]), y=mask)
+        probs = mb.reshape(x=mb.softmax(x=scores, axis=-1), shape=[g, n_rep * s, c])
+        out = mb.reshape(x=mb.matmul(x=probs, y=v), shape=[h, s, d])
+        return mb.reshape(x=mb.transpose(x=out, perm=[1, 0, 2]), shape=[s, h * d])
+
+    def add(self, a, b):
+        return self.mb.add(x=a, y=b)
+
+    def mul(self, a, b):
+        return self.mb.mul(x=a, y=b)
+
+    def silu(self, x):
+        return self.mb.silu(x=x)
+
+    def logits(self, x, head):
+        mb = self.mb
+        y = mb.cast(x=mb.linear(x=x, weight=self._w(head)), dtype="fp32")
+        return mb.reshape(x=y, shape=[1, self.s, self.cfg.vocab_size], name="logits")
+
+
+def build_program(cfg: DecoderConfig, weights: dict[str, np.ndarray], context: int, s: int):
+    """A one-function MIL program ('main') for ``s`` tokens per call over a ``context``-slot cache."""
+    import coremltools as ct
+    from coremltools.converters.mil import Builder as mb
+    from coremltools.converters.mil.mil import Function, Program, types
+
+    specs = {"input_ids": mb.TensorSpec((1, s), dtype=types.int32), "position": mb.TensorSpec((1,), dtype=types.int32)}
+    shape = (cfg.n_kv_heads, context, cfg.head_dim)
+    for i in range(cfg.n_layers):
+        specs[f"k_cache_{i}"] = mb.StateTensorSpec(shape, dtype=types.fp16)
+        specs[f"v_cache_{i}"] = mb.StateTensorSpec(shape, dtype=types.fp16)
+    with Function(specs, opset_version=ct.target.iOS18) as func:
+        ops = MILOps(cfg, context, s, {k: v for k, v in func.inputs.items() if "_cache_" in k})
+        func.set_outputs([forward(ops, cfg, weights, func.inputs["input_ids"], func.inputs["position"])])
+    prog = Program()
+    prog.add_function("main", func)
+    return prog
+
+
+def _compress(model, compress: str):
+    """Compress the weight matrices; the RoPE tables (also big consts) stay fp16."""
+    import coremltools.optimize.coreml as cto
+
+    keep = {"rope_cos": None, "rope_sin": None}
+
+    if compress == "int4":
+        op = cto.OpLinearQuantizerConfig(mode="linear_symmetric", dtype="int4", granularity="per_block", block_size=BLOCK_SIZE)
+        return cto.linear_quantize_weights(model, cto.OptimizationConfig(global_config=op, op_name_configs=keep))
+    if compress == "palettize4":
+        # one 16-entry LUT per tensor after per-row scaling; k-means by kmeans1d (the coreml extra)
+        op = cto.OpPalettizerConfig(mode="kmeans", nbits=4, granularity="per_tensor", enable_per_channel_scale=True)
+        return cto.palettize_weights(model, cto.OptimizationConfig(global_config=op, op_name_configs=keep))
+    return model
+
+
+@contextlib.contextmanager
+def _quiet():
+    """coremltools prints tqdm bars and, off macOS, 'Failed to load _MLModelProxy' warnings: keep them
+    off the terminal (our own progress bar says what is happening)."""
+    log = logging.getLogger("coremltools")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            yield
+    finally:
+        log.setLevel(level)
+
+
+def open_source(src: Path) -> tuple[DecoderConfig, dict[str, np.ndarray], str, callable]:
+    """An HF checkpoint dir or a GGUF file → (config, float32 HF-named weights, sha256, tokenizer writer)."""
+    if src.suffix == ".gguf" or (src.is_file() and src.read_bytes()[:4] == b"GGUF"):
+        from converters.gguf_reader import GGUFFile, float_tensors
+        from converters.tokenizer import write_hf_tokenizer
+        from ondevice.catalog import sha256_file
+
+        g = GGUFFile(src)
+        g.require_supported()
+        config = g.config()
+        cfg = DecoderConfig.from_hf(config, src)
+        w = dict(float_tensors(g))
+        w.setdefault("lm_head.weight", w["model.embed_tokens.weight"])
+
+        def write_tok(out: Path) -> None:
+            write_hf_tokenizer(g, out)
+            (out / "config.json").write_text(json.dumps(config, indent=2))
+
+        return cfg, w, sha256_file(src), write_tok
+    from converters.hf import open_checkpoint
+
+    ckpt = open_checkpoint(src)
+    cfg = DecoderConfig.from_hf(ckpt.config, ckpt.path / "config.json")
+    if not (ckpt.path / "tokenizer.json").is_file():
+        raise OndeviceError(f"{ckpt.path / 'tokenizer.json'}: missing; the Core ML model needs the tokenizer beside it")
+
+    def copy_tok(out: Path) -> None:
+        for name in ("config.json", *TOKENIZER_FILES):
+            if (ckpt.path / name).is_file():
+                shutil.copy2(ckpt.path / name, out / name)
+
+    return cfg, load_weights(ckpt), ckpt.source_sha256(), copy_tok
+
+
+def to_coreml(src: Path, out: Path, *, context: int = 512, compress: str = "int4",
+              compute_units: str = "CPU_AND_NE", progress: bool = True) -> dict:
+    """Write ``out/model.mlpackage`` (functions decode + prefill), tokenizer files and manifest.json."""
+    if compress not in COMPRESSIONS:
+        raise OndeviceError(f"--compress {compress}: choose one of {', '.join(COMPRESSIONS)}")
+    if compute_units not in COMPUTE_UNITS:
+        raise OndeviceError(f"--compute-units {compute_units}: choose one of {', '.join(COMPUTE_UNITS)}")
+    if not 16 <= context <= 32768:
+        raise OndeviceError(f"--context {context}: choose between 16 and 32768 tokens")
+    try:
+        with _quiet():
+            import coremltools as ct
+    except ImportError as e:
+        raise OndeviceError("Core ML conversion needs coremltools: pip install 'ondevice[coreml]'") from e
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    t0 = time.perf_counter()
+    cfg, weights, source_sha, write_tokenizer = open_source(Path(src))
+    chunk = min(PREFILL_CHUNK, context)
+    if compress != "none" and cfg.hidden % BLOCK_SIZE:
+        raise OndeviceError(f"{src}: hidden size {cfg.hidden} is not a multiple of {BLOCK_SIZE}; use --compress none")
+    steps = [("decode", 1), ("prefill", chunk)]
+    bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), console=Console(stderr=True),
+                   disable=not progress, transient=True)
+    task = bar.add_task("coreml", total=2 * len(steps) + 1)
+    work = out / ".functions"
+    work.mkdir()
+    with bar:
+        for name, s in steps:
+            bar.update(task, description=f"coreml: build {name} (S={s})")
+            with _quiet():
+                model = ct.convert(build_program(cfg, weights, context, s), convert_to="mlprogram",
+                                   minimum_deployment_target=ct.target.iOS18, compute_precision=ct.precision.FLOAT16,
+                                   compute_units=getattr(ct.ComputeUnit, compute_units), skip_model_load=True)
+            bar.update(task, advance=1, description=f"coreml: compress {name} ({compress})")
+            with _quiet():
+                model = _compress(model, compress)
+                model.save(str(work / f"{name}.mlpackage"))
+            bar.update(task, advance=1)
+        bar.update(task, description="coreml: merge functions")
+        desc = ct.utils.MultiFunctionDescriptor()
+        for name, _ in steps:
+            desc.add_function(str(work / f"{name}.mlpackage"), "main", name)
+        desc.default_function_name = "decode"
+        with _quiet():
+            ct.utils.save_multifunction(desc, str(out / "model.mlpackage"))
+        bar.update(task, advance=1)
+    shutil.rmtree(work)
+    write_tokenizer(out)
+    size = sum(f.stat().st_size for f in (out / "model.mlpackage").rglob("*") if f.is_file())
+    n_params = sum(int(a.size) for k, a in weights.items() if not (k == "lm_head.weight" and cfg.tie_embeddings))
+    meta = {"format": "coreml", "quant": compress, "arch": cfg.arch, "context": context, "prefill_chunk": chunk,
+            "compute_units": compute_units, "functions": [n for n, _ in steps], "n_layers": cfg.n_layers,
+            "vocab_size": cfg.vocab_size}
+    write_manifest(out, {"source": str(Path(src).resolve()), "source_sha256": source_sha, **meta})
+    return {**meta, "path": "model.mlpackage", "size_bytes": size, "n_params": n_params,
+            "bits_per_weight": round(size * 8 / n_params, 3), "seconds": round(time.perf_counter() - t0, 3)}
+
+
+def describe_package(package: str | Path) -> dict:
+    """Read a converted package without Core ML's runtime (works on Linux): per function its inputs,
+    states and outputs ([dtype, shape]), op counts and how its weight matrices are stored."""
+    from collections import Counter
+
+    with _quiet():
+        import coremltools as ct
+        from coremltools.converters.mil.frontend.milproto.load import load as milproto_load
+        from coremltools.converters.mil.mil import types
+
+        model = ct.models.MLModel(str(package), skip_model_load=True)
+        spec = model.get_spec()
+        prog = milproto_load(model_spec=spec, specification_version=spec.specificationVersion,
+                             file_weights_dir=model.weights_dir)
+
+    def io(v) -> list:
+        return [types.builtin_to_string(v.dtype), list(v.shape)]
+
+    out: dict = {"default_function": spec.description.defaultFunctionName, "functions": {}}
+    for name, fn in prog.functions.items():
+        ops = Counter(op.op_type for op in fn.operations)
+        weights = Counter()
+        for op in fn.find_ops(op_type="linear") + fn.find_ops(op_type="gather"):
+            src = op.weight.op if op.op_type == "linear" else op.x.op
+            if src.op_type == "constexpr_blockwise_shift_scale":
+                block = src.data.shape[-1] // src.scale.shape[-1]
+                weights[f"{types.builtin_to_string(src.data.dtype)}-block{block}"] += 1
+            elif src.op_type == "constexpr_lut_to_dense":
+                weights[f"lut{src.lut.shape[-2].bit_length() - 1}"] += 1
+            elif src.op_type == "const":
+                weights[types.builtin_to_string(src.outputs[0].dtype)] += 1
+        out["functions"][name] = {
+            "inputs": {k: io(v) for k, v in fn.inputs.items() if "_cache_" not in k},
+            "states": {k: io(v) for k, v in fn.inputs.items() if "_cache_" in k},
+            "outputs": {v.name: io(v) for v in fn.outputs},
+            "ops": dict(ops),
+            "weights": dict(weights),
+        }
+    return out

@@ -1,0 +1,200 @@
+"""Core ML drafts: the package checked through its spec (any OS), numerics through the numpy reference
+that shares the graph's description, the host bookkeeping inside the real loop, prediction on macOS."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import ondevice
+from converters.coreml import describe_package, open_source
+from converters.decoder import DecoderConfig, ReferenceDecoder
+from ondevice.backends import open_backend
+from ondevice.backends.llama import LlamaBackend
+from ondevice.backends.static import ReferenceBackend, plan
+from ondevice.drafters import ModelDrafter
+from ondevice.errors import OndeviceError
+from ondevice.runtime import Runtime
+
+PROMPT = "The model draft and the target verify"
+CTX = 128
+
+
+def _mlx_logits(hf_dir, ids):
+    import mlx.core as mx
+    from mlx.utils import tree_map
+    from mlx_lm import load
+
+    model, _ = load(str(hf_dir))
+    model.update(tree_map(lambda x: x.astype(mx.float32), model.parameters()))
+    return np.array(model(mx.array([ids]))[0].astype(mx.float32))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_package_spec(tiny_hf, tiny_coreml, arch):
+    cfg = DecoderConfig.from_hf(json.loads((tiny_hf[arch] / "config.json").read_text()))
+    d = describe_package(tiny_coreml(arch) / "model.mlpackage")
+    assert d["default_function"] == "decode" and set(d["functions"]) == {"decode", "prefill"}
+    kv = ["fp16", [cfg.n_kv_heads, CTX, cfg.head_dim]]
+    for name, s in (("decode", 1), ("prefill", 64)):
+        f = d["functions"][name]
+        assert f["inputs"] == {"input_ids": ["int32", [1, s]], "position": ["int32", [1]]}
+        assert f["outputs"] == {"logits": ["fp32", [1, s, cfg.vocab_size]]}
+        assert f["states"] == {f"{kind}_cache_{i}": kv for i in range(cfg.n_layers) for kind in ("k", "v")}
+        # every weight matrix (7 per layer, embedding, head) is int4 in blocks of 32; RoPE tables stay fp16
+        assert f["weights"] == {"int4-block32": 7 * cfg.n_layers + 2, "fp16": 2}
+        ops = f["ops"]
+        assert ops["linear"] == 7 * cfg.n_layers + 1 and ops["softmax"] == cfg.n_layers
+        assert ops["slice_update"] == ops["coreml_update_state"] == ops["read_state"] == 2 * cfg.n_layers
+        assert ops["rsqrt"] == 2 * cfg.n_layers + 1
+
+
+def test_palettized_package(tiny_coreml):
+    f = describe_package(tiny_coreml("qwen2", "palettize4") / "model.mlpackage")["functions"]["decode"]
+    assert f["weights"] == {"lut4": 16, "fp16": 2}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_numpy_reference_matches_mlx_lm(tiny_hf, arch):
+    """The description the MIL graph is generated from, run in numpy, is the model mlx-lm runs."""
+    ids = np.random.default_rng(0).integers(0, 512, 40).tolist()
+    ref = ReferenceDecoder.from_checkpoint(tiny_hf[arch], context=64)
+    ours = np.concatenate([ref.run(ids[:17], 0), ref.run(ids[17:18], 17), ref.run(ids[18:], 18)])
+    theirs = _mlx_logits(tiny_hf[arch], ids)
+    assert np.abs(ours - theirs).max() < 1e-3 * np.abs(theirs).max()
+    assert (ours.argmax(-1) == theirs.argmax(-1)).all()
+
+
+def test_gguf_source_matches_llama_cpp(tiny_gguf):
+    """A GGUF source (llama: Q/K rows un-permuted) gives the reference the same model llama.cpp runs."""
+    path = tiny_gguf("llama", "q8_0")
+    cfg, w, _, _ = open_source(path)
+    ref = ReferenceDecoder(cfg, w, context=64)
+    b = LlamaBackend(path, n_ctx=64)
+    ids = b.tokenize(PROMPT * 3)[:32]
+    theirs = b.eval(ids)
+    b.close()
+    ours = ref.run(ids, 0)
+    assert (ours.argmax(-1) == theirs.argmax(-1)).mean() >= 0.9
+    assert np.abs(ours - theirs).max() < 0.05 * np.abs(theirs).max()
+
+
+def test_plan_positions():
+    assert plan(0, 10, 64, 128) == [("prefill", 0, 10)]
+    assert plan(5, 3, 64, 128) == [("decode", 0, 1), ("decode", 1, 1), ("decode", 2, 1)]
+    assert plan(0, 130, 64, 256) == [("prefill", 0, 64), ("prefill", 64, 64), ("decode", 128, 1), ("decode", 129, 1)]
+    # a padded prefill must fit the cache: near the end, single decodes
+    assert plan(60, 8, 64, 128) == [("prefill", 0, 8)]
+    assert plan(70, 8, 64, 128) == [("decode", i, 1) for i in range(8)]
+
+
+def test_rollback_moves_the_write_position(tiny_hf):
+    """Write, roll back, overwrite with other tokens (padded prefill and decodes): the logits equal a
+    fresh pass over the final sequence, so stale and padding slots are never read."""
+    b = ReferenceBackend(tiny_hf["qwen2"], context=CTX, chunk=16)
+    rng = np.random.default_rng(3)
+    a, c, d = (rng.integers(0, 512, n).tolist() for n in (10, 3, 6))
+    b.eval(a)  # padded prefill: slots 10..15 hold padding
+    b.eval(c)  # decodes at 10, 11, 12
+    b.rollback(7)
+    assert b.n_past == 7
+    got = b.eval(d)  # padded prefill at 7..12 over stale slots
+    assert b.n_past == 13
+    fresh = ReferenceDecoder.from_checkpoint(tiny_hf["qwen2"], context=CTX).run(a[:7] + d, 0)[7:]
+    assert np.abs(got - fresh).max() < 1e-4
+    with pytest.raises(ValueError):
+        b.rollback(14)
+    with pytest.raises(OndeviceError, match="context overflow"):
+        b.eval(list(range(CTX)))
+    with pytest.raises(OndeviceError, match="reconvert with --context 4096"):
+        ReferenceBackend(tiny_hf["qwen2"], context=CTX, n_ctx=4096)
+
+
+def _runtime(target, draft):
+    vocab = target.vocab_size
+    return Runtime(target, ModelDrafter(draft, vocab, vocab), vocab_limit=vocab, load_seconds=0.0)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_static_cache_draft_in_the_loop(tiny_gguf, tiny_hf, arch):
+    """The Core ML host code as a draft beside a llama.cpp target: greedy output equals plain decoding."""
+    target_path = tiny_gguf(arch)
+    with ondevice.load(target_path, drafter="none", n_ctx=CTX) as rt:
+        ref = rt.generate(PROMPT, max_tokens=48, temperature=0, gamma=0)
+    rt = _runtime(LlamaBackend(target_path, n_ctx=CTX), ReferenceBackend(tiny_hf[f"{arch}_draft"], context=CTX, chunk=8))
+    with rt:
+        for gamma in (1, 4):
+            res = rt.generate(PROMPT, max_tokens=48, temperature=0, gamma=gamma)
+            assert res.tokens == ref.tokens, f"gamma={gamma}"
+            assert 0 < res.stats.accepted < res.stats.drafted
+
+
+def test_static_cache_draft_equal_to_target_accepts_everything(tiny_hf):
+    """Target and draft: the same reference model. Any slip in positions or rollback would reject a draft."""
+    path = tiny_hf["llama"]
+    rt = _runtime(ReferenceBackend(path, context=CTX, chunk=8), ReferenceBackend(path, context=CTX, chunk=8))
+    with rt:
+        for _ in range(2):  # the second request rolls both caches back to the shared prefix
+            res = rt.generate(PROMPT, max_tokens=40, temperature=0, gamma=3)
+            assert res.stats.acceptance_rate == 1.0 and res.stats.drafted > 0
+
+
+@pytest.mark.skipif(sys.platform == "darwin", reason="checks the error shown off macOS")
+def test_coreml_off_macos_is_a_clear_error(tiny_coreml, tiny_gguf):
+    with pytest.raises(OndeviceError, match="Core ML runs on macOS only"):
+        open_backend(tiny_coreml("llama"), n_ctx=CTX)
+    r = subprocess.run([sys.executable, "-m", "ondevice", "generate", str(tiny_gguf("llama")), "-p", "hi", "--draft",
+                        str(tiny_coreml("llama") / "model.mlpackage")], capture_output=True, text=True)
+    assert r.returncode == 2 and "Core ML runs on macOS only" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_convert_cli_from_gguf_and_bad_options(tiny_gguf, tmp_path):
+    src = tiny_gguf("qwen2", "q8_0")
+    r = subprocess.run([sys.executable, "-m", "ondevice", "convert", str(src), "--to", "coreml", "--out",
+                        str(tmp_path / "c"), "--context", "32", "--compress", "none", "--json"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    summary = json.loads(r.stdout)
+    assert summary["context"] == 32 and summary["prefill_chunk"] == 32 and summary["quant"] == "none"
+    assert {"tokenizer.json", "config.json", "manifest.json", "model.mlpackage"} <= {p.name for p in (tmp_path / "c").iterdir()}
+    f = describe_package(tmp_path / "c" / "model.mlpackage")["functions"]["prefill"]
+    assert f["weights"] == {"fp16": 16 + 2}
+    info = json.loads(subprocess.run([sys.executable, "-m", "ondevice", "info", str(tmp_path / "c"), "--json"],
+                                     capture_output=True, text=True, check=True).stdout)
+    assert info["format"] == "coreml" and info["context_length"] == 32 and info["functions"] == ["decode", "prefill"]
+    bad = subprocess.run([sys.executable, "-m", "ondevice", "convert", str(src), "--to", "coreml", "--out",
+                          str(tmp_path / "d"), "--compress", "int3"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "--compress int3" in bad.stderr
+    assert not (tmp_path / "d").exists() and not list(tmp_path.glob(".d.*"))
+
+
+# -- macOS 15+: Core ML's own runtime -------------------------------------------------------------
+
+
+@pytest.mark.macos
+def test_coreml_logits_match_numpy_reference(tiny_hf, tiny_coreml):
+    from ondevice.backends.coreml import CoreMLBackend
+
+    for compress, min_top1 in (("none", 0.95), ("int4", 0.8)):
+        b = CoreMLBackend(tiny_coreml("qwen2", compress), n_ctx=CTX)
+        ids = np.random.default_rng(5).integers(0, 512, 40).tolist()
+        got = np.concatenate([b.eval(ids[:20]), b.eval(ids[20:22]), b.eval(ids[22:])])
+        ref = ReferenceDecoder.from_checkpoint(tiny_hf["qwen2"], context=CTX).run(ids, 0)
+        assert (got.argmax(-1) == ref.argmax(-1)).mean() >= min_top1, compress
+        if compress == "none":  # fp16 compute vs float32
+            assert np.abs(got - ref).max() < 0.05 * np.abs(ref).max()
+        b.close()
+
+
+@pytest.mark.macos
+def test_greedy_equality_with_coreml_draft(tiny_gguf, tiny_coreml):
+    target = tiny_gguf("llama")
+    with ondevice.load(target, drafter="none", n_ctx=CTX) as rt:
+        ref = rt.generate(PROMPT, max_tokens=48, temperature=0, gamma=0)
+    with ondevice.load(target, tiny_coreml("llama_draft"), n_ctx=CTX) as rt:
+        for gamma in (1, 4):
+            res = rt.generate(PROMPT, max_tokens=48, temperature=0, gamma=gamma)
+            assert res.tokens == ref.tokens and res.stats.drafted > 0
