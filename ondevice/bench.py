@@ -66,6 +66,21 @@ def _record(mode, p, rep, gamma, stats) -> dict:
             "mean_accepted_per_forward": stats.mean_accepted_per_forward, "peak_rss_mb": peak_rss_mb()}
 
 
+def _timed(tokens) -> dict:
+    """Drain a token stream: count, end-to-end tok/s, time to first token, decode tok/s after it."""
+    t0 = time.perf_counter()
+    first, n = None, 0
+    for _ in tokens:
+        n += 1
+        first = first or time.perf_counter()
+    end = time.perf_counter()
+    return {"tokens": n, "tokens_per_second": n / (end - t0), "time_to_first_token": (first or t0) - t0,
+            "decode_tokens_per_second": (n - 1) / (end - first) if first and n > 1 else 0.0}
+
+
+SAMPLING = {"top_k": 40, "top_p": 0.95, "min_p": 0.05}  # the anchors' sampling settings (used when T > 0)
+
+
 def _anchor_runs(model_path: Path, threads: int, n_ctx: int) -> dict[str, Callable]:
     """Raw llama-cpp-python: create_completion, and with its LlamaPromptLookupDecoding."""
     import llama_cpp
@@ -78,20 +93,38 @@ def _anchor_runs(model_path: Path, threads: int, n_ctx: int) -> dict[str, Callab
     def run(llm):
         def go(ids: list[int], max_tokens: int, temperature: float) -> dict:
             llm.reset()
-            t0 = time.perf_counter()
-            first = None
-            n = 0
-            for _ in llm.create_completion(ids, max_tokens=max_tokens, temperature=temperature, top_k=40, top_p=0.95,
-                                           min_p=0.05, repeat_penalty=1.0, seed=0, stream=True):
-                n += 1
-                first = first or time.perf_counter()
-            dt = time.perf_counter() - t0
-            return {"tokens": n, "tokens_per_second": n / dt, "time_to_first_token": (first or t0) - t0,
-                    "decode_tokens_per_second": (n - 1) / (time.perf_counter() - first) if first and n > 1 else 0.0}
+            return _timed(llm.create_completion(ids, max_tokens=max_tokens, temperature=temperature, repeat_penalty=1.0,
+                                                seed=0, stream=True, **SAMPLING))
 
         return go
 
     return {"llama_cpp_create_completion": run(raw), "llama_cpp_prompt_lookup": run(lookup)}
+
+
+def _mlx_anchor_runs(model_path: Path, draft_path: Path | None, num_draft: int) -> dict[str, Callable]:
+    """mlx-lm's own ``stream_generate`` on the same MLX directories, without and with ``draft_model``."""
+    from mlx_lm import load as mlx_load
+    from mlx_lm import stream_generate
+    from mlx_lm.sample_utils import make_sampler
+
+    from ondevice.backends.mlx import pick_device
+
+    pick_device(None)
+    model, tokenizer = mlx_load(str(model_path))
+    draft = mlx_load(str(draft_path))[0] if draft_path else None
+
+    def run(draft_model):
+        def go(ids: list[int], max_tokens: int, temperature: float) -> dict:
+            kw = {"draft_model": draft_model, "num_draft_tokens": num_draft} if draft_model is not None else {}
+            sampler = make_sampler(temp=temperature, **SAMPLING)
+            return _timed(stream_generate(model, tokenizer, ids, max_tokens=max_tokens, sampler=sampler, **kw))
+
+        return go
+
+    runs = {"mlx_lm_stream_generate": run(None)}
+    if draft is not None:
+        runs[f"mlx_lm_stream_generate_draft_g{num_draft}"] = run(draft)
+    return runs
 
 
 def run_bench(
@@ -117,12 +150,13 @@ def run_bench(
         model, draft: target and optional draft (paths or catalog names).
         ngram: add n-gram drafting modes.
         gamma: "N" (one fixed γ), "sweep" (1, 2, 4, 8) or "auto" (the adaptive policy).
-        anchors: also run raw llama-cpp-python (plain and prompt lookup).
+        anchors: also run the libraries themselves on the same prompts: raw llama-cpp-python (plain and
+            prompt lookup) for a GGUF target, mlx-lm's ``stream_generate`` (plain, and with ``draft_model``
+            at the first fixed γ, else mlx-lm's default 2) for an MLX target.
         per_class: use only the first N prompts of each class.
     Returns:
         The JSON document described in the README (machine, runs, costs, summary).
     """
-    from ondevice import catalog
     from ondevice.runtime import load
 
     threads = threads or os.cpu_count() or 1
@@ -144,10 +178,16 @@ def run_bench(
             modes += [(f"{kind}_{'auto' if g == 'auto' else f'g{g}'}", runtimes[kind], g) for g in gammas]
     anchor_fns = {}
     if anchors:
-        path = catalog.resolve(model)
-        if path.suffix != ".gguf":
-            raise OndeviceError(f"{path}: --anchors runs llama-cpp-python and needs a GGUF target")
-        anchor_fns = _anchor_runs(path, threads, n_ctx)
+        from ondevice.backends import detect_format
+
+        fmt = detect_format(plain.target.path)
+        if fmt == "gguf":
+            anchor_fns = _anchor_runs(plain.target.path, threads, n_ctx)
+        elif fmt == "mlx":
+            mlx_draft = drafted.drafter.backend.path if drafted and detect_format(drafted.drafter.backend.path) == "mlx" else None
+            anchor_fns = _mlx_anchor_runs(plain.target.path, mlx_draft, next((g for g in gammas if g != "auto"), 2))
+        else:
+            raise OndeviceError(f"{model}: --anchors needs a GGUF (llama-cpp-python) or MLX (mlx-lm) target")
     runs = []
     t_start = time.perf_counter()
     for p in prompts:

@@ -254,7 +254,7 @@ def bench_cmd(
     max_tokens: Annotated[int, typer.Option("--max-tokens", min=1, help="Tokens per request.")] = 64,
     repeats: Annotated[int, typer.Option("--repeats", min=1, help="Repeats per prompt (interleaved).")] = 3,
     gamma: Annotated[str, typer.Option("--gamma", help="auto, N, a list (2,4,auto) or sweep (1,2,4,8,auto).")] = str(DEFAULT_GAMMA),
-    anchors: Annotated[bool, typer.Option("--anchors", help="Also run raw llama-cpp-python (plain, prompt lookup).")] = False,
+    anchors: Annotated[bool, typer.Option("--anchors", help="Also run the libraries on the same prompts: llama-cpp-python (GGUF) or mlx-lm stream_generate (MLX).")] = False,
     cold_start: Annotated[bool, typer.Option("--cold-start", help="Measure process start → first token, cold and warm.")] = False,
     synthetic: Annotated[str | None, typer.Option("--synthetic", help="Measure costs on a shape-true random model (e.g. qwen2.5-1.5b) instead.")] = None,
     per_class: Annotated[int | None, typer.Option("--per-class", min=1, help="Only the first N prompts of each class.")] = None,

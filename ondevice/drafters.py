@@ -124,14 +124,17 @@ class NgramDrafter:
 
     Tries suffix lengths from ``max_ngram`` down to ``min_ngram``; the longest match wins, the most
     recent occurrence among equals. Deterministic, so q is one-hot (returned as None).
+    ``last_match_len`` reports how far back the chosen occurrence really agrees with the context (up
+    to ``max_report``): a long agreement means a verbatim copy is under way, which the policy uses.
     """
 
     name = "ngram"
     cheap = True  # proposing costs nothing: the policy trims the longest guess
 
-    def __init__(self, max_ngram: int = 4, min_ngram: int = 1) -> None:
+    def __init__(self, max_ngram: int = 4, min_ngram: int = 1, max_report: int = 64) -> None:
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
+        self.max_report = max_report
         self.last_match_len = 0
 
     def propose(self, context, gamma, params, rng):
@@ -146,12 +149,22 @@ class NgramDrafter:
             win = np.lib.stride_tricks.sliding_window_view(ctx[: n - 1], size)
             hits = np.flatnonzero((win == suffix).all(axis=1))
             if len(hits):
-                start = int(hits[-1]) + size
+                hit = int(hits[-1])
+                start = hit + size
                 out = ctx[start : start + gamma].tolist()
                 if out:
-                    self.last_match_len = size
+                    self.last_match_len = size + self._agree_before(ctx, hit, n - size, self.max_report - size)
                     return out, None
         return [], None
+
+    @staticmethod
+    def _agree_before(ctx: np.ndarray, a: int, b: int, limit: int) -> int:
+        """How many tokens before positions a < b agree (ctx[a-1] == ctx[b-1], ...), at most ``limit``."""
+        k = min(limit, a)
+        if k <= 0:
+            return 0
+        diff = np.flatnonzero(ctx[a - k : a][::-1] != ctx[b - k : b][::-1])
+        return int(diff[0]) if len(diff) else k
 
     def reset(self) -> None:
         pass

@@ -112,9 +112,12 @@ class AdaptivePolicy:
         return self.costs.draft_cost_ratio if self.drafter == "model" else 0.0
 
     def _estimate(self, hint: int) -> AcceptanceEstimate:
-        key = min(hint, 4) if self.drafter == "ngram" else 0
+        # n-gram: one estimate per match-length bucket 0, 1, 2, 3, 4–7, 8–15, 16+ (log scale past 4)
+        key = (min(hint, 4) if hint < 8 else 8 if hint < 16 else 16) if self.drafter == "ngram" else 0
         if key not in self.estimates:
-            self.estimates[key] = AcceptanceEstimate(prior=0.5 if self.drafter == "ngram" else 0.7)
+            # priors: a long agreement with earlier text is usually a copy in progress
+            prior = {8: 0.7, 16: 0.9}.get(key, 0.5) if self.drafter == "ngram" else 0.7
+            self.estimates[key] = AcceptanceEstimate(prior=prior)
         return self.estimates[key]
 
     def next_gamma(self, hint: int = 0, lag: int = 0) -> int:
@@ -126,7 +129,8 @@ class AdaptivePolicy:
         """
         self.probing = False
         est = self._estimate(hint)
-        limit = self.max_gamma if (self.drafter == "model" or self.streak >= 2) else min(self.max_gamma, 8)
+        copying = self.streak >= 2 or hint >= 16  # a long verbatim copy is under way: allow long drafts
+        limit = self.max_gamma if (self.drafter == "model" or copying) else min(self.max_gamma, 8)
         c = self.c
         vc = self.costs.verify_costs(max(limit + 1, lag))  # one pass over the curve per step
         # A draft cache ``lag`` tokens behind must catch up first: one batch on the draft, whose curve

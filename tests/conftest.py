@@ -103,3 +103,20 @@ def smollm2() -> Path:
     from ondevice import catalog
 
     return catalog.pull("smollm2-135m-instruct", quiet=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_mlx(tiny_gguf, tmp_path_factory):
+    """name → MLX directory converted losslessly from our q8_0 GGUF (so both backends hold the same weights)."""
+    from converters import convert
+
+    base = tmp_path_factory.mktemp("mlx")
+    cache = {}
+
+    def get(name: str):
+        if name not in cache:
+            cache[name] = base / name
+            convert(tiny_gguf(name, "q8_0"), to="mlx", out=cache[name], progress=False)
+        return cache[name]
+
+    return get

@@ -30,6 +30,21 @@ def test_bench_json_follows_schema(tiny_gguf, tmp_path):
     assert len(list((tmp_path / "plots").glob("*.png"))) == 3
 
 
+def test_bench_mlx_anchors(tiny_mlx, tmp_path):
+    """An MLX target and draft: the anchors are mlx-lm's stream_generate, plain and with draft_model."""
+    out = tmp_path / "bench.json"
+    r = subprocess.run([sys.executable, "-m", "ondevice", "bench", str(tiny_mlx("llama")), "--draft", str(tiny_mlx("llama_draft")),
+                        "--classes", "code", "--max-tokens", "8", "--repeats", "1", "--per-class", "1", "--gamma", "3",
+                        "--anchors", "--device", "cpu", "--json", str(out)],
+                       capture_output=True, text=True, timeout=600, env={**__import__("os").environ, "ONDEVICE_HOME": str(tmp_path)})
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(out.read_text())
+    jsonschema.validate(doc, SCHEMA)
+    runs = {row["mode"]: row for row in doc["runs"]}
+    assert {"plain", "draft_g3", "mlx_lm_stream_generate", "mlx_lm_stream_generate_draft_g3"} <= set(runs)
+    assert runs["mlx_lm_stream_generate"]["tokens"] >= 1 and runs["mlx_lm_stream_generate"]["tokens_per_second"] > 0
+
+
 def test_bench_synthetic_costs_and_predictions(tmp_path):
     from ondevice.bench_tools import synthetic_costs
 

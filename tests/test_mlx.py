@@ -13,23 +13,6 @@ mx = pytest.importorskip("mlx.core", reason="MLX is not installed (pip install '
 PROMPT = "The model draft and the target verify"
 
 
-@pytest.fixture(scope="session")
-def tiny_mlx(tiny_gguf, tmp_path_factory):
-    """name → MLX directory converted losslessly from our q8_0 GGUF (so both backends hold the same weights)."""
-    from converters import convert
-
-    base = tmp_path_factory.mktemp("mlx")
-    cache = {}
-
-    def get(name: str):
-        if name not in cache:
-            cache[name] = base / name
-            convert(tiny_gguf(name, "q8_0"), to="mlx", out=cache[name], progress=False)
-        return cache[name]
-
-    return get
-
-
 def _mlx_batch_invariant(path, k=6) -> bool:
     from ondevice.backends.mlx import MLXBackend
 

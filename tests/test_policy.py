@@ -76,6 +76,26 @@ def test_ngram_long_copies_unlock_long_drafts():
     assert p.next_gamma(hint=1) == 0  # one-token matches are rejected here: plain steps
 
 
+def test_ngram_match_length_reports_how_far_a_copy_agrees():
+    from ondevice.drafters import NgramDrafter
+
+    d = NgramDrafter()
+    text = list(range(100, 140))
+    ctx = [1, 2, 3] + text + [7, 8] + text[:25]  # copying `text`: 25 tokens in
+    draft, _ = d.propose(ctx, 6, None, None)
+    assert draft == text[25:31]
+    assert d.last_match_len == 25  # agreement back to where the copy began, not just the 4-gram
+    ctx = [5, 6, 9, 1, 2, 3, 4, 11, 12, 1, 2, 3, 4]
+    assert d.propose(ctx, 2, None, None)[0] == [11, 12] and d.last_match_len == 4
+    assert d.propose([1, 2, 3], 2, None, None) == ([], None) and d.last_match_len == 0
+
+
+def test_ngram_long_agreement_drafts_from_the_first_step():
+    p = AdaptivePolicy(curve(per_token=0.6), "ngram")  # this CPU's shape: cost(k) ≈ 0.4 + 0.6k decodes
+    assert p.next_gamma(hint=2) == 0  # short matches: not worth a verify until shown otherwise
+    assert p.next_gamma(hint=30) >= 2  # a 30-token verbatim agreement: a copy is under way
+
+
 def test_keep_drafting_stops_on_low_confidence():
     p = AdaptivePolicy(curve(per_token=0.1, c_seconds=0.2), "model")
     feed(p, [(4, 4)] * 30)

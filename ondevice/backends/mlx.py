@@ -76,17 +76,16 @@ class MLXBackend(HFVocab):
         mx = self._mx
         n = len(tokens)
         check_room(self.n_past, n, self.n_ctx, self.path)
-        rows = []
-        for start in range(0, n, PREFILL_CHUNK):
-            chunk = list(tokens[start : start + PREFILL_CHUNK])
-            out = self.model(mx.array([chunk]), cache=self.cache)[0]  # [m, V]
-            if logits == "last":
-                if start + PREFILL_CHUNK >= n:
-                    rows.append(out[-1:])
-                else:
-                    mx.eval([c.state for c in self.cache])
-            else:
-                rows.append(out)
+        tokens = list(tokens)
+        if logits == "last" and n > 1:
+            # All but the last token only fill the cache: their logits are never evaluated (MLX is
+            # lazy), so the output layer runs for one row, as in mlx-lm's own prefill.
+            for start in range(0, n - 1, PREFILL_CHUNK):
+                self.model(mx.array([tokens[start : min(start + PREFILL_CHUNK, n - 1)]]), cache=self.cache)
+                mx.eval([c.state for c in self.cache])
+            tokens = tokens[-1:]
+        rows = [self.model(mx.array([tokens[s : s + PREFILL_CHUNK]]), cache=self.cache)[0]
+                for s in range(0, len(tokens), PREFILL_CHUNK)]  # [m, V] each
         res = rows[0] if len(rows) == 1 else mx.concatenate(rows)
         return np.array(res.astype(mx.float32))
 
