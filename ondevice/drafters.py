@@ -126,6 +126,8 @@ class NgramDrafter:
     recent occurrence among equals. Deterministic, so q is one-hot (returned as None).
     ``last_match_len`` reports how far back the chosen occurrence really agrees with the context (up
     to ``max_report``): a long agreement means a verbatim copy is under way, which the policy uses.
+    The n-grams are indexed incrementally as the context grows, so a step costs O(new tokens), not a
+    scan of the whole context (which cost 2 % of a 135M model's decode time).
     """
 
     name = "ngram"
@@ -136,35 +138,43 @@ class NgramDrafter:
         self.min_ngram = min_ngram
         self.max_report = max_report
         self.last_match_len = 0
+        self._of: list | None = None  # the context list the index describes (drafts never affect exactness,
+        self._done = 0  # so a stale index could only cost speed; it is rebuilt when the list changes)
+        self._last = None
+        self._index: dict[tuple, int] = {}  # n-gram → where its latest occurrence ends
+
+    def _sync(self, context) -> None:
+        """Index every n-gram that ends before the context's last position."""
+        done = self._done
+        if context is not self._of or len(context) < done or (done and context[done - 1] != self._last):
+            self._of, self._index, done = context, {}, 1
+        n = len(context)
+        for end in range(done, n):  # n-grams ending at end ≤ n − 1 (the suffix itself excluded)
+            for size in range(self.min_ngram, min(self.max_ngram, end) + 1):
+                self._index[tuple(context[end - size : end])] = end
+        self._done = max(done, n)
+        self._last = context[self._done - 1]
 
     def propose(self, context, gamma, params, rng):
         self.last_match_len = 0
-        ctx = np.asarray(context, dtype=np.int64)
-        n = len(ctx)
+        n = len(context)
         if gamma <= 0 or n < 2:
             return [], None
+        self._sync(context)
         for size in range(min(self.max_ngram, n - 1), self.min_ngram - 1, -1):
-            suffix = ctx[n - size :]
-            # windows starting at 0..n-size-1 (exclude the suffix itself)
-            win = np.lib.stride_tricks.sliding_window_view(ctx[: n - 1], size)
-            hits = np.flatnonzero((win == suffix).all(axis=1))
-            if len(hits):
-                hit = int(hits[-1])
-                start = hit + size
-                out = ctx[start : start + gamma].tolist()
-                if out:
-                    self.last_match_len = size + self._agree_before(ctx, hit, n - size, self.max_report - size)
-                    return out, None
+            end = self._index.get(tuple(context[n - size :]))
+            if end is not None:
+                self.last_match_len = size + self._agree_before(context, end - size, n - size, self.max_report - size)
+                return list(context[end : end + gamma]), None
         return [], None
 
     @staticmethod
-    def _agree_before(ctx: np.ndarray, a: int, b: int, limit: int) -> int:
+    def _agree_before(ctx, a: int, b: int, limit: int) -> int:
         """How many tokens before positions a < b agree (ctx[a-1] == ctx[b-1], ...), at most ``limit``."""
-        k = min(limit, a)
-        if k <= 0:
-            return 0
-        diff = np.flatnonzero(ctx[a - k : a][::-1] != ctx[b - k : b][::-1])
-        return int(diff[0]) if len(diff) else k
+        k = 0
+        while k < limit and k < a and ctx[a - 1 - k] == ctx[b - 1 - k]:
+            k += 1
+        return k
 
     def reset(self) -> None:
         pass
