@@ -89,7 +89,7 @@ def test_gguf_to_mlx_is_lossless_for_q8_0_and_q4_0(tiny_gguf, tmp_path):
     import gguf
     import mlx.core as mx
 
-    from converters.mlx import _unpermute_rows
+    from converters.gguf_reader import unpermute_rows
 
     for quant in ("q8_0", "q4_0"):
         src = tiny_gguf("llama", quant)
@@ -104,7 +104,7 @@ def test_gguf_to_mlx_is_lossless_for_q8_0_and_q4_0(tiny_gguf, tmp_path):
                 continue
             ref = gguf.dequantize(t.data, t.tensor_type).reshape([int(d) for d in reversed(t.shape)])
             if "attn_q" in t.name:
-                ref = _unpermute_rows(ref, 4)
+                ref = unpermute_rows(ref, 4)
             base = "model.layers.0.mlp.up_proj" if "ffn_up" in t.name else "model.layers.1.self_attn.q_proj"
             bits = 8 if quant == "q8_0" else 4
             got = mx.dequantize(conv[base + ".weight"], conv[base + ".scales"], conv[base + ".biases"], group_size=32, bits=bits)
