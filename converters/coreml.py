@@ -60,15 +60,25 @@ class MILOps:
         mask = mb.select(cond=visible, a=np.float16(0.0), b=np.float16(MASK_VALUE))  # [S, context]
         return cos, sin, mask
 
-    def rms_norm(self, x, weight, eps):
-        # x / sqrt(mean(x²) + eps), rewritten with m = max|x| so that x² cannot overflow fp16 (activation
-        # outliers of 10³ are common): y = (x/m) / sqrt(mean((x/m)²) + eps/m²). Exact for any m > 0.
-        mb = self.mb
-        m = mb.maximum(x=mb.reduce_max(x=mb.abs(x=x), axes=[-1], keep_dims=True), y=np.float16(1e-3))
-        xs = mb.real_div(x=x, y=m)
-        ms = mb.reduce_mean(x=mb.mul(x=xs, y=xs), axes=[-1], keep_dims=True)
-        ms = mb.add(x=ms, y=mb.real_div(x=np.float16(eps), y=mb.mul(x=m, y=m)))
-        return mb.mul(x=mb.mul(x=xs, y=mb.rsqrt(x=ms)), y=self._w(weight))
+    @staticmethod
+    def _c(a):
+        """Python / numpy constants → fp16 (the graph's type)."""
+        return np.asarray(a, dtype=np.float16) if isinstance(a, (float, int, np.ndarray)) else a
+
+    def abs_max(self, x):
+        return self.mb.reduce_max(x=self.mb.abs(x=x), axes=[-1], keep_dims=True)
+
+    def maximum(self, x, c):
+        return self.mb.maximum(x=x, y=self._c(c))
+
+    def div(self, a, b):
+        return self.mb.real_div(x=self._c(a), y=self._c(b))
+
+    def mean(self, x):
+        return self.mb.reduce_mean(x=x, axes=[-1], keep_dims=True)
+
+    def rsqrt(self, x):
+        return self.mb.rsqrt(x=x)
 
     def linear(self, x, weight, bias=None):
         kw = {} if bias is None else {"bias": self._w(bias)}
@@ -110,10 +120,10 @@ class MILOps:
         return mb.reshape(x=mb.transpose(x=out, perm=[1, 0, 2]), shape=[s, h * d])
 
     def add(self, a, b):
-        return self.mb.add(x=a, y=b)
+        return self.mb.add(x=self._c(a), y=self._c(b))
 
     def mul(self, a, b):
-        return self.mb.mul(x=a, y=b)
+        return self.mb.mul(x=self._c(a), y=self._c(b))
 
     def silu(self, x):
         return self.mb.silu(x=x)

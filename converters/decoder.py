@@ -115,7 +115,7 @@ def forward(ops, cfg: DecoderConfig, w: dict[str, np.ndarray], input_ids, positi
     scale = 1.0 / float(np.sqrt(cfg.head_dim))
     for i in range(cfg.n_layers):
         p = f"model.layers.{i}."
-        h = ops.rms_norm(x, w[p + "input_layernorm.weight"], cfg.rms_eps)
+        h = rms_norm(ops, x, w[p + "input_layernorm.weight"], cfg.rms_eps)
         q, k, v = (
             ops.linear(h, w[f"{p}self_attn.{n}_proj.weight"], w.get(f"{p}self_attn.{n}_proj.bias"))
             for n in ("q", "k", "v")
@@ -126,41 +126,75 @@ def forward(ops, cfg: DecoderConfig, w: dict[str, np.ndarray], input_ids, positi
         k_all, v_all = ops.cache_write(i, k, v, position)  # [Hkv, context, D]
         a = ops.attention(q, k_all, v_all, mask, n_rep, scale)  # [S, H * D]
         x = ops.add(x, ops.linear(a, w[p + "self_attn.o_proj.weight"]))
-        h = ops.rms_norm(x, w[p + "post_attention_layernorm.weight"], cfg.rms_eps)
+        h = rms_norm(ops, x, w[p + "post_attention_layernorm.weight"], cfg.rms_eps)
         g = ops.linear(h, w[p + "mlp.gate_proj.weight"])
         u = ops.linear(h, w[p + "mlp.up_proj.weight"])
         x = ops.add(x, ops.linear(ops.mul(ops.silu(g), u), w[p + "mlp.down_proj.weight"]))
-    x = ops.rms_norm(x, w["model.norm.weight"], cfg.rms_eps)
+    x = rms_norm(ops, x, w["model.norm.weight"], cfg.rms_eps)
     return ops.logits(x, w["lm_head.weight"])
 
 
-class NumpyOps:
-    """float32 numpy primitives for ``forward``, with the static cache as arrays [Hkv, context, D]."""
+def rms_norm(ops, x, weight, eps: float):
+    """x / sqrt(mean(x²) + eps) · weight, written so that fp16 cannot overflow: activation outliers of
+    10⁴ are real (SmolLM2: 24 759) and their squares are not fp16 numbers. With m = max|x| (≥ 1e-3):
+    y = (x/m) / sqrt(mean((x/m)²) + eps/m²) · weight, which is exact for any m > 0."""
+    m = ops.maximum(ops.abs_max(x), 1e-3)
+    xs = ops.div(x, m)
+    ms = ops.add(ops.mean(ops.mul(xs, xs)), ops.div(eps, ops.mul(m, m)))
+    return ops.mul(ops.mul(xs, ops.rsqrt(ms)), weight)
 
-    def __init__(self, cfg: DecoderConfig, context: int) -> None:
-        self.cfg, self.context = cfg, context
+
+class NumpyOps:
+    """float32 numpy primitives for ``forward``, with the static cache as arrays [Hkv, context, D].
+
+    With ``fp16=True`` every op's result (and every weight) is rounded to float16, as the Core ML graph
+    stores them: a simulation of its range and rounding (not of the Neural Engine's accumulation order).
+    """
+
+    def __init__(self, cfg: DecoderConfig, context: int, fp16: bool = False) -> None:
+        self.cfg, self.context, self.fp16 = cfg, context, fp16
         self.cos, self.sin = cfg.rope_tables(context)
         shape = (cfg.n_layers, cfg.n_kv_heads, context, cfg.head_dim)
         self.k_cache = np.zeros(shape, np.float32)
         self.v_cache = np.zeros(shape, np.float32)
         self._s = 0
 
+    def _r(self, a):
+        """Round to float16 in fp16 mode (overflow → inf, as on the device)."""
+        if not self.fp16:
+            return a
+        with np.errstate(over="ignore"):
+            return np.asarray(a, dtype=np.float32).astype(np.float16).astype(np.float32)
+
     def embed(self, table, ids):
         ids = np.asarray(ids, dtype=np.int64)
         self._s = len(ids)
-        return table[ids]
+        return self._r(table[ids])
 
     def positions(self, position):
         pos = int(position) + np.arange(self._s)
         mask = np.where(np.arange(self.context)[None, :] <= pos[:, None], 0.0, MASK_VALUE).astype(np.float32)
-        return self.cos[pos], self.sin[pos], mask
+        return self._r(self.cos[pos]), self._r(self.sin[pos]), mask
 
-    def rms_norm(self, x, weight, eps):
-        return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * weight
+    def abs_max(self, x):
+        return np.abs(x).max(axis=-1, keepdims=True)
+
+    def maximum(self, x, c):
+        return np.maximum(x, c)
+
+    def div(self, a, b):
+        with np.errstate(over="ignore", divide="ignore"):
+            return self._r(np.divide(a, b))
+
+    def mean(self, x):
+        return self._r(np.mean(x, axis=-1, keepdims=True))
+
+    def rsqrt(self, x):
+        return self._r(1.0 / np.sqrt(x))
 
     def linear(self, x, weight, bias=None):
-        y = x @ weight.T
-        return y if bias is None else y + bias
+        y = x @ self._r(weight).T
+        return self._r(y if bias is None else y + self._r(bias))
 
     def split_heads(self, x, n, d):
         return x.reshape(x.shape[0], n, d).transpose(1, 0, 2)
@@ -168,7 +202,7 @@ class NumpyOps:
     def rope(self, x, cos, sin):
         half = x.shape[-1] // 2
         rotated = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-        return x * cos + rotated * sin
+        return self._r(self._r(x * cos) + self._r(rotated * sin))
 
     def cache_write(self, layer, k, v, position):
         s = k.shape[1]
@@ -179,38 +213,40 @@ class NumpyOps:
     def attention(self, q, k, v, mask, n_rep, scale):
         h, s, d = q.shape
         qg = q.reshape(h // n_rep, n_rep * s, d)  # query heads grouped by the KV head they share
-        scores = (qg @ k.transpose(0, 2, 1) * scale).reshape(h // n_rep, n_rep, s, -1) + mask
+        scores = self._r(self._r(qg @ k.transpose(0, 2, 1)) * scale).reshape(h // n_rep, n_rep, s, -1) + mask
         scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
-        probs = (scores / scores.sum(axis=-1, keepdims=True)).reshape(h // n_rep, n_rep * s, -1)
-        out = (probs @ v).reshape(h, s, d)
+        probs = self._r(scores / scores.sum(axis=-1, keepdims=True)).reshape(h // n_rep, n_rep * s, -1)
+        out = self._r(probs @ v).reshape(h, s, d)
         return out.transpose(1, 0, 2).reshape(s, h * d)
 
     def add(self, a, b):
-        return a + b
+        return self._r(a + b)
 
     def mul(self, a, b):
-        return a * b
+        with np.errstate(over="ignore", invalid="ignore"):
+            return self._r(a * (self._r(b) if isinstance(b, np.ndarray) and b.ndim == 1 else b))
 
     def silu(self, x):
-        return x / (1.0 + np.exp(-x))
+        with np.errstate(over="ignore"):
+            return self._r(x / (1.0 + np.exp(-x)))
 
     def logits(self, x, head):
-        return x @ head.T
+        return x @ self._r(head).T
 
 
 class ReferenceDecoder:
     """The numpy reference forward pass with its static cache: ``run(ids, position)`` → logits [S, V]."""
 
-    def __init__(self, cfg: DecoderConfig, weights: dict[str, np.ndarray], context: int) -> None:
+    def __init__(self, cfg: DecoderConfig, weights: dict[str, np.ndarray], context: int, fp16: bool = False) -> None:
         self.cfg, self.w, self.context = cfg, weights, context
-        self.ops = NumpyOps(cfg, context)
+        self.ops = NumpyOps(cfg, context, fp16=fp16)
 
     @classmethod
-    def from_checkpoint(cls, path: str | Path, context: int = 512) -> ReferenceDecoder:
+    def from_checkpoint(cls, path: str | Path, context: int = 512, fp16: bool = False) -> ReferenceDecoder:
         from converters.hf import open_checkpoint
 
         ckpt = open_checkpoint(path)
-        return cls(DecoderConfig.from_hf(ckpt.config, ckpt.path / "config.json"), load_weights(ckpt), context)
+        return cls(DecoderConfig.from_hf(ckpt.config, ckpt.path / "config.json"), load_weights(ckpt), context, fp16)
 
     def run(self, ids, position: int) -> np.ndarray:
         if position < 0 or position + len(ids) > self.context:

@@ -83,6 +83,29 @@ def test_gguf_source_matches_llama_cpp(tiny_gguf):
     assert np.abs(ours - theirs).max() < 0.05 * np.abs(theirs).max()
 
 
+def test_fp16_graph_survives_real_activation_outliers(smollm2, monkeypatch):
+    """SmolLM2's residual stream reaches |x| ≈ 2.5e4, whose square is not an fp16 number. The shared
+    RMSNorm divides by max|x| first: simulated in fp16 (every op rounded as the Core ML graph stores it)
+    it keeps the float32 argmax; the textbook formula, same simulation, loses it (the planted control)."""
+    import converters.decoder as dec
+
+    path = smollm2 if smollm2.is_file() else next(smollm2.glob("*.gguf"))
+    cfg, w, _, _ = open_source(path)
+    b = LlamaBackend(path, n_ctx=64)
+    ids = b.tokenize(PROMPT * 8)[:48]
+    b.close()
+    exact = ReferenceDecoder(cfg, w, 64).run(ids, 0)
+    half = ReferenceDecoder(cfg, w, 64, fp16=True).run(ids, 0)
+    assert np.isfinite(half).all() and (half.argmax(-1) == exact.argmax(-1)).mean() >= 0.95
+
+    def textbook(ops, x, weight, eps):
+        return ops.mul(ops.mul(x, ops.rsqrt(ops.add(ops.mean(ops.mul(x, x)), eps))), weight)
+
+    monkeypatch.setattr(dec, "rms_norm", textbook)
+    broken = ReferenceDecoder(cfg, w, 64, fp16=True).run(ids, 0)
+    assert (broken.argmax(-1) == exact.argmax(-1)).mean() < 0.5
+
+
 def test_plan_positions():
     assert plan(0, 10, 64, 128) == [("prefill", 0, 10)]
     assert plan(5, 3, 64, 128) == [("decode", 0, 1), ("decode", 1, 1), ("decode", 2, 1)]
