@@ -23,6 +23,7 @@ import numpy as np
 
 from converters.decoder import MASK_VALUE, DecoderConfig, forward, load_weights
 from converters.output import write_manifest
+from ondevice.backends import is_gguf_file
 from ondevice.errors import OndeviceError
 
 COMPRESSIONS = ("int4", "palettize4", "none")
@@ -43,13 +44,13 @@ class MILOps:
         self.cos, self.sin = cos.astype(np.float16), sin.astype(np.float16)
 
     @staticmethod
-    def _w(a: np.ndarray) -> np.ndarray:
-        return np.ascontiguousarray(a, dtype=np.float16)
+    def _c(a):
+        """Python / numpy constants and weights → fp16 (the graph's type)."""
+        return np.asarray(a, dtype=np.float16) if isinstance(a, (float, int, np.ndarray)) else a
 
     def embed(self, table, ids):
         mb = self.mb
-        x = mb.gather(x=self._w(table), indices=mb.reshape(x=ids, shape=[self.s]), axis=0)
-        return x  # [S, hidden]
+        return mb.gather(x=self._c(table), indices=mb.reshape(x=ids, shape=[self.s]), axis=0)  # [S, hidden]
 
     def positions(self, position):
         mb = self.mb
@@ -59,11 +60,6 @@ class MILOps:
         visible = mb.less_equal(x=np.arange(self.context, dtype=np.int32)[None, :], y=mb.reshape(x=pos, shape=[self.s, 1]))
         mask = mb.select(cond=visible, a=np.float16(0.0), b=np.float16(MASK_VALUE))  # [S, context]
         return cos, sin, mask
-
-    @staticmethod
-    def _c(a):
-        """Python / numpy constants → fp16 (the graph's type)."""
-        return np.asarray(a, dtype=np.float16) if isinstance(a, (float, int, np.ndarray)) else a
 
     def abs_max(self, x):
         return self.mb.reduce_max(x=self.mb.abs(x=x), axes=[-1], keep_dims=True)
@@ -81,8 +77,8 @@ class MILOps:
         return self.mb.rsqrt(x=x)
 
     def linear(self, x, weight, bias=None):
-        kw = {} if bias is None else {"bias": self._w(bias)}
-        return self.mb.linear(x=x, weight=self._w(weight), **kw)
+        kw = {} if bias is None else {"bias": self._c(bias)}
+        return self.mb.linear(x=x, weight=self._c(weight), **kw)
 
     def split_heads(self, x, n, d):
         mb = self.mb
@@ -130,7 +126,7 @@ class MILOps:
 
     def logits(self, x, head):
         mb = self.mb
-        y = mb.cast(x=mb.linear(x=x, weight=self._w(head)), dtype="fp32")
+        y = mb.cast(x=mb.linear(x=x, weight=self._c(head)), dtype="fp32")
         return mb.reshape(x=y, shape=[1, self.s, self.cfg.vocab_size], name="logits")
 
 
@@ -198,7 +194,7 @@ def _quiet():
 
 def open_source(src: Path) -> tuple[DecoderConfig, dict[str, np.ndarray], str, callable]:
     """An HF checkpoint dir or a GGUF file → (config, float32 HF-named weights, sha256, tokenizer writer)."""
-    if src.suffix == ".gguf" or (src.is_file() and src.read_bytes()[:4] == b"GGUF"):
+    if is_gguf_file(src):
         from converters.gguf_reader import GGUFFile, float_tensors
         from converters.tokenizer import write_hf_tokenizer
         from ondevice.catalog import sha256_file
@@ -207,14 +203,12 @@ def open_source(src: Path) -> tuple[DecoderConfig, dict[str, np.ndarray], str, c
         g.require_supported()
         config = g.config()
         cfg = DecoderConfig.from_hf(config, src)
-        w = dict(float_tensors(g))
-        w.setdefault("lm_head.weight", w["model.embed_tokens.weight"])
 
         def write_tok(out: Path) -> None:
             write_hf_tokenizer(g, out)
             (out / "config.json").write_text(json.dumps(config, indent=2))
 
-        return cfg, w, sha256_file(src), write_tok
+        return cfg, load_weights(float_tensors(g)), sha256_file(src), write_tok
     from converters.hf import open_checkpoint
 
     ckpt = open_checkpoint(src)
@@ -227,7 +221,7 @@ def open_source(src: Path) -> tuple[DecoderConfig, dict[str, np.ndarray], str, c
             if (ckpt.path / name).is_file():
                 shutil.copy2(ckpt.path / name, out / name)
 
-    return cfg, load_weights(ckpt), ckpt.source_sha256(), copy_tok
+    return cfg, load_weights(ckpt.tensors()), ckpt.source_sha256(), copy_tok
 
 
 def to_coreml(src: Path, out: Path, *, context: int = 512, compress: str = "int4",
@@ -307,7 +301,7 @@ def describe_package(package: str | Path) -> dict:
         prog = milproto_load(model_spec=spec, specification_version=spec.specificationVersion,
                              file_weights_dir=model.weights_dir)
 
-    def io(v) -> list:
+    def typed(v) -> list:
         return [types.builtin_to_string(v.dtype), list(v.shape)]
 
     out: dict = {"default_function": spec.description.defaultFunctionName, "functions": {}}
@@ -324,9 +318,9 @@ def describe_package(package: str | Path) -> dict:
             elif src.op_type == "const":
                 weights[types.builtin_to_string(src.outputs[0].dtype)] += 1
         out["functions"][name] = {
-            "inputs": {k: io(v) for k, v in fn.inputs.items() if "_cache_" not in k},
-            "states": {k: io(v) for k, v in fn.inputs.items() if "_cache_" in k},
-            "outputs": {v.name: io(v) for v in fn.outputs},
+            "inputs": {k: typed(v) for k, v in fn.inputs.items() if "_cache_" not in k},
+            "states": {k: typed(v) for k, v in fn.inputs.items() if "_cache_" in k},
+            "outputs": {v.name: typed(v) for v in fn.outputs},
             "ops": dict(ops),
             "weights": dict(weights),
         }

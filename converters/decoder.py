@@ -95,9 +95,10 @@ class DecoderConfig:
         return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
 
 
-def load_weights(ckpt) -> dict[str, np.ndarray]:
-    """HF tensor name → float32 array, with ``lm_head.weight`` filled in for tied embeddings."""
-    w = {name: np.asarray(t, dtype=np.float32) for name, t in ckpt.tensors()}
+def load_weights(tensors) -> dict[str, np.ndarray]:
+    """(HF tensor name, array) pairs → name → float32 array, with ``lm_head.weight`` filled in for tied
+    embeddings (the same array as the embedding)."""
+    w = {name: np.asarray(t, dtype=np.float32) for name, t in tensors}
     if "lm_head.weight" not in w:
         w["lm_head.weight"] = w["model.embed_tokens.weight"]
     return w
@@ -246,7 +247,7 @@ class ReferenceDecoder:
         from converters.hf import open_checkpoint
 
         ckpt = open_checkpoint(path)
-        return cls(DecoderConfig.from_hf(ckpt.config, ckpt.path / "config.json"), load_weights(ckpt), context, fp16)
+        return cls(DecoderConfig.from_hf(ckpt.config, ckpt.path / "config.json"), load_weights(ckpt.tensors()), context, fp16)
 
     def run(self, ids, position: int) -> np.ndarray:
         if position < 0 or position + len(ids) > self.context:

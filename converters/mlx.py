@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from converters.output import write_manifest
+from ondevice.backends import is_gguf_file
 from ondevice.errors import OndeviceError
 
 LOSSLESS = {"Q4_0", "Q4_1", "Q8_0"}
@@ -27,7 +28,7 @@ def to_mlx(src: Path, out: Path, *, bits: int = 4, group_size: int = 64, progres
         raise OndeviceError(f"--bits {bits}: MLX supports 2, 3, 4, 5, 6 or 8")
     if group_size not in (32, 64, 128):
         raise OndeviceError(f"--group-size {group_size}: MLX supports 32, 64 or 128")
-    if src.suffix == ".gguf" or (src.is_file() and src.read_bytes()[:4] == b"GGUF"):
+    if is_gguf_file(src):
         return gguf_to_mlx(src, out, bits=bits, group_size=group_size, progress=progress)
     return hf_to_mlx(src, out, bits=bits, group_size=group_size)
 

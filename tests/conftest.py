@@ -61,19 +61,25 @@ def tiny_hf():
     return out
 
 
+def _converted(out: Path, marker: str, src: Path, **kw) -> Path:
+    """``convert(src, out=out, **kw)`` unless ``out/marker`` shows an earlier run finished (a partial dir is redone)."""
+    from converters import convert
+
+    if not (out / marker).is_file():
+        if out.exists():
+            import shutil
+
+            shutil.rmtree(out)
+        convert(src, out=out, progress=False, **kw)
+    return out
+
+
 @pytest.fixture(scope="session")
 def tiny_gguf(tiny_hf):
     """(name, quant) → model.gguf converted by our own converter (cached on disk between runs)."""
-    from converters import convert
 
     def get(name: str, quant: str = "q8_0") -> Path:
-        out = TINY_CACHE / "gguf" / f"{name}-{quant}"
-        if not (out / "model.gguf").is_file():
-            if out.exists():
-                import shutil
-
-                shutil.rmtree(out)
-            convert(tiny_hf[name], to="gguf", out=out, quant=quant, progress=False)
+        out = _converted(TINY_CACHE / "gguf" / f"{name}-{quant}", "model.gguf", tiny_hf[name], to="gguf", quant=quant)
         return out / "model.gguf"
 
     return get
@@ -82,17 +88,10 @@ def tiny_gguf(tiny_hf):
 @pytest.fixture(scope="session")
 def tiny_coreml(tiny_hf):
     """(name, compress) → a Core ML directory converted by our converter (context 128, cached on disk)."""
-    from converters import convert
 
     def get(name: str, compress: str = "int4") -> Path:
-        out = TINY_CACHE / "coreml" / f"{name}-{compress}"
-        if not (out / "manifest.json").is_file():
-            if out.exists():
-                import shutil
-
-                shutil.rmtree(out)
-            convert(tiny_hf[name], to="coreml", out=out, context=128, compress=compress, progress=False)
-        return out
+        return _converted(TINY_CACHE / "coreml" / f"{name}-{compress}", "manifest.json", tiny_hf[name], to="coreml",
+                          context=128, compress=compress)
 
     return get
 

@@ -8,6 +8,7 @@ import sys
 
 import numpy as np
 import pytest
+from mlx_helpers import mlx_float32, mlx_logits
 
 from converters import convert
 from ondevice.backends.llama import LlamaBackend
@@ -16,38 +17,22 @@ from ondevice.errors import OndeviceError
 TEXT = "The model draft and the target verify 12345; def add(a, b): return a + b — café 東京"
 
 
-def _mlx_float32(hf_dir):
-    import mlx.core as mx
-    from mlx.utils import tree_map
-    from mlx_lm import load
-
-    model, tok = load(str(hf_dir))
-    model.update(tree_map(lambda x: x.astype(mx.float32), model.parameters()))
-    return model, tok
-
-
-def _mlx_logits(model, ids):
-    import mlx.core as mx
-
-    return np.array(model(mx.array([ids]))[0].astype(mx.float32))
-
-
 def _tokens64(backend):
     ids = backend.tokenize(TEXT * 4)
     return ids[:64]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_gguf_f16_matches_mlx_float32(tiny_hf, tiny_gguf, arch):
+def test_gguf_f16_matchesmlx_float32(tiny_hf, tiny_gguf, arch):
     """Our GGUF writer (run by llama.cpp) and mlx-lm (reading the HF checkpoint) agree."""
     b = LlamaBackend(tiny_gguf(arch, "f16"), n_ctx=256)
     ids = _tokens64(b)
     assert len(ids) == 64
     ref = b.eval(ids)
     b.close()
-    model, tok = _mlx_float32(tiny_hf[arch])
+    model, tok = mlx_float32(tiny_hf[arch])
     assert tok.encode(TEXT * 4)[:64] == ids  # same tokenizer on both sides
-    out = _mlx_logits(model, ids)
+    out = mlx_logits(model, ids)
     delta = float(np.abs(out - ref).max())
     print(f"{arch}: max |Δ| logits, GGUF f16 (llama.cpp) vs mlx-lm float32, 64 tokens: {delta:.4f}")
     assert delta < 0.05 * float(np.abs(ref).max())
@@ -118,7 +103,7 @@ def test_gguf_to_mlx_is_lossless_for_q8_0_and_q4_0(tiny_gguf, tmp_path):
 
             model, tok = load(str(tmp_path / quant))
             assert tok.encode(TEXT * 4)[:64] == ids
-            out = _mlx_logits(model, ids)
+            out = mlx_logits(model, ids)
             assert (out.argmax(1) == ref_logits.argmax(1)).mean() >= 0.9
 
 

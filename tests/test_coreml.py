@@ -9,6 +9,7 @@ import sys
 
 import numpy as np
 import pytest
+from mlx_helpers import mlx_float32, mlx_logits
 
 import ondevice
 from converters.coreml import describe_package, open_source
@@ -22,16 +23,6 @@ from ondevice.runtime import Runtime
 
 PROMPT = "The model draft and the target verify"
 CTX = 128
-
-
-def _mlx_logits(hf_dir, ids):
-    import mlx.core as mx
-    from mlx.utils import tree_map
-    from mlx_lm import load
-
-    model, _ = load(str(hf_dir))
-    model.update(tree_map(lambda x: x.astype(mx.float32), model.parameters()))
-    return np.array(model(mx.array([ids]))[0].astype(mx.float32))
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -64,7 +55,7 @@ def test_numpy_reference_matches_mlx_lm(tiny_hf, arch):
     ids = np.random.default_rng(0).integers(0, 512, 40).tolist()
     ref = ReferenceDecoder.from_checkpoint(tiny_hf[arch], context=64)
     ours = np.concatenate([ref.run(ids[:17], 0), ref.run(ids[17:18], 17), ref.run(ids[18:], 18)])
-    theirs = _mlx_logits(tiny_hf[arch], ids)
+    theirs = mlx_logits(mlx_float32(tiny_hf[arch])[0], ids)
     assert np.abs(ours - theirs).max() < 1e-3 * np.abs(theirs).max()
     assert (ours.argmax(-1) == theirs.argmax(-1)).all()
 

@@ -81,6 +81,17 @@ def check_room(n_past: int, n: int, n_ctx: int, path: Path) -> None:
         )
 
 
+def is_gguf_file(path: Path) -> bool:
+    """A path named *.gguf, or a file that starts with the GGUF magic (only 4 bytes are read)."""
+    path = Path(path)
+    if path.suffix == ".gguf":
+        return True
+    if not path.is_file():
+        return False
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
 def detect_format(path: Path) -> str:
     """'gguf', 'mlx' or 'coreml', from the path alone; a clear error otherwise."""
     if path.is_file() and path.suffix == ".gguf":
@@ -92,10 +103,8 @@ def detect_format(path: Path) -> str:
             return "gguf"
         if (path / "config.json").is_file() and any(path.glob("*.safetensors")):
             return "mlx"
-    if path.is_file():
-        with open(path, "rb") as f:
-            if f.read(4) == b"GGUF":
-                return "gguf"
+    if path.is_file() and is_gguf_file(path):
+        return "gguf"
     raise OndeviceError(
         f"{path}: unrecognised model format; expected a .gguf file, an MLX model directory or a .mlpackage"
     )

@@ -56,6 +56,9 @@ class CoreMLBackend(StaticCacheBackend):
         if major < 15:
             raise OndeviceError(f"{package}: stateful Core ML models need macOS 15 or later (this is {platform.mac_ver()[0]})")
         manifest = read_manifest(directory)
+        # context, tokenizer and n_ctx are checked before the (slow) Core ML load
+        super().__init__(package, tokenizer_dir=directory, context=manifest["context"], chunk=manifest["prefill_chunk"],
+                         vocab_size=manifest["vocab_size"], n_ctx=n_ctx)
         import coremltools as ct
 
         units = getattr(ct.ComputeUnit, COMPUTE_UNITS.get(device or "", manifest.get("compute_units", "CPU_AND_NE")))
@@ -64,8 +67,6 @@ class CoreMLBackend(StaticCacheBackend):
         except Exception as e:  # Core ML raises plain RuntimeErrors for unloadable packages
             raise OndeviceError(f"{package}: Core ML could not load it ({e}); reconvert it") from e
         self._state = self._fn["decode"].make_state()  # one KV state, shared by both functions
-        super().__init__(package, tokenizer_dir=directory, context=manifest["context"], chunk=manifest["prefill_chunk"],
-                         vocab_size=manifest["vocab_size"], n_ctx=n_ctx)
 
     def _run(self, function: str, ids: np.ndarray, position: int) -> np.ndarray:
         inputs = {"input_ids": ids.reshape(1, -1), "position": np.array([position], dtype=np.int32)}
