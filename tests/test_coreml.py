@@ -185,6 +185,21 @@ def test_convert_cli_from_gguf_and_bad_options(tiny_gguf, tmp_path):
     assert not (tmp_path / "d").exists() and not list(tmp_path.glob(".d.*"))
 
 
+def test_missing_tokenizer_and_manifest_are_one_line_errors(tiny_hf, tiny_coreml, tmp_path):
+    import shutil
+
+    src = shutil.copytree(tiny_hf["llama"], tmp_path / "hf")
+    (src / "tokenizer.json").unlink()
+    r = subprocess.run([sys.executable, "-m", "ondevice", "convert", str(src), "--to", "coreml", "--out", str(tmp_path / "c")],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "tokenizer.json: missing" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "c").exists()
+    pkg = shutil.copytree(tiny_coreml("llama"), tmp_path / "pkg")
+    (pkg / "manifest.json").unlink()
+    r = subprocess.run([sys.executable, "-m", "ondevice", "info", str(pkg)], capture_output=True, text=True)
+    assert r.returncode == 2 and "manifest.json: missing or unreadable" in r.stderr and "reconvert" in r.stderr
+
+
 # -- macOS 15+: Core ML's own runtime -------------------------------------------------------------
 
 
