@@ -208,6 +208,9 @@ class Server:
     async def _generate(self, request: Request, chat: bool) -> Response:
         try:
             body = await self._body(request)
+            if body.get("model") is None:
+                raise ApiError(400, f"'model' is required; this server serves {self.model_id!r}", param="model",
+                               code="missing_required_parameter")
             self._check_model(body.get("model"))
             stream = body.get("stream", False)
             if not isinstance(stream, bool):
@@ -350,8 +353,9 @@ class SSEResponse:
                     out = []
                     piece = await anext(events, None)
                 out += [_sse(o) for o in r.last(job.stats, u)]
-            except OndeviceError as e:  # after the headers: report in-band, as OpenAI does
-                out.append(_sse(ApiError(500, str(e)).body()))
+            except Exception as e:  # noqa: BLE001 - after the headers: report in-band, as OpenAI does
+                msg = str(e) if isinstance(e, OndeviceError) else f"internal error: {type(e).__name__}: {e}"
+                out.append(_sse(ApiError(500, (msg.splitlines() or [""])[0], code="internal_error").body()))
             await send({"type": "http.response.body", "body": b"".join(out) + b"data: [DONE]\n\n", "more_body": False})
         finally:
             job.cancel()
