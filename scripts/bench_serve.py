@@ -55,13 +55,14 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--gamma", type=int, default=4)
     ap.add_argument("--n-ctx", type=int, default=2048)
+    ap.add_argument("--threads", type=int, default=None, help="llama.cpp threads for both (default: all cores)")
     a = ap.parse_args()
     gen = {"temperature": 0, "max_tokens": a.max_tokens, "gamma": a.gamma}
     prompts = load_prompts(a.classes.split(","), per_class=a.per_class)
-    proc, url = launch(a.model, "--n-ctx", str(a.n_ctx))
+    proc, url = launch(a.model, "--n-ctx", str(a.n_ctx), *(["--threads", str(a.threads)] if a.threads else []))
     runs = []
     try:
-        with load(a.model, n_ctx=a.n_ctx) as rt, httpx.Client(timeout=600) as client:
+        with load(a.model, n_ctx=a.n_ctx, threads=a.threads) as rt, httpx.Client(timeout=600) as client:
             model_id = client.get(url + "/v1/models").json()["data"][0]["id"]
             for p in prompts:
                 msgs = [{"role": "user", "content": p["prompt"]}]

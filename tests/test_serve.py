@@ -369,6 +369,7 @@ def test_chat_page_in_headless_chromium(server, direct, tmp_path):
                 document.getElementById('api-key').value = {json.dumps(KEY)};
                 document.getElementById('temperature').value = '0';
                 document.getElementById('max-tokens').value = '40';
+                document.getElementById('gamma').value = '4';
                 document.getElementById('input').value = {json.dumps(question)};
                 document.getElementById('send').click(); return true; }})()""")
             _poll(call, "(document.querySelector('.msg.assistant') || {dataset: {}}).dataset.state === 'done'")
@@ -377,6 +378,16 @@ def test_chat_page_in_headless_chromium(server, direct, tmp_path):
                          spans: el.querySelectorAll('span').length, stats: document.getElementById('stats').textContent,
                          stop: document.getElementById('stop').disabled }; })()""")
             shot = call("Page.captureScreenshot", format="png")["data"]
+            # the Stop button aborts the fetch; the server cancels the generation and frees the slot
+            before = health(server)["cancelled"]
+            _js(call, f"""(() => {{ document.getElementById('max-tokens').value = '400';
+                document.getElementById('input').value = {json.dumps(HOLD_PROMPT + " continue counting")};
+                document.getElementById('send').click(); return true; }})()""")
+            _poll(call, "document.querySelectorAll('.msg.assistant')[1].querySelectorAll('span').length > 1")
+            _js(call, "document.getElementById('stop').click() || true")
+            _poll(call, "document.querySelectorAll('.msg.assistant')[1].dataset.state === 'stopped'")
+            h, _ = _wait(server, lambda h: h["running"] == 0 and h["cancelled"] == before + 1, timeout=5)
+            assert h["last"]["tokens"] < 400
             import base64
 
             png = base64.b64decode(shot)
@@ -386,9 +397,18 @@ def test_chat_page_in_headless_chromium(server, direct, tmp_path):
     finally:
         browser.terminate()
         browser.wait(timeout=30)
-    want = direct.chat([{"role": "user", "content": question}], temperature=0, max_tokens=40)
-    assert dom["text"] == want.text
-    assert dom["drafts"] and all(d in want.text for d in dom["drafts"])  # accepted drafts are highlighted
-    assert dom["spans"] > len(dom["drafts"])  # and the target's own tokens are not
+    runs: list[list] = []  # the direct stream's text, merged into runs of draft / target tokens as the page does
+    text = ""
+    for c in direct.stream(direct.render_chat([{"role": "user", "content": question}]), temperature=0, max_tokens=40,
+                           gamma=4):
+        text += c.text
+        kind = bool(c.from_draft) and all(c.from_draft)
+        if c.text and runs and runs[-1][1] == kind:
+            runs[-1][0] += c.text
+        elif c.text:
+            runs.append([c.text, kind])
+    assert dom["text"] == text
+    assert dom["drafts"] == [t for t, kind in runs if kind] != []  # exactly the accepted drafts are highlighted
+    assert dom["spans"] == len(runs)
     assert "tok/s" in dom["stats"] and "acceptance" in dom["stats"] and dom["stop"] is True
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
