@@ -237,11 +237,12 @@ def serve_cmd(
 ) -> None:
     """Serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models) and a chat page at /."""
     from ondevice.runtime import load
-    from ondevice.server import serve
+    from ondevice.server import open_socket, serve
 
+    sock = open_socket(host, port)  # fail fast on a busy port, before the model loads
     with load(model, draft, drafter=_drafter(draft, ngram, no_spec), n_ctx=n_ctx, threads=threads, device=device) as rt:
         model_id = Path(model).name.removesuffix(".gguf") if Path(model).exists() else model
-        serve(rt, model_id, host=host, port=port, api_key=api_key, max_queue=max_queue, cors_origins=cors_origin)
+        serve(rt, model_id, host=host, port=port, api_key=api_key, max_queue=max_queue, cors_origins=cors_origin, sock=sock)
 
 
 @command("convert")

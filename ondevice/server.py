@@ -361,8 +361,33 @@ class SSEResponse:
             job.cancel()
 
 
+def open_socket(host: str = "127.0.0.1", port: int = 8080):
+    """Bind the listening socket (before the model loads, so a busy port fails fast).
+
+    Returns:
+        A bound ``socket.socket`` to pass to ``serve(sock=...)``.
+    Raises:
+        OndeviceError: the address cannot be resolved or the port is in use.
+    """
+    import socket
+
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as e:
+        raise OndeviceError(f"--host {host}: cannot resolve this address ({e.strerror})") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        raise OndeviceError(f"cannot listen on {host}:{port}: {e.strerror}; choose another --port or stop the "
+                            "program that holds it") from None
+    return sock
+
+
 def serve(runtime, model_id: str, *, host: str = "127.0.0.1", port: int = 8080, api_key: str | None = None,
-          max_queue: int = 16, cors_origins: list[str] | None = None, log_level: str = "warning") -> None:
+          max_queue: int = 16, cors_origins: list[str] | None = None, log_level: str = "warning", sock=None) -> None:
     """Serve ``runtime`` until Ctrl-C (the caller closes the runtime afterwards).
 
     Args:
@@ -372,8 +397,12 @@ def serve(runtime, model_id: str, *, host: str = "127.0.0.1", port: int = 8080, 
         api_key: require ``Authorization: Bearer api_key`` on /v1 routes.
         max_queue: requests that may wait behind the running one (more get 503).
         cors_origins: browser origins allowed to call the API from other pages ("*" = any).
+        sock: a socket from ``open_socket(host, port)`` (bound here when None).
     """
     import uvicorn
+
+    sock = sock or open_socket(host, port)
+    port = sock.getsockname()[1]
 
     loopback = host in LOOPBACK
     if not loopback:
@@ -385,13 +414,19 @@ def serve(runtime, model_id: str, *, host: str = "127.0.0.1", port: int = 8080, 
                  loopback_only=loopback)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=3,
                             lifespan="off", server_header=False)
-    server = uvicorn.Server(config)
+
+    class _Uvicorn(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:  # Ctrl-C: end the running generation now, not after a timeout
+            app.engine.close()
+            super().handle_exit(sig, frame)
+
+    server = _Uvicorn(config)
     shown = f"[{host}]" if ":" in host else host
     print(f"ondevice serve: {model_id} on http://{shown}:{port}/ (OpenAI API at /v1; Ctrl-C stops)", file=sys.stderr)
     try:
-        server.run()
+        server.run(sockets=[sock])
     finally:
-        app.engine.cancel_all()
+        app.engine.close()
 
 
 def launch(model: str, *args: str, host: str = "127.0.0.1", api_key: str | None = None, timeout: float = 120.0,

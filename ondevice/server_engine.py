@@ -80,6 +80,8 @@ class Job:
         finally:
             try:
                 self.stream.close()  # ends the runtime's generator: its slot is free from here on
+                if self._stop.is_set() and not self.stats.stop_reason:
+                    self.stats.stop_reason = "cancelled"
             finally:
                 self._post(error if error is not None else None)
                 try:
@@ -120,6 +122,7 @@ class Engine:
         self.waiting = 0
         self.current: Job | None = None
         self.counters = Counters()
+        self.closing = False
         self._lock = asyncio.Lock()
 
     @property
@@ -133,6 +136,8 @@ class Engine:
             Busy: ``max_queue`` requests are already waiting.
             OndeviceError: the runtime rejected the arguments (nothing was started).
         """
+        if self.closing:
+            raise Busy("the server is shutting down")
         if self._lock.locked() and self.waiting >= self.max_queue:
             self.counters.rejected += 1
             raise Busy(f"{self.waiting} requests are already waiting (--max-queue {self.max_queue})")
@@ -142,6 +147,8 @@ class Engine:
         finally:
             self.waiting -= 1
         try:
+            if self.closing:
+                raise Busy("the server is shutting down")
             stream = self.rt.stream(list(ids), **gen)
             self.current = Job(self, stream)
         except BaseException:
@@ -153,20 +160,21 @@ class Engine:
         """Called on the event loop once the worker has closed ``job``'s stream."""
         s = job.stats
         c = self.counters
-        if s.stop_reason == "cancelled" or job.cancelled:
+        if s.stop_reason == "cancelled":
             c.cancelled += 1
         elif s.stop_reason:
             c.served += 1
         else:
             c.failed += 1
-        c.last = {"stop_reason": s.stop_reason or ("cancelled" if job.cancelled else "error"), "tokens": s.tokens,
+        c.last = {"stop_reason": s.stop_reason or "error", "tokens": s.tokens,
                   "target_forwards": s.target_forwards}
         if self.current is job:
             self.current = None
         job.finished.set()
         self._lock.release()
 
-    def cancel_all(self) -> None:
-        """Cancel the running job (shutdown)."""
+    def close(self) -> None:
+        """Shutdown: refuse new and queued requests, cancel the running one (it ends within one target pass)."""
+        self.closing = True
         if self.current is not None:
             self.current.cancel()

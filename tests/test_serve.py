@@ -251,7 +251,7 @@ def test_disconnect_cancels_and_frees_the_slot(server, model_id, client):
     _read_until(s, b'"from_draft"')
     s.close()
     h, seconds = _wait(server, lambda h: h["running"] == 0 and h["cancelled"] == before["cancelled"] + 1)
-    assert h["last"]["stop_reason"] in ("cancelled", "")
+    assert h["last"]["stop_reason"] == "cancelled"
     assert h["last"]["tokens"] < 400
     assert seconds < 1.0, f"the slot was freed {seconds:.2f}s after the disconnect"
     t0 = time.perf_counter()
@@ -381,7 +381,7 @@ def test_chat_page_in_headless_chromium(server, direct, tmp_path):
             # the Stop button aborts the fetch; the server cancels the generation and frees the slot
             before = health(server)["cancelled"]
             _js(call, f"""(() => {{ document.getElementById('max-tokens').value = '400';
-                document.getElementById('input').value = {json.dumps(HOLD_PROMPT + " continue counting")};
+                document.getElementById('input').value = 'Write a long, detailed essay on the history of Rome.';
                 document.getElementById('send').click(); return true; }})()""")
             _poll(call, "document.querySelectorAll('.msg.assistant')[1].querySelectorAll('span').length > 1")
             _js(call, "document.getElementById('stop').click() || true")
