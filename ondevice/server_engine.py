@@ -167,7 +167,7 @@ class Engine:
         else:
             c.failed += 1
         c.last = {"stop_reason": s.stop_reason or "error", "tokens": s.tokens,
-                  "target_forwards": s.target_forwards}
+                  "target_forwards": s.target_forwards, "seconds": s.total_seconds}
         if self.current is job:
             self.current = None
         job.finished.set()
