@@ -89,16 +89,17 @@ class Server:
         if scope["type"] == "http":
             headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
             origin = headers.get("origin")
+            cross = bool(origin and self.cors and self._origin_allowed(origin))  # an allowed cross-origin caller
+            if cross:
+                send = self._with_cors(send, origin)  # errors below must be readable by that page too
             try:
                 self._guard(scope, headers, origin)
             except ApiError as e:
                 await _error(e)(scope, receive, send)
                 return
-            if origin and self._origin_allowed(origin) and (self.cors or scope["method"] == "OPTIONS"):
-                if scope["method"] == "OPTIONS":
-                    await self._preflight(origin, headers)(scope, receive, send)
-                    return
-                send = self._with_cors(send, origin)
+            if cross and scope["method"] == "OPTIONS":
+                await self._preflight(headers)(scope, receive, send)
+                return
         await self.app(scope, receive, send)
 
     def _guard(self, scope, headers: dict, origin: str | None) -> None:
@@ -123,9 +124,8 @@ class Server:
             return True
         return host is not None and origin.split("://", 1)[-1].lower() == host.lower()  # same origin
 
-    def _preflight(self, origin: str, headers: dict) -> Response:
-        return Response(status_code=204, headers={
-            "Access-Control-Allow-Origin": origin, "Vary": "Origin",
+    def _preflight(self, headers: dict) -> Response:
+        return Response(status_code=204, headers={  # Access-Control-Allow-Origin comes from _with_cors
             "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
             "Access-Control-Allow-Headers": headers.get("access-control-request-headers", "authorization, content-type"),
             "Access-Control-Max-Age": "600"})

@@ -306,19 +306,31 @@ def test_models_and_health(server, client, model_id):
     assert "src=" not in page.text and "https://" not in page.text and "http://" not in page.text  # self-contained
 
 
-def test_non_loopback_host_warns(smollm2, tmp_path):
-    """Any address but loopback needs the explicit --host, prints a warning, and drops the Host-name check."""
+def test_non_loopback_host_warns_and_cors_is_opt_in(smollm2, tmp_path):
+    """Any address but loopback needs the explicit --host, prints a warning, and drops the Host-name check;
+    --cors-origin lets exactly that origin call the API (its errors readable too), no other."""
     from ondevice.server import launch
 
     log = tmp_path / "stderr.txt"
+    app = "http://app.example"
     with log.open("wb") as f:
-        proc, url = launch(str(smollm2), "--n-ctx", "64", "--threads", THREADS, host="127.0.0.2", stderr=f)
+        proc, url = launch(str(smollm2), "--n-ctx", "64", "--threads", THREADS, "--cors-origin", app, host="127.0.0.2",
+                           api_key=KEY, stderr=f)
     try:
         assert httpx.get(url + "/health").status_code == 200
+        pre = httpx.options(url + "/v1/chat/completions", headers={"Origin": app, "Access-Control-Request-Method": "POST",
+                                                                   "Access-Control-Request-Headers": "authorization"})
+        assert pre.status_code == 204 and pre.headers["access-control-allow-origin"] == app
+        r = httpx.get(url + "/v1/models", headers={"Origin": app})  # no key: 401, readable by the allowed page
+        assert r.status_code == 401 and r.headers["access-control-allow-origin"] == app
+        r = httpx.get(url + "/v1/models", headers={"Origin": app, "Authorization": f"Bearer {KEY}"})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == app
+        r = httpx.get(url + "/v1/models", headers={"Origin": "http://evil.example", "Authorization": f"Bearer {KEY}"})
+        assert r.status_code == 403 and "access-control-allow-origin" not in r.headers
     finally:
         proc.terminate()
         proc.wait(timeout=30)
-    assert "warning: serving on 127.0.0.2" in log.read_text() and "no --api-key" in log.read_text()
+    assert "warning: serving on 127.0.0.2" in log.read_text() and "no --api-key" not in log.read_text()
 
 
 # -- the chat page, in a real headless browser ---------------------------------------------------------
