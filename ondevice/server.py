@@ -4,16 +4,13 @@ Routes: ``GET /`` (the chat page), ``GET /health``, ``GET /v1/models``, ``POST /
 ``POST /v1/chat/completions`` (whole or streamed as server-sent events). One ``Runtime`` serves every
 request in turn (``ondevice.server_engine``); the wire format lives in ``ondevice.server_openai``.
 
-Security: the server binds 127.0.0.1 unless told otherwise; on a loopback address it answers only
-requests whose Host header is a loopback name (DNS rebinding). A browser request from another origin
-is refused unless that origin was allowed with ``--cors-origin``. ``--api-key`` makes every ``/v1``
-route require ``Authorization: Bearer KEY``. Request bodies are limited to ``MAX_BODY`` bytes.
+Security: the server binds 127.0.0.1 unless told otherwise (``ondevice.server_guard`` checks Host,
+Origin and the API key before routing). Request bodies are limited to ``MAX_BODY`` bytes.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import sys
 from importlib import resources
@@ -27,6 +24,7 @@ from starlette.routing import Route
 
 from ondevice.errors import OndeviceError
 from ondevice.server_engine import Busy, Engine
+from ondevice.server_guard import LOOPBACK, Guard
 from ondevice.server_openai import (
     ApiError,
     Reply,
@@ -37,19 +35,11 @@ from ondevice.server_openai import (
 )
 
 MAX_BODY = 4 << 20  # bytes; a full 32k-token conversation is well under 1 MiB of JSON
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
 RETRY_AFTER = "1"
 
 
 def _error(e: ApiError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
-
-
-def _host_name(host_header: str) -> str:
-    h = host_header.strip().lower()
-    if h.startswith("["):
-        return h[1:].split("]", 1)[0]
-    return h.rsplit(":", 1)[0] if h.count(":") == 1 else h
 
 
 class Server:
@@ -69,10 +59,8 @@ class Server:
         self.rt = runtime
         self.model_id = model_id
         self.api_key = api_key
-        self.cors = list(cors_origins or [])
-        self.loopback_only = loopback_only
         self.engine = Engine(runtime, max_queue)
-        self.app = Starlette(
+        app = Starlette(
             routes=[
                 Route("/", self.page, methods=["GET"]),
                 Route("/health", self.health, methods=["GET"]),
@@ -83,63 +71,10 @@ class Server:
             ],
             exception_handlers={HTTPException: self._http_error, Exception: self._crash},
         )
+        self.asgi = Guard(app, api_key=api_key, cors_origins=list(cors_origins or []), loopback_only=loopback_only)
 
-    # -- ASGI entry: the guards run before routing -------------------------------------------------
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http":
-            headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-            origin = headers.get("origin")
-            cross = bool(origin and self.cors and self._origin_allowed(origin))  # an allowed cross-origin caller
-            if cross:
-                send = self._with_cors(send, origin)  # errors below must be readable by that page too
-            try:
-                self._guard(scope, headers, origin)
-            except ApiError as e:
-                await _error(e)(scope, receive, send)
-                return
-            if cross and scope["method"] == "OPTIONS":
-                await self._preflight(headers)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-    def _guard(self, scope, headers: dict, origin: str | None) -> None:
-        host = _host_name(headers.get("host", ""))
-        if self.loopback_only and host not in LOOPBACK:
-            raise ApiError(403, f"Host header {headers.get('host', '')!r} is not a loopback name; this server "
-                           "only answers http://127.0.0.1 or http://localhost (use --host to serve elsewhere)",
-                           code="forbidden_host")
-        if origin and not self._origin_allowed(origin, headers.get("host", "")):
-            raise ApiError(403, f"requests from the web origin {origin!r} are not allowed; start the server "
-                           f"with --cors-origin {origin} to allow it", code="forbidden_origin")
-        if self.api_key and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":
-            auth = headers.get("authorization", "")
-            given = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
-            if not hmac.compare_digest(given.encode(), self.api_key.encode()):
-                what = "no API key was sent" if not given else "the API key is wrong"
-                raise ApiError(401, f"{what}: send 'Authorization: Bearer KEY' with the server's --api-key",
-                               code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-
-    def _origin_allowed(self, origin: str, host: str | None = None) -> bool:
-        if "*" in self.cors or origin in self.cors:
-            return True
-        return host is not None and origin.split("://", 1)[-1].lower() == host.lower()  # same origin
-
-    def _preflight(self, headers: dict) -> Response:
-        return Response(status_code=204, headers={  # Access-Control-Allow-Origin comes from _with_cors
-            "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
-            "Access-Control-Allow-Headers": headers.get("access-control-request-headers", "authorization, content-type"),
-            "Access-Control-Max-Age": "600"})
-
-    @staticmethod
-    def _with_cors(send, origin: str):
-        async def wrapped(message):
-            if message["type"] == "http.response.start":
-                message = {**message, "headers": [*message.get("headers", []),
-                                                  (b"access-control-allow-origin", origin.encode("latin-1")),
-                                                  (b"vary", b"Origin")]}
-            await send(message)
-
-        return wrapped
+        await self.asgi(scope, receive, send)
 
     async def _http_error(self, request: Request, exc: HTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
