@@ -443,3 +443,19 @@ def test_chat_page_in_headless_chromium(server, direct, tmp_path):
     assert dom["spans"] == len(runs)
     assert "tok/s" in dom["stats"] and "acceptance" in dom["stats"] and dom["stop"] is True
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_errors_are_one_line(tmp_path):
+    """A busy port fails before the model loads; an unknown model fails as every command does (exit 2, one line)."""
+    import sys
+
+    def serve(*args):
+        return subprocess.run([sys.executable, "-m", "ondevice", "serve", *args], capture_output=True, text=True, timeout=120)
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        r = serve("no-such-model", "--port", str(busy.getsockname()[1]))
+    assert r.returncode == 2 and "cannot listen on 127.0.0.1" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    r = serve("no-such-model", "--port", "0")
+    assert r.returncode == 2 and "no-such-model" in r.stderr and len(r.stderr.strip().splitlines()) == 1
