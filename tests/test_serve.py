@@ -459,3 +459,24 @@ def test_cli_errors_are_one_line(tmp_path):
     assert r.returncode == 2 and "cannot listen on 127.0.0.1" in r.stderr and len(r.stderr.strip().splitlines()) == 1
     r = serve("no-such-model", "--port", "0")
     assert r.returncode == 2 and "no-such-model" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_model_drafter_through_the_server(tiny_gguf):
+    """A target + draft pair (tiny random models): the server's greedy answer and draft statistics are the runtime's."""
+    from ondevice.runtime import load
+    from ondevice.server import launch
+
+    target, draft = tiny_gguf("llama"), tiny_gguf("llama_draft")
+    kw = dict(temperature=0, max_tokens=32, gamma=3)
+    with load(target, draft, threads=int(THREADS)) as rt:
+        want = rt.generate("def fib(n):", **kw)
+    proc, url = launch(str(target), "--draft", str(draft), "--threads", THREADS)
+    try:
+        c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+        r = c.completions.create(model="model", prompt="def fib(n):", temperature=0, max_tokens=32, extra_body={"gamma": 3})
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    od = extra(r)["ondevice"]
+    assert r.choices[0].text == want.text and od["drafter"] == "model"
+    assert (od["drafted"], od["accepted"]) == (want.stats.drafted, want.stats.accepted) and od["drafted"] > 0
