@@ -193,9 +193,9 @@ class Server:
 
     async def _whole(self, request: Request, ids: list[int], gen: dict, reply: Reply) -> Response:
         watcher = asyncio.ensure_future(_disconnected(request.receive))
+        admit = asyncio.ensure_future(self.start(ids, gen))
         job = None
         try:
-            admit = asyncio.ensure_future(self.start(ids, gen))
             await asyncio.wait({admit, watcher}, return_when=asyncio.FIRST_COMPLETED)
             if not admit.done():  # the client left while queued
                 admit.cancel()
@@ -220,6 +220,7 @@ class Server:
             return _error(ApiError(400, str(e)))
         finally:
             watcher.cancel()
+            admit.cancel()  # no-op once admitted; a shutdown that cancels this handler leaves no waiter behind
             if job is not None:
                 job.cancel()
 
