@@ -22,7 +22,7 @@ import pytest
 from conftest import TINY_CACHE, _converted
 
 import ondevice
-from ondevice import autodraft, discovery, sources
+from ondevice import autodraft, catalog, discovery, sources
 from ondevice.costs import Costs
 from ondevice.errors import OndeviceError
 
@@ -211,7 +211,7 @@ def _cli_error(env, *args) -> str:
     return lines[0]
 
 
-def test_one_line_errors(stores, models):
+def test_one_line_errors(stores, models, monkeypatch):
     root = stores["ollama"]
     ollama_put(root, "nomodel", "latest", None, digest="ab" * 32)  # manifest without its blob
     (root / "manifests/registry.ollama.ai/library/broken").mkdir(parents=True)
@@ -220,16 +220,25 @@ def test_one_line_errors(stores, models):
     (second / "tiny/target-GGUF").mkdir(parents=True)
     shutil.copyfile(models["draft"], second / "tiny/target-GGUF/x-Q8_0.gguf")
     env = {**stores["env"], "ONDEVICE_LMSTUDIO_MODELS": os.pathsep.join([str(stores["lmstudio"]), str(second)])}
-    assert "corrupt Ollama manifest" in _cli_error(env, "info", "ollama:broken")
-    assert "has no such file; run `ollama pull nomodel` again" in _cli_error(env, "info", "ollama:nomodel")
-    msg = _cli_error(env, "info", "tiny/target-GGUF:Q8_0")
+    monkeypatch.setenv("ONDEVICE_LMSTUDIO_MODELS", env["ONDEVICE_LMSTUDIO_MODELS"])
+    assert "corrupt Ollama manifest" in _cli_error(env, "info", "ollama:broken")  # as the user sees them
+    msg = _cli_error(env, "generate", "tiny/target-GGUF:Q8_0", "-p", "hi")
     assert "ambiguous" in msg and "hf:tiny/target-GGUF" in msg and "lmstudio:tiny/target-GGUF" in msg
-    assert f"no manifest at {root}/manifests/registry.ollama.ai/library/nothere/7b" in _cli_error(env, "info", "ollama:nothere:7b")
-    msg = _cli_error(env, "info", "hf:tiny/uncached")
-    assert "not in the Hugging Face cache" in msg and "HF_HUB_OFFLINE is set" in msg
-    assert "holds 2 GGUF files" in _cli_error(env, "info", "hf:tiny/target-GGUF")
-    assert "no GGUF matching 'Q2_K'" in _cli_error(env, "info", "hf:tiny/target-GGUF:Q2_K")
-    assert "nothing of that name in LM Studio" in _cli_error(env, "info", "lmstudio:nope")
+    for name, message in [
+        ("ollama:nomodel", "has no such file; run `ollama pull nomodel` again"),
+        ("ollama:nothere:7b", f"no manifest at {root}/manifests/registry.ollama.ai/library/nothere/7b"),
+        ("ollama:a/b/c/d", "expected ollama:NAME[:TAG]"),
+        ("hf:tiny/uncached", "not in the Hugging Face cache at"),
+        ("hf:tiny/uncached", "HF_HUB_OFFLINE is set"),
+        ("hf:tiny/target-GGUF", "holds 2 GGUF files (tiny-target-F16.gguf, tiny-target-Q8_0.gguf); add :QUANT"),
+        ("hf:tiny/target-GGUF:Q2_K", "no GGUF matching 'Q2_K'"),
+        ("hf:justaname", "expected hf:ORG/REPO"),
+        ("lmstudio:nope", "nothing of that name in LM Studio's folders"),
+        ("lmstudio:q8_0", "is ambiguous"),
+    ]:
+        with pytest.raises(OndeviceError) as e:
+            catalog.resolve(name)
+        assert message in str(e.value) and "\n" not in str(e.value), (name, str(e.value))
     # a broken store entry is listed with its error, the rest still work
     rows = {r["name"]: r for r in discovery.local_models()}
     assert "corrupt" in rows["ollama:broken:latest"]["error"] and "fingerprint" in rows["ollama:tinydraft:latest"]
@@ -240,11 +249,30 @@ def test_one_line_errors(stores, models):
         sources.resolve("ollama:tinydraft")
 
 
-def test_auto_draft_picks_the_compatible_small_model_and_explains(stores, models):
-    with ondevice.load("hf:tiny/target-GGUF:Q8_0", draft="auto", n_ctx=256) as rt:
+# A verify curve shaped like Qwen2.5-Coder-1.5B Q4_0 on this CPU (docs: cost(4) 2.02, cost(8) 3.36, cost(16) 4.53)
+CURVE = {1: 1.0, 2: 1.4, 4: 2.02, 8: 3.36, 16: 4.53}
+
+
+def fake_costs(monkeypatch, ratio_of):
+    """Replace the timing (only) by fixed costs: draft cost ratio = ratio_of(draft path)."""
+    seen = []
+
+    def measured(target, draft):
+        seen.append(Path(draft.path).name)
+        return Costs(dict(CURVE), ratio_of(Path(draft.path)))
+
+    monkeypatch.setattr("ondevice.costs.cached_measure", measured)
+    return seen
+
+
+def test_auto_draft_picks_the_compatible_small_model_and_explains(stores, models, monkeypatch):
+    fake_costs(monkeypatch, lambda p: 0.1)
+    with ondevice.load("hf:tiny/target-GGUF:Q8_0", draft="auto", n_ctx=256, threads=1) as rt:
         choice = rt.draft_choice
         assert choice["drafter"] == "model" and choice["draft"] == "ollama:tinydraft:latest", choice["reason"]
-        assert rt.drafter.name == "model" and "expected" in choice["reason"]
+        assert rt.drafter.name == "model"
+        assert choice["reason"].startswith("ollama:tinydraft:latest: same vocabulary, 0.18 of the target's size, draft "
+                                           "cost 0.10 of a target pass; expected 1.")
         verdicts = {re.split("[/:]", c["name"])[-1]: c for c in choice["candidates"]}
         assert verdicts["tiny-swapped-Q8_0.gguf"]["reason"].startswith("vocabulary differs (512 tokens, same count")
         assert verdicts["tiny-qwen2-Q8_0.gguf"]["reason"].startswith("vocabulary differs")
@@ -254,44 +282,79 @@ def test_auto_draft_picks_the_compatible_small_model_and_explains(stores, models
         assert [c["name"] for c in choice["candidates"] if c["ok"]] == ["ollama:tinydraft:latest"]
         spec = rt.generate("the model draft", max_tokens=16, temperature=0, gamma=3)
         assert spec.stats.drafted > 0
-    assert spec.tokens == _greedy_n(models["target"], 16)  # exact: greedy speculative == greedy plain
-
-    # the CLI says it too (--json carries draft_choice)
-    out = subprocess.run([sys.executable, "-m", "ondevice", "generate", "hf:tiny/target-GGUF:Q8_0", "-p", "the", "--draft",
-                          "auto", "--max-tokens", "4", "--json", "--n-ctx", "256"], env={**os.environ, **stores["env"]},
-                         capture_output=True, text=True, check=True)
-    assert json.loads(out.stdout)["draft_choice"]["draft"] == "ollama:tinydraft:latest"
-    out = subprocess.run([sys.executable, "-m", "ondevice", "check-pair", "hf:tiny/target-GGUF:Q8_0"],
-                         env={**os.environ, **stores["env"]}, capture_output=True, text=True, check=True)
-    assert "ollama:tinydraft:latest" in out.stdout and "not much smaller" in out.stdout
+    with ondevice.load(models["target"], drafter="none", n_ctx=256, threads=1) as rt:
+        assert spec.tokens == rt.generate("the model draft", max_tokens=16, temperature=0, gamma=0).tokens  # exact
 
 
-def _greedy_n(model, n: int) -> list[int]:
-    with ondevice.load(model, drafter="none", n_ctx=256) as rt:
-        return rt.generate("the model draft", max_tokens=n, temperature=0, gamma=0).tokens
+def test_auto_draft_picks_by_cost_not_by_size(stores, models, monkeypatch):
+    """Two compatible small drafts: the one the cost model expects to be faster wins, either way round."""
+    other = stores["lmstudio"] / "extra/tiny-draft-copy-Q8_0.gguf"
+    other.parent.mkdir(parents=True)
+    shutil.copyfile(models["draft"], other)
+    for cheap, name in (("tiny-draft-copy-Q8_0.gguf", "lmstudio:extra/tiny-draft-copy-Q8_0.gguf"),
+                        ("sha256-", "ollama:tinydraft:latest")):
+        seen = fake_costs(monkeypatch, lambda p, cheap=cheap: 0.05 if p.name.startswith(cheap) else 0.3)
+        with ondevice.load("hf:tiny/target-GGUF:Q8_0", draft="auto", n_ctx=128, threads=1) as rt:
+            assert rt.draft_choice["draft"] == name and "best of 2 measured" in rt.draft_choice["reason"]
+            assert len(seen) == 2
+            speedups = sorted(c["expected_speedup"] for c in rt.draft_choice["candidates"] if "expected_speedup" in c)
+            assert speedups[0] < speedups[1] == rt.draft_choice["expected_speedup"]
 
 
-def test_auto_draft_without_a_compatible_model_uses_ngram(stores, monkeypatch):
+def test_auto_draft_measures_once_and_caches(stores, monkeypatch):
+    """The real probe: costs measured at the first auto load, cached on disk, reused by the next load."""
+    with ondevice.load("hf:tiny/target-GGUF:Q8_0", draft="auto", n_ctx=128, threads=1) as rt:
+        first = rt.draft_choice
+    measured = [c for c in first["candidates"] if "expected_speedup" in c]
+    assert [c["name"] for c in measured] == ["ollama:tinydraft:latest"] and measured[0]["draft_cost_ratio"] > 0
+    assert first["drafter"] == ("model" if measured[0]["expected_speedup"] > 1 else "ngram"), first["reason"]
+    cache = json.loads((Path(stores["env"]["ONDEVICE_HOME"]) / "costs.json").read_text())
+    assert len(cache) == 1
+
+    def no_probe(*a, **k):
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr("ondevice.costs.measure", no_probe)
+    with ondevice.load("hf:tiny/target-GGUF:Q8_0", draft="auto", n_ctx=128, threads=1) as rt:
+        assert rt.draft_choice["reason"] == first["reason"]
+
+
+def test_auto_draft_without_a_compatible_model_uses_ngram(stores):
     shutil.rmtree(stores["ollama"])  # the only compatible small model
-    with ondevice.load("hf:tiny/target-GGUF:Q8_0", draft="auto", n_ctx=128) as rt:
+    with ondevice.load("hf:tiny/target-GGUF:Q8_0", draft="auto", n_ctx=128, threads=1) as rt:
         assert rt.drafter.name == "ngram" and rt.draft_choice["drafter"] == "ngram"
         assert rt.draft_choice["reason"].startswith("no compatible, much smaller model among the 5 other local models")
-        assert rt.generate("the model", max_tokens=4, temperature=0).stats.tokens == 4
+        assert rt.generate("the model the model", max_tokens=4, temperature=0, gamma=2).stats.tokens == 4
 
 
 def test_auto_draft_falls_back_when_no_draft_would_pay(stores, monkeypatch):
     """A compatible draft that costs as much as the target: the cost model says n-gram (negative control:
     the same draft at a cost ratio of 0.05 is chosen)."""
-    def measured(ratio):
-        return lambda target, draft: Costs({1: 1.0, 2: 1.1, 4: 1.3, 8: 2.0, 16: 3.5}, ratio)
-
-    monkeypatch.setattr("ondevice.costs.cached_measure", measured(1.0))
-    with ondevice.load("hf:tiny/target-GGUF:Q8_0", draft="auto", n_ctx=128) as rt:
+    fake_costs(monkeypatch, lambda p: 1.0)
+    with ondevice.load("hf:tiny/target-GGUF:Q8_0", draft="auto", n_ctx=128, threads=1) as rt:
         assert rt.drafter.name == "ngram"
         assert rt.draft_choice["reason"].startswith("no local draft would pay: the best, ollama:tinydraft:latest")
-    monkeypatch.setattr("ondevice.costs.cached_measure", measured(0.05))
-    with ondevice.load("hf:tiny/target-GGUF:Q8_0", draft="auto", n_ctx=128) as rt:
+    fake_costs(monkeypatch, lambda p: 0.05)
+    with ondevice.load("hf:tiny/target-GGUF:Q8_0", draft="auto", n_ctx=128, threads=1) as rt:
         assert rt.draft_choice["draft"] == "ollama:tinydraft:latest" and rt.drafter.name == "model"
+
+
+def test_cli_draft_auto_and_candidates(stores):
+    env = {**os.environ, **stores["env"]}
+    out = subprocess.run([sys.executable, "-m", "ondevice", "generate", "hf:tiny/target-GGUF:Q8_0", "-p", "the", "--draft",
+                          "auto", "--max-tokens", "4", "--json", "--n-ctx", "128", "--threads", "1", "--gamma", "2"],
+                         env=env, capture_output=True, text=True, check=True)
+    choice = json.loads(out.stdout)["draft_choice"]
+    assert choice["drafter"] in ("model", "ngram") and choice["reason"]
+    assert [c["name"] for c in choice["candidates"] if c["ok"] or "expected_speedup" in c] == ["ollama:tinydraft:latest"]
+    out = subprocess.run([sys.executable, "-m", "ondevice", "check-pair", "hf:tiny/target-GGUF:Q8_0"],
+                         env=env, capture_output=True, text=True, check=True)
+    assert "ollama:tinydraft:latest" in out.stdout and "not much smaller" in out.stdout
+    out = subprocess.run([sys.executable, "-m", "ondevice", "models", "--local", "--target", "hf:tiny/target-GGUF:Q8_0",
+                          "--json"], env=env, capture_output=True, text=True, check=True)
+    doc = json.loads(out.stdout)
+    assert [d["name"] for d in doc["drafts"] if d["ok"]] == ["ollama:tinydraft:latest"]
+    assert doc["target"]["fingerprint"] == next(m for m in doc["models"] if m["name"].startswith("ollama:"))["fingerprint"]
 
 
 def test_expected_speedup():
@@ -299,3 +362,100 @@ def test_expected_speedup():
     speedup, gamma = autodraft.expected_speedup(costs, alpha=0.7)
     assert speedup > 1.5 and 2 <= gamma <= 8
     assert autodraft.expected_speedup(Costs({1: 1.0, 2: 2.0, 4: 4.0}, 1.0), alpha=0.7)[0] < 1.0
+
+
+# -- downloads, at the huggingface_hub call boundary (never against the live hub here) -------------
+@pytest.fixture()
+def fake_hub(stores, models, monkeypatch):
+    """huggingface_hub's network functions replaced by fakes that write into the real cache layout;
+    reading the cache (local_files_only) stays the real huggingface_hub."""
+    import huggingface_hub
+
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    real_snapshot = huggingface_hub.snapshot_download
+    repos = {
+        "tiny/remote-GGUF": {"tiny-remote-Q8_0.gguf": models["target"], "tiny-remote-F16.gguf": models["target_f16"],
+                             "README.md": models["target"]},
+        "tiny/split-GGUF": {"big-Q4_K_M-00001-of-00002.gguf": models["draft"], "big-Q4_K_M-00002-of-00002.gguf": models["draft"],
+                            "big-Q8_0.gguf": models["draft"], "mmproj-big-f16.gguf": models["draft"]},
+        "tiny/remote-mlx": {**{f.name: f for f in models["qwen2_hf"].iterdir() if f.is_file()},
+                            "onnx/model.onnx": models["draft"]},
+    }
+    calls: list[tuple[str, tuple, dict]] = []
+    fail: dict[str, Exception] = {}
+
+    def list_repo_files(self, repo_id, **kw):
+        calls.append(("list_repo_files", (repo_id,), kw))
+        if "list" in fail:
+            raise fail["list"]
+        return sorted(repos[repo_id])
+
+    def hf_hub_download(repo_id, filename, **kw):
+        calls.append(("hf_hub_download", (repo_id, filename), kw))
+        if "download" in fail:
+            raise fail["download"]
+        return str(hf_put(Path(kw["cache_dir"]), repo_id, {filename: repos[repo_id][filename]}) / filename)
+
+    def snapshot_download(repo_id, **kw):
+        if kw.get("local_files_only"):
+            return real_snapshot(repo_id, **kw)
+        calls.append(("snapshot_download", (repo_id,), kw))
+        import fnmatch
+
+        keep = {n: f for n, f in repos[repo_id].items() if any(fnmatch.fnmatch(n, p) for p in kw["allow_patterns"])}
+        return str(hf_put(Path(kw["cache_dir"]), repo_id, keep))
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "list_repo_files", list_repo_files)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", hf_hub_download)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    return {"calls": calls, "fail": fail, "hub": stores["hub"]}
+
+
+def test_download_gguf_by_quant(fake_hub, capsys):
+    path = sources.resolve("hf:tiny/remote-GGUF:Q8_0")
+    hub = fake_hub["hub"]
+    assert path == hub / "models--tiny--remote-GGUF" / "snapshots" / REV / "tiny-remote-Q8_0.gguf" and path.is_file()
+    assert [(c[0], c[1]) for c in fake_hub["calls"]] == [("list_repo_files", ("tiny/remote-GGUF",)),
+                                                         ("hf_hub_download", ("tiny/remote-GGUF", "tiny-remote-Q8_0.gguf"))]
+    kw = fake_hub["calls"][1][2]
+    assert kw == {"revision": None, "cache_dir": hub}  # token and progress bars: huggingface_hub's own defaults
+    assert "downloading hf:tiny/remote-GGUF:Q8_0 (tiny-remote-Q8_0.gguf) into" in capsys.readouterr().err
+    assert sources.resolve("hf:tiny/remote-GGUF:Q8_0") == path and len(fake_hub["calls"]) == 2  # cached: no network
+    # another quant of a partly cached repo is fetched; a revision is passed through
+    assert sources.resolve("hf:tiny/remote-GGUF@v1:F16").name == "tiny-remote-F16.gguf"
+    assert fake_hub["calls"][-1][1:] == (("tiny/remote-GGUF", "tiny-remote-F16.gguf"), {"revision": "v1", "cache_dir": hub})
+    with pytest.raises(OndeviceError, match=r"2 GGUF files match .*add :QUANT"):
+        sources.resolve("hf:tiny/remote-GGUF@v2")
+
+
+def test_download_split_gguf_and_safetensors_repo(fake_hub):
+    first = sources.resolve("hf:tiny/split-GGUF:Q4_K_M")
+    assert first.name == "big-Q4_K_M-00001-of-00002.gguf" and (first.parent / "big-Q4_K_M-00002-of-00002.gguf").is_file()
+    assert [c[1][1] for c in fake_hub["calls"] if c[0] == "hf_hub_download"] == [
+        "big-Q4_K_M-00001-of-00002.gguf", "big-Q4_K_M-00002-of-00002.gguf"]  # every part, in order; never the mmproj
+    snap = sources.resolve("hf:tiny/remote-mlx")
+    call = fake_hub["calls"][-1]
+    assert call[0] == "snapshot_download" and call[2]["allow_patterns"] == sources.HF_MODEL_PATTERNS
+    assert sources.is_weights_dir(snap) and not (snap / "onnx").exists()  # only the model's own files
+
+
+def test_download_errors_are_mapped_to_one_line(fake_hub):
+    import httpx2
+    from huggingface_hub import errors
+
+    response = httpx2.Response(404, request=httpx2.Request("GET", "https://huggingface.co/api/models/tiny/x"))
+    cases = [
+        ("list", errors.RepositoryNotFoundError("404 not found", response=response),
+         "hf:tiny/remote-GGUF:Q8_0: repository not found on the Hugging Face Hub (or private: log in"),
+        ("list", errors.GatedRepoError("403 gated", response=response), "the repo is gated; accept its terms"),
+        ("list", errors.RevisionNotFoundError("404 rev", response=response), "no such revision"),
+        ("download", errors.LocalEntryNotFoundError("cannot connect"), "the Hub could not be reached"),
+        ("download", ConnectionResetError("peer reset"), "download failed (ConnectionResetError: peer reset); rerun to resume"),
+    ]
+    for where, exc, message in cases:
+        fake_hub["fail"].clear()
+        fake_hub["fail"][where] = exc
+        with pytest.raises(OndeviceError) as e:
+            sources.resolve("hf:tiny/remote-GGUF:Q8_0")
+        assert message in str(e.value) and "\n" not in str(e.value)
+    assert not (fake_hub["hub"] / "models--tiny--remote-GGUF").exists()
