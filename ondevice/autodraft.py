@@ -105,30 +105,37 @@ def choose_draft(target, *, n_ctx: int, threads: int | None = None, device: str 
     _, rows = candidates(target.path, models)
     choice: dict = {"drafter": "ngram", "draft": None, "assumed_acceptance": ASSUMED_ACCEPTANCE, "candidates": rows}
     best, best_speedup = None, 1.0
-    for row in [r for r in rows if r["ok"]][:MAX_MEASURED]:
-        try:
-            backend = open_backend(row["path"], n_ctx=n_ctx, threads=threads, device=device, mmap=mmap)
-        except Exception as e:  # noqa: BLE001 - one candidate failing to open is a verdict, not a crash
-            row.update(ok=False, reason=f"could not open: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
-            continue
-        try:
-            discovery.pair_rules().check_vocabs(target.vocab_tokens(), backend.vocab_tokens(), target.path, row["name"])
-            costs = cached_measure(target, backend)
-        except BaseException as e:
-            backend.close()
-            if not isinstance(e, OndeviceError):
-                raise
-            row.update(ok=False, reason=str(e).splitlines()[0])
-            continue
-        speedup, gamma = expected_speedup(costs)
-        row.update(draft_cost_ratio=round(costs.draft_cost_ratio, 4), expected_speedup=round(speedup, 3),
-                   best_gamma=gamma)
-        if speedup > best_speedup:
-            if best is not None:
-                best[0].close()
-            best, best_speedup = (backend, row), speedup
-        else:
-            backend.close()
+    target_tokens = None
+    try:
+        for row in [r for r in rows if r["ok"]][:MAX_MEASURED]:
+            try:
+                backend = open_backend(row["path"], n_ctx=n_ctx, threads=threads, device=device, mmap=mmap)
+            except Exception as e:  # noqa: BLE001 - one candidate failing to open is a verdict, not a crash
+                row.update(ok=False, reason=f"could not open: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
+                continue
+            try:
+                target_tokens = target_tokens or target.vocab_tokens()
+                discovery.pair_rules().check_vocabs(target_tokens, backend.vocab_tokens(), target.path, row["name"])
+                costs = cached_measure(target, backend)
+            except BaseException as e:
+                backend.close()
+                if not isinstance(e, OndeviceError):
+                    raise
+                row.update(ok=False, reason=str(e).splitlines()[0])
+                continue
+            speedup, gamma = expected_speedup(costs)
+            row.update(draft_cost_ratio=round(costs.draft_cost_ratio, 4), expected_speedup=round(speedup, 3),
+                       best_gamma=gamma)
+            if speedup > best_speedup:
+                if best is not None:
+                    best[0].close()
+                best, best_speedup = (backend, row), speedup
+            else:
+                backend.close()
+    except BaseException:
+        if best is not None:
+            best[0].close()
+        raise
     measured = [r for r in rows if "expected_speedup" in r]
     if best is not None:
         backend, row = best

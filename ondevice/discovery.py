@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
 from pathlib import Path
 
 from ondevice import sources
@@ -111,6 +112,8 @@ def facts(path: Path, cache: dict | None = None) -> dict:
         OndeviceError: the files cannot be read as a model.
     """
     path = Path(path)
+    if path.is_dir() and (path / "model.gguf").is_file():  # a directory our converter wrote
+        path = path / "model.gguf"
     own = cache is None
     cache = _load_cache() if own else cache
     key, size = _stat_key(path)
@@ -147,13 +150,15 @@ def _load_cache() -> dict:
 
 def _save_cache(cache: dict) -> None:
     path = _cache_file()
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps({"version": FACTS_VERSION, "models": cache}))
-        tmp.replace(path)
+        tmp.replace(path)  # atomic: readers see the old or the new file; concurrent writers: the last wins
     except OSError:
         pass  # a read-only cache dir only costs a re-read next time
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _hf_models() -> list[tuple[str, Path]]:

@@ -64,23 +64,54 @@ def lmstudio_dirs() -> list[Path]:
 
 # -- picking a model inside a folder ---------------------------------------------------------------
 def is_weights_dir(path: Path) -> bool:
-    """An MLX or HF safetensors model directory (what the MLX backend opens)."""
-    return path.is_dir() and (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+    """An MLX or HF safetensors directory of a text-generation model (what the MLX backend opens)."""
+    if not (path.is_dir() and (path / "config.json").is_file() and any(path.glob("*.safetensors"))):
+        return False
+    try:
+        archs = json.loads((path / "config.json").read_text()).get("architectures") or []
+    except (OSError, ValueError, AttributeError):
+        return False
+    return not archs or any(str(a).endswith(("CausalLM", "ConditionalGeneration")) for a in archs)
+
+
+def _is_model_gguf(name: str) -> bool:
+    """A GGUF that is a model: not a projector, and of a split GGUF only the first part."""
+    m = _SPLIT.search(name)
+    return name.lower().endswith(".gguf") and "mmproj" not in name.lower() and (not m or int(m.group(1)) == 1)
 
 
 def gguf_files(directory: Path) -> list[Path]:
-    """Model GGUFs under ``directory`` (projectors skipped; of a split GGUF only its first part)."""
-    out = []
-    for f in sorted(directory.rglob("*.gguf")):
-        m = _SPLIT.search(f.name)
-        if "mmproj" in f.name.lower() or (m and int(m.group(1)) != 1):
-            continue
-        out.append(f)
-    return out
+    """Model GGUFs under ``directory`` (see ``_is_model_gguf``)."""
+    return [f for f in sorted(directory.rglob("*.gguf")) if _is_model_gguf(f.name)]
 
 
-def _quant_matches(name: str, quant: str) -> bool:
-    return re.search(rf"(^|[-_.]){re.escape(quant)}([-_.]|$)", name, re.I) is not None
+def choose_gguf(names: list[str], selector: str | None, what: str) -> str:
+    """The one model GGUF among ``names`` (paths relative to a repo) that ``selector`` names.
+
+    ``selector`` is a file name (``model-Q8_0.gguf``) or a quant (``Q4_K_M``, case-insensitive; an exact
+    quant field wins over a longer one: ``Q4_0`` prefers ``…-Q4_0.gguf`` to ``…-Q4_0_4_4.gguf``).
+    Raises:
+        OndeviceError: none or several match (listing what there is and how to choose).
+    """
+    models = [n for n in names if _is_model_gguf(n.rsplit("/", 1)[-1])]
+    if not selector:
+        hits = models
+    elif selector.lower().endswith(".gguf"):
+        hits = [n for n in models if selector in (n, n.rsplit("/", 1)[-1])]
+    else:
+        q = re.escape(selector)
+        base = [n.rsplit("/", 1)[-1] for n in models]
+        hits = [n for n, b in zip(models, base, strict=True) if re.search(rf"(^|[-_.]){q}([-.]|$)", b, re.I)] or \
+            [n for n, b in zip(models, base, strict=True) if re.search(rf"(^|[-_.]){q}([-_.]|$)", b, re.I)]
+    if len(hits) == 1:
+        return hits[0]
+    have = ", ".join(models) or "no GGUF files"
+    if not hits:
+        if not selector:
+            raise OndeviceError(f"{what}: no model files (no GGUF, no safetensors); ondevice cannot run it")
+        raise OndeviceError(f"{what}: no GGUF matching {selector!r} (there are: {have})")
+    raise OndeviceError(f"{what} holds {len(hits)} GGUF files{f' matching {selector!r}' if selector else ''} "
+                        f"({', '.join(hits)}); add :QUANT or :FILE.gguf to choose one")
 
 
 def pick(directory: Path, selector: str | None, what: str) -> Path:
@@ -89,29 +120,12 @@ def pick(directory: Path, selector: str | None, what: str) -> Path:
     Raises:
         OndeviceError: nothing usable, or several GGUFs and no selector (listing the choices).
     """
-    if selector:
-        if selector.lower().endswith(".gguf"):
-            f = directory / selector
-            if f.is_file():
-                return f
-            hits = [g for g in gguf_files(directory) if g.name == selector]
-        else:
-            hits = [g for g in gguf_files(directory) if _quant_matches(g.name, selector)]
-        if len(hits) == 1:
-            return hits[0]
-        have = ", ".join(g.name for g in gguf_files(directory)) or "no GGUF files"
-        if not hits:
-            raise OndeviceError(f"{what}: no GGUF matching {selector!r} in {directory} (it has: {have})")
-        raise OndeviceError(f"{what}: {selector!r} matches {len(hits)} files in {directory} ({have}); name one file")
-    if is_weights_dir(directory):
+    if not selector and is_weights_dir(directory):
         return directory
-    ggufs = gguf_files(directory)
-    if len(ggufs) == 1:
-        return ggufs[0]
-    if ggufs:
-        choices = ", ".join(g.name for g in ggufs)
-        raise OndeviceError(f"{what} holds {len(ggufs)} GGUF files ({choices}); add :QUANT or :FILE.gguf to choose one")
-    raise OndeviceError(f"{what}: {directory} holds no model (no GGUF file, no config.json + *.safetensors)")
+    names = [g.relative_to(directory).as_posix() for g in gguf_files(directory)]
+    if not names and not selector:
+        raise OndeviceError(f"{what}: {directory} holds no model (no GGUF file, no config.json + *.safetensors)")
+    return directory / choose_gguf(names, selector, f"{what} ({directory})")
 
 
 # -- hf: -------------------------------------------------------------------------------------------
@@ -129,6 +143,8 @@ def _hf_error(name: str, e: Exception) -> OndeviceError:
     from huggingface_hub import errors
 
     kind = type(e).__name__
+    if isinstance(e, errors.HFValidationError):
+        return OndeviceError(f"{name}: not a valid Hugging Face repo id ({str(e).splitlines()[0]})")
     if isinstance(e, errors.GatedRepoError):
         return OndeviceError(f"{name}: the repo is gated; accept its terms on huggingface.co and log in "
                              "(`hf auth login` or HF_TOKEN)")
@@ -152,8 +168,8 @@ def _hf_cached(repo: str, revision: str | None) -> Path | None:
 
     try:
         return Path(snapshot_download(repo, revision=revision, cache_dir=hf_cache_dir(), local_files_only=True))
-    except (errors.LocalEntryNotFoundError, errors.RevisionNotFoundError, FileNotFoundError):
-        return None
+    except (errors.LocalEntryNotFoundError, errors.RevisionNotFoundError, errors.HFValidationError, FileNotFoundError):
+        return None  # not cached (or not a repo id at all)
 
 
 def _hf_download(repo: str, revision: str | None, selector: str | None, name: str) -> Path:
@@ -162,28 +178,14 @@ def _hf_download(repo: str, revision: str | None, selector: str | None, name: st
 
     cache = hf_cache_dir()
     files = HfApi().list_repo_files(repo, revision=revision)
-    ggufs = [f for f in files if f.lower().endswith(".gguf") and "mmproj" not in f.lower()]
     weights = [f for f in files if f.endswith(".safetensors")]
-    if selector or (ggufs and not weights):
-        if selector and selector.lower().endswith(".gguf"):
-            chosen = [f for f in ggufs if f == selector or f.rsplit("/", 1)[-1] == selector]
-        elif selector:
-            chosen = [f for f in ggufs if _quant_matches(f.rsplit("/", 1)[-1], selector)]
-        else:
-            chosen = ggufs
-        firsts = [f for f in chosen if not (m := _SPLIT.search(f)) or int(m.group(1)) == 1]
-        if len(firsts) != 1:
-            have = ", ".join(ggufs) or "no GGUF files"
-            how = f"nothing matches {selector!r}" if not firsts else f"{len(firsts)} GGUF files match"
-            raise OndeviceError(f"{name}: {how} (the repo has: {have}); add :QUANT or :FILE.gguf to choose one")
-        first = firsts[0]
+    if selector or not weights:
+        first = choose_gguf(files, selector, name)
         m = _SPLIT.search(first)
-        parts = [f for f in chosen if m and f.startswith(first[: m.start()]) and _SPLIT.search(f)] if m else [first]
+        parts = sorted(f for f in files if (n := _SPLIT.search(f)) and f[: n.start()] == first[: m.start()]) if m else [first]
         print(f"downloading {name} ({', '.join(parts)}) into {cache}", file=sys.stderr)
-        paths = [hf_hub_download(repo, f, revision=revision, cache_dir=cache) for f in sorted(parts)]
+        paths = [hf_hub_download(repo, f, revision=revision, cache_dir=cache) for f in parts]
         return Path(paths[0])
-    if not weights:
-        raise OndeviceError(f"{name}: the repo has neither GGUF nor safetensors files; ondevice cannot run it")
     print(f"downloading {name} (model files) into {cache}", file=sys.stderr)
     return Path(snapshot_download(repo, revision=revision, cache_dir=cache, allow_patterns=HF_MODEL_PATTERNS))
 
@@ -199,8 +201,14 @@ def resolve_hf(ref: str, *, download: bool = True) -> Path:
     Raises:
         OndeviceError: one line naming the repo, the cache and the fix.
     """
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
     repo, revision, selector = parse_hf(ref)
     name = f"hf:{ref}"
+    try:
+        validate_repo_id(repo)
+    except HFValidationError as e:
+        raise _hf_error(name, e) from None
     snap = _hf_cached(repo, revision)
     if snap is not None:
         try:
@@ -313,6 +321,8 @@ def resolve_lmstudio(ref: str) -> Path:
         hits = [p for n, p in models if n.lower().removesuffix(".gguf") == key]
         hits = hits or [p for n, p in models if key in n.lower().rsplit("/", 1)[-1]] or \
             [p for n, p in models if key in n.lower()]
+        if selector and len(hits) > 1 and all(h.is_file() for h in hits):  # e.g. lmstudio:REPO-GGUF:Q4_K_M
+            return Path(choose_gguf([h.as_posix() for h in hits], selector, name))
     if len(hits) > 1:
         raise OndeviceError(f"{name} is ambiguous: {', '.join(str(h) for h in hits[:6])}; give the path inside the folder")
     if not hits:

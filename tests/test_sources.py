@@ -424,7 +424,7 @@ def test_download_gguf_by_quant(fake_hub, capsys):
     # another quant of a partly cached repo is fetched; a revision is passed through
     assert sources.resolve("hf:tiny/remote-GGUF@v1:F16").name == "tiny-remote-F16.gguf"
     assert fake_hub["calls"][-1][1:] == (("tiny/remote-GGUF", "tiny-remote-F16.gguf"), {"revision": "v1", "cache_dir": hub})
-    with pytest.raises(OndeviceError, match=r"2 GGUF files match .*add :QUANT"):
+    with pytest.raises(OndeviceError, match=r"holds 2 GGUF files \(tiny-remote-F16.gguf, tiny-remote-Q8_0.gguf\); add :QUANT"):
         sources.resolve("hf:tiny/remote-GGUF@v2")
 
 
@@ -459,3 +459,42 @@ def test_download_errors_are_mapped_to_one_line(fake_hub):
             sources.resolve("hf:tiny/remote-GGUF:Q8_0")
         assert message in str(e.value) and "\n" not in str(e.value)
     assert not (fake_hub["hub"] / "models--tiny--remote-GGUF").exists()
+
+
+def test_name_parsing(tmp_path):
+    names = ["m-Q4_0.gguf", "m-Q4_0_4_4.gguf", "m-Q4_K_M.gguf", "m-Q4_K_S.gguf", "sub/m-Q8_0-00001-of-00002.gguf",
+             "sub/m-Q8_0-00002-of-00002.gguf", "mmproj-m-f16.gguf"]
+    assert sources.choose_gguf(names, "q4_0", "x") == "m-Q4_0.gguf"  # the exact quant field wins over Q4_0_4_4
+    assert sources.choose_gguf(names, "Q4_K_M", "x") == "m-Q4_K_M.gguf"
+    assert sources.choose_gguf(names, "Q8_0", "x") == "sub/m-Q8_0-00001-of-00002.gguf"  # first part of a split
+    assert sources.choose_gguf(names, "m-Q4_K_S.gguf", "x") == "m-Q4_K_S.gguf"
+    with pytest.raises(OndeviceError, match=r"holds 2 GGUF files matching 'Q4_K' \(m-Q4_K_M.gguf, m-Q4_K_S.gguf\)"):
+        sources.choose_gguf(names, "Q4_K", "x")
+    with pytest.raises(OndeviceError, match="no GGUF matching 'F16'"):  # the projector is never a model
+        sources.choose_gguf(names, "F16", "x")
+    assert sources.parse_hf("a/b@dev:Q4_K_M") == ("a/b", "dev", "Q4_K_M") and sources.parse_hf("a/b") == ("a/b", None, None)
+    root = tmp_path / "o"
+    assert sources.ollama_manifest("qwen2.5-coder:0.5b", root) == root / "manifests/registry.ollama.ai/library/qwen2.5-coder/0.5b"
+    assert sources.ollama_manifest("me/m", root) == root / "manifests/registry.ollama.ai/me/m/latest"
+    assert sources.ollama_manifest("hf.co/org/repo-GGUF:Q4_K_M", root) == root / "manifests/hf.co/org/repo-GGUF/Q4_K_M"
+    d = tmp_path / "bert"
+    d.mkdir()
+    (d / "model.safetensors").write_bytes(b"")
+    (d / "config.json").write_text(json.dumps({"architectures": ["BertForMaskedLM"]}))
+    assert not sources.is_weights_dir(d)  # not a text-generation model: never listed or picked
+    (d / "config.json").write_text(json.dumps({"architectures": ["Qwen2ForCausalLM"]}))
+    assert sources.is_weights_dir(d)
+
+
+def test_lmstudio_repo_name_with_quant(stores, models):
+    repo = stores["lmstudio"] / "pub/tiny-GGUF"
+    repo.mkdir(parents=True)
+    shutil.copyfile(models["draft"], repo / "tiny-Q8_0.gguf")
+    shutil.copyfile(models["draft"], repo / "tiny-Q4_0.gguf")
+    assert sources.resolve("lmstudio:pub/tiny-GGUF:Q4_0") == repo / "tiny-Q4_0.gguf"  # a path in the folder
+    assert sources.resolve("lmstudio:tiny-GGUF:q8_0") == repo / "tiny-Q8_0.gguf"  # a name, then the quant
+    assert sources.resolve("pub/tiny-GGUF:Q8_0") == repo / "tiny-Q8_0.gguf"  # bare: only LM Studio has it
+    with pytest.raises(OndeviceError, match="holds 2 GGUF files"):
+        sources.resolve("lmstudio:pub/tiny-GGUF")
+    with pytest.raises(OndeviceError, match="hf:bad..name/x--y: not a valid Hugging Face repo id"):
+        sources.resolve("hf:bad..name/x--y")
