@@ -1,6 +1,6 @@
 """Models already on this machine (HF cache, LM Studio, Ollama) and their cheap facts.
 
-Facts come from GGUF metadata and tokenizer files only (no weights are read): format, architecture,
+Facts come from GGUF headers (``gguf_meta``) and tokenizer files only (no weights are read): format, architecture,
 quantization, size, vocabulary size and a vocabulary fingerprint (sha256 of the token texts in id
 order). They are cached in ``$ONDEVICE_HOME/fingerprints.json`` keyed by path, size and mtime, so a
 second listing reads no model file.
@@ -17,6 +17,7 @@ from pathlib import Path
 from ondevice import sources
 from ondevice.backends import is_gguf_file
 from ondevice.errors import OndeviceError
+from ondevice.gguf_meta import read_header
 
 FACTS_VERSION = 1
 
@@ -36,7 +37,10 @@ def tokens(path: Path) -> list[str]:
     """Token texts in id order of a GGUF file (any name: Ollama blobs have no suffix) or a weights dir."""
     path = Path(path)
     if path.is_file() and is_gguf_file(path):
-        return pair_rules().gguf_tokens(path)
+        texts = read_header(path)[1]
+        if texts is None:
+            raise OndeviceError(f"{path}: GGUF has no tokenizer.ggml.tokens; it cannot be paired")
+        return texts
     return pair_rules().model_tokens(path)
 
 
@@ -64,25 +68,15 @@ def _stat_key(path: Path) -> tuple[str, int]:
 def _gguf_facts(path: Path) -> dict:
     import gguf
 
-    reader = gguf.GGUFReader(str(path))
-
-    def field(key: str):
-        f = reader.fields.get(key)
-        if f is None or not f.data:
-            return None
-        v = f.parts[f.data[0]]
-        return bytes(v).decode("utf-8", "replace") if f.types and f.types[0] == gguf.GGUFValueType.STRING else v[0]
-
-    ft = field("general.file_type")
+    meta, texts = read_header(path)
+    if texts is None:
+        raise OndeviceError(f"{path}: GGUF has no tokenizer.ggml.tokens; it cannot be paired")
+    ft = meta.get("general.file_type")
     try:
         quant = gguf.LlamaFileType(int(ft)).name.removeprefix("MOSTLY_") if ft is not None else "unknown"
     except ValueError:
         quant = str(ft)
-    tok = reader.fields.get("tokenizer.ggml.tokens")
-    if tok is None:
-        raise OndeviceError(f"{path}: GGUF has no tokenizer.ggml.tokens; it cannot be paired")
-    texts = [bytes(tok.parts[i]).decode("utf-8", "replace") for i in tok.data]  # as pair_rules().gguf_tokens
-    return {"format": "gguf", "arch": field("general.architecture"), "quant": quant, "vocab_size": len(texts),
+    return {"format": "gguf", "arch": meta.get("general.architecture"), "quant": quant, "vocab_size": len(texts),
             "fingerprint": fingerprint(texts)}
 
 

@@ -498,3 +498,24 @@ def test_lmstudio_repo_name_with_quant(stores, models):
         sources.resolve("lmstudio:pub/tiny-GGUF")
     with pytest.raises(OndeviceError, match="hf:bad..name/x--y: not a valid Hugging Face repo id"):
         sources.resolve("hf:bad..name/x--y")
+
+
+def test_fast_gguf_header_reads_what_gguf_reads(models, tmp_path):
+    """gguf_meta (a struct walk of the header) gives gguf-py's token texts and scalars, and one-line errors."""
+    import gguf
+
+    from ondevice.gguf_meta import read_header
+
+    for name in ("target", "target_f16", "qwen2", "swapped"):
+        meta, texts = read_header(models[name])
+        reader = gguf.GGUFReader(str(models[name]))
+        assert texts == discovery.pair_rules().gguf_tokens(models[name])
+        assert meta["general.architecture"] == bytes(reader.fields["general.architecture"].parts[-1]).decode()
+        assert meta["general.file_type"] == int(reader.fields["general.file_type"].parts[-1][0])
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(models["target"].read_bytes()[:3000])
+    with pytest.raises(OndeviceError, match="cut.gguf: (corrupt GGUF header|GGUF header runs past)"):
+        read_header(cut)
+    (tmp_path / "not.gguf").write_bytes(b"PK\x03\x04" + bytes(100))
+    with pytest.raises(OndeviceError, match="not a GGUF file"):
+        read_header(tmp_path / "not.gguf")
