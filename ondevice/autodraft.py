@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+import time
 from pathlib import Path
 
 from ondevice import discovery
@@ -102,6 +103,7 @@ def choose_draft(target, *, n_ctx: int, threads: int | None = None, device: str 
     from ondevice.backends import open_backend
     from ondevice.costs import cached_measure
 
+    t0 = time.perf_counter()
     _, rows = candidates(target.path, models)
     choice: dict = {"drafter": "ngram", "draft": None, "assumed_acceptance": ASSUMED_ACCEPTANCE, "candidates": rows}
     best, best_speedup = None, 1.0
@@ -137,6 +139,7 @@ def choose_draft(target, *, n_ctx: int, threads: int | None = None, device: str 
             best[0].close()
         raise
     measured = [r for r in rows if "expected_speedup" in r]
+    choice["seconds"] = round(time.perf_counter() - t0, 3)  # judging + timing (cached after the first time)
     if best is not None:
         backend, row = best
         choice.update(drafter="model", draft=row["name"], path=row["path"], expected_speedup=row["expected_speedup"],

@@ -27,9 +27,10 @@ def show_local(json_out: bool, target: str | None = None) -> None:
         print(json.dumps(doc, indent=2, default=str))
         return
     from rich.console import Console
-    from rich.table import Table
+    from rich.table import Column, Table
 
-    t = Table("name", "format", "arch", "quant", "size", "vocab", "fingerprint", title="local models")
+    t = Table(Column("name", overflow="fold"), "format", "arch", "quant", "size", "vocab", "fingerprint",
+              title="local models")
     for m in models:
         if "error" in m:
             t.add_row(m["name"], "[red]error[/red]", m["error"], "", "", "", "")
@@ -47,14 +48,14 @@ def show_local(json_out: bool, target: str | None = None) -> None:
 def show_candidates(target: str, rows: list[dict] | None = None, console=None) -> None:
     """Print each local model's verdict as a draft for ``target``."""
     from rich.console import Console
-    from rich.table import Table
+    from rich.table import Column, Table
 
     if rows is None:
         from ondevice import catalog
         from ondevice.autodraft import candidates
 
         _, rows = candidates(catalog.resolve(target))
-    t = Table("draft", "size", "of target", "verdict", title=f"candidate drafts for {target}")
+    t = Table(Column("draft", overflow="fold"), "size", "of target", "verdict", title=f"candidate drafts for {target}")
     for r in rows:
         ratio = f"{r['size_ratio']:.2f}" if r.get("size_ratio") is not None else ""
         t.add_row(r["name"], _mb(r.get("size")), ratio, ("[green]✓ [/green]" if r["ok"] else "✗ ") + r["reason"])

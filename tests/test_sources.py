@@ -421,6 +421,7 @@ def test_download_gguf_by_quant(fake_hub, capsys):
     assert kw == {"revision": None, "cache_dir": hub}  # token and progress bars: huggingface_hub's own defaults
     assert "downloading hf:tiny/remote-GGUF:Q8_0 (tiny-remote-Q8_0.gguf) into" in capsys.readouterr().err
     assert sources.resolve("hf:tiny/remote-GGUF:Q8_0") == path and len(fake_hub["calls"]) == 2  # cached: no network
+    assert catalog.pull("hf:tiny/remote-GGUF:Q8_0") == path  # `ondevice pull hf:…` takes the same path
     # another quant of a partly cached repo is fetched; a revision is passed through
     assert sources.resolve("hf:tiny/remote-GGUF@v1:F16").name == "tiny-remote-F16.gguf"
     assert fake_hub["calls"][-1][1:] == (("tiny/remote-GGUF", "tiny-remote-F16.gguf"), {"revision": "v1", "cache_dir": hub})
@@ -519,3 +520,36 @@ def test_fast_gguf_header_reads_what_gguf_reads(models, tmp_path):
     (tmp_path / "not.gguf").write_bytes(b"PK\x03\x04" + bytes(100))
     with pytest.raises(OndeviceError, match="not a GGUF file"):
         read_header(tmp_path / "not.gguf")
+
+
+@pytest.mark.slow
+def test_auto_draft_on_the_real_qwen_pair(tmp_path, monkeypatch):
+    """Qwen2.5-Coder 1.5B in LM Studio's layout, its 0.5B in Ollama's, SmolLM2 as a decoy (another vocabulary):
+    the 0.5B is the only candidate, and the choice agrees with the speedup its measured costs predict."""
+    target = catalog.pull("qwen2.5-coder-1.5b-instruct", quiet=True)
+    draft = catalog.pull("qwen2.5-coder-0.5b-instruct", quiet=True)
+    decoy = catalog.pull("smollm2-135m-instruct", quiet=True)
+    lms = tmp_path / "lms"
+    for rel, src in {"Qwen/Qwen2.5-Coder-1.5B-Instruct-GGUF/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf": target,
+                     "HuggingFaceTB/SmolLM2-135M-Instruct-GGUF/SmolLM2-135M-Instruct-Q4_1.gguf": decoy}.items():
+        (lms / rel).parent.mkdir(parents=True)
+        (lms / rel).symlink_to(src)
+    digest = catalog.get("qwen2.5-coder-0.5b-instruct").sha256
+    ollama = tmp_path / "ollama"
+    (ollama / "blobs").mkdir(parents=True)
+    (ollama / "blobs" / f"sha256-{digest}").symlink_to(draft)
+    m = ollama / "manifests/registry.ollama.ai/library/qwen2.5-coder/0.5b"
+    m.parent.mkdir(parents=True)
+    m.write_text(json.dumps({"layers": [{"mediaType": "application/vnd.ollama.image.model", "digest": f"sha256:{digest}",
+                                         "size": draft.stat().st_size}]}))
+    for k, v in {"ONDEVICE_LMSTUDIO_MODELS": lms, "OLLAMA_MODELS": ollama, "HF_HOME": tmp_path / "hf",
+                 "HF_HUB_OFFLINE": "1", "ONDEVICE_HOME": tmp_path / "home"}.items():
+        monkeypatch.setenv(k, str(v))
+    with ondevice.load("lmstudio:qwen2.5-coder-1.5b-instruct-q4_k_m", draft="auto", n_ctx=512) as rt:
+        choice = rt.draft_choice
+    rows = {r["name"]: r for r in choice["candidates"]}
+    assert rows["ollama:qwen2.5-coder:0.5b"]["ok"] or "expected_speedup" in rows["ollama:qwen2.5-coder:0.5b"]
+    assert rows["lmstudio:HuggingFaceTB/SmolLM2-135M-Instruct-GGUF/SmolLM2-135M-Instruct-Q4_1.gguf"]["reason"] == \
+        "vocabulary differs (49152 vs 151936 tokens)"
+    speedup = rows["ollama:qwen2.5-coder:0.5b"]["expected_speedup"]
+    assert choice["draft"] == ("ollama:qwen2.5-coder:0.5b" if speedup > 1 else None), choice["reason"]
