@@ -149,7 +149,10 @@ def test_every_kind_of_name_resolves_loads_and_generates(stores, models):
 
 def test_cached_names_never_reach_the_network(stores, monkeypatch):
     """With HF_HUB_OFFLINE unset and every socket refused, cached hf: names and local stores still resolve."""
+    import huggingface_hub.constants
+
     monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)  # read once at its import
 
     def refuse(*a, **k):
         raise AssertionError("network access")
@@ -161,6 +164,9 @@ def test_cached_names_never_reach_the_network(stores, monkeypatch):
     assert len(discovery.local_models()) == 7
     with pytest.raises(OndeviceError, match="no repo of that name.*say hf:nobody/nothing to download"):
         sources.resolve("nobody/nothing")  # a bare name never downloads
+    # control: an uncached hf: name does try the network (and is refused here)
+    with pytest.raises(OndeviceError, match=r"hf:nobody/nothing: download failed \(AssertionError: network access\)"):
+        sources.resolve("hf:nobody/nothing")
 
 
 def test_models_local_lists_every_store(stores):
