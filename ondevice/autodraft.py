@@ -108,8 +108,11 @@ def choose_draft(target, *, n_ctx: int, threads: int | None = None, device: str 
     choice: dict = {"drafter": "ngram", "draft": None, "assumed_acceptance": ASSUMED_ACCEPTANCE, "candidates": rows}
     best, best_speedup = None, 1.0
     target_tokens = None
+    eligible = [r for r in rows if r["ok"]]
+    for row in eligible[MAX_MEASURED:]:
+        row["reason"] += f" (not timed: only the {MAX_MEASURED} smallest are)"
     try:
-        for row in [r for r in rows if r["ok"]][:MAX_MEASURED]:
+        for row in eligible[:MAX_MEASURED]:
             try:
                 backend = open_backend(row["path"], n_ctx=n_ctx, threads=threads, device=device, mmap=mmap)
             except Exception as e:  # noqa: BLE001 - one candidate failing to open is a verdict, not a crash
@@ -151,6 +154,9 @@ def choose_draft(target, *, n_ctx: int, threads: int | None = None, device: str 
         top = max(measured, key=lambda r: r["expected_speedup"])
         choice["reason"] = (f"no local draft would pay: the best, {top['name']}, is expected at "
                             f"{top['expected_speedup']:.2f}× plain (acceptance {ASSUMED_ACCEPTANCE}); n-gram drafting")
+    elif eligible:
+        choice["reason"] = (f"{len(eligible)} candidate draft{'s' * (len(eligible) != 1)} could not be used "
+                            f"({eligible[0]['name']}: {eligible[0]['reason']}); n-gram drafting")
     else:
         n = len(rows)
         choice["reason"] = (f"no compatible, much smaller model among the {n} other local model{'s' * (n != 1)} "

@@ -559,3 +559,17 @@ def test_auto_draft_on_the_real_qwen_pair(tmp_path, monkeypatch):
         "vocabulary differs (49152 vs 151936 tokens)"
     speedup = rows["ollama:qwen2.5-coder:0.5b"]["expected_speedup"]
     assert choice["draft"] == ("ollama:qwen2.5-coder:0.5b" if speedup > 1 else None), choice["reason"]
+
+
+def test_auto_draft_candidate_that_cannot_open(stores, models):
+    """A candidate whose blob is not a loadable model is a verdict, not a crash; n-gram is used and says why."""
+    blob = sources.resolve("ollama:tinydraft")
+    blob.write_bytes(blob.read_bytes()[: blob.stat().st_size // 2])  # header intact, tensor data cut: llama.cpp refuses it
+    manifest = stores["ollama"] / "manifests/registry.ollama.ai/library/tinydraft/latest"
+    doc = json.loads(manifest.read_text())
+    doc["layers"][0]["size"] = blob.stat().st_size
+    manifest.write_text(json.dumps(doc))
+    with ondevice.load("hf:tiny/target-GGUF:Q8_0", draft="auto", n_ctx=128, threads=1) as rt:
+        assert rt.drafter.name == "ngram"
+        assert rt.draft_choice["reason"].startswith("1 candidate draft could not be used (ollama:tinydraft:latest: "
+                                                    "could not open"), rt.draft_choice["reason"]
