@@ -36,6 +36,8 @@ def pair_rules():
 def tokens(path: Path) -> list[str]:
     """Token texts in id order of a GGUF file (any name: Ollama blobs have no suffix) or a weights dir."""
     path = Path(path)
+    if path.is_dir() and (path / "model.gguf").is_file():  # a directory our converter wrote
+        path = path / "model.gguf"
     if path.is_file() and is_gguf_file(path):
         texts = read_header(path)[1]
         if texts is None:
