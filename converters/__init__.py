@@ -59,7 +59,7 @@ def convert(
     check_out(out)
     t0 = time.perf_counter()
     if draft is not None:
-        from converters.pairs import check_vocabs
+        from ondevice.formats.pairs import check_vocabs
 
         vt, vd = _vocab_of(src), _vocab_of(Path(draft))
         check_vocabs(vt, vd, src, draft)  # before anything is written
@@ -68,18 +68,61 @@ def convert(
                 "target": _convert_one(src, to, tmp / "target", **opts),
                 "draft": _convert_one(Path(draft), to, tmp / "draft", **opts),
             }
+            summary["target"]["verify"] = verify_conversion(src, to, tmp / "target", summary["target"], out / "target")
+            summary["draft"]["verify"] = verify_conversion(Path(draft), to, tmp / "draft", summary["draft"], out / "draft")
         summary["out"] = str(out)
     else:
         with atomic_dir(out) as tmp:
             summary = _convert_one(src, to, tmp, **opts)
+            summary["verify"] = verify_conversion(src, to, tmp, summary, out)
         summary["out"] = str(out)
     summary["seconds"] = round(time.perf_counter() - t0, 3)
     return summary
 
 
+def verify_conversion(src: Path, to: str, written: Path, summary: dict, out: Path) -> dict | None:
+    """Verify ``written`` (a GGUF or MLX output of ``src``) in its runtime, record it in its manifest.json.
+
+    Core ML outputs are verified by ``converters.coreml`` itself (its program, interpreted); here: None.
+    Raises:
+        OndeviceError: one line naming ``out`` when the output does not load, tokenizes differently from
+            the source, or disagrees with the source's forward pass (see ``converters.verify``).
+    """
+    if to == "coreml":
+        return None
+    from converters import verify as v
+    from ondevice.backends import is_gguf_file
+
+    fmt = "gguf" if to == "gguf" else "mlx"
+    path = written / "model.gguf" if fmt == "gguf" else written
+    level = v.precision(fmt, summary["quant"], summary.get("bits"))
+    if is_gguf_file(src):  # GGUF → MLX: the source's own runtime is llama.cpp
+        b = v.llama_backend(src, v.MAX_TOKENS)
+        try:
+            ids, bos = b.tokenize(v.PROBE, add_bos=True), bool(b.add_bos)
+        finally:
+            b.close()
+        reference, reference_name = (lambda ids: v.gguf_reference_logits(src, ids)), "llama.cpp (source GGUF)"
+        what = "MLX model"
+    else:
+        from converters.hf import open_checkpoint
+        from converters.tokenizer import read_hf_vocab
+
+        ckpt = open_checkpoint(src)
+        vocab = read_hf_vocab(ckpt.path, ckpt.vocab_size, ckpt.config)
+        ids, bos = v.hf_probe_ids(ckpt.path, vocab.add_bos, vocab.bos_id), vocab.add_bos
+        reference, reference_name = (lambda ids: v.hf_reference_logits(ckpt.path, ids)), "mlx-lm float32 (source weights)"
+        tok = f"{vocab.model}/{vocab.pre}" if vocab.model == "gpt2" else f"{vocab.model} (SentencePiece)"
+        what = f"{fmt.upper()} model (arch {ckpt.arch}, tokenizer {tok})"
+    result = v.verify_output(fmt, path, where=out, source_ids=ids, source_bos=bos, reference=reference,
+                             reference_name=reference_name, level=level, what=what)
+    v.record(written, result)
+    return result
+
+
 def _vocab_of(path: Path) -> list[str]:
     if path.suffix == ".gguf":
-        from converters.pairs import gguf_tokens
+        from ondevice.formats.pairs import gguf_tokens
 
         return gguf_tokens(path)
     from converters.hf import open_checkpoint

@@ -16,7 +16,7 @@ def describe(model: str | Path, device: str | None = None) -> dict:
     fmt = detect_format(path)
     info: dict = {"path": str(path), "format": fmt, "size_bytes": _size(path)}
     if fmt == "gguf":
-        from converters.gguf_reader import GGUFFile
+        from ondevice.formats.gguf_reader import GGUFFile
 
         g = GGUFFile(path / "model.gguf" if path.is_dir() else path)
         types = Counter(t.tensor_type.name for t in g.reader.tensors)
@@ -31,8 +31,8 @@ def describe(model: str | Path, device: str | None = None) -> dict:
                     vocab_size=cfg.get("vocab_size"), context_length=cfg.get("max_position_embeddings"),
                     sliding_window=cfg.get("sliding_window"), device=_mlx_device(device))
     else:
-        from converters.coreml import describe_package
         from ondevice.backends.coreml import package_dir, read_manifest
+        from ondevice.formats.coreml_package import describe_package
 
         directory, package = package_dir(path)
         m = read_manifest(directory)

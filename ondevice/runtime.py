@@ -64,7 +64,7 @@ def load(
     vocab_limit = target.vocab_size
     try:
         if kind == "model":
-            from converters.pairs import check_vocabs
+            from ondevice.formats.pairs import check_vocabs
 
             draft_backend = open_backend(catalog.resolve(draft), n_ctx=n_ctx, threads=threads, device=device, mmap=mmap)
             try:
