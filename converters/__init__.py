@@ -86,7 +86,7 @@ def verify_conversion(src: Path, to: str, written: Path, summary: dict, out: Pat
     Core ML outputs are verified by ``converters.coreml`` itself (its program, interpreted); here: None.
     Raises:
         OndeviceError: one line naming ``out`` when the output does not load, tokenizes differently from
-            the source, or disagrees with the source's forward pass (see ``converters.verify``).
+            the source, has a tensor that is not the source's, or computes differently (``converters.verify``).
     """
     if to == "coreml":
         return None
@@ -96,6 +96,7 @@ def verify_conversion(src: Path, to: str, written: Path, summary: dict, out: Pat
     fmt = "gguf" if to == "gguf" else "mlx"
     path = written / "model.gguf" if fmt == "gguf" else written
     level = v.precision(fmt, summary["quant"], summary.get("bits"))
+    weights_record, written_logits = None, None
     if is_gguf_file(src):  # GGUF → MLX: the source's own runtime is llama.cpp
         b = v.llama_backend(src, v.MAX_TOKENS)
         try:
@@ -105,6 +106,7 @@ def verify_conversion(src: Path, to: str, written: Path, summary: dict, out: Pat
         reference, reference_name = (lambda ids: v.gguf_reference_logits(src, ids)), "llama.cpp (source GGUF)"
         what = "MLX model"
     else:
+        from converters import written as w
         from converters.hf import open_checkpoint
         from converters.tokenizer import read_hf_vocab
 
@@ -114,8 +116,17 @@ def verify_conversion(src: Path, to: str, written: Path, summary: dict, out: Pat
         reference, reference_name = (lambda ids: v.hf_reference_logits(ckpt.path, ids)), "mlx-lm float32 (source weights)"
         tok = f"{vocab.model}/{vocab.pre}" if vocab.model == "gpt2" else f"{vocab.model} (SentencePiece)"
         what = f"{fmt.upper()} model (arch {ckpt.arch}, tokenizer {tok})"
-    result = v.verify_output(fmt, path, where=out, source_ids=ids, source_bos=bos, reference=reference,
-                             reference_name=reference_name, level=level, what=what)
+        weights, bits = w.gguf_written(path, ckpt) if fmt == "gguf" else w.mlx_written(path)
+        weights_record = w.weight_errors(weights, bits, ckpt, out)
+        if level == "quantized":
+            def written_logits(ids):
+                return v.hf_reference_logits(ckpt.path, ids, weights)
+        else:
+            del weights
+    result = v.verify_output(fmt, path, where=out, source_ids=ids, source_bos=bos, level=level, reference=reference,
+                             reference_name=reference_name, written=written_logits, what=what)
+    if weights_record:
+        result["weights"] = weights_record
     v.record(written, result)
     return result
 

@@ -120,33 +120,64 @@ def _permute_qk(t: np.ndarray, n_head: int) -> np.ndarray:
     return t.reshape(n_head, 2, rows // n_head // 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
 
 
-def gguf_tensors(ckpt, arch: Arch) -> Iterator[tuple[str, np.ndarray]]:
-    """(GGUF name, float32 array in llama.cpp's layout) for every tensor of an HF checkpoint.
+def gguf_names(ckpt, arch: Arch) -> dict[str, str]:
+    """HF tensor name → GGUF tensor name for every tensor of ``ckpt`` (``gguf``'s TensorNameMap).
 
     Raises:
-        OndeviceError: naming the first tensor ``gguf``'s tables have no name for in this architecture.
+        OndeviceError: naming the first tensor ``gguf``'s tables have no name for in this architecture,
+            or whose name is not among ``gguf.MODEL_TENSORS`` of the target arch (llama.cpp would not load it).
     """
     import gguf
 
-    cfg = ckpt.config
     march = gguf.MODEL_ARCH[arch.gguf_arch]
-    n_layers = int(cfg["num_hidden_layers"])
-    names = gguf.get_tensor_name_map(march, n_layers)
+    n_layers = int(ckpt.config["num_hidden_layers"])
+    table = gguf.get_tensor_name_map(march, n_layers)
     allowed = {gguf.TENSOR_NAMES[t].format(bid=b) for t in gguf.MODEL_TENSORS[march] for b in range(n_layers)}
-    n_head = int(cfg["num_attention_heads"])
-    n_kv = int(cfg.get("num_key_value_heads") or n_head)
-    for hf_name, t in ckpt.tensors():
+    out = {}
+    for hf_name in ckpt.tensor_names():
         if hf_name.endswith("rotary_emb.inv_freq"):
             continue
-        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        name = table.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if name is None or name.rsplit(".", 1)[0] not in allowed:
             raise OndeviceError(f"{ckpt.path}: tensor {hf_name} has no GGUF name for architecture {ckpt.arch} "
                                 "(gguf's TensorNameMap); this checkpoint has parts llama.cpp would not load")
+        out[hf_name] = name
+    return out
+
+
+def _heads(config: dict, gguf_name: str) -> int | None:
+    """The head count a Q or K tensor's rows are grouped by (for the rope permutation); else None."""
+    n_head = int(config["num_attention_heads"])
+    if ".attn_q." in gguf_name:
+        return n_head
+    if ".attn_k." in gguf_name:
+        return int(config.get("num_key_value_heads") or n_head)
+    return None
+
+
+def gguf_tensors(ckpt, arch: Arch) -> Iterator[tuple[str, np.ndarray]]:
+    """(GGUF name, float32 array in llama.cpp's layout) for every tensor of an HF checkpoint."""
+    names = gguf_names(ckpt, arch)
+    for hf_name, t in ckpt.tensors():
+        if hf_name not in names:
+            continue
+        name = names[hf_name]
         t = np.asarray(t, dtype=np.float32)
-        if arch.permute_qk and name.endswith(("attn_q.weight", "attn_q.bias")):
-            t = _permute_qk(t, n_head)
-        elif arch.permute_qk and name.endswith(("attn_k.weight", "attn_k.bias")):
-            t = _permute_qk(t, n_kv)
+        heads = _heads(ckpt.config, name) if arch.permute_qk else None
+        if heads:
+            t = _permute_qk(t, heads)
         if arch.norm_offset and name.endswith("norm.weight"):
             t = t + arch.norm_offset
         yield name, t
+
+
+def from_gguf_layout(config: dict, arch: Arch, gguf_name: str, t: np.ndarray) -> np.ndarray:
+    """Inverse of the quirks ``gguf_tensors`` applies: llama.cpp's layout → HF's, for one tensor."""
+    from ondevice.formats.gguf_reader import unpermute_rows
+
+    heads = _heads(config, gguf_name) if arch.permute_qk else None
+    if heads:
+        t = unpermute_rows(t, heads)
+    if arch.norm_offset and gguf_name.endswith("norm.weight"):
+        t = t - arch.norm_offset
+    return t
