@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -105,6 +106,16 @@ def verify_conversion(src: Path, to: str, written: Path, summary: dict, out: Pat
             b.close()
         reference, reference_name = (lambda ids: v.gguf_reference_logits(src, ids)), "llama.cpp (source GGUF)"
         what = "MLX model"
+        from converters import written as w
+        from ondevice.formats.gguf_reader import GGUFFile, float_tensors
+
+        weights, bits = w.mlx_written(path)
+        weights_record = w.weight_errors(weights, bits, float_tensors(GGUFFile(src)), out)
+        if summary.get("requantized_tensors"):  # not lossless: judge the MLX kernels on their own weights
+            level, config = "quantized", json.loads((path / "config.json").read_text())
+
+            def written_logits(ids):
+                return v.mlx_float_logits(config, weights, ids)
     else:
         from converters import written as w
         from converters.hf import open_checkpoint
@@ -117,7 +128,7 @@ def verify_conversion(src: Path, to: str, written: Path, summary: dict, out: Pat
         tok = f"{vocab.model}/{vocab.pre}" if vocab.model == "gpt2" else f"{vocab.model} (SentencePiece)"
         what = f"{fmt.upper()} model (arch {ckpt.arch}, tokenizer {tok})"
         weights, bits = w.gguf_written(path, ckpt) if fmt == "gguf" else w.mlx_written(path)
-        weights_record = w.weight_errors(weights, bits, ckpt, out)
+        weights_record = w.weight_errors(weights, bits, ckpt.tensors(), out)
         if level == "quantized":
             def written_logits(ids):
                 return v.hf_reference_logits(ckpt.path, ids, weights)

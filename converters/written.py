@@ -70,16 +70,19 @@ def mlx_written(directory: Path) -> tuple[dict[str, np.ndarray], dict[str, int]]
     return weights, bits
 
 
-def weight_errors(written: dict[str, np.ndarray], bits: dict[str, int], ckpt, where: Path | str) -> dict:
+def weight_errors(written: dict[str, np.ndarray], bits: dict[str, int], source, where: Path | str) -> dict:
     """Compare each written tensor with its source tensor; raise naming the first one off by more than its
     type's rounding bound, or a source tensor that was not written at all.
 
+    Args:
+        written, bits: from ``gguf_written`` / ``mlx_written``.
+        source: (HF name, array) pairs of the source (``HFCheckpoint.tensors()``, ``gguf_reader.float_tensors``).
     Returns:
         {"max_weight_rel_error", "worst_tensor", "tensors"} for the record.
     """
     worst, worst_name = 0.0, None
     n = 0
-    for name, src in ckpt.tensors():
+    for name, src in source:
         if name.endswith("rotary_emb.inv_freq"):
             continue
         if name not in written:
