@@ -153,7 +153,10 @@ def _open_output(fmt: str, path: Path, n: int, where: Path, what: str):
 
         return MLXBackend(path, n_ctx=max(64, n + 8))
     except OndeviceError as e:
-        raise OndeviceError(f"{where}: verification failed: the written {what} does not load ({e})") from e
+        reason = str(e).split(": ", 1)[-1]  # drop the temporary path it names
+        runtime = "llama.cpp" if fmt == "gguf" else "mlx-lm"
+        raise OndeviceError(f"{where}: verification failed: the written {what} does not load in {runtime} ({reason}); "
+                            "nothing was kept") from e
 
 
 def verify_output(fmt: str, path: Path, *, where: Path, source_ids: list[int], source_bos: bool, level: str,

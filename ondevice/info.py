@@ -41,7 +41,22 @@ def describe(model: str | Path, device: str | None = None) -> dict:
                     prefill_chunk=m.get("prefill_chunk"), functions=sorted(desc["functions"]),
                     weights=desc["functions"][desc["default_function"]]["weights"],
                     device=f"Core ML {m.get('compute_units', '')} (prediction on macOS 15+ only)")
+    info["verified"] = _verified(path)
     return info
+
+
+def _verified(path: Path) -> str:
+    """What the converter's verification (manifest.json beside the model) found, in one line."""
+    manifest = (path if path.is_dir() else path.parent) / "manifest.json"
+    try:
+        v = json.loads(manifest.read_text()).get("verify")
+    except (OSError, ValueError):
+        v = None
+    if not v:
+        return "no (not converted by ondevice, or before verification existed)"
+    gate = v.get("written") or v.get("source") or {}
+    return (f"yes, in {v.get('runtime')}: tokenizer identical, top-1 {gate.get('top1_agreement')} "
+            f"(max rel. error {gate.get('max_rel_error')}) against {gate.get('reference')}")
 
 
 def _size(path: Path) -> int:
