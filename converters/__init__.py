@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -41,9 +40,11 @@ def convert(
         draft: a draft checkpoint to convert with the same settings, after checking its vocabulary.
         progress: show rich progress bars.
     Returns:
-        A JSON-able summary (sizes, seconds, bits per weight, tensor types, fallbacks).
+        A JSON-able summary (sizes, seconds, bits per weight, tensor types, fallbacks) with, per output,
+        ``verify``: what loading it in its runtime and comparing with the source found (``converters.verify``).
     """
     from converters.output import atomic_dir, check_out
+    from converters.verify import verify_conversion
     from ondevice import catalog
 
     src, out = catalog.resolve(src), Path(out)  # a catalog name is accepted wherever a path is
@@ -79,67 +80,6 @@ def convert(
         summary["out"] = str(out)
     summary["seconds"] = round(time.perf_counter() - t0, 3)
     return summary
-
-
-def verify_conversion(src: Path, to: str, written: Path, summary: dict, out: Path) -> dict | None:
-    """Verify ``written`` (a GGUF or MLX output of ``src``) in its runtime, record it in its manifest.json.
-
-    Core ML outputs are verified by ``converters.coreml`` itself (its program, interpreted); here: None.
-    Raises:
-        OndeviceError: one line naming ``out`` when the output does not load, tokenizes differently from
-            the source, has a tensor that is not the source's, or computes differently (``converters.verify``).
-    """
-    if to == "coreml":
-        return None
-    from converters import verify as v
-    from ondevice.backends import is_gguf_file
-
-    fmt = "gguf" if to == "gguf" else "mlx"
-    path = written / "model.gguf" if fmt == "gguf" else written
-    level = v.precision(fmt, summary["quant"], summary.get("bits"))
-    weights_record, written_logits = None, None
-    if is_gguf_file(src):  # GGUF → MLX: the source's own runtime is llama.cpp
-        b = v.llama_backend(src, v.MAX_TOKENS)
-        try:
-            ids, bos = b.tokenize(v.PROBE, add_bos=True), bool(b.add_bos)
-        finally:
-            b.close()
-        reference, reference_name = (lambda ids: v.gguf_reference_logits(src, ids)), "llama.cpp (source GGUF)"
-        what = "MLX model"
-        from converters import written as w
-        from ondevice.formats.gguf_reader import GGUFFile, float_tensors
-
-        weights, bits = w.mlx_written(path)
-        weights_record = w.weight_errors(weights, bits, float_tensors(GGUFFile(src)), out)
-        if summary.get("requantized_tensors"):  # not lossless: judge the MLX kernels on their own weights
-            level, config = "quantized", json.loads((path / "config.json").read_text())
-
-            def written_logits(ids):
-                return v.mlx_float_logits(config, weights, ids)
-    else:
-        from converters import written as w
-        from converters.hf import open_checkpoint
-        from converters.tokenizer import read_hf_vocab
-
-        ckpt = open_checkpoint(src)
-        vocab = read_hf_vocab(ckpt.path, ckpt.vocab_size, ckpt.config)
-        ids, bos = v.hf_probe_ids(ckpt.path, vocab.add_bos, vocab.bos_id), vocab.add_bos
-        reference, reference_name = (lambda ids: v.hf_reference_logits(ckpt.path, ids)), "mlx-lm float32 (source weights)"
-        tok = f"{vocab.model}/{vocab.pre}" if vocab.model == "gpt2" else f"{vocab.model} (SentencePiece)"
-        what = f"{fmt.upper()} model (arch {ckpt.arch}, tokenizer {tok})"
-        weights, bits = w.gguf_written(path, ckpt) if fmt == "gguf" else w.mlx_written(path)
-        weights_record = w.weight_errors(weights, bits, ckpt.tensors(), out)
-        if level == "quantized":
-            def written_logits(ids):
-                return v.hf_reference_logits(ckpt.path, ids, weights)
-        else:
-            del weights
-    result = v.verify_output(fmt, path, where=out, source_ids=ids, source_bos=bos, level=level, reference=reference,
-                             reference_name=reference_name, written=written_logits, what=what)
-    if weights_record:
-        result["weights"] = weights_record
-    v.record(written, result)
-    return result
 
 
 def _vocab_of(path: Path) -> list[str]:

@@ -59,7 +59,7 @@ class HFCheckpoint:
     def source_sha256(self) -> str:
         """sha256 over the config, weights and tokenizer files (name + content, in name order)."""
         h = hashlib.sha256()
-        extra = [self.path / n for n in ("config.json", "tokenizer.json", "tokenizer_config.json")]
+        extra = [self.path / n for n in ("config.json", "tokenizer.json", "tokenizer.model", "tokenizer_config.json")]
         for p in sorted({*self.files, *(e for e in extra if e.is_file())}):
             h.update(p.name.encode() + b"\x00")
             with open(p, "rb") as f:

@@ -97,11 +97,12 @@ def read_hf_vocab(model_dir: Path, vocab_size: int, config: dict) -> Vocab:
     from converters import spm
 
     tj_path = model_dir / "tokenizer.json"
+    tc_path = model_dir / "tokenizer_config.json"
+    tc = json.loads(tc_path.read_text(encoding="utf-8")) if tc_path.is_file() else {}
     if not tj_path.is_file():
-        has_model = (model_dir / "tokenizer.model").is_file()
-        hint = " (only tokenizer.model is there: save the fast tokenizer with transformers to get tokenizer.json)"
-        raise OndeviceError(f"{tj_path}: missing; the converter needs the HF fast tokenizer file tokenizer.json"
-                            + (hint if has_model else ""))
+        if (model_dir / "tokenizer.model").is_file():
+            return _sentencepiece_model_vocab(model_dir / "tokenizer.model", vocab_size, tc)
+        raise OndeviceError(f"{tj_path}: missing; the converter needs the HF tokenizer (tokenizer.json or tokenizer.model)")
     try:
         tj = json.loads(tj_path.read_text(encoding="utf-8"))
     except ValueError as e:
@@ -112,8 +113,6 @@ def read_hf_vocab(model_dir: Path, vocab_size: int, config: dict) -> Vocab:
                             "(byte-level BPE, or SentencePiece BPE with byte fallback)")
     sentencepiece = spm.is_sentencepiece(tj)
     pre = None if sentencepiece else pre_tokenizer_name(tj, tj_path)
-    tc_path = model_dir / "tokenizer_config.json"
-    tc = json.loads(tc_path.read_text(encoding="utf-8")) if tc_path.is_file() else {}
 
     by_id: dict[int, tuple[str, int]] = {i: (t, gguf.TokenType.NORMAL) for t, i in model["vocab"].items()}
     if sentencepiece:
@@ -156,6 +155,24 @@ def read_hf_vocab(model_dir: Path, vocab_size: int, config: dict) -> Vocab:
         vocab.add_space_prefix = spm.adds_space_prefix(tj)
         vocab.unk_id = index.get(model.get("unk_token") or "<unk>")
     return vocab
+
+
+def _sentencepiece_model_vocab(path: Path, vocab_size: int, tc: dict) -> Vocab:
+    """A checkpoint with only ``tokenizer.model``: its pieces, scores and types, as llama.cpp's converter reads them."""
+    import gguf
+
+    from converters import spm
+
+    m = spm.read_model_file(path)
+    n = len(m["tokens"])
+    if n > vocab_size:
+        raise OndeviceError(f"{path}: tokenizer has {n} tokens but the model's embedding has {vocab_size} rows")
+    pad = range(n, vocab_size)
+    template = tc.get("chat_template") if isinstance(tc.get("chat_template"), str) else None
+    return Vocab(m["tokens"] + [f"[PAD{i}]" for i in pad], m["types"] + [int(gguf.TokenType.UNUSED)] * len(pad), [], None,
+                 m["bos_id"], m["eos_id"], bool(tc.get("add_bos_token", True)), template, model="llama",
+                 scores=m["scores"] + [-1e9] * len(pad), add_space_prefix=m["add_space_prefix"],
+                 add_eos=bool(tc.get("add_eos_token", False)), unk_id=m["unk_id"], pad_id=m["pad_id"])
 
 
 def _adds_special(tj: dict, tc: dict, which: str) -> bool:

@@ -6,12 +6,17 @@ Every ``ondevice convert`` ends here, before its output directory is renamed int
 2. a multilingual probe (accents, CJK, emoji, digits, code, leading spaces, newlines) is tokenized by
    the output and by the source tokenizer (the HF ``tokenizer.json``, or llama.cpp for a GGUF source):
    the ids, and whether a BOS is added, must be identical;
-3. the probe ids are teacher-forced through the output and through the source model's own forward pass
+3. every written tensor, read back and dequantized, must be within its type's rounding of the source
+   tensor (``converters.written``: catches swapped, transposed or mis-permuted tensors at any precision);
+4. the probe ids are teacher-forced through the output and through the source model's own forward pass
    (mlx-lm in float32 on the HF weights, or llama.cpp on a GGUF source): top-1 agreement and
-   max |Δlogit| / max |logit| must meet the thresholds of the output's precision.
+   max |Δlogit| / max |logit| are recorded, and for float (and lossless GGUF → MLX) outputs must meet
+   THRESHOLDS. Quantized outputs cannot match a float source to 2 %, so they must instead match mlx-lm
+   float32 run on their own written weights (names, layouts and hyperparameters without quantization noise).
 
-A failure raises ``OndeviceError`` (one line), so nothing is left behind. ``compare`` and
-``check`` are the hooks other converters (Core ML) can call with their own logits.
+A failure raises ``OndeviceError`` (one line), so nothing is left behind. Hooks for other converters
+(Core ML): ``PROBE``, ``hf_probe_ids``, ``hf_reference_logits`` (the source's forward), ``compare`` and
+``check`` (a one-line error when the logits disagree).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ondevice.backends import is_gguf_file
 from ondevice.errors import OndeviceError
 
 PROBE = (
@@ -90,10 +96,15 @@ def check(result: dict, level: str, where: Path | str, against: str = "its sourc
 
 # -- the source side --------------------------------------------------------------------------------
 def hf_probe_ids(src: Path, add_bos: bool, bos_id: int | None) -> list[int]:
-    """The HF tokenizer's ids for the probe (its ``tokenizer.json``), with BOS when the tokenizer adds one."""
+    """The HF tokenizer's ids for the probe (``tokenizer.json``, else ``tokenizer.model``), with BOS when it adds one."""
     from tokenizers import Tokenizer
 
-    ids = Tokenizer.from_file(str(src / "tokenizer.json")).encode(PROBE, add_special_tokens=False).ids
+    if (src / "tokenizer.json").is_file():
+        ids = Tokenizer.from_file(str(src / "tokenizer.json")).encode(PROBE, add_special_tokens=False).ids
+    else:  # a SentencePiece tokenizer.model alone: sentencepiece itself is the source tokenizer
+        from converters.spm import encode
+
+        ids = encode(src / "tokenizer.model", PROBE)
     return ([bos_id] if add_bos and bos_id is not None else []) + ids
 
 
@@ -102,9 +113,9 @@ def hf_reference_logits(src: Path, ids: list[int], weights: dict[str, np.ndarray
     ``weights`` (HF or mlx-lm names: what a conversion wrote, dequantized) in that model."""
     import mlx.core as mx
     from mlx.utils import tree_map
-    from mlx_lm.utils import load
+    from mlx_lm.utils import load_model
 
-    model, _ = load(str(src))
+    model, _ = load_model(Path(src))
     model.update(tree_map(lambda x: x.astype(mx.float32), model.parameters()))
     if weights is not None:
         # HF and mlx-lm name these architectures' parameters alike; strict: every parameter is given
@@ -218,3 +229,78 @@ def record(directory: Path, result: dict) -> None:
     manifest = json.loads(path.read_text()) if path.is_file() else {}
     manifest["verify"] = result
     write_manifest(directory, manifest)
+
+
+# -- one conversion -------------------------------------------------------------------------------
+def verify_conversion(src: Path, to: str, written: Path, summary: dict, out: Path) -> dict | None:
+    """Verify ``written`` (a GGUF or MLX output of ``src``) in its runtime; record it in its manifest.json.
+
+    Args:
+        src: the source (HF checkpoint directory or GGUF file).
+        to: "gguf" | "mlx" | "coreml" (Core ML is verified by ``converters.coreml``; here: None).
+        written: the directory just written (still temporary).
+        summary: the converter's summary (``quant``, ``bits``, ``requantized_tensors``).
+        out: the directory the user asked for, named in errors.
+    Returns:
+        The verification record (also in ``written/manifest.json`` under "verify").
+    Raises:
+        OndeviceError: one line naming ``out`` when the output does not load, tokenizes differently from
+            the source, has a tensor that is not the source's, or computes differently.
+    """
+    if to == "coreml":
+        return None
+    fmt = "gguf" if to == "gguf" else "mlx"
+    path = written / "model.gguf" if fmt == "gguf" else written
+    level = precision(fmt, summary["quant"], summary.get("bits"))
+    side = _gguf_source(src, path, summary, out) if is_gguf_file(src) else _hf_source(src, fmt, path, level, out)
+    weights_record = side.pop("weights_record")
+    if side["level"] is None:
+        side["level"] = level
+    result = verify_output(fmt, path, where=out, **side)
+    result["weights"] = weights_record
+    record(written, result)
+    return result
+
+
+def _hf_source(src: Path, fmt: str, path: Path, level: str, out: Path) -> dict:
+    """The HF side: its tokenizer, mlx-lm float32 on its weights, and the written tensors against its own."""
+    from converters import written as w
+    from converters.hf import open_checkpoint
+    from converters.tokenizer import read_hf_vocab
+
+    ckpt = open_checkpoint(src)
+    vocab = read_hf_vocab(ckpt.path, ckpt.vocab_size, ckpt.config)
+    tok = f"{vocab.model}/{vocab.pre}" if vocab.model == "gpt2" else f"{vocab.model} (SentencePiece)"
+    weights, bits = w.gguf_written(path, ckpt) if fmt == "gguf" else w.mlx_written(path)
+    side = {"source_ids": hf_probe_ids(ckpt.path, vocab.add_bos, vocab.bos_id), "source_bos": vocab.add_bos,
+            "reference": lambda ids: hf_reference_logits(ckpt.path, ids),
+            "reference_name": "mlx-lm float32 (source weights)", "written": None, "level": None,
+            "what": f"{fmt.upper()} model (arch {ckpt.arch}, tokenizer {tok})",
+            "weights_record": w.weight_errors(weights, bits, ckpt.tensors(), out)}
+    if level == "quantized":
+        side["written"] = lambda ids: hf_reference_logits(ckpt.path, ids, weights)
+    return side
+
+
+def _gguf_source(src: Path, path: Path, summary: dict, out: Path) -> dict:
+    """The GGUF side (GGUF → MLX): llama.cpp's tokenizer and forward pass, the written tensors against the
+    GGUF's dequantized ones; requantized outputs are also judged on their own weights."""
+    from converters import written as w
+    from ondevice.formats.gguf_reader import GGUFFile, float_tensors
+
+    b = llama_backend(src, MAX_TOKENS)
+    try:
+        ids, bos = b.tokenize(PROBE, add_bos=True), bool(b.add_bos)
+    finally:
+        b.close()
+    g = GGUFFile(src)
+    weights, bits = w.mlx_written(path)
+    side = {"source_ids": ids, "source_bos": bos, "reference": lambda ids: gguf_reference_logits(src, ids),
+            "reference_name": "llama.cpp (source GGUF)", "written": None, "level": None,
+            "what": f"MLX model (arch {g.arch}, from GGUF)",
+            "weights_record": w.weight_errors(weights, bits, float_tensors(g), out)}
+    if summary.get("requantized_tensors"):  # not lossless: judge the MLX kernels on their own weights too
+        config = json.loads((path / "config.json").read_text())
+        side["level"] = "quantized"
+        side["written"] = lambda ids: mlx_float_logits(config, weights, ids)
+    return side

@@ -200,7 +200,8 @@ def make_tiny_hf(
             is close to, but not equal to, the model with ``seed``.
         tokenizer_vocab: train the tokenizer to this size (default ``vocab_size``); the embedding
             keeps ``vocab_size`` rows, the converter pads the vocabulary (shape-true synthetic models).
-        tokenizer: a family of ``ondevice.testing_tokenizers.FAMILIES`` (default: the architecture's own).
+        tokenizer: a family of ``ondevice.testing_tokenizers.FAMILIES`` (default: the architecture's own);
+            "spm-model" writes a SentencePiece tokenizer.model and no tokenizer.json.
     Returns:
         The checkpoint directory.
     """
@@ -223,15 +224,19 @@ def make_tiny_hf(
     save_file({k: np.ascontiguousarray(v, dtype=np.float16) for k, v in weights.items()}, str(out / "model.safetensors"),
               metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    tok = train_tokenizer(arch, tokenizer_vocab or vocab_size, family)
-    tok.save(str(out / "tokenizer.json"))
+    if family == "spm-model":
+        from ondevice.testing_tokenizers import train_sentencepiece_model
+
+        (out / "tokenizer.model").write_bytes(train_sentencepiece_model(tokenizer_vocab or vocab_size))
+    else:
+        train_tokenizer(arch, tokenizer_vocab or vocab_size, family).save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": sp[ids["bos"]],
         "eos_token": sp[ids["eos"]],
         "pad_token": sp[ids["pad"]] if "pad" in ids else None,
         "unk_token": sp[ids["unk"]] if "unk" in ids else None,
-        "add_bos_token": family in ("llama-spm", "gemma"),  # SentencePiece models start with BOS
+        "add_bos_token": family in ("llama-spm", "gemma", "spm-model"),  # SentencePiece models start with BOS
         "model_max_length": cfg["max_position_embeddings"],
         "chat_template": CHATML_TEMPLATE,
         "added_tokens_decoder": {

@@ -15,17 +15,17 @@ BPE_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 SPM_SPECIALS = {"llama-spm": ["<unk>", "<s>", "</s>"], "gemma": ["<pad>", "<eos>", "<bos>", "<unk>"]}
 
 BPE_FAMILIES = tuple(PRE_TOKENIZERS)
-FAMILIES = (*BPE_FAMILIES, *SPM_SPECIALS)
+FAMILIES = (*BPE_FAMILIES, *SPM_SPECIALS, "spm-model")  # spm-model: a SentencePiece tokenizer.model alone
 
 
 def specials(family: str) -> list[str]:
     """The special tokens of a family, ids 0, 1, ... (BOS/EOS positions differ: see ``special_ids``)."""
-    return SPM_SPECIALS.get(family, BPE_SPECIALS)
+    return SPM_SPECIALS.get("llama-spm" if family == "spm-model" else family, BPE_SPECIALS)
 
 
 def special_ids(family: str) -> dict[str, int]:
     """bos / eos / pad / unk ids of a family's specials (absent keys: none)."""
-    if family == "llama-spm":
+    if family in ("llama-spm", "spm-model"):
         return {"unk": 0, "bos": 1, "eos": 2}
     if family == "gemma":
         return {"pad": 0, "eos": 1, "bos": 2, "unk": 3}
@@ -105,3 +105,19 @@ def _train_spm(family: str, vocab_size: int):
                   "vocab": vocab, "merges": [[a, b] for a, b in merges]},
     }
     return Tokenizer.from_str(json.dumps(tj, ensure_ascii=False))
+
+
+def train_sentencepiece_model(vocab_size: int = 512) -> bytes:
+    """A SentencePiece ``tokenizer.model`` as Llama 2's: BPE, byte fallback, identity normalizer, space prefix."""
+    import io
+
+    import sentencepiece
+
+    from ondevice.testing import corpus
+
+    f = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(corpus()), model_writer=f, model_type="bpe", vocab_size=vocab_size, byte_fallback=True,
+        character_coverage=1.0, normalization_rule_name="identity", remove_extra_whitespaces=False,
+        add_dummy_prefix=True, split_digits=True, minloglevel=2)
+    return f.getvalue()

@@ -18,7 +18,8 @@ from ondevice.errors import OndeviceError
 PAIRS = [
     ("llama", "smollm"),  # SmolLM / SmolLM2
     ("llama", "llama-bpe"),  # Llama 3.x
-    ("llama", "llama-spm"),  # Llama 2, TinyLlama (SentencePiece, space prefix)
+    ("llama", "llama-spm"),  # Llama 2, TinyLlama (SentencePiece tokenizer.json, space prefix)
+    ("llama", "spm-model"),  # a SentencePiece tokenizer.model alone
     ("llama", "gpt-2"),  # GPT-2's plain byte-level tokenizer on a llama body
     ("mistral", "llama-spm"),  # Mistral 7B
     ("mistral", "tekken"),  # Mistral-Nemo
@@ -43,6 +44,11 @@ def tiny(tmp_path_factory):
 
 
 def _hf_ids(src: Path) -> list[int]:
+    """The source tokenizer's own ids: HF tokenizers on tokenizer.json, else sentencepiece on tokenizer.model."""
+    if not (src / "tokenizer.json").is_file():
+        import sentencepiece
+
+        return sentencepiece.SentencePieceProcessor(model_file=str(src / "tokenizer.model")).encode(PROBE)
     from tokenizers import Tokenizer
 
     return Tokenizer.from_file(str(src / "tokenizer.json")).encode(PROBE, add_special_tokens=False).ids
