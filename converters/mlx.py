@@ -145,7 +145,7 @@ def gguf_to_mlx(src: Path, out: Path, *, bits: int = 4, group_size: int = 64, pr
         for name, tinfo in tensors.items():
             bar.update(task, advance=1, description=f"mlx {name}")
             ttype = types[name]
-            target = hf_name(name)
+            target = hf_name(name, g.arch)
             base = target[: -len(".weight")] if target.endswith(".weight") else None
             perm = llama_permuted_heads(g, name, cfg)
             if ttype in LOSSLESS and base is not None:

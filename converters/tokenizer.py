@@ -39,7 +39,7 @@ def pre_tokenizer_name(tokenizer_json: dict, source: Path) -> str:
     found = tokenizer_json.get("pre_tokenizer")
     raise OndeviceError(
         f"{source}: unknown byte-level pre-tokenizer {_describe(found)}; known: {', '.join(PRE_TOKENIZERS)} "
-        "(add it to PRE_TOKENIZERS in converters/tokenizer.py under the name llama.cpp gives it)"
+        "(add it to PRE_TOKENIZERS in ondevice/formats/pretokenizers.py under the name llama.cpp gives it)"
     )
 
 
@@ -199,7 +199,7 @@ def read_gguf_vocab(g) -> Vocab:
     if pre not in PRE_TOKENIZERS:
         raise OndeviceError(
             f"{g.path}: pre-tokenizer {pre!r} is not in our table ({', '.join(PRE_TOKENIZERS)}); "
-            "add its regex to converters/tokenizer.py"
+            "add it to PRE_TOKENIZERS in ondevice/formats/pretokenizers.py under the name llama.cpp gives it"
         )
     bos, eos = g.get("tokenizer.ggml.bos_token_id"), g.get("tokenizer.ggml.eos_token_id")
     return Vocab(tokens, types, merges, pre, None if bos is None else int(bos), None if eos is None else int(eos),

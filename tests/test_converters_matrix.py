@@ -235,3 +235,22 @@ def test_runtime_never_imports_converters():
             if any(m == "converters" or m.startswith("converters.") for m in mods) and f.name not in allowed:
                 offenders.append(f"{f.relative_to(root)}:{node.lineno}")
     assert offenders == [], offenders
+
+
+ONE_PER_ARCH = [("llama", "smollm"), ("mistral", "llama-spm"), ("qwen2", "qwen2"), ("qwen3", "qwen2"), ("gemma3_text", "gemma")]
+
+
+@pytest.mark.parametrize("arch,family", ONE_PER_ARCH, ids=[a for a, _ in ONE_PER_ARCH])
+def test_gguf_names_map_back_to_hf_names(tiny, arch, family):
+    """Reading a GGUF (→ MLX, info, Core ML) names tensors by the reverse of the same gguf TensorNameMap."""
+    import gguf
+
+    from converters.archs import arch_of, gguf_names
+    from converters.hf import open_checkpoint
+    from ondevice.formats.gguf_reader import hf_name
+
+    ckpt = open_checkpoint(tiny(arch, family))
+    gguf_arch = gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH[arch_of(ckpt.config, "").gguf_arch]]
+    names = gguf_names(ckpt, arch_of(ckpt.config, ""))
+    assert len(names) >= 9 * ckpt.config["num_hidden_layers"]
+    assert {hf_name(g, gguf_arch): h for h, g in names.items()} == {h: h for h in names}
