@@ -220,6 +220,31 @@ def chat_cmd(
                  title=f"ondevice chat · {model} · drafter {name}")
 
 
+@command("serve")
+def serve_cmd(
+    model: Annotated[str, typer.Argument(help="Model: path or catalog name.")] = DEFAULT_CHAT_MODEL,
+    draft: DraftOpt = None,
+    ngram: NgramOpt = False,
+    no_spec: NoSpecOpt = False,
+    host: Annotated[str, typer.Option("--host", help="Address to bind; anything but loopback is reachable by others.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", min=0, max=65535, help="TCP port.")] = 8080,
+    api_key: Annotated[str | None, typer.Option("--api-key", envvar="ONDEVICE_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1.")] = None,
+    n_ctx: CtxOpt = DEFAULT_N_CTX,
+    max_queue: Annotated[int, typer.Option("--max-queue", min=0, help="Requests that may wait behind the running one (more get 503).")] = 16,
+    cors_origin: Annotated[list[str] | None, typer.Option("--cors-origin", help="Allow browser calls from this origin (repeatable; '*' = any).")] = None,
+    threads: ThreadsOpt = None,
+    device: DeviceOpt = None,
+) -> None:
+    """Serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models) and a chat page at /."""
+    from ondevice.runtime import load
+    from ondevice.server import open_socket, serve
+
+    sock = open_socket(host, port)  # fail fast on a busy port, before the model loads
+    with load(model, draft, drafter=_drafter(draft, ngram, no_spec), n_ctx=n_ctx, threads=threads, device=device) as rt:
+        model_id = Path(model).name.removesuffix(".gguf") if Path(model).exists() else model
+        serve(rt, model_id, host=host, port=port, api_key=api_key, max_queue=max_queue, cors_origins=cors_origin, sock=sock)
+
+
 @command("convert")
 def convert_cmd(
     src: Annotated[Path, typer.Argument(help="HF checkpoint directory, or a GGUF file (--to mlx | coreml).")],
