@@ -1,9 +1,10 @@
 """Tokenizer facts shared by the converters: HF tokenizer.json ⇄ GGUF vocab keys.
 
 Byte-level BPE: GGUF stores only the *name* of the pre-tokenizer (``tokenizer.ggml.pre``), and llama.cpp
-knows each name by a regex of its own. ``PRE_TOKENIZERS`` (``ondevice.formats.pretokenizers``) maps
-the names llama.cpp 0.3.36 accepts to the HF ``pre_tokenizer`` each stands for; it is used both ways: to name an HF tokenizer when writing GGUF,
-and to rebuild a ``tokenizer.json`` from a GGUF vocab. SentencePiece tokenizers: ``converters/spm.py``.
+knows each name by a regex of its own. ``PRE_TOKENIZERS`` (``ondevice.formats.pretokenizers``) maps the
+names llama.cpp 0.3.36 accepts to the HF ``pre_tokenizer`` each stands for; it is used both ways: to name
+an HF tokenizer when writing GGUF, and to rebuild a ``tokenizer.json`` from a GGUF vocab. SentencePiece
+tokenizers (tokenizer.json with byte fallback, or tokenizer.model alone): ``converters/spm.py``.
 """
 
 from __future__ import annotations
