@@ -40,9 +40,11 @@ def convert(
         draft: a draft checkpoint to convert with the same settings, after checking its vocabulary.
         progress: show rich progress bars.
     Returns:
-        A JSON-able summary (sizes, seconds, bits per weight, tensor types, fallbacks).
+        A JSON-able summary (sizes, seconds, bits per weight, tensor types, fallbacks) with, per output,
+        ``verify``: what loading it in its runtime and comparing with the source found (``converters.verify``).
     """
     from converters.output import atomic_dir, check_out
+    from converters.verify import verify_conversion
     from ondevice import catalog
 
     src, out = catalog.resolve(src), Path(out)  # a catalog name is accepted wherever a path is
@@ -59,7 +61,7 @@ def convert(
     check_out(out)
     t0 = time.perf_counter()
     if draft is not None:
-        from converters.pairs import check_vocabs
+        from ondevice.formats.pairs import check_vocabs
 
         vt, vd = _vocab_of(src), _vocab_of(Path(draft))
         check_vocabs(vt, vd, src, draft)  # before anything is written
@@ -68,10 +70,13 @@ def convert(
                 "target": _convert_one(src, to, tmp / "target", **opts),
                 "draft": _convert_one(Path(draft), to, tmp / "draft", **opts),
             }
+            summary["target"]["verify"] = verify_conversion(src, to, tmp / "target", summary["target"], out / "target")
+            summary["draft"]["verify"] = verify_conversion(Path(draft), to, tmp / "draft", summary["draft"], out / "draft")
         summary["out"] = str(out)
     else:
         with atomic_dir(out) as tmp:
             summary = _convert_one(src, to, tmp, **opts)
+            summary["verify"] = verify_conversion(src, to, tmp, summary, out)
         summary["out"] = str(out)
     summary["seconds"] = round(time.perf_counter() - t0, 3)
     return summary
@@ -79,7 +84,7 @@ def convert(
 
 def _vocab_of(path: Path) -> list[str]:
     if path.suffix == ".gguf":
-        from converters.pairs import gguf_tokens
+        from ondevice.formats.pairs import gguf_tokens
 
         return gguf_tokens(path)
     from converters.hf import open_checkpoint

@@ -11,10 +11,7 @@ functions by ``save_multifunction``.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
-import logging
 import shutil
 import time
 from pathlib import Path
@@ -25,6 +22,8 @@ from converters.decoder import MASK_VALUE, DecoderConfig, forward, load_weights
 from converters.output import write_manifest
 from ondevice.backends import is_gguf_file
 from ondevice.errors import OndeviceError
+from ondevice.formats.coreml_package import describe_package  # noqa: F401  (moved there; re-exported)
+from ondevice.formats.coreml_package import quiet as _quiet
 
 COMPRESSIONS = ("int4", "palettize4", "none")
 COMPUTE_UNITS = ("CPU_AND_NE", "CPU_ONLY", "CPU_AND_GPU", "ALL")
@@ -178,26 +177,12 @@ def _compress(model, compress: str):
     return model
 
 
-@contextlib.contextmanager
-def _quiet():
-    """coremltools prints tqdm bars and, off macOS, 'Failed to load _MLModelProxy' warnings: keep them
-    off the terminal (our own progress bar says what is happening)."""
-    log = logging.getLogger("coremltools")
-    level = log.level
-    log.setLevel(logging.ERROR)
-    try:
-        with contextlib.redirect_stderr(io.StringIO()):
-            yield
-    finally:
-        log.setLevel(level)
-
-
 def open_source(src: Path) -> tuple[DecoderConfig, dict[str, np.ndarray], str, callable]:
     """An HF checkpoint dir or a GGUF file → (config, float32 HF-named weights, sha256, tokenizer writer)."""
     if is_gguf_file(src):
-        from converters.gguf_reader import GGUFFile, float_tensors
         from converters.tokenizer import write_hf_tokenizer
         from ondevice.catalog import sha256_file
+        from ondevice.formats.gguf_reader import GGUFFile, float_tensors
 
         g = GGUFFile(src)
         g.require_supported()
@@ -284,44 +269,3 @@ def to_coreml(src: Path, out: Path, *, context: int = 512, compress: str = "int4
     write_manifest(out, {"source": str(Path(src).resolve()), "source_sha256": source_sha, **meta})
     return {**meta, "path": "model.mlpackage", "size_bytes": size, "n_params": n_params,
             "bits_per_weight": round(size * 8 / n_params, 3), "seconds": round(time.perf_counter() - t0, 3)}
-
-
-def describe_package(package: str | Path) -> dict:
-    """Read a converted package without Core ML's runtime (works on Linux): per function its inputs,
-    states and outputs ([dtype, shape]), op counts and how its weight matrices are stored."""
-    from collections import Counter
-
-    with _quiet():
-        import coremltools as ct
-        from coremltools.converters.mil.frontend.milproto.load import load as milproto_load
-        from coremltools.converters.mil.mil import types
-
-        model = ct.models.MLModel(str(package), skip_model_load=True)
-        spec = model.get_spec()
-        prog = milproto_load(model_spec=spec, specification_version=spec.specificationVersion,
-                             file_weights_dir=model.weights_dir)
-
-    def typed(v) -> list:
-        return [types.builtin_to_string(v.dtype), list(v.shape)]
-
-    out: dict = {"default_function": spec.description.defaultFunctionName, "functions": {}}
-    for name, fn in prog.functions.items():
-        ops = Counter(op.op_type for op in fn.operations)
-        weights = Counter()
-        for op in fn.find_ops(op_type="linear") + fn.find_ops(op_type="gather"):
-            src = op.weight.op if op.op_type == "linear" else op.x.op
-            if src.op_type == "constexpr_blockwise_shift_scale":
-                block = src.data.shape[-1] // src.scale.shape[-1]
-                weights[f"{types.builtin_to_string(src.data.dtype)}-block{block}"] += 1
-            elif src.op_type == "constexpr_lut_to_dense":
-                weights[f"lut{src.lut.shape[-2].bit_length() - 1}"] += 1
-            elif src.op_type == "const":
-                weights[types.builtin_to_string(src.outputs[0].dtype)] += 1
-        out["functions"][name] = {
-            "inputs": {k: typed(v) for k, v in fn.inputs.items() if "_cache_" not in k},
-            "states": {k: typed(v) for k, v in fn.inputs.items() if "_cache_" in k},
-            "outputs": {v.name: typed(v) for v in fn.outputs},
-            "ops": dict(ops),
-            "weights": dict(weights),
-        }
-    return out

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import numpy as np
 
+from converters.archs import arch_of
+from converters.archs import head_dim as _head_dim
 from ondevice.errors import OndeviceError
-
-SUPPORTED_ARCHS = ("llama", "qwen2")
 
 
 @dataclass
@@ -40,7 +40,7 @@ class HFCheckpoint:
 
     @property
     def head_dim(self) -> int:
-        return int(self.config.get("head_dim") or self.config["hidden_size"] // self.config["num_attention_heads"])
+        return _head_dim(self.config)
 
     def tensor_names(self) -> list[str]:
         return list(self._index)
@@ -59,7 +59,7 @@ class HFCheckpoint:
     def source_sha256(self) -> str:
         """sha256 over the config, weights and tokenizer files (name + content, in name order)."""
         h = hashlib.sha256()
-        extra = [self.path / n for n in ("config.json", "tokenizer.json", "tokenizer_config.json")]
+        extra = [self.path / n for n in ("config.json", "tokenizer.json", "tokenizer.model", "tokenizer_config.json")]
         for p in sorted({*self.files, *(e for e in extra if e.is_file())}):
             h.update(p.name.encode() + b"\x00")
             with open(p, "rb") as f:
@@ -80,9 +80,7 @@ def open_checkpoint(path: str | Path) -> HFCheckpoint:
         config = json.loads(cfg_path.read_text(encoding="utf-8"))
     except ValueError as e:
         raise OndeviceError(f"{cfg_path}: not valid JSON ({e})") from e
-    arch = config.get("model_type")
-    if arch not in SUPPORTED_ARCHS:
-        raise OndeviceError(f"{cfg_path}: unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHS)}")
+    arch_of(config, cfg_path)  # refuses unsupported architectures and quirks llama.cpp would compute differently
     files = sorted(path.glob("model*.safetensors"))
     if not files:
         raise OndeviceError(f"{path}: no model*.safetensors files (PyTorch .bin checkpoints are not supported)")

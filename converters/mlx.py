@@ -24,8 +24,10 @@ KEEP_FLOAT = {"F32", "F16", "BF16"}
 
 def to_mlx(src: Path, out: Path, *, bits: int = 4, group_size: int = 64, progress: bool = True) -> dict:
     """Convert an HF checkpoint dir or a .gguf file into an mlx-lm directory at ``out``."""
-    if bits not in (2, 3, 4, 5, 6, 8):
-        raise OndeviceError(f"--bits {bits}: MLX supports 2, 3, 4, 5, 6 or 8")
+    if bits not in (2, 3, 4, 5, 6, 8, 16):
+        raise OndeviceError(f"--bits {bits}: MLX supports 2, 3, 4, 5, 6 or 8 (16: float16, unquantized)")
+    if bits == 16 and is_gguf_file(src):
+        raise OndeviceError("--bits 16: a GGUF source converts to MLX keeping its own quantization; drop --bits")
     if group_size not in (32, 64, 128):
         raise OndeviceError(f"--group-size {group_size}: MLX supports 32, 64 or 128")
     if is_gguf_file(src):
@@ -40,7 +42,8 @@ def _summary(out: Path, fmt: str, quant: str, arch: str, t0: float, n_params: in
 
 
 def hf_to_mlx(src: Path, out: Path, *, bits: int, group_size: int) -> dict:
-    """mlx-lm's own converter, after our checks; every linear layer must end up quantized."""
+    """mlx-lm's own converter, after our checks; every linear layer must end up quantized (``bits=16``:
+    float16, nothing quantized)."""
     from converters.hf import open_checkpoint
     from converters.tokenizer import read_hf_vocab
 
@@ -51,7 +54,10 @@ def hf_to_mlx(src: Path, out: Path, *, bits: int, group_size: int) -> dict:
 
     work = out / "mlx"
     with contextlib.redirect_stdout(sys.stderr):  # mlx-lm prints progress on stdout; keep it for --json
-        mlx_convert(str(src), str(work), quantize=True, q_group_size=group_size, q_bits=bits)
+        if bits == 16:
+            mlx_convert(str(src), str(work), quantize=False, dtype="float16")
+        else:
+            mlx_convert(str(src), str(work), quantize=True, q_group_size=group_size, q_bits=bits)
     for f in work.iterdir():
         shutil.move(str(f), out / f.name)
     work.rmdir()
@@ -59,11 +65,12 @@ def hf_to_mlx(src: Path, out: Path, *, bits: int, group_size: int) -> dict:
     n_params = sum(int(np.prod(ckpt_shape)) for ckpt_shape in _shapes(ckpt))
     write_manifest(out, {
         "source": str(Path(src).resolve()), "source_sha256": ckpt.source_sha256(), "format": "mlx",
-        "quant": f"affine{bits}g{group_size}", "arch": ckpt.arch, "vocab_size": len(vocab.tokens),
+        "quant": "float16" if bits == 16 else f"affine{bits}g{group_size}", "arch": ckpt.arch,
+        "vocab_size": len(vocab.tokens),
         "vocab_sha256": vocab.sha256(), "tensor_types": report["layers"],
     })
-    return _summary(out, "mlx", f"{bits}bit-g{group_size}", ckpt.arch, t0, n_params,
-                    {"quantized_layers": report["quantized"], "unquantized_linear_layers": report["unquantized"]})
+    return _summary(out, "mlx", "float16" if bits == 16 else f"{bits}bit-g{group_size}", ckpt.arch, t0, n_params,
+                    {"bits": bits, "quantized_layers": report["quantized"], "unquantized_linear_layers": report["unquantized"]})
 
 
 def _shapes(ckpt):
@@ -113,8 +120,8 @@ def gguf_to_mlx(src: Path, out: Path, *, bits: int = 4, group_size: int = 64, pr
     import mlx.core as mx
 
     from converters.gguf_blocks import to_mlx_affine
-    from converters.gguf_reader import GGUFFile, hf_name, llama_permuted_heads, unpermute_rows
     from converters.tokenizer import write_hf_tokenizer
+    from ondevice.formats.gguf_reader import GGUFFile, hf_name, llama_permuted_heads, unpermute_rows
 
     t0 = time.perf_counter()
     g = GGUFFile(src)
@@ -138,7 +145,7 @@ def gguf_to_mlx(src: Path, out: Path, *, bits: int = 4, group_size: int = 64, pr
         for name, tinfo in tensors.items():
             bar.update(task, advance=1, description=f"mlx {name}")
             ttype = types[name]
-            target = hf_name(name)
+            target = hf_name(name, g.arch)
             base = target[: -len(".weight")] if target.endswith(".weight") else None
             perm = llama_permuted_heads(g, name, cfg)
             if ttype in LOSSLESS and base is not None:

@@ -1,43 +1,21 @@
 """Tokenizer facts shared by the converters: HF tokenizer.json ⇄ GGUF vocab keys.
 
-GGUF stores only the *name* of the pre-tokenizer (``tokenizer.ggml.pre``). We keep a table of the
-names we know, each with the HF ``pre_tokenizer`` it stands for, used both ways: to name an HF
-tokenizer when writing GGUF, and to rebuild a ``tokenizer.json`` from a GGUF vocab.
+Byte-level BPE: GGUF stores only the *name* of the pre-tokenizer (``tokenizer.ggml.pre``), and llama.cpp
+knows each name by a regex of its own. ``PRE_TOKENIZERS`` (``ondevice.formats.pretokenizers``) maps the
+names llama.cpp 0.3.36 accepts to the HF ``pre_tokenizer`` each stands for; it is used both ways: to name
+an HF tokenizer when writing GGUF, and to rebuild a ``tokenizer.json`` from a GGUF vocab. SentencePiece
+tokenizers (tokenizer.json with byte fallback, or tokenizer.model alone): ``converters/spm.py``.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ondevice.errors import OndeviceError
-
-GPT2_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-QWEN2_REGEX = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-LLAMA3_REGEX = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-
-
-def _bytelevel(use_regex: bool) -> dict:
-    return {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": use_regex}
-
-
-def _split(regex: str) -> dict:
-    return {"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated", "invert": False}
-
-
-# GGUF pre-tokenizer name → HF pre_tokenizer JSON (the part of tokenizer.json that differs).
-PRE_TOKENIZERS: dict[str, dict] = {
-    "gpt2": _bytelevel(True),
-    "smollm": {"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": True}, _bytelevel(True)]},
-    "qwen2": {"type": "Sequence", "pretokenizers": [_split(QWEN2_REGEX), _bytelevel(False)]},
-    "llama-bpe": {"type": "Sequence", "pretokenizers": [_split(LLAMA3_REGEX), _bytelevel(False)]},
-}
+from ondevice.formats.pretokenizers import IGNORE_MERGES, PRE_TOKENIZERS
 
 
 def _canon(pre: dict | None) -> str:
@@ -59,23 +37,41 @@ def pre_tokenizer_name(tokenizer_json: dict, source: Path) -> str:
     for name, spec in PRE_TOKENIZERS.items():
         if _canon(spec) == pre:
             return name
+    found = tokenizer_json.get("pre_tokenizer")
     raise OndeviceError(
-        f"{source}: unknown pre-tokenizer; known: {', '.join(PRE_TOKENIZERS)} (add its regex to converters/tokenizer.py)"
+        f"{source}: unknown byte-level pre-tokenizer {_describe(found)}; known: {', '.join(PRE_TOKENIZERS)} "
+        "(add it to PRE_TOKENIZERS in ondevice/formats/pretokenizers.py under the name llama.cpp gives it)"
     )
+
+
+def _describe(pre: dict | None) -> str:
+    """A short description of an HF pre_tokenizer for error messages (types and regexes, cut)."""
+    if not isinstance(pre, dict):
+        return repr(pre)
+    if pre.get("type") == "Sequence":
+        return "Sequence[" + ", ".join(_describe(p) for p in pre.get("pretokenizers", [])) + "]"
+    pattern = (pre.get("pattern") or {}).get("Regex") or (pre.get("pattern") or {}).get("String")
+    return pre.get("type", "?") + (f"({pattern[:40]!r}…)" if pattern else "")
 
 
 @dataclass
 class Vocab:
-    """A byte-level BPE vocabulary as GGUF stores it."""
+    """A vocabulary as GGUF stores it: byte-level BPE (``model="gpt2"``) or SentencePiece (``"llama"``)."""
 
     tokens: list[str]
     types: list[int]  # gguf.TokenType values
-    merges: list[str]  # "a b"
-    pre: str
+    merges: list[str]  # "a b" (BPE)
+    pre: str | None  # llama.cpp pre-tokenizer name (BPE)
     bos_id: int | None
     eos_id: int | None
     add_bos: bool
     chat_template: str | None
+    model: str = "gpt2"
+    scores: list[float] = field(default_factory=list)  # SentencePiece merge priority (higher first)
+    add_space_prefix: bool = False  # SentencePiece: prepend "▁" to the text
+    add_eos: bool = False
+    unk_id: int | None = None
+    pad_id: int | None = None
 
     def sha256(self) -> str:
         """Identity of the vocabulary: token text and type, in id order."""
@@ -88,6 +84,10 @@ class Vocab:
 def read_hf_vocab(model_dir: Path, vocab_size: int, config: dict) -> Vocab:
     """Read tokenizer.json (+ tokenizer_config.json) of an HF checkpoint into GGUF form.
 
+    Byte-level BPE becomes GGUF ``gpt2`` with its llama.cpp pre-tokenizer name; BPE with byte fallback
+    and a "▁" space (SentencePiece exported to tokenizer.json: Llama 2, Mistral 7B, TinyLlama, Gemma)
+    becomes GGUF ``llama`` with scores. Anything else is refused, naming what was found.
+
     Args:
         model_dir: the checkpoint directory.
         vocab_size: rows of the embedding; the token list is padded with ``[PAD{i}]`` to match.
@@ -95,23 +95,33 @@ def read_hf_vocab(model_dir: Path, vocab_size: int, config: dict) -> Vocab:
     """
     import gguf
 
+    from converters import spm
+
     tj_path = model_dir / "tokenizer.json"
+    tc_path = model_dir / "tokenizer_config.json"
+    tc = json.loads(tc_path.read_text(encoding="utf-8")) if tc_path.is_file() else {}
     if not tj_path.is_file():
-        raise OndeviceError(f"{tj_path}: missing; the converter needs the HF fast tokenizer file tokenizer.json")
+        if (model_dir / "tokenizer.model").is_file():
+            return _sentencepiece_model_vocab(model_dir / "tokenizer.model", vocab_size, tc)
+        raise OndeviceError(f"{tj_path}: missing; the converter needs the HF tokenizer (tokenizer.json or tokenizer.model)")
     try:
         tj = json.loads(tj_path.read_text(encoding="utf-8"))
     except ValueError as e:
         raise OndeviceError(f"{tj_path}: not valid JSON ({e})") from e
     model = tj.get("model") or {}
     if model.get("type") != "BPE":
-        raise OndeviceError(f"{tj_path}: only byte-level BPE tokenizers are supported (found {model.get('type')!r})")
-    pre = pre_tokenizer_name(tj, tj_path)
-    tc_path = model_dir / "tokenizer_config.json"
-    tc = json.loads(tc_path.read_text(encoding="utf-8")) if tc_path.is_file() else {}
+        raise OndeviceError(f"{tj_path}: tokenizer model {model.get('type')!r} is not supported "
+                            "(byte-level BPE, or SentencePiece BPE with byte fallback)")
+    sentencepiece = spm.is_sentencepiece(tj)
+    pre = None if sentencepiece else pre_tokenizer_name(tj, tj_path)
 
     by_id: dict[int, tuple[str, int]] = {i: (t, gguf.TokenType.NORMAL) for t, i in model["vocab"].items()}
+    if sentencepiece:
+        by_id.update(spm.token_types(model))
     for added in tj.get("added_tokens", []):
         ty = gguf.TokenType.CONTROL if added.get("special") else gguf.TokenType.USER_DEFINED
+        if sentencepiece and added["content"] == model.get("unk_token"):
+            ty = gguf.TokenType.UNKNOWN
         by_id[added["id"]] = (added["content"], ty)
     n = max(vocab_size, max(by_id) + 1)
     if n > vocab_size:
@@ -122,24 +132,63 @@ def read_hf_vocab(model_dir: Path, vocab_size: int, config: dict) -> Vocab:
         tokens.append(t)
         types.append(int(ty))
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    index = {t: i for i, t in reversed(list(enumerate(tokens)))}
 
-    def special_id(key: str, cfg_key: str) -> int | None:
+    def special_id(key: str, cfg_key: str | None = None) -> int | None:
         tok = tc.get(key)
         if isinstance(tok, dict):
             tok = tok.get("content")
-        if isinstance(tok, str):
-            for i, t in enumerate(tokens):
-                if t == tok:
-                    return i
-        v = config.get(cfg_key)
+        if isinstance(tok, str) and tok in index:
+            return index[tok]
+        v = config.get(cfg_key) if cfg_key else None
         return v[0] if isinstance(v, list) else v
 
     template = tc.get("chat_template")
     if isinstance(template, list):  # named templates: keep the default one
         template = next((t["template"] for t in template if t.get("name") == "default"), None)
-    add_bos = bool(tc.get("add_bos_token", False))
-    return Vocab(tokens, types, merges, pre, special_id("bos_token", "bos_token_id"),
-                 special_id("eos_token", "eos_token_id"), add_bos, template)
+    bos_id = special_id("bos_token", "bos_token_id")
+    add_bos, add_eos = _adds_special(tj, tc, "bos"), _adds_special(tj, tc, "eos")
+    vocab = Vocab(tokens, types, merges, pre, bos_id, special_id("eos_token", "eos_token_id"), add_bos, template,
+                  add_eos=add_eos, pad_id=special_id("pad_token"))
+    if sentencepiece:
+        vocab.model = "llama"
+        vocab.scores = spm.scores(model, tokens, merges)
+        vocab.add_space_prefix = spm.adds_space_prefix(tj)
+        vocab.unk_id = index.get(model.get("unk_token") or "<unk>")
+    return vocab
+
+
+def _sentencepiece_model_vocab(path: Path, vocab_size: int, tc: dict) -> Vocab:
+    """A checkpoint with only ``tokenizer.model``: its pieces, scores and types, as llama.cpp's converter reads them."""
+    import gguf
+
+    from converters import spm
+
+    m = spm.read_model_file(path)
+    n = len(m["tokens"])
+    if n > vocab_size:
+        raise OndeviceError(f"{path}: tokenizer has {n} tokens but the model's embedding has {vocab_size} rows")
+    pad = range(n, vocab_size)
+    template = tc.get("chat_template") if isinstance(tc.get("chat_template"), str) else None
+    return Vocab(m["tokens"] + [f"[PAD{i}]" for i in pad], m["types"] + [int(gguf.TokenType.UNUSED)] * len(pad), [], None,
+                 m["bos_id"], m["eos_id"], bool(tc.get("add_bos_token", True)), template, model="llama",
+                 scores=m["scores"] + [-1e9] * len(pad), add_space_prefix=m["add_space_prefix"],
+                 add_eos=bool(tc.get("add_eos_token", False)), unk_id=m["unk_id"], pad_id=m["pad_id"])
+
+
+def _adds_special(tj: dict, tc: dict, which: str) -> bool:
+    """Does the HF tokenizer add BOS (or EOS) by default? ``add_<which>_token`` in tokenizer_config.json
+    when present, else the post-processor's template (a special token first for BOS, last for EOS)."""
+    if f"add_{which}_token" in tc:
+        return bool(tc[f"add_{which}_token"])
+    post = tj.get("post_processor") or {}
+    steps = post.get("processors", [post]) if post.get("type") == "Sequence" else [post]
+    for step in steps:
+        single = step.get("single") if step.get("type") == "TemplateProcessing" else None
+        if single:
+            edge = single[0] if which == "bos" else single[-1]
+            return "SpecialToken" in edge
+    return False
 
 
 def read_gguf_vocab(g) -> Vocab:
@@ -151,7 +200,7 @@ def read_gguf_vocab(g) -> Vocab:
     if pre not in PRE_TOKENIZERS:
         raise OndeviceError(
             f"{g.path}: pre-tokenizer {pre!r} is not in our table ({', '.join(PRE_TOKENIZERS)}); "
-            "add its regex to converters/tokenizer.py"
+            "add it to PRE_TOKENIZERS in ondevice/formats/pretokenizers.py under the name llama.cpp gives it"
         )
     bos, eos = g.get("tokenizer.ggml.bos_token_id"), g.get("tokenizer.ggml.eos_token_id")
     return Vocab(tokens, types, merges, pre, None if bos is None else int(bos), None if eos is None else int(eos),
@@ -183,7 +232,7 @@ def hf_tokenizer_json(v: Vocab) -> dict:
         "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
         "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
                   "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
-                  "ignore_merges": v.pre == "llama-bpe", "vocab": vocab, "merges": v.merges},
+                  "ignore_merges": v.pre in IGNORE_MERGES, "vocab": vocab, "merges": v.merges},
     }
 
 

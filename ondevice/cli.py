@@ -267,7 +267,7 @@ def convert_cmd(
     to: Annotated[str, typer.Option("--to", help="gguf | mlx | coreml")] = "gguf",
     out: Annotated[Path, typer.Option("--out", help="New output directory.")] = ...,
     quant: Annotated[str, typer.Option("--quant", help="GGUF: f16 | q8_0 | q4_0 | q4_k_m")] = "q4_k_m",
-    bits: Annotated[int, typer.Option("--bits", help="MLX bits.")] = 4,
+    bits: Annotated[int, typer.Option("--bits", help="MLX bits (16: float16, unquantized).")] = 4,
     group_size: Annotated[int, typer.Option("--group-size", help="MLX group size.")] = 64,
     draft: Annotated[Path | None, typer.Option("--draft", help="Also convert this draft; check the pair first.")] = None,
     context: Annotated[int, typer.Option("--context", help="Core ML: KV cache slots, fixed at conversion.")] = 512,
@@ -337,9 +337,9 @@ def check_pair_cmd(
     draft: Annotated[str | None, typer.Argument(help="Draft model; omit it to list the local candidate drafts.")] = None,
 ) -> None:
     """Check that a draft can verify against a target: same token text for every shared id."""
-    from converters.pairs import check_vocabs
     from ondevice import catalog
     from ondevice.discovery import tokens
+    from ondevice.formats.pairs import check_vocabs
 
     if draft is None:
         from ondevice.local_cli import show_candidates

@@ -25,10 +25,9 @@ FACTS_VERSION = 1
 def pair_rules():
     """The pair rules module (``check_vocabs``, ``model_tokens``, ``gguf_tokens``).
 
-    The one place ondevice's discovery imports it: it lives in ``converters/pairs.py`` today and is
-    moving to ``ondevice/formats/pairs.py``.
+    Imported lazily: the listing itself needs only the GGUF header reader.
     """
-    from converters import pairs
+    from ondevice.formats import pairs
 
     return pairs
 

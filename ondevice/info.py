@@ -16,7 +16,7 @@ def describe(model: str | Path, device: str | None = None) -> dict:
     fmt = detect_format(path)
     info: dict = {"path": str(path), "format": fmt, "size_bytes": _size(path)}
     if fmt == "gguf":
-        from converters.gguf_reader import GGUFFile
+        from ondevice.formats.gguf_reader import GGUFFile
 
         g = GGUFFile(path / "model.gguf" if path.is_dir() else path)
         types = Counter(t.tensor_type.name for t in g.reader.tensors)
@@ -31,8 +31,8 @@ def describe(model: str | Path, device: str | None = None) -> dict:
                     vocab_size=cfg.get("vocab_size"), context_length=cfg.get("max_position_embeddings"),
                     sliding_window=cfg.get("sliding_window"), device=_mlx_device(device))
     else:
-        from converters.coreml import describe_package
         from ondevice.backends.coreml import package_dir, read_manifest
+        from ondevice.formats.coreml_package import describe_package
 
         directory, package = package_dir(path)
         m = read_manifest(directory)
@@ -41,7 +41,22 @@ def describe(model: str | Path, device: str | None = None) -> dict:
                     prefill_chunk=m.get("prefill_chunk"), functions=sorted(desc["functions"]),
                     weights=desc["functions"][desc["default_function"]]["weights"],
                     device=f"Core ML {m.get('compute_units', '')} (prediction on macOS 15+ only)")
+    info["verified"] = _verified(path)
     return info
+
+
+def _verified(path: Path) -> str:
+    """What the converter's verification (manifest.json beside the model) found, in one line."""
+    manifest = (path if path.is_dir() else path.parent) / "manifest.json"
+    try:
+        v = json.loads(manifest.read_text()).get("verify")
+    except (OSError, ValueError):
+        v = None
+    if not v:
+        return "no (not converted by ondevice, or before verification existed)"
+    gate = v.get("written") or v.get("source") or {}
+    return (f"yes, in {v.get('runtime')}: tokenizer identical, top-1 {gate.get('top1_agreement')} "
+            f"(max rel. error {gate.get('max_rel_error')}) against {gate.get('reference')}")
 
 
 def _size(path: Path) -> int:

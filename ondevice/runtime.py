@@ -71,7 +71,7 @@ def load(
             draft_backend, draft_choice = choose_draft(target, n_ctx=n_ctx, threads=threads, device=device, mmap=mmap)
             kind = draft_choice["drafter"]
         if kind == "model":
-            from converters.pairs import check_vocabs
+            from ondevice.formats.pairs import check_vocabs
 
             if draft_backend is None:
                 draft_backend = open_backend(catalog.resolve(draft), n_ctx=n_ctx, threads=threads, device=device, mmap=mmap)

@@ -1,7 +1,9 @@
-"""Tiny deterministic models for tests: random-weight HF checkpoints with a trained BPE tokenizer.
+"""Tiny deterministic models for tests: random-weight HF checkpoints with a trained tokenizer.
 
-Every input dimension is a multiple of 256 (and of the MLX group size), so llama.cpp's K-quants and
-mlx-lm's quantizer really quantize every linear layer instead of silently falling back.
+Architectures: llama, mistral, qwen2, qwen3 (q/k norms), gemma3_text (norm offset, sliding window,
+q/k norms, GELU); tokenizers: every family of ``ondevice.testing_tokenizers``. Every dimension is a
+multiple of 256 (and of the MLX group size), so llama.cpp's K-quants and mlx-lm's quantizer really
+quantize every linear layer instead of silently falling back.
 """
 
 from __future__ import annotations
@@ -12,14 +14,15 @@ from pathlib import Path
 
 import numpy as np
 
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHATML_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
-QWEN2_REGEX = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+# The tokenizer each architecture gets by default (its real models' family).
+DEFAULT_TOKENIZER = {"llama": "smollm", "mistral": "llama-spm", "qwen2": "qwen2", "qwen3": "qwen2", "gemma3_text": "gemma"}
+HF_CLASS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+            "qwen3": "Qwen3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 
 _WORDS = (
     "the model draft target token verify accept reject sample speculative decode laptop memory cache "
@@ -54,38 +57,16 @@ def corpus(n_lines: int = 3000, seed: int = 1234) -> list[str]:
     return lines
 
 
-def train_tokenizer(arch: str, vocab_size: int = 512):
-    """Train a byte-level BPE of exactly ``vocab_size`` tokens (specials first: ids 0, 1, 2).
+def train_tokenizer(arch: str, vocab_size: int = 512, family: str | None = None):
+    """Train the tokenizer of ``family`` (default: the architecture's own) with exactly ``vocab_size`` tokens."""
+    from ondevice.testing_tokenizers import train
 
-    ``llama`` gets SmolLM2's pre-tokenizer (single digits + GPT-2 regex), ``qwen2`` Qwen2's regex split.
-    """
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    if arch == "qwen2":
-        tok.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(QWEN2_REGEX), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ])
-    else:
-        tok.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-        ])
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(corpus(), trainer=trainer)
-    if tok.get_vocab_size() != vocab_size:
-        raise RuntimeError(f"trained {tok.get_vocab_size()} tokens, wanted {vocab_size}")
-    return tok
+    return train(family or DEFAULT_TOKENIZER[arch], vocab_size)
 
 
 def _config(arch: str, n_layers: int, vocab_size: int, tie: bool, **overrides) -> dict:
     cfg = {
-        "architectures": ["LlamaForCausalLM" if arch == "llama" else "Qwen2ForCausalLM"],
+        "architectures": [HF_CLASS[arch]],
         "model_type": arch,
         "hidden_size": 256,
         "intermediate_size": 512,
@@ -94,16 +75,25 @@ def _config(arch: str, n_layers: int, vocab_size: int, tie: bool, **overrides) -
         "num_key_value_heads": 2,
         "vocab_size": vocab_size,
         "max_position_embeddings": 2048,
-        "rms_norm_eps": 1e-5 if arch == "llama" else 1e-6,
-        "rope_theta": 10000.0 if arch == "llama" else 1000000.0,
+        "rms_norm_eps": 1e-5 if arch in ("llama", "mistral") else 1e-6,
+        "rope_theta": 10000.0 if arch in ("llama", "mistral") else 1000000.0,
         "hidden_act": "silu",
         "tie_word_embeddings": tie,
         "bos_token_id": 0,
         "eos_token_id": 2,
         "torch_dtype": "float16",
     }
-    if arch == "qwen2":
+    if arch in ("qwen2", "qwen3", "mistral"):
         cfg.update(use_sliding_window=False, sliding_window=None, max_window_layers=n_layers)
+    if arch == "qwen3":
+        cfg.update(head_dim=128, attention_bias=False)  # explicit head_dim: 4 × 128 ≠ hidden 256
+    if arch == "gemma3_text":
+        del cfg["hidden_act"]
+        # every other layer slides over 16 positions, so a 64-token probe crosses the window
+        cfg.update(head_dim=256, num_key_value_heads=1, query_pre_attn_scalar=256, hidden_activation="gelu_pytorch_tanh",
+                   sliding_window=16, sliding_window_pattern=2, rope_local_base_freq=10000.0,
+                   layer_types=["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n_layers)],
+                   final_logit_softcapping=None, attn_logit_softcapping=None, attention_bias=False)
     cfg.update(overrides)
     return cfg
 
@@ -113,31 +103,44 @@ def _weights(cfg: dict, seed: int, scale: float = 1.0) -> dict[str, np.ndarray]:
     h, f, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     if h * v + cfg["num_hidden_layers"] * 4 * h * f > 50_000_000:  # synthetic big shapes: float32 draws in place
         return _big_weights(cfg, rng, scale)
-    hd = h // cfg["num_attention_heads"]
-    kv = cfg["num_key_value_heads"] * hd
+    arch = cfg["model_type"]
+    hd = cfg.get("head_dim") or h // cfg["num_attention_heads"]
+    qd, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
+    gemma = arch == "gemma3_text"
+    norm_base = 0.0 if gemma else 1.0  # Gemma's RMSNorm computes x·(1 + w)
 
     def lin(out_dim: int, in_dim: int, gain: float = 1.0) -> np.ndarray:
         return rng.normal(0.0, gain * scale / np.sqrt(in_dim), (out_dim, in_dim))
 
-    # Tied models read logits off the embedding: keep it small, or every token predicts itself.
-    emb_std = 0.25 if cfg["tie_word_embeddings"] else 1.0
+    def norm(n: int) -> np.ndarray:
+        return norm_base + 0.1 * rng.normal(size=n)
+
+    # Tied models read logits off the embedding: keep it small, or every token predicts itself
+    # (Gemma multiplies the embedding by sqrt(hidden) = 16 on the way in).
+    emb_std = (0.25 / 16 if gemma else 0.25) if cfg["tie_word_embeddings"] else 1.0
     w = {"model.embed_tokens.weight": rng.normal(0.0, emb_std * scale, (v, h))}
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        w[p + "input_layernorm.weight"] = 1.0 + 0.1 * rng.normal(size=h)
-        w[p + "post_attention_layernorm.weight"] = 1.0 + 0.1 * rng.normal(size=h)
-        w[p + "self_attn.q_proj.weight"] = lin(h, h, 2.0)
+        w[p + "input_layernorm.weight"] = norm(h)
+        w[p + "post_attention_layernorm.weight"] = norm(h)
+        w[p + "self_attn.q_proj.weight"] = lin(qd, h, 2.0)
         w[p + "self_attn.k_proj.weight"] = lin(kv, h, 2.0)
         w[p + "self_attn.v_proj.weight"] = lin(kv, h)
-        w[p + "self_attn.o_proj.weight"] = lin(h, h, 2.0)
+        w[p + "self_attn.o_proj.weight"] = lin(h, qd, 2.0)
         w[p + "mlp.gate_proj.weight"] = lin(f, h)
         w[p + "mlp.up_proj.weight"] = lin(f, h)
         w[p + "mlp.down_proj.weight"] = lin(h, f, 2.0)
-        if cfg["model_type"] == "qwen2":
-            w[p + "self_attn.q_proj.bias"] = 0.1 * scale * rng.normal(size=h)
+        if arch == "qwen2":
+            w[p + "self_attn.q_proj.bias"] = 0.1 * scale * rng.normal(size=qd)
             w[p + "self_attn.k_proj.bias"] = 0.1 * scale * rng.normal(size=kv)
             w[p + "self_attn.v_proj.bias"] = 0.1 * scale * rng.normal(size=kv)
-    w["model.norm.weight"] = 1.0 + 0.1 * rng.normal(size=h)
+        if arch in ("qwen3", "gemma3_text"):
+            w[p + "self_attn.q_norm.weight"] = norm(hd)
+            w[p + "self_attn.k_norm.weight"] = norm(hd)
+        if gemma:
+            w[p + "pre_feedforward_layernorm.weight"] = norm(h)
+            w[p + "post_feedforward_layernorm.weight"] = norm(h)
+    w["model.norm.weight"] = norm(h)
     if not cfg["tie_word_embeddings"]:
         w["lm_head.weight"] = lin(v, h, 4.0)
     return w
@@ -181,13 +184,15 @@ def make_tiny_hf(
     perturb_seed: int | None = None,
     perturb_scale: float = 0.0,
     tokenizer_vocab: int | None = None,
+    tokenizer: str | None = None,
     **config_overrides,
 ) -> Path:
     """Write a deterministic random-weight HF checkpoint to ``out`` and return it.
 
     Args:
         out: directory to create (config.json, model.safetensors, tokenizer.json, tokenizer_config.json).
-        arch: "llama" (SmolLM2-like, tied embeddings by default) or "qwen2" (q/k/v biases, untied).
+        arch: one of ``ARCHS``: "llama" (SmolLM2-like, tied), "mistral" (untied), "qwen2" (q/k/v biases,
+            untied), "qwen3" (q/k norms, head_dim 128, tied), "gemma3_text" (norm offset, sliding window, tied).
         n_layers: decoder layers (2–4 is plenty).
         vocab_size: tokenizer and embedding size (a multiple of 256).
         seed: weight seed; the tokenizer is the same for every seed, so models pair as target/draft.
@@ -195,17 +200,23 @@ def make_tiny_hf(
             is close to, but not equal to, the model with ``seed``.
         tokenizer_vocab: train the tokenizer to this size (default ``vocab_size``); the embedding
             keeps ``vocab_size`` rows, the converter pads the vocabulary (shape-true synthetic models).
+        tokenizer: a family of ``ondevice.testing_tokenizers.FAMILIES`` (default: the architecture's own);
+            "spm-model" writes a SentencePiece tokenizer.model and no tokenizer.json.
     Returns:
         The checkpoint directory.
     """
     from safetensors.numpy import save_file
 
-    if arch not in ("llama", "qwen2"):
-        raise ValueError(f"unsupported tiny arch {arch!r}")
+    from ondevice.testing_tokenizers import special_ids, specials
+
+    if arch not in ARCHS:
+        raise ValueError(f"unsupported tiny arch {arch!r}; one of {', '.join(ARCHS)}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    tie = (arch == "llama") if tie_word_embeddings is None else tie_word_embeddings
-    cfg = _config(arch, n_layers, vocab_size, tie, **config_overrides)
+    family = tokenizer or DEFAULT_TOKENIZER[arch]
+    sp, ids = specials(family), special_ids(family)
+    tie = (arch in ("llama", "qwen3", "gemma3_text")) if tie_word_embeddings is None else tie_word_embeddings
+    cfg = _config(arch, n_layers, vocab_size, tie, bos_token_id=ids["bos"], eos_token_id=ids["eos"], **config_overrides)
     weights = _weights(cfg, seed)
     if perturb_seed is not None and perturb_scale:
         noise = _weights(cfg, perturb_seed)
@@ -213,22 +224,26 @@ def make_tiny_hf(
     save_file({k: np.ascontiguousarray(v, dtype=np.float16) for k, v in weights.items()}, str(out / "model.safetensors"),
               metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    tok = train_tokenizer(arch, tokenizer_vocab or vocab_size)
-    tok.save(str(out / "tokenizer.json"))
+    if family == "spm-model":
+        from ondevice.testing_tokenizers import train_sentencepiece_model
+
+        (out / "tokenizer.model").write_bytes(train_sentencepiece_model(tokenizer_vocab or vocab_size))
+    else:
+        train_tokenizer(arch, tokenizer_vocab or vocab_size, family).save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": SPECIAL_TOKENS[0],
-        "eos_token": SPECIAL_TOKENS[2],
-        "pad_token": SPECIAL_TOKENS[0],
-        "unk_token": None,
-        "add_bos_token": False,
+        "bos_token": sp[ids["bos"]],
+        "eos_token": sp[ids["eos"]],
+        "pad_token": sp[ids["pad"]] if "pad" in ids else None,
+        "unk_token": sp[ids["unk"]] if "unk" in ids else None,
+        "add_bos_token": family in ("llama-spm", "gemma", "spm-model"),  # SentencePiece models start with BOS
         "model_max_length": cfg["max_position_embeddings"],
         "chat_template": CHATML_TEMPLATE,
         "added_tokens_decoder": {
             str(i): {"content": t, "special": True, "lstrip": False, "rstrip": False, "normalized": False,
                      "single_word": False}
-            for i, t in enumerate(SPECIAL_TOKENS)
+            for i, t in enumerate(sp)
         },
     }, indent=2))
-    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": 2}))
+    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": ids["bos"], "eos_token_id": ids["eos"]}))
     return out

@@ -15,7 +15,8 @@ ROOT = Path(__file__).resolve().parent.parent
 def _fingerprint() -> str:
     """Tiny models are cached on disk, keyed by the code that makes them, so edits rebuild them."""
     h = hashlib.sha256()
-    for f in sorted([ROOT / "ondevice" / "testing.py", Path(__file__), *(ROOT / "converters").glob("*.py")]):
+    for f in sorted([ROOT / "ondevice" / "testing.py", ROOT / "ondevice" / "testing_tokenizers.py", Path(__file__),
+                     *(ROOT / "converters").glob("*.py"), *(ROOT / "ondevice" / "formats").glob("*.py")]):
         h.update(f.read_bytes())
     return h.hexdigest()[:12]
 

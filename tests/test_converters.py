@@ -74,7 +74,7 @@ def test_gguf_to_mlx_is_lossless_for_q8_0_and_q4_0(tiny_gguf, tmp_path):
     import gguf
     import mlx.core as mx
 
-    from converters.gguf_reader import unpermute_rows
+    from ondevice.formats.gguf_reader import unpermute_rows
 
     for quant in ("q8_0", "q4_0"):
         src = tiny_gguf("llama", quant)

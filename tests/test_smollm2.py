@@ -73,6 +73,9 @@ def test_smollm2_gguf_to_mlx_tokenizes_identically_and_agrees(smollm2, tmp_path)
 
     s = convert(smollm2, to="mlx", out=tmp_path / "smol", progress=False)
     assert s["requantized_tensors"] == 0  # Q4_1 / Q8_0: the lossless path
+    v = s["verify"]  # the conversion's own check: MLX vs llama.cpp on the probe, tensors vs the GGUF's
+    assert v["passed"] and v["tokenizer"]["match"] and v["source"]["top1_agreement"] >= 0.90, v
+    assert v["weights"]["max_weight_rel_error"] < 0.01  # the same weights, block for block
     g = LlamaBackend(smollm2, n_ctx=1024)
     m = MLXBackend(tmp_path / "smol", n_ctx=1024, device="cpu")
     strings = _strings()

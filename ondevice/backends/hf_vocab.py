@@ -30,7 +30,9 @@ class HFVocab:
     def _init_vocab(self, hf_tokenizer, eog_ids: Iterable[int]) -> None:
         self._hf = hf_tokenizer
         self.bos_id = hf_tokenizer.bos_token_id
-        self.add_bos = bool(getattr(hf_tokenizer, "add_bos_token", False)) and self.bos_id is not None
+        # What the HF tokenizer does with its specials (its post-processor, which add_bos_token updates):
+        # PreTrainedTokenizerFast has no add_bos_token attribute yet adds BOS for SentencePiece models.
+        self.add_bos = self.bos_id is not None and hf_tokenizer.encode("a", add_special_tokens=True)[:1] == [self.bos_id]
         self.chat_template = getattr(hf_tokenizer, "chat_template", None)
         self._eog = frozenset(int(t) for t in eog_ids)
         self._pieces: dict[int, bytes] | None = None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import re
 from collections.abc import Iterator
 from functools import cached_property
 from pathlib import Path
@@ -10,31 +12,37 @@ import numpy as np
 
 from ondevice.errors import OndeviceError
 
-# GGUF tensor name (per block: blk.N.<x>) → HF/mlx-lm module path
-BLOCK_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 SUPPORTED = ("llama", "qwen2")
+# The HF transformers spelling among the many each GGUF name has in gguf's TensorNameMap.
+_HF_SPELLING = re.compile(
+    r"^(model\.embed_tokens|model\.norm|lm_head"
+    r"|model\.layers\.0\.(self_attn\.[a-z]_(proj|norm)|mlp\.[a-z]+_proj|[a-z_]*layernorm))$"
+)
 
 
-def hf_name(gguf_name: str) -> str:
-    """``blk.3.attn_q.weight`` → ``model.layers.3.self_attn.q_proj.weight``."""
+@functools.cache
+def _hf_names(arch: str) -> dict[str, str]:
+    """GGUF name (block 0 for per-block tensors) → HF name, from gguf's own TensorNameMap for ``arch``."""
+    import gguf
+
+    march = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch)
+    table = gguf.get_tensor_name_map(march, 1)
+    out: dict[str, str] = {}
+    for key, (_, gguf_name) in table.mapping.items():
+        if gguf_name not in out and _HF_SPELLING.match(key) and table.get_name(key) == gguf_name:
+            out[gguf_name] = key
+    return out
+
+
+def hf_name(gguf_name: str, arch: str = "llama") -> str:
+    """``blk.3.attn_q.weight`` → ``model.layers.3.self_attn.q_proj.weight`` (via gguf's TensorNameMap)."""
     parts = gguf_name.split(".")
     if parts[0] == "blk":
-        base = BLOCK_NAMES.get(parts[2])
+        base = _hf_names(arch).get(f"blk.0.{parts[2]}")
         if base is None:
             raise KeyError(gguf_name)
-        return f"model.layers.{parts[1]}.{base}." + ".".join(parts[3:])
-    base = TOP_NAMES.get(parts[0])
+        return base.replace("model.layers.0.", f"model.layers.{parts[1]}.", 1) + "." + ".".join(parts[3:])
+    base = _hf_names(arch).get(parts[0])
     if base is None:
         raise KeyError(gguf_name)
     return base + "." + ".".join(parts[1:])
@@ -132,4 +140,4 @@ def float_tensors(g: GGUFFile) -> Iterator[tuple[str, np.ndarray]]:
         arr = np.asarray(gguf.dequantize(t.data, t.tensor_type), dtype=np.float32)
         arr = arr.reshape([int(d) for d in reversed(t.shape)])
         heads = llama_permuted_heads(g, t.name, cfg)
-        yield hf_name(t.name), unpermute_rows(arr, heads) if heads else arr
+        yield hf_name(t.name, g.arch), unpermute_rows(arr, heads) if heads else arr
