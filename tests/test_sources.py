@@ -41,7 +41,10 @@ def _tiny(name: str, quant: str = "q8_0", edit_vocab=None, **kw) -> Path:
             tj = json.loads((hf / "tokenizer.json").read_text())
             edit_vocab(tj["model"]["vocab"])
             (hf / "tokenizer.json").write_text(json.dumps(tj))
-    return _converted(TINY_CACHE / "gguf" / f"sources-{name}-{quant}", "model.gguf", hf, to="gguf", quant=quant) / "model.gguf"
+    # These files test name resolution and draft choice, not conversion: the 8- and 12-layer random models
+    # are chaotic enough that q8_0 activation rounding alone moves their argmax past the verify gate.
+    return _converted(TINY_CACHE / "gguf" / f"sources-{name}-{quant}", "model.gguf", hf, to="gguf", quant=quant,
+                      verify=False) / "model.gguf"
 
 
 def _swap_two(vocab: dict) -> None:
