@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from converters.decoder import MASK_VALUE, DecoderConfig, forward, load_weights
+from ondevice.formats.decoder import MASK_VALUE, DecoderConfig, forward, load_weights
 from converters.output import write_manifest
 from ondevice.backends import is_gguf_file
 from ondevice.errors import OndeviceError
@@ -36,16 +36,21 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 class MILOps:
     """MIL-builder primitives for ``forward``: fp16 throughout, the KV cache in Core ML states."""
 
-    def __init__(self, cfg: DecoderConfig, context: int, s: int, states: dict) -> None:
+    def __init__(self, cfg: DecoderConfig, context: int, s: int, states: dict, names: dict[int, str] | None = None) -> None:
         from coremltools.converters.mil import Builder as mb
 
         self.mb, self.cfg, self.context, self.s, self.states = mb, cfg, context, s, states
         cos, sin = cfg.rope_tables(context)
         self.cos, self.sin = cos.astype(np.float16), sin.astype(np.float16)
+        self.names, self.consts = names or {}, {}
 
-    @staticmethod
-    def _c(a):
-        """Python / numpy constants and weights → fp16 (the graph's type)."""
+    def _c(self, a):
+        """Python / numpy constants and weights → fp16 (the graph's type). A weight becomes one const named
+        after it (``weight_const_name``), so the saved program's weights can be told apart by name."""
+        if isinstance(a, np.ndarray) and id(a) in self.names:
+            if id(a) not in self.consts:
+                self.consts[id(a)] = self.mb.const(val=np.asarray(a, dtype=np.float16), name=weight_const_name(self.names[id(a)]))
+            return self.consts[id(a)]
         return np.asarray(a, dtype=np.float16) if isinstance(a, (float, int, np.ndarray)) else a
 
     def embed(self, table, ids):
@@ -58,7 +63,10 @@ class MILOps:
         cos = mb.gather(x=mb.const(val=self.cos, name="rope_cos"), indices=pos, axis=0)
         sin = mb.gather(x=mb.const(val=self.sin, name="rope_sin"), indices=pos, axis=0)
         visible = mb.less_equal(x=np.arange(self.context, dtype=np.int32)[None, :], y=mb.reshape(x=pos, shape=[self.s, 1]))
-        mask = mb.select(cond=visible, a=np.float16(0.0), b=np.float16(MASK_VALUE))  # [S, context]
+        # not ``select(cond, 0, MASK)``: coremltools types a select of two scalars as a scalar whatever the
+        # condition's shape, so the saved program would declare the [S, context] mask an fp16 scalar
+        hidden = mb.cast(x=mb.logical_not(x=visible), dtype="fp16")
+        mask = mb.mul(x=hidden, y=np.float16(MASK_VALUE))  # [S, context]: 0 where visible, MASK_VALUE elsewhere
         return cos, sin, mask
 
     def abs_max(self, x):
@@ -130,6 +138,11 @@ class MILOps:
         return mb.reshape(x=y, shape=[1, self.s, self.cfg.vocab_size], name="logits")
 
 
+def weight_const_name(name: str) -> str:
+    """The MIL const name of an HF weight (compression keeps it as the prefix of its constexpr ops)."""
+    return "w_" + name.replace(".", "_")
+
+
 def build_program(cfg: DecoderConfig, weights: dict[str, np.ndarray], context: int, s: int):
     """A one-function MIL program ('main') for ``s`` tokens per call over a ``context``-slot cache."""
     import coremltools as ct
@@ -142,7 +155,8 @@ def build_program(cfg: DecoderConfig, weights: dict[str, np.ndarray], context: i
         specs[f"k_cache_{i}"] = mb.StateTensorSpec(shape, dtype=types.fp16)
         specs[f"v_cache_{i}"] = mb.StateTensorSpec(shape, dtype=types.fp16)
     with Function(specs, opset_version=ct.target.iOS18) as func:
-        ops = MILOps(cfg, context, s, {k: v for k, v in func.inputs.items() if "_cache_" in k})
+        names = {id(a): name for name, a in weights.items() if not (name == "lm_head.weight" and cfg.tie_embeddings)}
+        ops = MILOps(cfg, context, s, {k: v for k, v in func.inputs.items() if "_cache_" in k}, names)
         func.set_outputs([forward(ops, cfg, weights, func.inputs["input_ids"], func.inputs["position"])])
     prog = Program()
     prog.add_function("main", func)

@@ -13,7 +13,7 @@ from mlx_helpers import mlx_float32, mlx_logits
 
 import ondevice
 from converters.coreml import describe_package, open_source
-from converters.decoder import DecoderConfig, ReferenceDecoder
+from ondevice.formats.decoder import DecoderConfig, ReferenceDecoder
 from ondevice.backends import open_backend
 from ondevice.backends.llama import LlamaBackend
 from ondevice.backends.static import ReferenceBackend, plan
@@ -78,7 +78,7 @@ def test_fp16_graph_survives_real_activation_outliers(smollm2, monkeypatch):
     """SmolLM2's residual stream reaches |x| ≈ 2.5e4, whose square is not an fp16 number. The shared
     RMSNorm divides by max|x| first: simulated in fp16 (every op rounded as the Core ML graph stores it)
     it keeps the float32 argmax; the textbook formula, same simulation, loses it (the planted control)."""
-    import converters.decoder as dec
+    import ondevice.formats.decoder as dec
 
     path = smollm2 if smollm2.is_file() else next(smollm2.glob("*.gguf"))
     cfg, w, _, _ = open_source(path)

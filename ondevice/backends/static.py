@@ -109,7 +109,7 @@ class ReferenceBackend(StaticCacheBackend):
     """
 
     def __init__(self, path: str | Path, *, context: int = 512, chunk: int = 64, n_ctx: int | None = None) -> None:
-        from converters.decoder import ReferenceDecoder
+        from ondevice.formats.decoder import ReferenceDecoder
 
         self.decoder = ReferenceDecoder.from_checkpoint(path, context)
         super().__init__(Path(path), tokenizer_dir=Path(path), context=context, chunk=min(chunk, context),
