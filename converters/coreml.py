@@ -11,20 +11,19 @@ functions by ``save_multifunction``.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
-import logging
 import shutil
 import time
 from pathlib import Path
 
 import numpy as np
 
-from ondevice.formats.decoder import MASK_VALUE, DecoderConfig, forward, load_weights
 from converters.output import write_manifest
 from ondevice.backends import is_gguf_file
 from ondevice.errors import OndeviceError
+from ondevice.formats.decoder import MASK_VALUE, DecoderConfig, forward, load_weights
+from ondevice.formats.mil import quiet
+from ondevice.formats.mil_check import check_package, weight_const_name
 
 COMPRESSIONS = ("int4", "palettize4", "none")
 COMPUTE_UNITS = ("CPU_AND_NE", "CPU_ONLY", "CPU_AND_GPU", "ALL")
@@ -138,11 +137,6 @@ class MILOps:
         return mb.reshape(x=y, shape=[1, self.s, self.cfg.vocab_size], name="logits")
 
 
-def weight_const_name(name: str) -> str:
-    """The MIL const name of an HF weight (compression keeps it as the prefix of its constexpr ops)."""
-    return "w_" + name.replace(".", "_")
-
-
 def build_program(cfg: DecoderConfig, weights: dict[str, np.ndarray], context: int, s: int):
     """A one-function MIL program ('main') for ``s`` tokens per call over a ``context``-slot cache."""
     import coremltools as ct
@@ -192,20 +186,6 @@ def _compress(model, compress: str):
     return model
 
 
-@contextlib.contextmanager
-def _quiet():
-    """coremltools prints tqdm bars and, off macOS, 'Failed to load _MLModelProxy' warnings: keep them
-    off the terminal (our own progress bar says what is happening)."""
-    log = logging.getLogger("coremltools")
-    level = log.level
-    log.setLevel(logging.ERROR)
-    try:
-        with contextlib.redirect_stderr(io.StringIO()):
-            yield
-    finally:
-        log.setLevel(level)
-
-
 def open_source(src: Path) -> tuple[DecoderConfig, dict[str, np.ndarray], str, callable]:
     """An HF checkpoint dir or a GGUF file → (config, float32 HF-named weights, sha256, tokenizer writer)."""
     if is_gguf_file(src):
@@ -248,7 +228,7 @@ def to_coreml(src: Path, out: Path, *, context: int = 512, compress: str = "int4
     if not 16 <= context <= 32768:
         raise OndeviceError(f"--context {context}: choose between 16 and 32768 tokens")
     try:
-        with _quiet():
+        with quiet():
             import coremltools as ct
     except ImportError as e:
         raise OndeviceError("Core ML conversion needs coremltools: pip install 'ondevice[coreml]'") from e
@@ -264,18 +244,18 @@ def to_coreml(src: Path, out: Path, *, context: int = 512, compress: str = "int4
     steps = [("decode", 1), ("prefill", chunk)]
     bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), console=Console(stderr=True),
                    disable=not progress, transient=True)
-    task = bar.add_task("coreml", total=2 * len(steps) + 1)
+    task = bar.add_task("coreml", total=2 * len(steps) + 2)
     work = out / ".functions"
     work.mkdir()
     with bar:
         for name, s in steps:
             bar.update(task, description=f"coreml: build {name} (S={s})")
-            with _quiet():
+            with quiet():
                 model = ct.convert(build_program(cfg, weights, context, s), convert_to="mlprogram",
                                    minimum_deployment_target=ct.target.iOS18, compute_precision=ct.precision.FLOAT16,
                                    compute_units=getattr(ct.ComputeUnit, compute_units), skip_model_load=True)
             bar.update(task, advance=1, description=f"coreml: compress {name} ({compress})")
-            with _quiet():
+            with quiet():
                 model = _compress(model, compress)
                 model.save(str(work / f"{name}.mlpackage"))
             del model
@@ -285,18 +265,22 @@ def to_coreml(src: Path, out: Path, *, context: int = 512, compress: str = "int4
         for name, _ in steps:
             desc.add_function(str(work / f"{name}.mlpackage"), "main", name)
         desc.default_function_name = "decode"
-        with _quiet():
+        with quiet():
             ct.utils.save_multifunction(desc, str(out / "model.mlpackage"))
+        shutil.rmtree(work)
+        n_params = sum(int(a.size) for k, a in weights.items() if not (k == "lm_head.weight" and cfg.tie_embeddings))
+        del weights  # the check reads the package's own (decompressed) weights
+        bar.update(task, advance=1, description="coreml: check the saved program (MIL interpreter)")
+        with quiet():
+            verified = check_package(out / "model.mlpackage", cfg, context=context, chunk=chunk)
         bar.update(task, advance=1)
-    shutil.rmtree(work)
     write_tokenizer(out)
     size = sum(f.stat().st_size for f in (out / "model.mlpackage").rglob("*") if f.is_file())
-    n_params = sum(int(a.size) for k, a in weights.items() if not (k == "lm_head.weight" and cfg.tie_embeddings))
     meta = {"format": "coreml", "quant": compress, "arch": cfg.arch, "context": context, "prefill_chunk": chunk,
             "compute_units": compute_units, "functions": [n for n, _ in steps], "n_layers": cfg.n_layers,
             "vocab_size": cfg.vocab_size}
-    write_manifest(out, {"source": str(Path(src).resolve()), "source_sha256": source_sha, **meta})
-    return {**meta, "path": "model.mlpackage", "size_bytes": size, "n_params": n_params,
+    write_manifest(out, {"source": str(Path(src).resolve()), "source_sha256": source_sha, "verified": verified, **meta})
+    return {**meta, "verified": verified, "path": "model.mlpackage", "size_bytes": size, "n_params": n_params,
             "bits_per_weight": round(size * 8 / n_params, 3), "seconds": round(time.perf_counter() - t0, 3)}
 
 
@@ -305,7 +289,7 @@ def describe_package(package: str | Path) -> dict:
     states and outputs ([dtype, shape]), op counts and how its weight matrices are stored."""
     from collections import Counter
 
-    with _quiet():
+    with quiet():
         import coremltools as ct
         from coremltools.converters.mil.frontend.milproto.load import load as milproto_load
         from coremltools.converters.mil.mil import types

@@ -13,12 +13,12 @@ from mlx_helpers import mlx_float32, mlx_logits
 
 import ondevice
 from converters.coreml import describe_package, open_source
-from ondevice.formats.decoder import DecoderConfig, ReferenceDecoder
 from ondevice.backends import open_backend
 from ondevice.backends.llama import LlamaBackend
 from ondevice.backends.static import ReferenceBackend, plan
 from ondevice.drafters import ModelDrafter
 from ondevice.errors import OndeviceError
+from ondevice.formats.decoder import DecoderConfig, ReferenceDecoder
 from ondevice.runtime import Runtime
 
 PROMPT = "The model draft and the target verify"

@@ -91,8 +91,10 @@ def _np_dtype(builtin) -> np.dtype:
 def _blocked(shape_full, shape_small):
     """Per-axis block sizes of a grouped parameter (scale, LUT) over the full tensor; a clear error if
     an axis does not divide."""
+    if len(shape_full) != len(shape_small):
+        raise MILError(f"grouped parameter of shape {tuple(shape_small)} does not match the rank of {tuple(shape_full)}")
     blocks = []
-    for n, m in zip(shape_full, shape_small):
+    for n, m in zip(shape_full, shape_small, strict=True):
         if m == 0 or n % m:
             raise MILError(f"grouped parameter of shape {tuple(shape_small)} does not tile a tensor of shape {tuple(shape_full)}")
         blocks.append(n // m)
@@ -102,7 +104,7 @@ def _blocked(shape_full, shape_small):
 def blockwise_shift_scale(data: np.ndarray, scale: np.ndarray, offset: np.ndarray | None) -> np.ndarray:
     """``(data - offset) * scale`` with ``scale`` / ``offset`` repeated over blocks along each axis."""
     blocks = _blocked(data.shape, scale.shape)
-    split = [d for m, b in zip(scale.shape, blocks) for d in (m, b)]  # [m0, b0, m1, b1, …]
+    split = [d for m, b in zip(scale.shape, blocks, strict=True) for d in (m, b)]  # [m0, b0, m1, b1, …]
     small = [d for m in scale.shape for d in (m, 1)]
     x = data.astype(scale.dtype).reshape(split)
     if offset is not None:
@@ -300,7 +302,7 @@ class MILProgram:
             with np.errstate(over="ignore"):
                 outs = (x / (1.0 + np.exp(-x)),)
         elif t in FP32_ACCUMULATE:
-            outs = self._widened(op, touched)
+            outs = self._widened(op)
         else:
             try:
                 outs = op.value_inference()
@@ -310,13 +312,15 @@ class MILProgram:
                 raise MILError(f"{self.package}: op {op.name} ({t}) cannot be evaluated as declared: {type(e).__name__}: {e}") from e
         if not isinstance(outs, (tuple, list)):
             outs = (outs,)
-        for var, val in zip(op.outputs, outs):
+        if len(outs) != len(op.outputs):
+            raise MILError(f"{self.package}: op {op.name} ({t}) gives {len(outs)} values for {len(op.outputs)} outputs")
+        for var, val in zip(op.outputs, outs, strict=True):
             self._hold(var, self._declared(op, var, val), touched)
 
-    def _widened(self, op, touched: list):
+    def _widened(self, op):
         """coremltools' definition of a contraction, on float32 copies of its fp16 inputs."""
         saved = {}
-        for name, var in op.inputs.items():
+        for var in op.inputs.values():
             if isinstance(var, (list, tuple)) or var.val is None or np.asarray(var.val).dtype != np.float16:
                 continue
             constant = var.op is not None and (var.op.op_type == "const" or var.op.op_type.startswith("constexpr_"))
