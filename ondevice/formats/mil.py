@@ -208,16 +208,24 @@ class MILProgram:
             raise MILError(f"{self.package}: {var.name} feeds a constexpr op but has no constant value")
         return var.val
 
-    def constants(self, function: str) -> dict[str, np.ndarray]:
+    def constants(self, function: str, wide: bool = False) -> dict[str, np.ndarray]:
         """Var name → value of every constant (const, or a constexpr chain's end, decompressed) that
-        ``function``'s computing ops read (a compressed weight's intermediate parts are left out)."""
+        ``function``'s computing ops read (a compressed weight's intermediate parts are left out).
+        ``wide``: float32 values, sharing the copies the interpreter feeds its contractions."""
         out = {}
         for op in self.functions[function].operations:
             var = op.outputs[0]
             if (op.op_type == "const" or op.op_type.startswith("constexpr_")) and \
                     any(not c.op_type.startswith("constexpr_") for c in var.child_ops):
-                out[var.name] = np.asarray(self._value_of(var))
+                value = np.asarray(self._value_of(var))
+                out[var.name] = self._wide_copy(var, value) if wide and value.dtype == np.float16 else value
         return out
+
+    def _wide_copy(self, var, value: np.ndarray) -> np.ndarray:
+        """The float32 copy of a constant, made once."""
+        if id(var) not in self._wide:
+            self._wide[id(var)] = value.astype(np.float32)
+        return self._wide[id(var)]
 
     def check_decompression(self, function: str | None = None) -> int:
         """Compare every constexpr op of ``function`` (default: all) with coremltools' own
@@ -324,12 +332,7 @@ class MILProgram:
             if isinstance(var, (list, tuple)) or var.val is None or np.asarray(var.val).dtype != np.float16:
                 continue
             constant = var.op is not None and (var.op.op_type == "const" or var.op.op_type.startswith("constexpr_"))
-            if constant:
-                wide = self._wide.get(id(var))
-                if wide is None:
-                    wide = self._wide[id(var)] = var.val.astype(np.float32)
-            else:
-                wide = var.val.astype(np.float32)
+            wide = self._wide_copy(var, var.val) if constant else var.val.astype(np.float32)
             saved[var] = var._sym_val
             var._sym_val = _Held(wide)
         try:

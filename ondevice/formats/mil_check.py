@@ -43,15 +43,16 @@ def weight_names(cfg: DecoderConfig) -> list[str]:
 
 
 def package_weights(program: MILProgram, function: str, cfg: DecoderConfig) -> dict[str, np.ndarray]:
-    """The weights ``function`` computes with, decompressed, as float32 by HF name."""
-    consts = program.constants(function)
+    """The weights ``function`` computes with, decompressed, as float32 by HF name (read-only: shared
+    with the interpreter)."""
+    consts = program.constants(function, wide=True)  # the interpreter's own float32 copies: no third copy
     out = {}
     for name in weight_names(cfg):
         c = weight_const_name(name)
         hits = [v for k, v in consts.items() if k == c or k.startswith(c + "_")]
         if len(hits) != 1:
             raise MILError(f"{program.package}:{function}: weight {name} found {len(hits)} times (as {c}*)")
-        out[name] = hits[0].astype(np.float32)
+        out[name] = hits[0].astype(np.float32, copy=False)
     return load_weights(out.items())
 
 
