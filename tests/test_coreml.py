@@ -355,6 +355,38 @@ def test_coreml_logits_match_numpy_reference(tiny_hf, tiny_coreml):
 
 
 @pytest.mark.macos
+def test_coreml_runtime_matches_the_interpreter(tiny_coreml):
+    """Core ML's runtime and the MIL interpreter on the same package: logits and the shared state after a
+    prefill, decodes and a rollback (fp16 on both sides; the Neural Engine accumulates differently)."""
+    from ondevice.backends.coreml import CoreMLBackend
+
+    path = tiny_coreml("qwen2")
+    c, m = CoreMLBackend(path, n_ctx=CTX, plan_devices=True), MILBackend(path, n_ctx=CTX)
+    ids = np.random.default_rng(9).integers(0, 512, 84).tolist()
+    for part in (ids[:64], *[[t] for t in ids[64:74]]):
+        got, want = c.eval(part), m.eval(part)
+        assert np.abs(got - want).max() < 0.05 * np.abs(want).max()
+    c.rollback(69)
+    m.rollback(69)
+    got = np.concatenate([c.eval([t]) for t in ids[79:84]])
+    want = np.concatenate([m.eval([t]) for t in ids[79:84]])
+    assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.8
+    if hasattr(c.state, "read_state"):
+        for name, ours in m.state.items():
+            theirs = c.read_state(name).reshape(ours.shape)[:, :74].astype(np.float32)
+            assert np.abs(theirs - ours[:, :74]).max() < 0.05 * np.abs(ours[:, :74]).max() + 1e-3, name
+    assert c.op_devices is None or set(c.op_devices) == {"decode", "prefill"}
+    c.close()
+
+
+@pytest.mark.macos
+def test_coreml_draft_keeps_the_neural_engine(tiny_gguf, tiny_coreml):
+    """A Core ML draft stays on CPU_AND_NE whatever device the target asks for."""
+    with ondevice.load(tiny_gguf("llama"), tiny_coreml("llama_draft"), n_ctx=CTX, device="cpu") as rt:
+        assert rt.drafter.backend.compute_units == "CPU_AND_NE"
+
+
+@pytest.mark.macos
 def test_greedy_equality_with_coreml_draft(tiny_gguf, tiny_coreml):
     target = tiny_gguf("llama")
     with ondevice.load(target, drafter="none", n_ctx=CTX) as rt:

@@ -164,7 +164,7 @@ class MILProgram:
                 if op.op_type == "const" and isinstance(op.outputs[0].val, np.bool_):
                     op.outputs[0]._sym_val.val = bool(op.outputs[0].val)
         self._weights: dict[int, np.ndarray] = {}  # id(output var) → decompressed value (fp16)
-        self._wide: dict[int, np.ndarray] = {}  # id(var) → float32 copy of a constant fed to linear / matmul
+        self._wide: dict[int, np.ndarray] = {}  # id(fp16 constant) → its float32 copy (linear / matmul inputs)
         self._by_content: dict[bytes, np.ndarray] = {}  # one array per distinct weight across functions
         self._lock = threading.Lock()
 
@@ -218,14 +218,15 @@ class MILProgram:
             if (op.op_type == "const" or op.op_type.startswith("constexpr_")) and \
                     any(not c.op_type.startswith("constexpr_") for c in var.child_ops):
                 value = np.asarray(self._value_of(var))
-                out[var.name] = self._wide_copy(var, value) if wide and value.dtype == np.float16 else value
+                out[var.name] = self._wide_copy(value) if wide and value.dtype == np.float16 else value
         return out
 
-    def _wide_copy(self, var, value: np.ndarray) -> np.ndarray:
-        """The float32 copy of a constant, made once."""
-        if id(var) not in self._wide:
-            self._wide[id(var)] = value.astype(np.float32)
-        return self._wide[id(var)]
+    def _wide_copy(self, value: np.ndarray) -> np.ndarray:
+        """The float32 copy of a constant, made once per array (a weight decompressed once serves both
+        functions; the program keeps ``value`` alive, so its id stays valid)."""
+        if id(value) not in self._wide:
+            self._wide[id(value)] = value.astype(np.float32)
+        return self._wide[id(value)]
 
     def check_decompression(self, function: str | None = None) -> int:
         """Compare every constexpr op of ``function`` (default: all) with coremltools' own
@@ -332,7 +333,7 @@ class MILProgram:
             if isinstance(var, (list, tuple)) or var.val is None or np.asarray(var.val).dtype != np.float16:
                 continue
             constant = var.op is not None and (var.op.op_type == "const" or var.op.op_type.startswith("constexpr_"))
-            wide = self._wide_copy(var, var.val) if constant else var.val.astype(np.float32)
+            wide = self._wide_copy(var.val) if constant else var.val.astype(np.float32)
             saved[var] = var._sym_val
             var._sym_val = _Held(wide)
         try:
