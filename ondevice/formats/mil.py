@@ -279,7 +279,10 @@ class MILProgram:
                     a = np.asarray(inputs[name])
                     if a.shape != shape:
                         raise OndeviceError(f"{self.package}:{function}: input {name} has shape {a.shape}, declared {shape}")
-                    self._hold(fn.inputs[name], a.astype(dtype), touched)
+                    cast = a.astype(dtype)
+                    if not np.array_equal(cast, a):
+                        raise OndeviceError(f"{self.package}:{function}: input {name} does not fit its declared {dtype}")
+                    self._hold(fn.inputs[name], cast, touched)
                 for op in fn.operations:
                     self._step(op, state, touched)
                 return {v.name: np.array(v.val) for v in fn.outputs}
@@ -346,7 +349,7 @@ class MILProgram:
         """``val`` in ``var``'s declared dtype, after checking it has the declared shape."""
         a = np.asarray(val)
         shape = tuple(var.shape)
-        if a.shape != shape:
+        if len(a.shape) != len(shape) or any(isinstance(d, int) and d != n for d, n in zip(shape, a.shape, strict=True)):
             raise MILError(f"{self.package}: op {op.name} ({op.op_type}) computes shape {a.shape} but the program declares "
                            f"{shape} for {var.name}")
         dtype = _np_dtype(var.dtype)
