@@ -245,6 +245,17 @@ def test_compressed_program_matches_reference_on_its_own_weights(tiny_coreml, ar
     assert verified["check"].startswith("mil-interpreter") and verified["top1"] >= 0.9
 
 
+@pytest.mark.parametrize("op", ["blockwise_shift_scale", "lut_to_dense"])
+def test_decompression_check_catches_a_wrong_decompression(tiny_coreml, monkeypatch, op):
+    """Negative control of the comparison with coremltools: a 1 % error in either decompression fails it."""
+    import ondevice.formats.mil as mil
+
+    real = getattr(mil, op)
+    monkeypatch.setattr(mil, op, lambda *a: real(*a) * np.float16(1.01))
+    with pytest.raises(MILError, match="decompresses differently from coremltools"):
+        MILProgram(tiny_coreml("qwen2", "palettize4") / "model.mlpackage").check_decompression()
+
+
 def test_interpreted_state_rollback_equals_fresh_run(tiny_coreml):
     """Prefill 64, decode 10, roll back 5, decode 5 others == a fresh run of the final sequence, bit for bit
     (logits and the states' written slots); past the context is refused, by the host and by the program."""

@@ -232,27 +232,25 @@ class MILProgram:
         """Compare every constexpr op of ``function`` (default: all) with coremltools' own
         ``materialized_val_inference`` (fed our value of an upstream constexpr, itself compared first);
         raises MILError on a difference. Returns the ops compared."""
-        n = 0
-        for fname, fn in self.functions.items():
-            if function not in (None, fname):
-                continue
-            for op in fn.operations:
-                if not op.op_type.startswith("constexpr_"):
-                    continue
-                touched = []
-                try:
-                    for var in op.inputs.values():
-                        if var.op is not None and var.op.op_type.startswith("constexpr_"):
-                            self._hold(var, self._constexpr(var.op), touched)
-                    theirs = np.asarray(op.materialized_val_inference())
-                finally:
-                    for var, held in reversed(touched):
-                        var._sym_val = held
-                ours = self._constexpr(op)
-                if ours.shape != theirs.shape or not np.array_equal(ours, theirs.astype(ours.dtype)):
-                    raise MILError(f"{self.package}: {op.name} ({op.op_type}) decompresses differently from coremltools")
-                n += 1
-        return n
+        with self._lock:
+            return sum(self._check_op(op) for fname, fn in self.functions.items() if function in (None, fname)
+                       for op in fn.operations if op.op_type.startswith("constexpr_"))
+
+    def _check_op(self, op) -> int:
+        """One constexpr op: ours == coremltools' ``materialized_val_inference``; returns 1."""
+        touched = []
+        try:
+            for var in op.inputs.values():
+                if var.op is not None and var.op.op_type.startswith("constexpr_"):
+                    self._hold(var, self._constexpr(var.op), touched)
+            theirs = np.asarray(op.materialized_val_inference())
+        finally:
+            for var, held in reversed(touched):
+                var._sym_val = held
+        ours = self._constexpr(op)
+        if ours.shape != theirs.shape or not np.array_equal(ours, theirs.astype(ours.dtype)):
+            raise MILError(f"{self.package}: {op.name} ({op.op_type}) decompresses differently from coremltools")
+        return 1
 
     # -- running -----------------------------------------------------------------------------------
 
@@ -272,6 +270,9 @@ class MILProgram:
         want = self.inputs[function]
         if set(inputs) != set(want):
             raise OndeviceError(f"{self.package}:{function}: inputs {sorted(inputs)} given, {sorted(want)} declared")
+        if set(state) != set(self.states):
+            raise OndeviceError(f"{self.package}:{function}: the state holds {len(state)} buffers, the program declares "
+                                f"{len(self.states)}; make it with new_state()")
         with self._lock:
             touched = []
             try:
