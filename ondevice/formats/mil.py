@@ -166,6 +166,7 @@ class MILProgram:
         self._weights: dict[int, np.ndarray] = {}  # id(output var) → decompressed value (fp16)
         self._wide: dict[int, np.ndarray] = {}  # id(fp16 constant) → its float32 copy (linear / matmul inputs)
         self._by_content: dict[bytes, np.ndarray] = {}  # one array per distinct weight across functions
+        self._plans: dict[str, list] = {}
         self._lock = threading.Lock()
 
     def new_state(self) -> dict[str, np.ndarray]:
@@ -284,8 +285,8 @@ class MILProgram:
                     if not np.array_equal(cast, a):
                         raise OndeviceError(f"{self.package}:{function}: input {name} does not fit its declared {dtype}")
                     self._hold(fn.inputs[name], cast, touched)
-                for op in fn.operations:
-                    self._step(op, state, touched)
+                for op, declared in self._plan(function):
+                    self._step(op, declared, state, touched)
                 return {v.name: np.array(v.val) for v in fn.outputs}
             finally:
                 for var, held in reversed(touched):
@@ -295,10 +296,18 @@ class MILProgram:
         touched.append((var, var._sym_val))  # restored after the call: the program is left as loaded
         var._sym_val = _Held(value)
 
-    def _step(self, op, state: dict, touched: list) -> None:
+    def _plan(self, function: str) -> list:
+        """The function's non-const ops, each with its outputs' declared (var, shape, numpy dtype): worked
+        out once, so a call pays for the ops only."""
+        if function not in self._plans:
+            self._plans[function] = [
+                (op, [(v, tuple(d if isinstance(d, int) else None for d in v.shape), _np_dtype(v.dtype)) for v in op.outputs])
+                for op in self.functions[function].operations if op.op_type != "const"
+            ]
+        return self._plans[function]
+
+    def _step(self, op, declared: list, state: dict, touched: list) -> None:
         t = op.op_type
-        if t == "const":
-            return
         if t.startswith("constexpr_"):
             outs = (self._constexpr(op),)
         elif t == "read_state":
@@ -325,10 +334,10 @@ class MILProgram:
                 raise MILError(f"{self.package}: op {op.name} ({t}) cannot be evaluated as declared: {type(e).__name__}: {e}") from e
         if not isinstance(outs, (tuple, list)):
             outs = (outs,)
-        if len(outs) != len(op.outputs):
-            raise MILError(f"{self.package}: op {op.name} ({t}) gives {len(outs)} values for {len(op.outputs)} outputs")
-        for var, val in zip(op.outputs, outs, strict=True):
-            self._hold(var, self._declared(op, var, val), touched)
+        if len(outs) != len(declared):
+            raise MILError(f"{self.package}: op {op.name} ({t}) gives {len(outs)} values for {len(declared)} outputs")
+        for (var, shape, dtype), val in zip(declared, outs, strict=True):
+            self._hold(var, self._declared(op, var, shape, dtype, val), touched)
 
     def _widened(self, op):
         """coremltools' definition of a contraction, on float32 copies of its fp16 inputs."""
@@ -346,14 +355,13 @@ class MILProgram:
             for var, held in saved.items():
                 var._sym_val = held
 
-    def _declared(self, op, var, val) -> np.ndarray:
-        """``val`` in ``var``'s declared dtype, after checking it has the declared shape."""
+    def _declared(self, op, var, shape: tuple, dtype: np.dtype, val) -> np.ndarray:
+        """``val`` in the declared ``dtype``, after checking it has the declared ``shape`` (None: symbolic)."""
         a = np.asarray(val)
-        shape = tuple(var.shape)
-        if len(a.shape) != len(shape) or any(isinstance(d, int) and d != n for d, n in zip(shape, a.shape, strict=True)):
+        if a.shape != shape and (len(a.shape) != len(shape) or
+                                 any(d is not None and d != n for d, n in zip(shape, a.shape, strict=True))):
             raise MILError(f"{self.package}: op {op.name} ({op.op_type}) computes shape {a.shape} but the program declares "
-                           f"{shape} for {var.name}")
-        dtype = _np_dtype(var.dtype)
+                           f"{tuple(var.shape)} for {var.name}")
         if a.dtype == dtype:
             return a
         with np.errstate(over="ignore", invalid="ignore"):
