@@ -1,12 +1,14 @@
 """→ Core ML: a stateful, multifunction ``model.mlpackage`` for a draft-sized llama / qwen2 decoder.
 
-The graph is emitted by running ``converters.decoder.forward`` with ``MILOps`` (the coremltools MIL
+The graph is emitted by running ``ondevice.formats.decoder.forward`` with ``MILOps`` (the coremltools MIL
 builder; no torch), once per function: ``decode`` (1 token) and ``prefill`` (a fixed chunk of N
 tokens). Both take ``input_ids`` [1, S] int32 and ``position`` [1] int32 (the cache slot of the first
 token), return ``logits`` [1, S, vocab] float32, and share one fp16 KV state per layer
 (``k_cache_i`` / ``v_cache_i``: [kv_heads, context, head_dim]). Weights are compressed with
 coremltools' own optimizers (int4 per-block or 4-bit palettization) and deduplicated across the two
-functions by ``save_multifunction``.
+functions by ``save_multifunction``. Before it reports success, the saved package's own program is run
+by the MIL interpreter (``ondevice.formats.mil_check``) against the numpy reference on the package's
+decompressed weights; a disagreement fails the conversion and leaves no output.
 """
 
 from __future__ import annotations

@@ -102,7 +102,7 @@ class StaticCacheBackend(HFVocab):
 
 
 class ReferenceBackend(StaticCacheBackend):
-    """The numpy reference decoder (``converters.decoder``) behind the same host code as Core ML.
+    """The numpy reference decoder (``ondevice.formats.decoder``) behind the same host code as Core ML.
 
     It runs anywhere, so the position bookkeeping, padding and rollback of the Core ML backend are tested
     on Linux inside the real speculative loop; it says nothing about Core ML's own numerics.
