@@ -307,7 +307,7 @@ def test_planted_graph_bug_fails_the_interpreter_check(tiny_hf, tmp_path, monkey
 
 def test_interpreted_coreml_draft_in_the_loop(tiny_gguf, tiny_coreml, tmp_path):
     """A Core ML draft, interpreted (draft_device='mil'), beside a llama.cpp target: greedy output equals
-    plain decoding, through the API and the CLI."""
+    plain decoding, through the API (fixed γ) and the CLI (γ auto: the cost probe runs the draft too)."""
     target, draft = tiny_gguf("llama"), tiny_coreml("llama_draft")
     with ondevice.load(target, drafter="none", n_ctx=CTX) as rt:
         ref = rt.generate(PROMPT, max_tokens=40, temperature=0, gamma=0)
@@ -318,7 +318,7 @@ def test_interpreted_coreml_draft_in_the_loop(tiny_gguf, tiny_coreml, tmp_path):
             assert res.tokens == ref.tokens, f"gamma={gamma}"
             assert 0 < res.stats.accepted < res.stats.drafted
     r = subprocess.run([sys.executable, "-m", "ondevice", "generate", str(target), "-p", PROMPT, "--max-tokens", "24",
-                        "--temperature", "0", "--gamma", "3", "--draft", str(draft), "--draft-device", "mil", "--json",
+                        "--temperature", "0", "--draft", str(draft), "--draft-device", "mil", "--json",
                         "--n-ctx", str(CTX)],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr

@@ -144,7 +144,7 @@ class CoreMLBackend(StaticCacheBackend):
             raise OndeviceError(f"device={device!r}: a Core ML model runs on one of {', '.join(COMPUTE_UNITS)} (or 'mil')")
         manifest = read_manifest(directory)
         # context, tokenizer and n_ctx are checked before the (slow) Core ML load
-        super().__init__(package, tokenizer_dir=directory, context=manifest["context"], chunk=manifest["prefill_chunk"],
+        super().__init__(directory, tokenizer_dir=directory, context=manifest["context"], chunk=manifest["prefill_chunk"],
                          vocab_size=manifest["vocab_size"], n_ctx=n_ctx)
         import coremltools as ct
 

@@ -30,7 +30,7 @@ class MILBackend(StaticCacheBackend):
 
         directory, package = package_dir(Path(path))
         manifest = read_manifest(directory)
-        super().__init__(package, tokenizer_dir=directory, context=manifest["context"], chunk=manifest["prefill_chunk"],
+        super().__init__(directory, tokenizer_dir=directory, context=manifest["context"], chunk=manifest["prefill_chunk"],
                          vocab_size=manifest["vocab_size"], n_ctx=n_ctx)
         self.program = MILProgram(package)
         missing = {"decode", "prefill"} - set(self.program.functions)
