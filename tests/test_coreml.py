@@ -328,22 +328,24 @@ def test_interpreted_coreml_draft_in_the_loop(tiny_gguf, tiny_coreml, tmp_path):
 
 @pytest.mark.slow
 def test_smollm2_coreml_interpreted_agrees_with_llama_cpp(smollm2, tmp_path):
-    """SmolLM2 → Core ML (int4) → the interpreter, teacher-forced on README text vs llama.cpp on the Q4_1
-    GGUF it came from (~160 s and 2 GB to convert). Measured 0.969 for the numpy reference before."""
+    """SmolLM2 → Core ML (fp16, --compress none) → the interpreter, teacher-forced on README text vs
+    llama.cpp on the Q4_1 GGUF it came from (~3 min and 2.2 GB to convert and check). Measured: 0.958, the
+    same as the float32 numpy reference on the GGUF weights; an int4 package gets 0.53 (the re-quantization
+    of Q4_1 / Q8_0 weights to symmetric int4, not the graph: the interpreter equals the reference on them)."""
     from pathlib import Path
 
     from converters import convert
 
     path = smollm2 if smollm2.is_file() else next(smollm2.glob("*.gguf"))
-    convert(path, to="coreml", out=tmp_path / "cm", progress=False)
+    convert(path, to="coreml", out=tmp_path / "cm", compress="none", progress=False)
     lb = LlamaBackend(path, n_ctx=512)
     ids = lb.tokenize((Path(__file__).parent.parent / "README.md").read_text())[:97]
     ref = lb.eval(ids)
     lb.close()
     got = MILBackend(tmp_path / "cm", n_ctx=512).eval(ids)
     agree = float((got[:-1].argmax(-1) == ref[:-1].argmax(-1)).mean())
-    print(f"SmolLM2 Core ML (int4, interpreted) vs llama.cpp teacher-forced top-1 over 96 tokens: {agree:.3f}")
-    assert agree >= 0.9
+    print(f"SmolLM2 Core ML (fp16, interpreted) vs llama.cpp teacher-forced top-1 over 96 tokens: {agree:.3f}")
+    assert agree >= 0.93
 
 
 # -- macOS 15+: Core ML's own runtime -------------------------------------------------------------
