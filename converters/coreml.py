@@ -24,7 +24,7 @@ from converters.output import write_manifest
 from ondevice.backends import is_gguf_file
 from ondevice.errors import OndeviceError
 from ondevice.formats.decoder import MASK_VALUE, DecoderConfig, forward, load_weights
-from ondevice.formats.mil import quiet
+from ondevice.formats.mil import load_program, quiet
 from ondevice.formats.mil_check import check_package, weight_const_name
 
 COMPRESSIONS = ("int4", "palettize4", "none")
@@ -291,20 +291,13 @@ def describe_package(package: str | Path) -> dict:
     states and outputs ([dtype, shape]), op counts and how its weight matrices are stored."""
     from collections import Counter
 
-    with quiet():
-        import coremltools as ct
-        from coremltools.converters.mil.frontend.milproto.load import load as milproto_load
-        from coremltools.converters.mil.mil import types
-
-        model = ct.models.MLModel(str(package), skip_model_load=True)
-        spec = model.get_spec()
-        prog = milproto_load(model_spec=spec, specification_version=spec.specificationVersion,
-                             file_weights_dir=model.weights_dir)
+    prog, default_function = load_program(package)
+    from coremltools.converters.mil.mil import types
 
     def typed(v) -> list:
         return [types.builtin_to_string(v.dtype), list(v.shape)]
 
-    out: dict = {"default_function": spec.description.defaultFunctionName, "functions": {}}
+    out: dict = {"default_function": default_function, "functions": {}}
     for name, fn in prog.functions.items():
         ops = Counter(op.op_type for op in fn.operations)
         weights = Counter()
