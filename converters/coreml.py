@@ -1,12 +1,14 @@
 """→ Core ML: a stateful, multifunction ``model.mlpackage`` for a draft-sized llama / qwen2 decoder.
 
-The graph is emitted by running ``converters.decoder.forward`` with ``MILOps`` (the coremltools MIL
+The graph is emitted by running ``ondevice.formats.decoder.forward`` with ``MILOps`` (the coremltools MIL
 builder; no torch), once per function: ``decode`` (1 token) and ``prefill`` (a fixed chunk of N
 tokens). Both take ``input_ids`` [1, S] int32 and ``position`` [1] int32 (the cache slot of the first
 token), return ``logits`` [1, S, vocab] float32, and share one fp16 KV state per layer
 (``k_cache_i`` / ``v_cache_i``: [kv_heads, context, head_dim]). Weights are compressed with
 coremltools' own optimizers (int4 per-block or 4-bit palettization) and deduplicated across the two
-functions by ``save_multifunction``.
+functions by ``save_multifunction``. Before it reports success, the saved package's own program is run
+by the MIL interpreter (``ondevice.formats.mil_check``) against the numpy reference on the package's
+decompressed weights; a disagreement fails the conversion and leaves no output.
 """
 
 from __future__ import annotations
@@ -18,12 +20,13 @@ from pathlib import Path
 
 import numpy as np
 
-from converters.decoder import MASK_VALUE, DecoderConfig, forward, load_weights
 from converters.output import write_manifest
 from ondevice.backends import is_gguf_file
 from ondevice.errors import OndeviceError
-from ondevice.formats.coreml_package import describe_package  # noqa: F401  (moved there; re-exported)
-from ondevice.formats.coreml_package import quiet as _quiet
+from ondevice.formats.coreml_package import describe_package  # noqa: F401  (re-exported)
+from ondevice.formats.decoder import MASK_VALUE, DecoderConfig, forward, load_weights
+from ondevice.formats.mil import quiet
+from ondevice.formats.mil_check import check_package, weight_const_name
 
 COMPRESSIONS = ("int4", "palettize4", "none")
 COMPUTE_UNITS = ("CPU_AND_NE", "CPU_ONLY", "CPU_AND_GPU", "ALL")
@@ -35,16 +38,21 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 class MILOps:
     """MIL-builder primitives for ``forward``: fp16 throughout, the KV cache in Core ML states."""
 
-    def __init__(self, cfg: DecoderConfig, context: int, s: int, states: dict) -> None:
+    def __init__(self, cfg: DecoderConfig, context: int, s: int, states: dict, names: dict[int, str] | None = None) -> None:
         from coremltools.converters.mil import Builder as mb
 
         self.mb, self.cfg, self.context, self.s, self.states = mb, cfg, context, s, states
         cos, sin = cfg.rope_tables(context)
         self.cos, self.sin = cos.astype(np.float16), sin.astype(np.float16)
+        self.names, self.consts = names or {}, {}
 
-    @staticmethod
-    def _c(a):
-        """Python / numpy constants and weights → fp16 (the graph's type)."""
+    def _c(self, a):
+        """Python / numpy constants and weights → fp16 (the graph's type). A weight becomes one const named
+        after it (``weight_const_name``), so the saved program's weights can be told apart by name."""
+        if isinstance(a, np.ndarray) and id(a) in self.names:
+            if id(a) not in self.consts:
+                self.consts[id(a)] = self.mb.const(val=np.asarray(a, dtype=np.float16), name=weight_const_name(self.names[id(a)]))
+            return self.consts[id(a)]
         return np.asarray(a, dtype=np.float16) if isinstance(a, (float, int, np.ndarray)) else a
 
     def embed(self, table, ids):
@@ -57,7 +65,10 @@ class MILOps:
         cos = mb.gather(x=mb.const(val=self.cos, name="rope_cos"), indices=pos, axis=0)
         sin = mb.gather(x=mb.const(val=self.sin, name="rope_sin"), indices=pos, axis=0)
         visible = mb.less_equal(x=np.arange(self.context, dtype=np.int32)[None, :], y=mb.reshape(x=pos, shape=[self.s, 1]))
-        mask = mb.select(cond=visible, a=np.float16(0.0), b=np.float16(MASK_VALUE))  # [S, context]
+        # not ``select(cond, 0, MASK)``: coremltools types a select of two scalars as a scalar whatever the
+        # condition's shape, so the saved program would declare the [S, context] mask an fp16 scalar
+        hidden = mb.cast(x=mb.logical_not(x=visible), dtype="fp16")
+        mask = mb.mul(x=hidden, y=np.float16(MASK_VALUE))  # [S, context]: 0 where visible, MASK_VALUE elsewhere
         return cos, sin, mask
 
     def abs_max(self, x):
@@ -141,7 +152,8 @@ def build_program(cfg: DecoderConfig, weights: dict[str, np.ndarray], context: i
         specs[f"k_cache_{i}"] = mb.StateTensorSpec(shape, dtype=types.fp16)
         specs[f"v_cache_{i}"] = mb.StateTensorSpec(shape, dtype=types.fp16)
     with Function(specs, opset_version=ct.target.iOS18) as func:
-        ops = MILOps(cfg, context, s, {k: v for k, v in func.inputs.items() if "_cache_" in k})
+        names = {id(a): name for name, a in weights.items() if not (name == "lm_head.weight" and cfg.tie_embeddings)}
+        ops = MILOps(cfg, context, s, {k: v for k, v in func.inputs.items() if "_cache_" in k}, names)
         func.set_outputs([forward(ops, cfg, weights, func.inputs["input_ids"], func.inputs["position"])])
     prog = Program()
     prog.add_function("main", func)
@@ -219,7 +231,7 @@ def to_coreml(src: Path, out: Path, *, context: int = 512, compress: str = "int4
     if not 16 <= context <= 32768:
         raise OndeviceError(f"--context {context}: choose between 16 and 32768 tokens")
     try:
-        with _quiet():
+        with quiet():
             import coremltools as ct
     except ImportError as e:
         raise OndeviceError("Core ML conversion needs coremltools: pip install 'ondevice[coreml]'") from e
@@ -235,18 +247,18 @@ def to_coreml(src: Path, out: Path, *, context: int = 512, compress: str = "int4
     steps = [("decode", 1), ("prefill", chunk)]
     bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), console=Console(stderr=True),
                    disable=not progress, transient=True)
-    task = bar.add_task("coreml", total=2 * len(steps) + 1)
+    task = bar.add_task("coreml", total=2 * len(steps) + 2)
     work = out / ".functions"
     work.mkdir()
     with bar:
         for name, s in steps:
             bar.update(task, description=f"coreml: build {name} (S={s})")
-            with _quiet():
+            with quiet():
                 model = ct.convert(build_program(cfg, weights, context, s), convert_to="mlprogram",
                                    minimum_deployment_target=ct.target.iOS18, compute_precision=ct.precision.FLOAT16,
                                    compute_units=getattr(ct.ComputeUnit, compute_units), skip_model_load=True)
             bar.update(task, advance=1, description=f"coreml: compress {name} ({compress})")
-            with _quiet():
+            with quiet():
                 model = _compress(model, compress)
                 model.save(str(work / f"{name}.mlpackage"))
             del model
@@ -256,16 +268,20 @@ def to_coreml(src: Path, out: Path, *, context: int = 512, compress: str = "int4
         for name, _ in steps:
             desc.add_function(str(work / f"{name}.mlpackage"), "main", name)
         desc.default_function_name = "decode"
-        with _quiet():
+        with quiet():
             ct.utils.save_multifunction(desc, str(out / "model.mlpackage"))
+        shutil.rmtree(work)
+        n_params = sum(int(a.size) for k, a in weights.items() if not (k == "lm_head.weight" and cfg.tie_embeddings))
+        del weights  # the check reads the package's own (decompressed) weights
+        bar.update(task, advance=1, description="coreml: check the saved program (MIL interpreter)")
+        with quiet():
+            verified = check_package(out / "model.mlpackage", cfg, context=context, chunk=chunk)
         bar.update(task, advance=1)
-    shutil.rmtree(work)
     write_tokenizer(out)
     size = sum(f.stat().st_size for f in (out / "model.mlpackage").rglob("*") if f.is_file())
-    n_params = sum(int(a.size) for k, a in weights.items() if not (k == "lm_head.weight" and cfg.tie_embeddings))
     meta = {"format": "coreml", "quant": compress, "arch": cfg.arch, "context": context, "prefill_chunk": chunk,
             "compute_units": compute_units, "functions": [n for n, _ in steps], "n_layers": cfg.n_layers,
             "vocab_size": cfg.vocab_size}
-    write_manifest(out, {"source": str(Path(src).resolve()), "source_sha256": source_sha, **meta})
-    return {**meta, "path": "model.mlpackage", "size_bytes": size, "n_params": n_params,
+    write_manifest(out, {"source": str(Path(src).resolve()), "source_sha256": source_sha, "verified": verified, **meta})
+    return {**meta, "verified": verified, "path": "model.mlpackage", "size_bytes": size, "n_params": n_params,
             "bits_per_weight": round(size * 8 / n_params, 3), "seconds": round(time.perf_counter() - t0, 3)}

@@ -133,7 +133,10 @@ RepOpt = Annotated[float, typer.Option("--repetition-penalty", help="1 = off.")]
 SeedOpt = Annotated[int | None, typer.Option("--seed", help="Random seed.")]
 GammaOpt = Annotated[str, typer.Option("--gamma", help="auto (cost-aware) or tokens drafted per target pass (0 = plain).")]
 CtxOpt = Annotated[int, typer.Option("--n-ctx", min=16, help="Context length.")]
-DeviceOpt = Annotated[str | None, typer.Option("--device", help="gpu | cpu (default: Metal GPU when available).")]
+DeviceOpt = Annotated[str | None, typer.Option("--device", help="gpu | cpu | mil (default: Metal GPU when available; "
+                                                "mil runs a Core ML package's program in the MIL interpreter).")]
+DraftDeviceOpt = Annotated[str | None, typer.Option("--draft-device", help="gpu | cpu | mil for the draft (default: "
+                                                     "--device; a Core ML draft stays on the Neural Engine).")]
 ThreadsOpt = Annotated[int | None, typer.Option("--threads", min=1, help="CPU threads (default: all cores).")]
 
 
@@ -173,6 +176,7 @@ def generate_cmd(
     n_ctx: CtxOpt = DEFAULT_N_CTX,
     threads: ThreadsOpt = None,
     device: DeviceOpt = None,
+    draft_device: DraftDeviceOpt = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object: text, tokens, stats.")] = False,
 ) -> None:
     """Generate a completion, speculatively when a draft or n-gram drafter is given."""
@@ -180,7 +184,8 @@ def generate_cmd(
 
     from ondevice.runtime import load
 
-    with load(model, draft, drafter=_drafter(draft, ngram, no_spec), n_ctx=n_ctx, threads=threads, device=device) as rt:
+    with load(model, draft, drafter=_drafter(draft, ngram, no_spec), n_ctx=n_ctx, threads=threads, device=device,
+              draft_device=draft_device) as rt:
         kw = dict(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                   repetition_penalty=repetition_penalty, seed=seed, gamma=_gamma(gamma))
         if json_out:
@@ -216,6 +221,7 @@ def chat_cmd(
     n_ctx: CtxOpt = DEFAULT_N_CTX,
     threads: ThreadsOpt = None,
     device: DeviceOpt = None,
+    draft_device: DraftDeviceOpt = None,
     show_draft: Annotated[bool, typer.Option("--show-draft", help="Colour tokens that came from the draft.")] = False,
     stats: Annotated[bool, typer.Option("--stats", help="Print tok/s and acceptance after each answer.")] = False,
 ) -> None:
@@ -224,7 +230,7 @@ def chat_cmd(
     from ondevice.runtime import load
 
     drafter = _drafter(draft, ngram, no_spec)
-    with load(model, draft, drafter=drafter, n_ctx=n_ctx, threads=threads, device=device) as rt:
+    with load(model, draft, drafter=drafter, n_ctx=n_ctx, threads=threads, device=device, draft_device=draft_device) as rt:
         name = rt.drafter.name if rt.drafter else "none"
         if rt.draft_choice:  # --draft auto: say what was chosen and why
             name += f" (auto: {rt.draft_choice['draft'] or 'ngram'})"

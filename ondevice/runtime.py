@@ -30,6 +30,7 @@ def load(
     threads: int | None = None,
     device: str | None = None,
     mmap: bool = True,
+    draft_device: str | None = None,
 ) -> Runtime:
     """Load a target model (and optionally a draft) for speculative generation.
 
@@ -43,8 +44,10 @@ def load(
         n_ctx: context length of the caches.
         threads: CPU threads (default: all cores).
         device: 'gpu' | 'cpu' | None: where MLX runs (default Metal when available) and whether
-            llama.cpp offloads layers.
+            llama.cpp offloads layers; 'mil': a Core ML package runs in the MIL interpreter.
         mmap: memory-map GGUF weights (the default; False reads them into memory).
+        draft_device: where the draft runs: 'gpu' | 'cpu' | 'mil' (a Core ML draft in the MIL interpreter) |
+            None (the target's ``device``; a Core ML draft then stays on CPU_AND_NE).
     Returns:
         A ``Runtime``; use it as a context manager or call ``close()``.
     """
@@ -74,7 +77,8 @@ def load(
             from ondevice.formats.pairs import check_vocabs
 
             if draft_backend is None:
-                draft_backend = open_backend(catalog.resolve(draft), n_ctx=n_ctx, threads=threads, device=device, mmap=mmap)
+                draft_backend = open_backend(catalog.resolve(draft), n_ctx=n_ctx, threads=threads, mmap=mmap,
+                                             device=draft_device or device, keep_ne=draft_device is None and device != "mil")
             try:
                 vocab_limit = check_vocabs(target.vocab_tokens(), draft_backend.vocab_tokens(), target.path, draft_backend.path)
             except BaseException:

@@ -1,5 +1,6 @@
-"""Core ML drafts: the package checked through its spec (any OS), numerics through the numpy reference
-that shares the graph's description, the host bookkeeping inside the real loop, prediction on macOS."""
+"""Core ML drafts: the package checked through its spec (any OS), its own program run by the MIL
+interpreter (any OS) against mlx-lm and the numpy reference, the host bookkeeping inside the real loop,
+prediction on macOS."""
 
 from __future__ import annotations
 
@@ -13,12 +14,15 @@ from mlx_helpers import mlx_float32, mlx_logits
 
 import ondevice
 from converters.coreml import describe_package, open_source
-from converters.decoder import DecoderConfig, ReferenceDecoder
 from ondevice.backends import open_backend
 from ondevice.backends.llama import LlamaBackend
+from ondevice.backends.mil import MILBackend
 from ondevice.backends.static import ReferenceBackend, plan
 from ondevice.drafters import ModelDrafter
 from ondevice.errors import OndeviceError
+from ondevice.formats.decoder import DecoderConfig, ReferenceDecoder
+from ondevice.formats.mil import MILError, MILProgram
+from ondevice.formats.mil_check import check_package, read_config
 from ondevice.runtime import Runtime
 
 PROMPT = "The model draft and the target verify"
@@ -78,7 +82,7 @@ def test_fp16_graph_survives_real_activation_outliers(smollm2, monkeypatch):
     """SmolLM2's residual stream reaches |x| ≈ 2.5e4, whose square is not an fp16 number. The shared
     RMSNorm divides by max|x| first: simulated in fp16 (every op rounded as the Core ML graph stores it)
     it keeps the float32 argmax; the textbook formula, same simulation, loses it (the planted control)."""
-    import converters.decoder as dec
+    import ondevice.formats.decoder as dec
 
     path = smollm2 if smollm2.is_file() else next(smollm2.glob("*.gguf"))
     cfg, w, _, _ = open_source(path)
@@ -200,6 +204,150 @@ def test_missing_tokenizer_and_manifest_are_one_line_errors(tiny_hf, tiny_coreml
     assert r.returncode == 2 and "manifest.json: missing or unreadable" in r.stderr and "reconvert" in r.stderr
 
 
+# -- the saved program, run by the MIL interpreter (any OS) ----------------------------------------
+
+
+def _interpreted(backend, ids):
+    """Prefill 64, a padded prefill of 6, then single-token decodes: both functions, one shared state."""
+    return np.concatenate([backend.eval(ids[:64]), backend.eval(ids[64:70]), *[backend.eval([t]) for t in ids[70:]]])
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_interpreted_program_matches_mlx_lm(tiny_hf, tiny_coreml, arch):
+    """--compress none: the package's prefill + decode, interpreted in the fp16 it declares, is the model
+    mlx-lm runs in float32; the few top-1 misses are near-ties smaller than the fp16 error."""
+    model = mlx_float32(tiny_hf[arch])[0]
+    got, ref = [], []
+    for seed in range(3):
+        ids = np.random.default_rng(seed).integers(0, 512, 100).tolist()
+        got.append(_interpreted(MILBackend(tiny_coreml(arch, "none"), n_ctx=CTX), ids))
+        ref.append(mlx_logits(model, ids))
+    got, ref = np.concatenate(got), np.concatenate(ref)
+    err = np.abs(got - ref).max()
+    assert err < 0.02 * np.abs(ref).max()  # fp16 storage of every value, 2 layers deep
+    assert (got.argmax(-1) == ref.argmax(-1)).mean() >= 0.98
+    top2 = np.sort(ref, -1)[:, -2:]
+    missed = got.argmax(-1) != ref.argmax(-1)
+    assert (top2[missed, 1] - top2[missed, 0] < 2 * err).all()
+
+
+@pytest.mark.parametrize("arch,compress", [("llama", "int4"), ("qwen2", "int4"), ("qwen2", "palettize4")])
+def test_compressed_program_matches_reference_on_its_own_weights(tiny_coreml, arch, compress):
+    """int4 / palettized: the hand-written decompression equals coremltools' own, and the interpreted
+    program equals the numpy reference run on the package's decompressed weights; the converter ran the
+    same check and recorded it."""
+    d = tiny_coreml(arch, compress)
+    report = check_package(d / "model.mlpackage", read_config(d), context=CTX, chunk=64, n_decode=30)
+    assert report["decompressed_ops_checked"] >= 2 * (7 * 2 + 1)  # every weight, in both functions
+    assert report["tokens"] == 94 and report["top1"] >= 0.98 and report["max_rel_err"] < 0.02
+    verified = json.loads((d / "manifest.json").read_text())["verified"]
+    assert verified["check"].startswith("mil-interpreter") and verified["top1"] >= 0.9
+
+
+@pytest.mark.parametrize("op", ["blockwise_shift_scale", "lut_to_dense"])
+def test_decompression_check_catches_a_wrong_decompression(tiny_coreml, monkeypatch, op):
+    """Negative control of the comparison with coremltools: a 1 % error in either decompression fails it."""
+    import ondevice.formats.mil as mil
+
+    real = getattr(mil, op)
+    monkeypatch.setattr(mil, op, lambda *a: real(*a) * np.float16(1.01))
+    with pytest.raises(MILError, match="decompresses differently from coremltools"):
+        MILProgram(tiny_coreml("qwen2", "palettize4") / "model.mlpackage").check_decompression()
+
+
+def test_interpreted_state_rollback_equals_fresh_run(tiny_coreml):
+    """Prefill 64, decode 10, roll back 5, decode 5 others == a fresh run of the final sequence, bit for bit
+    (logits and the states' written slots); past the context is refused, by the host and by the program."""
+    path = tiny_coreml("qwen2")
+    rng = np.random.default_rng(7)
+    a, b, c = (rng.integers(0, 512, n).tolist() for n in (64, 10, 5))
+    m = MILBackend(path, n_ctx=CTX)
+    m.eval(a)
+    before = np.concatenate([m.eval([t]) for t in b])
+    m.rollback(69)
+    got = np.concatenate([m.eval([t]) for t in c])
+    f = MILBackend(path, n_ctx=CTX)
+    f.eval(a)
+    for t in b[:5]:
+        f.eval([t])
+    fresh = np.concatenate([f.eval([t]) for t in c])
+    assert np.array_equal(got, fresh) and not np.allclose(got, before[5:], atol=1e-2)  # the rewrite mattered
+    for name in m.state:
+        assert np.array_equal(m.state[name][:, :74], f.state[name][:, :74])
+    with pytest.raises(OndeviceError, match="context overflow"):
+        m.eval(list(range(CTX)))
+    with pytest.raises(MILError, match="cannot be evaluated"):  # the program itself has no slot 128
+        m.program.run("decode", {"input_ids": np.ones((1, 1)), "position": np.array([CTX])}, m.program.new_state())
+
+
+@pytest.mark.parametrize("bug", ["transpose", "write_window"])
+def test_planted_graph_bug_fails_the_interpreter_check(tiny_hf, tmp_path, monkeypatch, bug):
+    """The converter's own check is the negative control: a graph-builder bug is a one-line error and
+    leaves no output directory."""
+    import converters.coreml as cc
+    from converters import convert
+
+    write = cc.MILOps.cache_write
+
+    def split_heads(self, x, n, d):  # a transpose over the wrong axes: identical for one token, not for 32
+        return self.mb.transpose(x=self.mb.reshape(x=x, shape=[n, self.s, d]), perm=[0, 1, 2])
+
+    def cache_write(self, layer, k, v, position):  # the state write window one slot late
+        return write(self, layer, k, v, self.mb.add(x=position, y=np.int32(1)))
+
+    if bug == "transpose":
+        monkeypatch.setattr(cc.MILOps, "split_heads", split_heads)
+    else:
+        monkeypatch.setattr(cc.MILOps, "cache_write", cache_write)
+    with pytest.raises(OndeviceError, match="disagrees with the reference decoder") as e:
+        convert(tiny_hf["qwen2"], to="coreml", out=tmp_path / "c", context=96, compress="none", progress=False)
+    assert "\n" not in str(e.value) and not list(tmp_path.iterdir())
+
+
+def test_interpreted_coreml_draft_in_the_loop(tiny_gguf, tiny_coreml, tmp_path):
+    """A Core ML draft, interpreted (draft_device='mil'), beside a llama.cpp target: greedy output equals
+    plain decoding, through the API (fixed γ) and the CLI (γ auto: the cost probe runs the draft too)."""
+    target, draft = tiny_gguf("llama"), tiny_coreml("llama_draft")
+    with ondevice.load(target, drafter="none", n_ctx=CTX) as rt:
+        ref = rt.generate(PROMPT, max_tokens=40, temperature=0, gamma=0)
+    with ondevice.load(target, draft, n_ctx=CTX, draft_device="mil") as rt:
+        assert isinstance(rt.drafter.backend, MILBackend)
+        for gamma in (1, 4):
+            res = rt.generate(PROMPT, max_tokens=40, temperature=0, gamma=gamma)
+            assert res.tokens == ref.tokens, f"gamma={gamma}"
+            assert 0 < res.stats.accepted < res.stats.drafted
+    r = subprocess.run([sys.executable, "-m", "ondevice", "generate", str(target), "-p", PROMPT, "--max-tokens", "24",
+                        "--temperature", "0", "--draft", str(draft), "--draft-device", "mil", "--json",
+                        "--n-ctx", str(CTX)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["tokens"] == ref.tokens[:24]
+    with pytest.raises(OndeviceError, match="device='mil' runs Core ML packages only"):
+        open_backend(target, n_ctx=CTX, device="mil")
+
+
+@pytest.mark.slow
+def test_smollm2_coreml_interpreted_agrees_with_llama_cpp(smollm2, tmp_path):
+    """SmolLM2 → Core ML (fp16, --compress none) → the interpreter, teacher-forced on README text vs
+    llama.cpp on the Q4_1 GGUF it came from (~3 min and 2.2 GB to convert and check). Measured: 0.958, the
+    same as the float32 numpy reference on the GGUF weights; an int4 package gets 0.53 (the re-quantization
+    of Q4_1 / Q8_0 weights to symmetric int4, not the graph: the interpreter equals the reference on them)."""
+    from pathlib import Path
+
+    from converters import convert
+
+    path = smollm2 if smollm2.is_file() else next(smollm2.glob("*.gguf"))
+    convert(path, to="coreml", out=tmp_path / "cm", compress="none", progress=False)
+    lb = LlamaBackend(path, n_ctx=512)
+    ids = lb.tokenize((Path(__file__).parent.parent / "README.md").read_text())[:97]
+    ref = lb.eval(ids)
+    lb.close()
+    got = MILBackend(tmp_path / "cm", n_ctx=512).eval(ids)
+    agree = float((got[:-1].argmax(-1) == ref[:-1].argmax(-1)).mean())
+    print(f"SmolLM2 Core ML (fp16, interpreted) vs llama.cpp teacher-forced top-1 over 96 tokens: {agree:.3f}")
+    assert agree >= 0.93
+
+
 # -- macOS 15+: Core ML's own runtime -------------------------------------------------------------
 
 
@@ -216,6 +364,38 @@ def test_coreml_logits_match_numpy_reference(tiny_hf, tiny_coreml):
         if compress == "none":  # fp16 compute vs float32
             assert np.abs(got - ref).max() < 0.05 * np.abs(ref).max()
         b.close()
+
+
+@pytest.mark.macos
+def test_coreml_runtime_matches_the_interpreter(tiny_coreml):
+    """Core ML's runtime and the MIL interpreter on the same package: logits and the shared state after a
+    prefill, decodes and a rollback (fp16 on both sides; the Neural Engine accumulates differently)."""
+    from ondevice.backends.coreml import CoreMLBackend
+
+    path = tiny_coreml("qwen2")
+    c, m = CoreMLBackend(path, n_ctx=CTX, plan_devices=True), MILBackend(path, n_ctx=CTX)
+    ids = np.random.default_rng(9).integers(0, 512, 84).tolist()
+    for part in (ids[:64], *[[t] for t in ids[64:74]]):
+        got, want = c.eval(part), m.eval(part)
+        assert np.abs(got - want).max() < 0.05 * np.abs(want).max()
+    c.rollback(69)
+    m.rollback(69)
+    got = np.concatenate([c.eval([t]) for t in ids[79:84]])
+    want = np.concatenate([m.eval([t]) for t in ids[79:84]])
+    assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.8
+    if hasattr(c.state, "read_state"):
+        for name, ours in m.state.items():
+            theirs = c.read_state(name).reshape(ours.shape)[:, :74].astype(np.float32)
+            assert np.abs(theirs - ours[:, :74]).max() < 0.05 * np.abs(ours[:, :74]).max() + 1e-3, name
+    assert c.op_devices is None or set(c.op_devices) == {"decode", "prefill"}
+    c.close()
+
+
+@pytest.mark.macos
+def test_coreml_draft_keeps_the_neural_engine(tiny_gguf, tiny_coreml):
+    """A Core ML draft stays on CPU_AND_NE whatever device the target asks for."""
+    with ondevice.load(tiny_gguf("llama"), tiny_coreml("llama_draft"), n_ctx=CTX, device="cpu") as rt:
+        assert rt.drafter.backend.compute_units == "CPU_AND_NE"
 
 
 @pytest.mark.macos

@@ -110,8 +110,12 @@ def detect_format(path: Path) -> str:
     )
 
 
+DEVICES = ("gpu", "cpu", "mil")
+
+
 def open_backend(
-    path: str | Path, *, n_ctx: int, threads: int | None = None, device: str | None = None, mmap: bool = True
+    path: str | Path, *, n_ctx: int, threads: int | None = None, device: str | None = None, mmap: bool = True,
+    keep_ne: bool = False,
 ) -> Backend:
     """Open ``path`` with the backend its format needs.
 
@@ -119,13 +123,22 @@ def open_backend(
         path: a .gguf file (or a directory holding model.gguf), an MLX directory, or a .mlpackage.
         n_ctx: context length of the cache.
         threads: CPU threads (llama.cpp).
-        device: 'gpu' | 'cpu' | None (default: the GPU when the backend has one).
+        device: 'gpu' | 'cpu' | None (default: the GPU when the backend has one), or 'mil': a Core ML
+            package's program run by the MIL interpreter (any OS).
         mmap: memory-map GGUF weights (llama.cpp); False reads them into memory.
+        keep_ne: a Core ML model runs on CPU_AND_NE whatever ``device`` says ('mil' aside): a draft whose
+            device is inherited from the target stays on the Neural Engine.
     """
-    if device not in (None, "gpu", "cpu"):
-        raise OndeviceError(f"device={device!r}: choose 'gpu' or 'cpu'")
+    if device not in (None, *DEVICES):
+        raise OndeviceError(f"device={device!r}: choose one of {', '.join(DEVICES)}")
     path = Path(path)
     fmt = detect_format(path)
+    if device == "mil":
+        if fmt != "coreml":
+            raise OndeviceError(f"{path}: device='mil' runs Core ML packages only; use 'cpu' or 'gpu' for a {fmt} model")
+        from ondevice.backends.mil import MILBackend
+
+        return MILBackend(path, n_ctx=n_ctx)
     if fmt == "gguf":
         from ondevice.backends.llama import LlamaBackend
 
@@ -138,4 +151,4 @@ def open_backend(
         return MLXBackend(path, n_ctx=n_ctx, device=device)
     from ondevice.backends.coreml import CoreMLBackend
 
-    return CoreMLBackend(path, n_ctx=n_ctx, device=device)
+    return CoreMLBackend(path, n_ctx=n_ctx, device="ne" if keep_ne else device)

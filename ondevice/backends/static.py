@@ -102,14 +102,14 @@ class StaticCacheBackend(HFVocab):
 
 
 class ReferenceBackend(StaticCacheBackend):
-    """The numpy reference decoder (``converters.decoder``) behind the same host code as Core ML.
+    """The numpy reference decoder (``ondevice.formats.decoder``) behind the same host code as Core ML.
 
     It runs anywhere, so the position bookkeeping, padding and rollback of the Core ML backend are tested
     on Linux inside the real speculative loop; it says nothing about Core ML's own numerics.
     """
 
     def __init__(self, path: str | Path, *, context: int = 512, chunk: int = 64, n_ctx: int | None = None) -> None:
-        from converters.decoder import ReferenceDecoder
+        from ondevice.formats.decoder import ReferenceDecoder
 
         self.decoder = ReferenceDecoder.from_checkpoint(path, context)
         super().__init__(Path(path), tokenizer_dir=Path(path), context=context, chunk=min(chunk, context),

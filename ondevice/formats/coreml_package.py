@@ -2,25 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
-import io
-import logging
-from collections.abc import Iterator
 from pathlib import Path
-
-
-@contextlib.contextmanager
-def quiet() -> Iterator[None]:
-    """coremltools prints tqdm bars and, off macOS, 'Failed to load _MLModelProxy' warnings: keep them
-    off the terminal."""
-    log = logging.getLogger("coremltools")
-    level = log.level
-    log.setLevel(logging.ERROR)
-    try:
-        with contextlib.redirect_stderr(io.StringIO()):
-            yield
-    finally:
-        log.setLevel(level)
 
 
 def describe_package(package: str | Path) -> dict:
@@ -28,20 +10,15 @@ def describe_package(package: str | Path) -> dict:
     states and outputs ([dtype, shape]), op counts and how its weight matrices are stored."""
     from collections import Counter
 
-    with quiet():
-        import coremltools as ct
-        from coremltools.converters.mil.frontend.milproto.load import load as milproto_load
-        from coremltools.converters.mil.mil import types
+    from ondevice.formats.mil import load_program
 
-        model = ct.models.MLModel(str(package), skip_model_load=True)
-        spec = model.get_spec()
-        prog = milproto_load(model_spec=spec, specification_version=spec.specificationVersion,
-                             file_weights_dir=model.weights_dir)
+    prog, default_function = load_program(package)
+    from coremltools.converters.mil.mil import types
 
     def typed(v) -> list:
         return [types.builtin_to_string(v.dtype), list(v.shape)]
 
-    out: dict = {"default_function": spec.description.defaultFunctionName, "functions": {}}
+    out: dict = {"default_function": default_function, "functions": {}}
     for name, fn in prog.functions.items():
         ops = Counter(op.op_type for op in fn.operations)
         weights = Counter()

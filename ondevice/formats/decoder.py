@@ -10,6 +10,7 @@ never read and rollback is just moving the write position back.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -244,10 +245,19 @@ class ReferenceDecoder:
 
     @classmethod
     def from_checkpoint(cls, path: str | Path, context: int = 512, fp16: bool = False) -> ReferenceDecoder:
-        from converters.hf import open_checkpoint
+        """An HF checkpoint directory (config.json + model*.safetensors) → its reference decoder."""
+        from safetensors.numpy import load_file
 
-        ckpt = open_checkpoint(path)
-        return cls(DecoderConfig.from_hf(ckpt.config, ckpt.path / "config.json"), load_weights(ckpt.tensors()), context, fp16)
+        path = Path(path)
+        try:
+            config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            raise OndeviceError(f"{path / 'config.json'}: missing or unreadable; pass an HF checkpoint directory") from e
+        files = sorted(path.glob("model*.safetensors"))
+        if not files:
+            raise OndeviceError(f"{path}: no model*.safetensors files; pass an HF checkpoint directory")
+        tensors = [item for f in files for item in load_file(str(f)).items()]
+        return cls(DecoderConfig.from_hf(config, path / "config.json"), load_weights(tensors), context, fp16)
 
     def run(self, ids, position: int) -> np.ndarray:
         if position < 0 or position + len(ids) > self.context:
