@@ -45,8 +45,20 @@ def load(
             llama.cpp offloads layers.
         mmap: memory-map GGUF weights (the default; False reads them into memory).
     Returns:
-        A ``Runtime``; use it as a context manager or call ``close()``.
+        A ``Runtime``; use it as a context manager or call ``close()``. In an ``mlx.launch`` job with
+        several ranks the target is sharded over them (see ``ondevice.sharded``).
     """
+    from ondevice import distributed
+
+    if distributed.active():
+        from ondevice import sharded
+
+        return sharded.load(model, draft, drafter=drafter, n_ctx=n_ctx, threads=threads, device=device, mmap=mmap)
+    return _load(model, draft, drafter=drafter, n_ctx=n_ctx, threads=threads, device=device, mmap=mmap)
+
+
+def _load(model, draft, *, drafter, n_ctx, threads, device, mmap, open_target=open_backend, runtime_class=None) -> Runtime:
+    """``load`` with the target's opener and the runtime class as parameters (a sharded target swaps both)."""
     t0 = time.perf_counter()
     if draft is None and drafter in (None, "model"):
         pair = catalog.resolve_pair(str(model))
@@ -59,7 +71,7 @@ def load(
         raise OndeviceError("drafter='model' needs a draft model: pass draft=PATH (or --draft)")
     if kind != "model" and draft is not None:
         raise OndeviceError(f"a draft model was given but drafter={kind!r} would not use it; drop one of them")
-    target = open_backend(catalog.resolve(model), n_ctx=n_ctx, threads=threads, device=device, mmap=mmap)
+    target = open_target(catalog.resolve(model), n_ctx=n_ctx, threads=threads, device=device, mmap=mmap)
     drafter_obj: Drafter | None = None
     vocab_limit = target.vocab_size
     try:
@@ -78,7 +90,7 @@ def load(
     except BaseException:
         target.close()
         raise
-    return Runtime(target, drafter_obj, vocab_limit=vocab_limit, load_seconds=time.perf_counter() - t0)
+    return (runtime_class or Runtime)(target, drafter_obj, vocab_limit=vocab_limit, load_seconds=time.perf_counter() - t0)
 
 
 class Stream:

@@ -1,0 +1,386 @@
+"""A target sharded over the ranks of an ``mlx.launch`` job, driven SPMD by one speculative loop.
+
+Every rank loads its shard of the target (mlx-lm's tensor parallelism, or its pipeline where the
+architecture offers it) and a whole drafter of its own (n-gram, or a small model that fits on every
+machine). Rank 0 is the only rank that reads input and writes output: each request it receives
+(``stream``, ``reset``, ``close``, or a bare target ``eval``/``rollback`` made outside a request) is
+announced to the other ranks, which replay it on their copies. They hold the same seed, so they
+draw the same uniforms, draft the same tokens and take the same decisions; the partition only
+changes where the target's matrix products run, never what the loop computes.
+
+Before every target pass the ranks compare a fingerprint of the tokens the pass will hold (one small
+collective); at the end of a request they compare the tokens emitted. Disagreement raises
+``DivergenceError`` on every rank instead of letting them compute on different streams.
+
+Ranks other than 0 never return from ``load``: they serve rank 0 until it exits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ondevice.backends.mlx import PREFILL_CHUNK, MLXBackend
+from ondevice.distributed import (OP_DONE, OP_GO, OP_IDLE, OP_POLICY, OP_REQUEST, OP_STOP, DivergenceError, World,
+                                  _die, fingerprint, world)
+from ondevice.errors import OndeviceError
+from ondevice.runtime import Runtime
+from ondevice.speculative import Stats
+
+SHARD_MODES = ("auto", "tensor", "pipeline")
+NORMAL_ENDS = ("eos", "stop", "length", "context")
+
+
+def plan_sharding(model, config: dict, size: int, mode: str, path: Path) -> str:
+    """'tensor' or 'pipeline' for ``model`` over ``size`` ranks; a one-line error when mlx-lm cannot."""
+    import mlx_lm
+
+    if mode not in SHARD_MODES:
+        raise OndeviceError(f"ONDEVICE_SHARD={mode!r}: choose one of {', '.join(SHARD_MODES)}")
+    arch = config.get("model_type", "?")
+    tensor = hasattr(model, "shard")
+    pipeline = hasattr(getattr(model, "model", None), "pipeline")
+    if mode == "auto":
+        mode = "tensor" if tensor else "pipeline" if pipeline else ""
+    if not mode or (mode == "tensor" and not tensor) or (mode == "pipeline" and not pipeline):
+        offered = [m for m, ok in (("tensor", tensor), ("pipeline", pipeline)) if ok]
+        raise OndeviceError(
+            f"{path}: mlx-lm {mlx_lm.__version__} cannot shard a {arch} model"
+            + (f" by {mode} parallelism; it offers {' and '.join(offered)} (set ONDEVICE_SHARD)" if offered and mode
+               else "; run it on one machine or pick a supported architecture (llama, qwen2, qwen3, ...)"))
+    if mode == "tensor":
+        need = {"attention heads": config.get("num_attention_heads"),
+                "key/value heads": config.get("num_key_value_heads", config.get("num_attention_heads")),
+                "MLP width (intermediate_size)": config.get("intermediate_size")}
+        for what, n in need.items():
+            if isinstance(n, int) and n % size:
+                raise OndeviceError(
+                    f"{path}: its {n} {what} cannot be split evenly over {size} ranks; use a world size that "
+                    f"divides {n}" + (" or ONDEVICE_SHARD=pipeline" if pipeline else ""))
+    else:
+        n_layers = len(model.model.layers)
+        if n_layers < size:
+            raise OndeviceError(f"{path}: {n_layers} layers cannot be split over {size} pipeline ranks")
+    return mode
+
+
+class ShardedMLXBackend(MLXBackend):
+    """``MLXBackend`` whose model is split over ``world``'s ranks; logits come back whole on every rank.
+
+    Args:
+        path: an MLX model directory (the same on every machine).
+        world: the job (``ondevice.distributed.world()``).
+        mode: 'auto' (mlx-lm's choice: tensor when offered), 'tensor' or 'pipeline'.
+    """
+
+    def __init__(self, path, *, world: World, mode: str = "auto", n_ctx: int = 4096, device: str | None = None) -> None:
+        self.world = world
+        self.shard_mode = mode
+        self.collectives_per_forward = 0
+        super().__init__(path, n_ctx=n_ctx, device=device)
+
+    def _load_model(self):
+        import mlx.core as mx
+        from mlx_lm.utils import load_model, load_tokenizer, sharded_load
+
+        w = self.world
+        model, config = load_model(self.path, lazy=True, strict=False)
+        mode = plan_sharding(model, config, w.size, self.shard_mode, self.path)
+        # every rank must shard the same model the same way before any weight moves
+        w.agree(fingerprint((self.path / "config.json").read_text(), mode), what="model load (config.json or shard mode)")
+        self.shard_mode = mode
+        if mode == "tensor":
+            model, tokenizer = sharded_load(str(self.path), tensor_group=w.group)
+            self.collectives_per_forward = 2 * len(model.model.layers)  # attention out + MLP down: one all_sum each
+        else:  # what sharded_load does, minus its download filter (which needs a weight index file)
+            model.model.pipeline(w.group)
+            mx.eval(model.parameters())
+            tokenizer = load_tokenizer(self.path, {"trust_remote_code": True}, eos_token_ids=config.get("eos_token_id"))
+            self.collectives_per_forward = w.size  # a send per stage boundary, then one all_gather
+        return model, tokenizer
+
+
+class _Stopped(Exception):
+    """Rank 0 ended the request early (cancel or close); this rank stops with it."""
+
+
+class GuardedTarget:
+    """The sharded backend as the loop sees it: every pass first checks that all ranks agree on its
+    tokens; on rank 0, calls made outside a request are replayed on the other ranks."""
+
+    def __init__(self, inner: ShardedMLXBackend, world: World, rid: int) -> None:
+        self.inner, self.world, self.rid = inner, world, rid
+        self.held: list[int] = []  # the ids the cache holds
+        self.symmetric = 0 if world.rank == 0 else 1  # >0: every rank is making this same call
+        self.passes = 0
+        self.forwards = 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    @property
+    def n_past(self) -> int:
+        return self.inner.n_past
+
+    def eval(self, tokens, logits="all"):
+        tokens = [int(t) for t in tokens]
+        if not self.symmetric:
+            self.world.send({"op": "eval", "rid": self.rid, "tokens": tokens, "logits": logits})
+        rows = self.world.agree(fingerprint(self.held, tokens), OP_GO, "target pass")
+        if rows[0, 0] == OP_STOP:
+            raise _Stopped
+        if rows[0, 0] != OP_GO:
+            self.world.failed = True
+            raise DivergenceError(f"rank {self.world.rank}: expected a target pass, rank 0 sent op {rows[0, 0]}")
+        out = self.inner.eval(tokens, logits)
+        self.held = self.held + tokens
+        self.passes += 1
+        n = len(tokens)
+        self.forwards += (math.ceil((n - 1) / PREFILL_CHUNK) + 1) if logits == "last" and n > 1 else math.ceil(n / PREFILL_CHUNK)
+        return out
+
+    def rollback(self, n_past: int) -> None:
+        if not self.symmetric:
+            self.world.send({"op": "rollback", "rid": self.rid, "n": int(n_past)})
+        self.inner.rollback(n_past)
+        self.held = self.held[:n_past]
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def _f32(x: float) -> int:
+    return int(np.float32(x).view(np.uint32))
+
+
+class SyncedPolicy:
+    """Rank 0's adaptive policy on every rank: one collective per step carries its γ and its last step's
+    timings (the policy's only rank-dependent input), so every rank's policy state stays identical."""
+
+    def __init__(self, inner, world: World) -> None:
+        self.inner, self.world = inner, world
+        self._pending: tuple[int, float, float] | None = None
+        self.keep_drafting = inner.keep_drafting
+
+    @property
+    def max_gamma(self) -> int:
+        return self.inner.max_gamma
+
+    def observe_step(self, drafted: int, verify_seconds: float, draft_seconds: float) -> None:
+        self._pending = (drafted, verify_seconds, draft_seconds)  # applied before the next decision
+
+    def next_gamma(self, hint: int = 0, lag: int = 0) -> int:
+        w, obs = self.world, self._pending
+        self._pending = None
+        if w.rank == 0:
+            if obs is not None:  # rounded to float32 here too: that is what the other ranks receive
+                self.inner.observe_step(obs[0], float(np.float32(obs[1])), float(np.float32(obs[2])))
+            g = self.inner.next_gamma(hint, lag)
+            rows = w.exchange(OP_POLICY, 0, g, _f32(obs[1]) if obs else 0, _f32(obs[2]) if obs else 0)
+            if (rows[:, 0] != OP_POLICY).any():
+                w.failed = True
+                raise DivergenceError("ranks diverged: some rank was not choosing the next draft length with rank 0")
+            return g
+        rows = w.exchange(OP_POLICY)
+        if rows[0, 0] != OP_POLICY:
+            if rows[0, 0] == OP_STOP:
+                raise _Stopped
+            w.failed = True
+            raise DivergenceError(f"rank {w.rank}: expected rank 0's draft length, got op {rows[0, 0]}")
+        if obs is not None:
+            root = rows[0, 4:6].view(np.float32).astype(float)
+            self.inner.observe_step(obs[0], float(root[0]), float(root[1]))
+        self.inner.next_gamma(hint, lag)  # keeps the policy's own counters in step
+        return int(rows[0, 3])
+
+    def update(self, drafted: int, accepted: int, hint: int = 0) -> None:
+        self.inner.update(drafted, accepted, hint)
+
+
+@dataclass
+class DistStats(Stats):
+    """``Stats`` plus the job: ``collectives`` counts the model's (estimated per forward) and ondevice's own."""
+
+    world_size: int = 1
+    shard: str = ""
+    collectives: int = 0
+    control_collectives: int = 0
+    collectives_per_token: float = 0.0
+    seconds_per_pass: float = 0.0
+
+
+class DistributedRuntime(Runtime):
+    """A ``Runtime`` whose target is sharded over the job; see the module docstring."""
+
+    def __init__(self, target, drafter, *, vocab_limit: int, load_seconds: float = 0.0, world: World, rid: int) -> None:
+        super().__init__(GuardedTarget(target, world, rid), drafter, vocab_limit=vocab_limit, load_seconds=load_seconds)
+        self.world, self.rid = world, rid
+        self._closed = False
+
+    @contextlib.contextmanager
+    def _symmetric(self):
+        self.target.symmetric += 1
+        try:
+            yield
+        finally:
+            self.target.symmetric -= 1
+
+    def _request(self, msg: dict) -> None:
+        if self.world.rank == 0:
+            if self.world.failed:
+                raise OndeviceError("the ranks diverged or lost a peer earlier; restart the job")
+            self.world.send({**msg, "rid": self.rid})
+
+    def stream(self, prompt, **kw):
+        if kw.get("seed") is None and self.world.rank == 0:  # one seed for every rank
+            kw["seed"] = int.from_bytes(os.urandom(4), "little")
+        return super().stream(prompt, **kw)
+
+    def reset(self) -> None:
+        self._request({"op": "reset"})
+        with self._symmetric():
+            super().reset()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if not self.world.failed:
+            self._request({"op": "close"})
+        with self._symmetric():
+            super().close()
+
+    def _costs(self):
+        from ondevice.costs import Costs, measure
+
+        draft = getattr(self.drafter, "backend", None)
+        local = measure(self.target, draft, reps=5)  # every rank runs the same passes
+        self._kv = []
+        if self.drafter is not None:
+            self.drafter.reset()
+        shared = self.world.share({"t": {str(k): v for k, v in local.target_seconds.items()}, "d": local.draft_seconds})
+        return Costs({int(k): v for k, v in shared["t"].items()}, shared["d"])
+
+    def _policy(self, gamma, stats):
+        policy = super()._policy(gamma, stats)
+        return SyncedPolicy(policy, self.world) if gamma == "auto" else policy
+
+    def _run(self, prompt, params, max_tokens, gamma, stop, out):
+        w, t = self.world, self.target
+        out.stats = stats = DistStats(world_size=w.size, shard=t.inner.shard_mode)
+        self._request({"op": "stream", "prompt": prompt if isinstance(prompt, str) else [int(x) for x in prompt],
+                       "params": asdict(params), "max_tokens": max_tokens, "gamma": gamma, "stop": list(stop)})
+        c0, f0 = w.collectives, t.forwards
+        normal = False
+        with self._symmetric():
+            try:
+                yield from super()._run(prompt, params, max_tokens, gamma, stop, out)
+                normal = stats.stop_reason in NORMAL_ENDS
+            except _Stopped:
+                pass
+            finally:
+                if not normal:
+                    if self.drafter is not None:  # rank 0 stopped where the others had drafted further
+                        self.drafter.reset()
+                    if w.rank == 0 and not w.failed:
+                        w.exchange(OP_STOP)
+            if normal:
+                w.agree(fingerprint(out.tokens, stats.stop_reason), OP_DONE, "request end")
+        stats.control_collectives = w.collectives - c0
+        stats.collectives = stats.control_collectives + (t.forwards - f0) * t.inner.collectives_per_forward
+        stats.collectives_per_token = stats.collectives / stats.tokens if stats.tokens else 0.0
+        stats.seconds_per_pass = stats.verify_seconds / stats.target_forwards if stats.target_forwards else 0.0
+
+
+def _open_sharded(w: World, shard: str, path, *, n_ctx: int, threads=None, device=None, mmap=True):
+    from ondevice.backends import detect_format
+
+    if detect_format(Path(path)) != "mlx":
+        raise OndeviceError(f"{path}: a target sharded with mlx.launch must be an MLX model directory; "
+                            "convert it with `ondevice convert --to mlx`")
+    return ShardedMLXBackend(path, world=w, mode=shard, n_ctx=n_ctx, device=device)
+
+
+def _load_here(w: World, rid: int, args: dict) -> DistributedRuntime:
+    from ondevice import runtime
+
+    return runtime._load(**args["kw"], open_target=functools.partial(_open_sharded, w, args["shard"]),
+                         runtime_class=functools.partial(DistributedRuntime, world=w, rid=rid))
+
+
+_NEXT_RID = [0]
+
+
+def load(model, draft=None, **kw) -> DistributedRuntime:
+    """``ondevice.load`` in an mlx.launch job: rank 0 returns the runtime; the other ranks serve it and
+    end the process when rank 0 exits (they never return)."""
+    w = world()
+    if w.rank != 0:
+        serve(w)
+    _NEXT_RID[0] += 1
+    args = {"kw": {"model": str(model), "draft": None if draft is None else str(draft), **kw},
+            "shard": os.environ.get("ONDEVICE_SHARD", "auto")}
+    w.send({"op": "load", "rid": _NEXT_RID[0], "args": args})
+    return _load_here(w, _NEXT_RID[0], args)
+
+
+def serve(w: World) -> None:
+    """Ranks > 0: replay rank 0's requests until it exits (the heartbeat then ends this process)."""
+    runtimes: dict[int, DistributedRuntime] = {}
+    while True:
+        try:
+            rows = w.agree(0, OP_IDLE, "request start")
+        except DivergenceError:
+            _wait_for_exit(w)
+        if rows[0, 0] == OP_STOP:  # rank 0 ended a request this rank had already finished
+            continue
+        if rows[0, 0] != OP_REQUEST:
+            w.failed = True
+            _wait_for_exit(w)
+        msg = w.payload(nbytes=int(rows[0, 3]))
+        try:
+            _dispatch(w, runtimes, msg)
+        except DivergenceError:
+            _wait_for_exit(w)
+        except OndeviceError as e:  # rank 0 raised the same; a load error may be this machine's own
+            if msg["op"] == "load":
+                import sys
+
+                sys.stderr.write(f"error: rank {w.rank}: {e}\n")
+        except Exception as e:  # noqa: BLE001 - anything else is this rank's own failure: end it visibly
+            _die(f"rank {w.rank}: {type(e).__name__}: {e}", 1)
+
+
+def _dispatch(w: World, runtimes: dict, msg: dict) -> None:
+    op, rid = msg["op"], msg["rid"]
+    if op == "load":
+        runtimes[rid] = _load_here(w, rid, msg["args"])
+        return
+    rt = runtimes[rid]
+    if op == "stream":
+        for _ in Runtime.stream(rt, msg["prompt"], max_tokens=msg["max_tokens"], gamma=msg["gamma"], stop=msg["stop"],
+                                **msg["params"]):
+            pass
+    elif op == "reset":
+        rt.reset()
+    elif op == "close":
+        rt.close()
+        del runtimes[rid]
+    elif op == "eval":
+        rt.target.eval(msg["tokens"], msg["logits"])
+    elif op == "rollback":
+        rt.target.rollback(msg["n"])
+
+
+def _wait_for_exit(w: World) -> None:
+    """After a divergence: do nothing more until rank 0 exits (its error is the one the user sees)."""
+    w.failed = True
+    while True:
+        time.sleep(3600)
