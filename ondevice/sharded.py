@@ -65,9 +65,17 @@ def plan_sharding(model, config: dict, size: int, mode: str, path: Path) -> str:
                     f"{path}: its {n} {what} cannot be split evenly over {size} ranks; use a world size that "
                     f"divides {n}" + (" or ONDEVICE_SHARD=pipeline" if pipeline else ""))
     else:
+        import mlx.core as mx
+        from mlx.utils import tree_flatten
+
         n_layers = len(model.model.layers)
         if n_layers < size:
             raise OndeviceError(f"{path}: {n_layers} layers cannot be split over {size} pipeline ranks")
+        floats = {str(v.dtype) for _, v in tree_flatten(model.parameters()) if mx.issubdtype(v.dtype, mx.floating)}
+        if len(floats) > 1:  # mlx-lm receives activations in the embedding's dtype: mixed dtypes arrive garbled
+            raise OndeviceError(
+                f"{path}: its weights mix {' and '.join(sorted(floats))}, and mlx-lm's pipeline passes activations "
+                "between ranks in the embedding's dtype; use ONDEVICE_SHARD=tensor or weights of one float dtype")
     return mode
 
 
@@ -223,6 +231,7 @@ class DistributedRuntime(Runtime):
         super().__init__(GuardedTarget(target, world, rid), drafter, vocab_limit=vocab_limit, load_seconds=load_seconds)
         self.world, self.rid = world, rid
         self._closed = False
+        self._probe = (0, 0)
 
     @contextlib.contextmanager
     def _symmetric(self):
@@ -261,11 +270,13 @@ class DistributedRuntime(Runtime):
         from ondevice.costs import Costs, measure
 
         draft = getattr(self.drafter, "backend", None)
+        c0, f0 = self.world.collectives, self.target.forwards
         local = measure(self.target, draft, reps=5)  # every rank runs the same passes
         self._kv = []
         if self.drafter is not None:
             self.drafter.reset()
         shared = self.world.share({"t": {str(k): v for k, v in local.target_seconds.items()}, "d": local.draft_seconds})
+        self._probe = (self.world.collectives - c0, self.target.forwards - f0)  # left out of the request's stats
         return Costs({int(k): v for k, v in shared["t"].items()}, shared["d"])
 
     def _policy(self, gamma, stats):
@@ -278,6 +289,7 @@ class DistributedRuntime(Runtime):
         self._request({"op": "stream", "prompt": prompt if isinstance(prompt, str) else [int(x) for x in prompt],
                        "params": asdict(params), "max_tokens": max_tokens, "gamma": gamma, "stop": list(stop)})
         c0, f0 = w.collectives, t.forwards
+        self._probe = (0, 0)
         normal = False
         with self._symmetric():
             try:
@@ -293,8 +305,9 @@ class DistributedRuntime(Runtime):
                         w.exchange(OP_STOP)
             if normal:
                 w.agree(fingerprint(out.tokens, stats.stop_reason), OP_DONE, "request end")
-        stats.control_collectives = w.collectives - c0
-        stats.collectives = stats.control_collectives + (t.forwards - f0) * t.inner.collectives_per_forward
+        stats.control_collectives = w.collectives - c0 - self._probe[0]
+        forwards = t.forwards - f0 - self._probe[1]
+        stats.collectives = stats.control_collectives + forwards * t.inner.collectives_per_forward
         stats.collectives_per_token = stats.collectives / stats.tokens if stats.tokens else 0.0
         stats.seconds_per_pass = stats.verify_seconds / stats.target_forwards if stats.target_forwards else 0.0
 
