@@ -223,6 +223,11 @@ class DistStats(Stats):
     collectives_per_token: float = 0.0
     seconds_per_pass: float = 0.0
 
+    def bench_fields(self) -> dict:
+        """What ``ondevice bench`` adds to each run of a sharded target."""
+        return {"world_size": self.world_size, "shard": self.shard, "target_forwards": self.target_forwards,
+                "collectives_per_token": self.collectives_per_token, "seconds_per_pass": self.seconds_per_pass}
+
 
 class DistributedRuntime(Runtime):
     """A ``Runtime`` whose target is sharded over the job; see the module docstring."""
