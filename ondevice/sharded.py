@@ -28,8 +28,19 @@ from pathlib import Path
 import numpy as np
 
 from ondevice.backends.mlx import PREFILL_CHUNK, MLXBackend
-from ondevice.distributed import (OP_DONE, OP_GO, OP_IDLE, OP_POLICY, OP_REQUEST, OP_STOP, DivergenceError, World,
-                                  _die, fingerprint, world)
+from ondevice.distributed import (
+    OP_DONE,
+    OP_GO,
+    OP_IDLE,
+    OP_POLICY,
+    OP_REQUEST,
+    OP_STOP,
+    DivergenceError,
+    World,
+    _die,
+    fingerprint,
+    world,
+)
 from ondevice.errors import OndeviceError
 from ondevice.runtime import Runtime
 from ondevice.speculative import Stats
