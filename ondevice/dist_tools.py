@@ -103,3 +103,49 @@ def predict_link(costs: dict, *, latency_ms: float, world_size: int, n_layers: i
     return {"latency_ms": latency_ms, "world_size": world_size, "shard": shard, "collectives_per_pass": per_pass + guard,
             "predicted_plain_tokens_per_second": plain, "by_alpha": rows,
             "note": "predictions from one machine's measured costs and an assumed link latency, not measurements"}
+
+
+def drafter_placement(draft_path: str | Path, *, vocab_sizes=(512, 151936), gamma: int = 4, reps: int = 20) -> dict:
+    """Time the two places a model drafter can run in a job (call on every rank under mlx.launch).
+
+    "each rank": every rank drafts γ tokens itself (what ondevice does): the cost is the local draft time,
+    paid in parallel, and nothing crosses the link. "rank 0 + broadcast": rank 0 drafts and sends its γ
+    tokens and γ q rows (γ × vocab float32) to the others: the same draft time plus one broadcast.
+
+    Returns:
+        medians in seconds: local draft time, and the broadcast time for each vocabulary size.
+    """
+    import statistics
+    import time
+
+    import mlx.core as mx
+    import numpy as np
+
+    from ondevice.backends.mlx import MLXBackend
+    from ondevice.distributed import world
+    from ondevice.drafters import ModelDrafter
+    from ondevice.sampling import SamplingParams
+
+    w = world()
+    b = MLXBackend(draft_path, n_ctx=512, device="cpu")
+    d = ModelDrafter(b, b.vocab_size, b.vocab_size)
+    ctx = b.tokenize("The model draft and the target verify the tokens")
+    params, rng = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0), np.random.default_rng(0)
+    local = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        d.propose(ctx, gamma, params, rng)
+        local.append(time.perf_counter() - t0)
+        d.reset()
+    b.close()
+    bcast = {}
+    for V in vocab_sizes:
+        rows = np.full((gamma, V), 1.0 / V, dtype=np.float32) if w.rank == 0 else np.zeros((gamma, V), np.float32)
+        ts = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            mx.eval(mx.distributed.all_sum(mx.array(rows), group=w.group, stream=mx.cpu))
+            ts.append(time.perf_counter() - t0)
+        bcast[str(V)] = statistics.median(ts)
+    return {"gamma": gamma, "local_draft_seconds": statistics.median(local), "broadcast_q_seconds_by_vocab": bcast,
+            "world_size": w.size, "choice": "each rank (no traffic; the broadcast only adds time)"}

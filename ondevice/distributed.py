@@ -89,6 +89,7 @@ class World:
         self.rank, self.size = self.group.rank(), self.group.size()
         self.collectives = 0
         self.failed = False
+        self.lock = threading.RLock()  # rank 0: one request (a run of collectives) at a time
         self._socks: dict[int, socket.socket] = {}
         self._send_lock = threading.Lock()
         self._closing = False

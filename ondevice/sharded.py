@@ -21,13 +21,15 @@ import contextlib
 import functools
 import math
 import os
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
-from ondevice.backends.mlx import PREFILL_CHUNK, MLXBackend
+from ondevice.backends.mlx import PREFILL_CHUNK
+from ondevice.backends.mlx_sharded import ShardedMLXBackend
 from ondevice.distributed import (
     OP_DONE,
     OP_GO,
@@ -45,85 +47,7 @@ from ondevice.errors import OndeviceError
 from ondevice.runtime import Runtime
 from ondevice.speculative import Stats
 
-SHARD_MODES = ("auto", "tensor", "pipeline")
 NORMAL_ENDS = ("eos", "stop", "length", "context")
-
-
-def plan_sharding(model, config: dict, size: int, mode: str, path: Path) -> str:
-    """'tensor' or 'pipeline' for ``model`` over ``size`` ranks; a one-line error when mlx-lm cannot."""
-    import mlx_lm
-
-    if mode not in SHARD_MODES:
-        raise OndeviceError(f"ONDEVICE_SHARD={mode!r}: choose one of {', '.join(SHARD_MODES)}")
-    arch = config.get("model_type", "?")
-    tensor = hasattr(model, "shard")
-    pipeline = hasattr(getattr(model, "model", None), "pipeline")
-    if mode == "auto":
-        mode = "tensor" if tensor else "pipeline" if pipeline else ""
-    if not mode or (mode == "tensor" and not tensor) or (mode == "pipeline" and not pipeline):
-        offered = [m for m, ok in (("tensor", tensor), ("pipeline", pipeline)) if ok]
-        raise OndeviceError(
-            f"{path}: mlx-lm {mlx_lm.__version__} cannot shard a {arch} model"
-            + (f" by {mode} parallelism; it offers {' and '.join(offered)} (set ONDEVICE_SHARD)" if offered and mode
-               else "; run it on one machine or pick a supported architecture (llama, qwen2, qwen3, ...)"))
-    if mode == "tensor":
-        need = {"attention heads": config.get("num_attention_heads"),
-                "key/value heads": config.get("num_key_value_heads", config.get("num_attention_heads")),
-                "MLP width (intermediate_size)": config.get("intermediate_size")}
-        for what, n in need.items():
-            if isinstance(n, int) and n % size:
-                raise OndeviceError(
-                    f"{path}: its {n} {what} cannot be split evenly over {size} ranks; use a world size that "
-                    f"divides {n}" + (" or ONDEVICE_SHARD=pipeline" if pipeline else ""))
-    else:
-        import mlx.core as mx
-        from mlx.utils import tree_flatten
-
-        n_layers = len(model.model.layers)
-        if n_layers < size:
-            raise OndeviceError(f"{path}: {n_layers} layers cannot be split over {size} pipeline ranks")
-        floats = {str(v.dtype) for _, v in tree_flatten(model.parameters()) if mx.issubdtype(v.dtype, mx.floating)}
-        if len(floats) > 1:  # mlx-lm receives activations in the embedding's dtype: mixed dtypes arrive garbled
-            raise OndeviceError(
-                f"{path}: its weights mix {' and '.join(sorted(floats))}, and mlx-lm's pipeline passes activations "
-                "between ranks in the embedding's dtype; use ONDEVICE_SHARD=tensor or weights of one float dtype")
-    return mode
-
-
-class ShardedMLXBackend(MLXBackend):
-    """``MLXBackend`` whose model is split over ``world``'s ranks; logits come back whole on every rank.
-
-    Args:
-        path: an MLX model directory (the same on every machine).
-        world: the job (``ondevice.distributed.world()``).
-        mode: 'auto' (mlx-lm's choice: tensor when offered), 'tensor' or 'pipeline'.
-    """
-
-    def __init__(self, path, *, world: World, mode: str = "auto", n_ctx: int = 4096, device: str | None = None) -> None:
-        self.world = world
-        self.shard_mode = mode
-        self.collectives_per_forward = 0
-        super().__init__(path, n_ctx=n_ctx, device=device)
-
-    def _load_model(self):
-        import mlx.core as mx
-        from mlx_lm.utils import load_model, load_tokenizer, sharded_load
-
-        w = self.world
-        model, config = load_model(self.path, lazy=True, strict=False)
-        mode = plan_sharding(model, config, w.size, self.shard_mode, self.path)
-        # every rank must shard the same model the same way before any weight moves
-        w.agree(fingerprint((self.path / "config.json").read_text(), mode), what="model load (config.json or shard mode)")
-        self.shard_mode = mode
-        if mode == "tensor":
-            model, tokenizer = sharded_load(str(self.path), tensor_group=w.group)
-            self.collectives_per_forward = 2 * len(model.model.layers)  # attention out + MLP down: one all_sum each
-        else:  # what sharded_load does, minus its download filter (which needs a weight index file)
-            model.model.pipeline(w.group)
-            mx.eval(model.parameters())
-            tokenizer = load_tokenizer(self.path, {"trust_remote_code": True}, eos_token_ids=config.get("eos_token_id"))
-            self.collectives_per_forward = w.size  # a send per stage boundary, then one all_gather
-        return model, tokenizer
 
 
 class _Stopped(Exception):
@@ -151,7 +75,13 @@ class GuardedTarget:
     def eval(self, tokens, logits="all"):
         tokens = [int(t) for t in tokens]
         if not self.symmetric:
-            self.world.send({"op": "eval", "rid": self.rid, "tokens": tokens, "logits": logits})
+            with self.world.lock:
+                self.world.send({"op": "eval", "rid": self.rid, "tokens": tokens, "logits": logits})
+                self.symmetric += 1
+                try:
+                    return self.eval(tokens, logits)
+                finally:
+                    self.symmetric -= 1
         rows = self.world.agree(fingerprint(self.held, tokens), OP_GO, "target pass")
         if rows[0, 0] == OP_STOP:
             raise _Stopped
@@ -167,8 +97,11 @@ class GuardedTarget:
 
     def rollback(self, n_past: int) -> None:
         if not self.symmetric:
-            self.world.send({"op": "rollback", "rid": self.rid, "n": int(n_past)})
-        self.inner.rollback(n_past)
+            with self.world.lock:
+                self.world.send({"op": "rollback", "rid": self.rid, "n": int(n_past)})
+                self.inner.rollback(n_past)
+        else:
+            self.inner.rollback(n_past)
         self.held = self.held[:n_past]
 
     def close(self) -> None:
@@ -268,18 +201,25 @@ class DistributedRuntime(Runtime):
             kw["seed"] = int.from_bytes(os.urandom(4), "little")
         return super().stream(prompt, **kw)
 
+    def _not_streaming_here(self) -> None:
+        if self._owner == threading.get_ident():  # checked before the other ranks are told anything
+            raise OndeviceError("this thread is still iterating a stream of this Runtime; finish, cancel or close it first")
+
     def reset(self) -> None:
-        self._request({"op": "reset"})
-        with self._symmetric():
+        self._not_streaming_here()
+        with self.world.lock, self._symmetric():
+            self._request({"op": "reset"})
             super().reset()
 
     def close(self) -> None:
         if self._closed:
             return
+        self._not_streaming_here()
+        self.cancel()
         self._closed = True
-        if not self.world.failed:
-            self._request({"op": "close"})
-        with self._symmetric():
+        with self.world.lock, self._symmetric():
+            if not self.world.failed:
+                self._request({"op": "close"})
             super().close()
 
     def _costs(self):
@@ -302,25 +242,26 @@ class DistributedRuntime(Runtime):
     def _run(self, prompt, params, max_tokens, gamma, stop, out):
         w, t = self.world, self.target
         out.stats = stats = DistStats(world_size=w.size, shard=t.inner.shard_mode)
-        self._request({"op": "stream", "prompt": prompt if isinstance(prompt, str) else [int(x) for x in prompt],
-                       "params": asdict(params), "max_tokens": max_tokens, "gamma": gamma, "stop": list(stop)})
-        c0, f0 = w.collectives, t.forwards
-        self._probe = (0, 0)
-        normal = False
-        with self._symmetric():
-            try:
-                yield from super()._run(prompt, params, max_tokens, gamma, stop, out)
-                normal = stats.stop_reason in NORMAL_ENDS
-            except _Stopped:
-                pass
-            finally:
-                if not normal:
-                    if self.drafter is not None:  # rank 0 stopped where the others had drafted further
-                        self.drafter.reset()
-                    if w.rank == 0 and not w.failed:
-                        w.exchange(OP_STOP)
-            if normal:
-                w.agree(fingerprint(out.tokens, stats.stop_reason), OP_DONE, "request end")
+        with w.lock:  # rank 0: one request at a time across all runtimes (the other ranks replay in order)
+            self._request({"op": "stream", "prompt": prompt if isinstance(prompt, str) else [int(x) for x in prompt],
+                           "params": asdict(params), "max_tokens": max_tokens, "gamma": gamma, "stop": list(stop)})
+            c0, f0 = w.collectives, t.forwards
+            self._probe = (0, 0)
+            normal = False
+            with self._symmetric():
+                try:
+                    yield from super()._run(prompt, params, max_tokens, gamma, stop, out)
+                    normal = stats.stop_reason in NORMAL_ENDS
+                except _Stopped:
+                    pass
+                finally:
+                    if not normal:
+                        if self.drafter is not None:  # rank 0 stopped where the others had drafted further
+                            self.drafter.reset()
+                        if w.rank == 0 and not w.failed:
+                            w.exchange(OP_STOP)
+                if normal:
+                    w.agree(fingerprint(out.tokens, stats.stop_reason), OP_DONE, "request end")
         stats.control_collectives = w.collectives - c0 - self._probe[0]
         forwards = t.forwards - f0 - self._probe[1]
         stats.collectives = stats.control_collectives + forwards * t.inner.collectives_per_forward
@@ -356,12 +297,16 @@ def load(model, draft=None, **kw) -> DistributedRuntime:
     _NEXT_RID[0] += 1
     args = {"kw": {"model": str(model), "draft": None if draft is None else str(draft), **kw},
             "shard": os.environ.get("ONDEVICE_SHARD", "auto")}
-    w.send({"op": "load", "rid": _NEXT_RID[0], "args": args})
-    return _load_here(w, _NEXT_RID[0], args)
+    with w.lock:
+        w.send({"op": "load", "rid": _NEXT_RID[0], "args": args})
+        return _load_here(w, _NEXT_RID[0], args)
 
 
 def serve(w: World) -> None:
     """Ranks > 0: replay rank 0's requests until it exits (the heartbeat then ends this process)."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C in a terminal reaches every rank: rank 0 decides
     runtimes: dict[int, DistributedRuntime] = {}
     while True:
         try:
