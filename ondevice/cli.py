@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -73,6 +74,8 @@ def _main(
     debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks.")] = False,
 ) -> None:
     _state["debug"] = debug
+    if os.environ.get("MLX_RANK", "0") != "0":  # a rank > 0 of an mlx.launch job: only rank 0 writes stdout
+        os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
 
 
 def _dump(obj) -> None:

@@ -221,3 +221,30 @@ def test_mlx_launch_cli_json_is_one_document(tiny_mlx, tmp_path):
     assert p.returncode == 0, p.stderr
     doc = json.loads(p.stdout)
     assert doc["stats"]["world_size"] == 2 and doc["tokens"] == ref
+
+
+def test_launch_writes_a_hostfile_and_runs_mlx_launch(tmp_path):
+    from ondevice.dist_tools import hostfile
+
+    doc = hostfile(["127.0.0.1", "localhost"])
+    assert doc == {"backend": "ring", "hosts": [{"ssh": "127.0.0.1", "ips": ["127.0.0.1"]},
+                                                {"ssh": "localhost", "ips": ["127.0.0.1"]}]}
+    p = subprocess.run([sys.executable, "-m", "ondevice", "launch", "--hosts", "127.0.0.1,127.0.0.1", "--dry-run", "--",
+                        "generate", "M", "-p", "hi there"], capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert p.returncode == 0, p.stderr
+    assert "mlx.launch --hostfile" in p.stdout and "-m ondevice generate M -p 'hi there'" in p.stdout
+    for hosts, msg in [("127.0.0.1", "at least two hosts"), ("127.0.0.1,no-such-host.invalid", "cannot resolve")]:
+        p = subprocess.run([sys.executable, "-m", "ondevice", "launch", "--hosts", hosts, "--", "generate", "M"],
+                           capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert p.returncode == 2 and msg in p.stderr and len(p.stderr.strip().splitlines()) == 1
+
+
+def test_link_latency_prediction_favours_speculation_as_latency_grows():
+    from ondevice.dist_tools import predict_link
+
+    costs = {"target_seconds": {"1": 0.010, "2": 0.011, "4": 0.013, "8": 0.018}, "draft_seconds": 0.001}
+    low, high = (predict_link(costs, latency_ms=ms, world_size=2, n_layers=24) for ms in (0.01, 1.0))
+    assert high["collectives_per_pass"] == 49 and "not measurements" in high["note"]
+    for a, b in zip(low["by_alpha"], high["by_alpha"], strict=True):
+        assert b["predicted_speedup"] > a["predicted_speedup"] > 0.5
+    assert high["predicted_plain_tokens_per_second"] < low["predicted_plain_tokens_per_second"]
