@@ -291,6 +291,10 @@ def bench_cmd(
         if cold_start:
             doc["cold_start"] = bench_tools.cold_start(catalog.resolve(model))
         bench_tools.table(doc)
+        if doc["runs"] and "world_size" in doc["runs"][0]:  # a target sharded with mlx.launch
+            from ondevice.dist_tools import bench_summary
+
+            doc["distributed"] = bench_summary(doc)
         if plot:
             doc["plots"] = [str(p) for p in bench_tools.plots(doc, plot)]
     text = json.dumps(doc, indent=2, default=str)

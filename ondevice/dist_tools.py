@@ -149,3 +149,32 @@ def drafter_placement(draft_path: str | Path, *, vocab_sizes=(512, 151936), gamm
         bcast[str(V)] = statistics.median(ts)
     return {"gamma": gamma, "local_draft_seconds": statistics.median(local), "broadcast_q_seconds_by_vocab": bcast,
             "world_size": w.size, "choice": "each rank (no traffic; the broadcast only adds time)"}
+
+
+def bench_summary(doc: dict, show: bool = True) -> dict:
+    """Per mode of a sharded ``ondevice bench`` run: median tok/s, target passes per token, collectives per
+    token and seconds per pass (printed to stderr as a table when ``show``)."""
+    import statistics
+
+    by_mode: dict[str, list[dict]] = {}
+    for r in doc["runs"]:
+        if "collectives_per_token" in r:
+            by_mode.setdefault(r["mode"], []).append(r)
+    out = {}
+    for mode, rs in by_mode.items():
+        tokens = sum(r["tokens"] for r in rs) or 1
+        out[mode] = {"world_size": rs[0]["world_size"], "shard": rs[0]["shard"],
+                     "tokens_per_second": statistics.median(r["tokens_per_second"] for r in rs),
+                     "target_passes_per_token": sum(r["target_forwards"] for r in rs) / tokens,
+                     "collectives_per_token": statistics.median(r["collectives_per_token"] for r in rs),
+                     "seconds_per_pass": statistics.median(r["seconds_per_pass"] for r in rs)}
+    if show and out:
+        from rich.console import Console
+        from rich.table import Table
+
+        t = Table("mode", "ranks", "tok/s", "passes/token", "collectives/token", "s/pass", title="sharded target")
+        for mode, s in out.items():
+            t.add_row(mode, f"{s['world_size']} ({s['shard']})", f"{s['tokens_per_second']:.1f}",
+                      f"{s['target_passes_per_token']:.2f}", f"{s['collectives_per_token']:.2f}", f"{s['seconds_per_pass']:.4f}")
+        Console(stderr=True).print(t)
+    return out

@@ -248,3 +248,18 @@ def test_link_latency_prediction_favours_speculation_as_latency_grows():
     for a, b in zip(low["by_alpha"], high["by_alpha"], strict=True):
         assert b["predicted_speedup"] > a["predicted_speedup"] > 0.5
     assert high["predicted_plain_tokens_per_second"] < low["predicted_plain_tokens_per_second"]
+
+
+def test_bench_summary_reads_what_sharded_stats_record():
+    from ondevice.dist_tools import bench_summary
+    from ondevice.sharded import DistStats
+
+    def run(mode, forwards, coll):
+        s = DistStats(tokens=10, target_forwards=forwards, world_size=2, shard="tensor", collectives_per_token=coll,
+                      seconds_per_pass=0.01, tokens_per_second=50.0)
+        return {"mode": mode, "tokens": s.tokens, "tokens_per_second": s.tokens_per_second, **s.bench_fields()}
+
+    out = bench_summary({"runs": [run("plain", 10, 5.0), run("draft_g3", 5, 2.6), {"mode": "mlx_lm", "tokens": 3}]},
+                        show=False)
+    assert set(out) == {"plain", "draft_g3"}
+    assert out["draft_g3"]["target_passes_per_token"] == 0.5 and out["plain"]["collectives_per_token"] == 5.0
