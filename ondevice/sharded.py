@@ -32,6 +32,7 @@ from ondevice.backends.mlx import PREFILL_CHUNK
 from ondevice.backends.mlx_sharded import ShardedMLXBackend
 from ondevice.distributed import (
     OP_DONE,
+    OP_FAILED,
     OP_GO,
     OP_IDLE,
     OP_POLICY,
@@ -269,20 +270,62 @@ class DistributedRuntime(Runtime):
         stats.seconds_per_pass = stats.verify_seconds / stats.target_forwards if stats.target_forwards else 0.0
 
 
-def _open_sharded(w: World, shard: str, path, *, n_ctx: int, threads=None, device=None, mmap=True):
+class LoadSync:
+    """The two checkpoints of a sharded load, so that a rank that cannot load never leaves the others
+    waiting in a collective: (1) before any weight moves (``ShardedMLXBackend`` calls it) and (2) after
+    the drafter loaded. A rank that fails sends "failed" in place of its next checkpoint; then every
+    rank raises (its own error, or which ranks failed)."""
+
+    def __init__(self, w: World) -> None:
+        self.w, self.stage, self.failed = w, 0, False
+
+    def checkpoint(self, fp: int = 0, error: str | None = None) -> None:
+        rows = self.w.exchange(OP_FAILED if error else OP_GO, fingerprint(error) if error else fp)
+        self.stage += 1
+        bad = [r for r in range(self.w.size) if rows[r, 0] != OP_GO]
+        self.failed = bool(bad)
+        if bad and error is None:
+            raise OndeviceError(f"rank(s) {bad} could not load the model (see their errors above)")
+        if not bad and len({(int(r[1]), int(r[2])) for r in rows}) > 1:
+            self.failed = True
+            raise OndeviceError("the ranks read different config.json files (or shard modes); use the same "
+                                "model directory on every machine")
+        if error and self.w.rank != 0 and (rows[0, 0] == OP_GO or (rows[0, 1], rows[0, 2]) != (rows[self.w.rank, 1],
+                                                                                                rows[self.w.rank, 2])):
+            import sys
+
+            sys.stderr.write(f"error: rank {self.w.rank}: {error}\n")  # this machine's own problem
+
+
+def _open_sharded(w: World, shard: str, sync: LoadSync, path, *, n_ctx: int, threads=None, device=None, mmap=True):
     from ondevice.backends import detect_format
 
     if detect_format(Path(path)) != "mlx":
         raise OndeviceError(f"{path}: a target sharded with mlx.launch must be an MLX model directory; "
                             "convert it with `ondevice convert --to mlx`")
-    return ShardedMLXBackend(path, world=w, mode=shard, n_ctx=n_ctx, device=device)
+    return ShardedMLXBackend(path, world=w, mode=shard, n_ctx=n_ctx, device=device, checkpoint=sync.checkpoint)
 
 
 def _load_here(w: World, rid: int, args: dict) -> DistributedRuntime:
+    """Every rank: load the same runtime; a load error on any rank is raised on every rank."""
     from ondevice import runtime
 
-    return runtime._load(**args["kw"], open_target=functools.partial(_open_sharded, w, args["shard"]),
-                         runtime_class=functools.partial(DistributedRuntime, world=w, rid=rid))
+    sync = LoadSync(w)
+    try:
+        rt = runtime._load(**args["kw"], open_target=functools.partial(_open_sharded, w, args["shard"], sync),
+                           runtime_class=functools.partial(DistributedRuntime, world=w, rid=rid))
+    except OndeviceError as e:
+        if not sync.failed:  # this rank failed first: tell the others at the checkpoint they are waiting in
+            sync.checkpoint(error=str(e))
+        raise
+    try:
+        sync.checkpoint()
+    except OndeviceError:
+        with rt._symmetric():
+            rt._closed = True
+            Runtime.close(rt)
+        raise
+    return rt
 
 
 _NEXT_RID = [0]
@@ -323,11 +366,8 @@ def serve(w: World) -> None:
             _dispatch(w, runtimes, msg)
         except DivergenceError:
             _wait_for_exit(w)
-        except OndeviceError as e:  # rank 0 raised the same; a load error may be this machine's own
-            if msg["op"] == "load":
-                import sys
-
-                sys.stderr.write(f"error: rank {w.rank}: {e}\n")
+        except OndeviceError:  # rank 0 raised it too (a load checkpoint printed this rank's own problems)
+            pass
         except Exception as e:  # noqa: BLE001 - anything else is this rank's own failure: end it visibly
             _die(f"rank {w.rank}: {type(e).__name__}: {e}", 1)
 

@@ -67,7 +67,7 @@ def _ports(n: int) -> list[int]:
     return ports
 
 
-def _spawn(tmp_path, cfg: dict, n: int = 2, env: dict | None = None) -> list[subprocess.Popen]:
+def _spawn(tmp_path, cfg: dict, n: int = 2, env: dict | None = None, cwds: list | None = None) -> list[subprocess.Popen]:
     """Start ``n`` ranks with the environment mlx's ring backend reads (MLX_RANK, MLX_HOSTFILE)."""
     hostfile = tmp_path / "hosts.json"
     hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in _ports(n)]))
@@ -77,7 +77,7 @@ def _spawn(tmp_path, cfg: dict, n: int = 2, env: dict | None = None) -> list[sub
     for r in range(n):
         e = {**os.environ, "PYTHONPATH": str(ROOT), "MLX_RANK": str(r), "MLX_HOSTFILE": str(hostfile), **(env or {})}
         procs.append(subprocess.Popen([sys.executable, str(script), json.dumps(cfg)], env=e, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
+                                      stderr=subprocess.PIPE, text=True, cwd=cwds[r] if cwds else None))
     return procs
 
 
@@ -202,11 +202,19 @@ def test_unshardable_models_are_one_line_errors(tiny_hf, tiny_mlx, tiny_gguf, tm
     jobs = [{"model": str(one_kv), "drafter": "none", "requests": {}},
             {"model": str(tiny_gguf("qwen2")), "drafter": "none", "requests": {}},
             {"model": str(tiny_mlx("qwen2")), "drafter": "none", "requests": {"ok": {"prompt": PROMPT, "kw": {"max_tokens": 4}}}}]
-    results, err, rcs = _run(tmp_path, {"jobs": jobs})
+    # a relative path that exists in rank 0's directory only: a model missing on one machine
+    (tmp_path / "r0").mkdir()
+    (tmp_path / "r1").mkdir()
+    (tmp_path / "r0" / "not-on-this-machine").symlink_to(tiny_mlx("qwen2"))
+    jobs.insert(2, {**jobs[2], "model": "not-on-this-machine"})
+    results, err, rcs = _run(tmp_path, {"jobs": jobs}, cwds=[tmp_path / "r0", tmp_path / "r1"])
     assert "1 key/value heads cannot be split evenly over 2 ranks" in results[0]["error"]
     assert "must be an MLX model directory" in results[1]["error"]
-    assert len(results[2]["ok"]["tokens"]) == 4  # the job survives its refused loads
-    results, err, rcs = _run(tmp_path, {"jobs": [jobs[2]]}, env={"ONDEVICE_SHARD": "pipeline"})
+    assert "rank(s) [1] could not load the model" in results[2]["error"]
+    assert "error: rank 1:" in err and "not-on-this-machine" in err  # rank 1 says what it lacks
+    assert err.count("error: rank 1:") == 1  # the errors every rank shares are printed once, by rank 0
+    assert len(results[3]["ok"]["tokens"]) == 4  # the job survives its refused loads
+    results, err, rcs = _run(tmp_path, {"jobs": [jobs[3]]}, env={"ONDEVICE_SHARD": "pipeline"})
     assert "cannot shard" in results[0]["error"] or "mix" in results[0]["error"]
 
 

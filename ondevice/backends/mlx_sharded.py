@@ -59,10 +59,14 @@ class ShardedMLXBackend(MLXBackend):
         path: an MLX model directory (the same on every machine).
         world: the job (``ondevice.distributed.world()``).
         mode: 'auto' (mlx-lm's choice: tensor when offered), 'tensor' or 'pipeline'.
+        checkpoint: called with a fingerprint of config.json and the mode once the plan is made, before
+            any weight moves (``ondevice.sharded.LoadSync``; default: the ranks must agree on it).
     """
 
-    def __init__(self, path, *, world: World, mode: str = "auto", n_ctx: int = 4096, device: str | None = None) -> None:
+    def __init__(self, path, *, world: World, mode: str = "auto", n_ctx: int = 4096, device: str | None = None,
+                 checkpoint=None) -> None:
         self.world = world
+        self._checkpoint = checkpoint or (lambda fp: world.agree(fp, what="model load"))
         self.shard_mode = mode
         self.collectives_per_forward = 0
         super().__init__(path, n_ctx=n_ctx, device=device)
@@ -75,7 +79,7 @@ class ShardedMLXBackend(MLXBackend):
         model, config = load_model(self.path, lazy=True, strict=False)
         mode = plan_sharding(model, config, w.size, self.shard_mode, self.path)
         # every rank must shard the same model the same way before any weight moves
-        w.agree(fingerprint((self.path / "config.json").read_text(), mode), what="model load (config.json or shard mode)")
+        self._checkpoint(fingerprint((self.path / "config.json").read_text(), mode))
         self.shard_mode = mode
         if mode == "tensor":
             model, tokenizer = sharded_load(str(self.path), tensor_group=w.group)
