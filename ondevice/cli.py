@@ -337,8 +337,9 @@ def info_cmd(
 @app.command("launch", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def launch_cmd(
     ctx: typer.Context,
-    hosts: Annotated[str, typer.Option("--hosts", help="Comma-separated hosts (rank 0 first), reached by ssh.")],
+    hosts: Annotated[str | None, typer.Option("--hosts", help="Comma-separated hosts (rank 0 first), reached by ssh.")] = None,
     backend: Annotated[str, typer.Option("--backend", help="ring (TCP) | jaccl (Thunderbolt RDMA).")] = "ring",
+    hostfile: Annotated[Path | None, typer.Option("--hostfile", help="An mlx.launch hostfile (jaccl: from mlx.distributed_config).")] = None,
     python: Annotated[str | None, typer.Option("--python", help="Python on the hosts (default: this one).")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the hostfile and command only.")] = False,
 ) -> None:
@@ -347,8 +348,8 @@ def launch_cmd(
     from ondevice.errors import OndeviceError
 
     try:
-        code = launch([h.strip() for h in hosts.split(",") if h.strip()], list(ctx.args), backend=backend,
-                      python=python, dry_run=dry_run)
+        code = launch(None if hosts is None else [h.strip() for h in hosts.split(",") if h.strip()], list(ctx.args),
+                      backend=backend, hostfile_path=hostfile, python=python, dry_run=dry_run)
     except OndeviceError as e:
         _fail(str(e))
     raise typer.Exit(code)

@@ -33,15 +33,16 @@ def hostfile(hosts: list[str], backend: str = "ring") -> dict:
     return {"backend": backend, "hosts": out}
 
 
-def launch(hosts: list[str], command: list[str], *, backend: str = "ring", python: str | None = None,
-           dry_run: bool = False) -> int:
+def launch(hosts: list[str] | None, command: list[str], *, backend: str = "ring", hostfile_path: str | Path | None = None,
+           python: str | None = None, dry_run: bool = False) -> int:
     """Run ``ondevice COMMAND`` on every host through mlx.launch (ssh; the same paths on every machine).
 
     Args:
         hosts: host names or IPs, rank 0 first (repeat one to run two ranks on it).
         command: the ondevice subcommand and its arguments, e.g. ["generate", "MODEL", "-p", "hi"].
-        backend: "ring" (TCP, any network) or "jaccl" (RDMA over Thunderbolt 5; the hostfile then also
-            needs the RDMA devices that ``mlx.distributed_config`` writes).
+        backend: "ring" (TCP, any network) or "jaccl" (RDMA over Thunderbolt 5: its hostfile also names
+            each link's RDMA device, so pass the one ``mlx.distributed_config`` writes as ``hostfile_path``).
+        hostfile_path: an mlx.launch hostfile to use instead of ``hosts``.
         python: interpreter on the remote hosts (default: this one's path).
         dry_run: print the hostfile and the mlx.launch command instead of running them.
     Returns:
@@ -54,7 +55,17 @@ def launch(hosts: list[str], command: list[str], *, backend: str = "ring", pytho
     exe = shutil.which("mlx.launch")
     if exe is None:
         raise OndeviceError("mlx.launch was not found; pip install 'ondevice[mlx]' on every host")
-    doc = hostfile(hosts, backend)
+    if (hosts is None) == (hostfile_path is None):
+        raise OndeviceError("give either --hosts or --hostfile")
+    if hostfile_path is not None:
+        if not Path(hostfile_path).is_file():
+            raise OndeviceError(f"--hostfile {hostfile_path}: no such file")
+        doc = json.loads(Path(hostfile_path).read_text())
+    elif backend == "jaccl":
+        raise OndeviceError("--backend jaccl needs each Thunderbolt link's RDMA device: write a hostfile with "
+                            "`mlx.distributed_config --backend jaccl --over thunderbolt --hosts ...` and pass --hostfile")
+    else:
+        doc = hostfile(hosts, backend)
     fd, path = tempfile.mkstemp(prefix="ondevice-hosts-", suffix=".json")
     with os.fdopen(fd, "w") as f:
         json.dump(doc, f, indent=1)

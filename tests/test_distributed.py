@@ -241,8 +241,11 @@ def test_launch_writes_a_hostfile_and_runs_mlx_launch(tmp_path):
                         "generate", "M", "-p", "hi there"], capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert p.returncode == 0, p.stderr
     assert "mlx.launch --hostfile" in p.stdout and "-m ondevice generate M -p 'hi there'" in p.stdout
-    for hosts, msg in [("127.0.0.1", "at least two hosts"), ("127.0.0.1,no-such-host.invalid", "cannot resolve")]:
-        p = subprocess.run([sys.executable, "-m", "ondevice", "launch", "--hosts", hosts, "--", "generate", "M"],
+    for args, msg in [(["--hosts", "127.0.0.1"], "at least two hosts"),
+                      (["--hosts", "127.0.0.1,no-such-host.invalid"], "cannot resolve"),
+                      (["--hosts", "a,b", "--backend", "jaccl"], "mlx.distributed_config"),
+                      (["--hostfile", str(tmp_path / "none.json")], "no such file"), ([], "either --hosts or --hostfile")]:
+        p = subprocess.run([sys.executable, "-m", "ondevice", "launch", *args, "--", "generate", "M"],
                            capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
         assert p.returncode == 2 and msg in p.stderr and len(p.stderr.strip().splitlines()) == 1
 
