@@ -36,7 +36,8 @@ def load(
     Args:
         model: target: a GGUF path, a converted model directory, a catalog model name, or a catalog
             pair name (which also sets the draft).
-        draft: draft model (same forms), or None.
+        draft: draft model (same forms), "auto" (the local model the cost model expects to be fastest,
+            else n-gram drafting; see ``Runtime.draft_choice``), or None.
         drafter: "model" (needs a draft), "ngram" (prompt lookup) or "none" (plain decoding).
             Default: "model" when a draft is given, else "ngram".
         n_ctx: context length of the caches.
@@ -74,11 +75,18 @@ def _load(model, draft, *, drafter, n_ctx, threads, device, mmap, open_target=op
     target = open_target(catalog.resolve(model), n_ctx=n_ctx, threads=threads, device=device, mmap=mmap)
     drafter_obj: Drafter | None = None
     vocab_limit = target.vocab_size
+    draft_backend, draft_choice = None, None
     try:
+        if kind == "model" and str(draft) == "auto":  # a local draft the cost model picks, or n-gram (#17)
+            from ondevice.autodraft import choose_draft
+
+            draft_backend, draft_choice = choose_draft(target, n_ctx=n_ctx, threads=threads, device=device, mmap=mmap)
+            kind = draft_choice["drafter"]
         if kind == "model":
             from converters.pairs import check_vocabs
 
-            draft_backend = open_backend(catalog.resolve(draft), n_ctx=n_ctx, threads=threads, device=device, mmap=mmap)
+            if draft_backend is None:
+                draft_backend = open_backend(catalog.resolve(draft), n_ctx=n_ctx, threads=threads, device=device, mmap=mmap)
             try:
                 vocab_limit = check_vocabs(target.vocab_tokens(), draft_backend.vocab_tokens(), target.path, draft_backend.path)
             except BaseException:
@@ -90,7 +98,9 @@ def _load(model, draft, *, drafter, n_ctx, threads, device, mmap, open_target=op
     except BaseException:
         target.close()
         raise
-    return (runtime_class or Runtime)(target, drafter_obj, vocab_limit=vocab_limit, load_seconds=time.perf_counter() - t0)
+    rt = (runtime_class or Runtime)(target, drafter_obj, vocab_limit=vocab_limit, load_seconds=time.perf_counter() - t0)
+    rt.draft_choice = draft_choice  # draft="auto": what was chosen and why (None otherwise)
+    return rt
 
 
 class Stream:
@@ -124,6 +134,8 @@ class Stream:
 
 class Runtime:
     """A loaded target (and drafter), ready to generate. Calls from several threads are serialised."""
+
+    draft_choice: dict | None = None  # set by load(draft="auto"): what was chosen and why
 
     def __init__(self, target: Backend, drafter: Drafter | None, *, vocab_limit: int, load_seconds: float = 0.0) -> None:
         self.target = target

@@ -337,6 +337,9 @@ def load(model, draft=None, **kw) -> DistributedRuntime:
     w = world()
     if w.rank != 0:
         serve(w)
+    if str(draft) == "auto":
+        raise OndeviceError("draft='auto' chooses by timing, which differs between machines; name the draft model "
+                            "(or use --ngram) when the target is sharded")
     _NEXT_RID[0] += 1
     args = {"kw": {"model": str(model), "draft": None if draft is None else str(draft), **kw},
             "shard": os.environ.get("ONDEVICE_SHARD", "auto")}
