@@ -200,7 +200,9 @@ class DistributedRuntime(Runtime):
     def stream(self, prompt, **kw):
         if kw.get("seed") is None and self.world.rank == 0:  # one seed for every rank
             kw["seed"] = int.from_bytes(os.urandom(4), "little")
-        return super().stream(prompt, **kw)
+        stream = super().stream(prompt, **kw)
+        stream.stats = DistStats(world_size=self.world.size, shard=self.target.inner.shard_mode)  # before anyone holds it
+        return stream
 
     def _not_streaming_here(self) -> None:
         if self._owner == threading.get_ident():  # checked before the other ranks are told anything
@@ -242,7 +244,9 @@ class DistributedRuntime(Runtime):
 
     def _run(self, prompt, params, max_tokens, gamma, stop, out):
         w, t = self.world, self.target
-        out.stats = stats = DistStats(world_size=w.size, shard=t.inner.shard_mode)
+        if not isinstance(out.stats, DistStats):  # a replayed request (ranks > 0)
+            out.stats = DistStats(world_size=w.size, shard=t.inner.shard_mode)
+        stats = out.stats
         with w.lock:  # rank 0: one request at a time across all runtimes (the other ranks replay in order)
             self._request({"op": "stream", "prompt": prompt if isinstance(prompt, str) else [int(x) for x in prompt],
                            "params": asdict(params), "max_tokens": max_tokens, "gamma": gamma, "stop": list(stop)})
