@@ -274,3 +274,32 @@ def test_bench_summary_reads_what_sharded_stats_record():
                         show=False)
     assert set(out) == {"plain", "draft_g3"}
     assert out["draft_g3"]["target_passes_per_token"] == 0.5 and out["plain"]["collectives_per_token"] == 5.0
+
+
+def test_serve_under_mlx_launch_answers_with_sharded_stats(tiny_mlx):
+    import urllib.request
+
+    port, ring = _ports(2)
+    cmd = ["mlx.launch", "--backend", "ring", "-n", "2", "--starting-port", str(ring), "--", sys.executable, "-m",
+           "ondevice", "serve", str(tiny_mlx("qwen2")), "--ngram", "--port", str(port), "--device", "cpu"]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    body = json.dumps({"model": "qwen2", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6,
+                       "temperature": 0}).encode()
+    try:
+        deadline, doc = time.time() + 120, None
+        while doc is None and time.time() < deadline and p.poll() is None:
+            try:
+                req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", body,
+                                             {"Content-Type": "application/json"})
+                doc = json.loads(urllib.request.urlopen(req, timeout=60).read())
+            except OSError:
+                time.sleep(1)
+        assert doc is not None, p.stderr.read() if p.poll() is not None else "server did not answer"
+        assert doc["usage"]["completion_tokens"] == 6 and doc["ondevice"]["world_size"] == 2
+    finally:
+        p.send_signal(2)
+        try:
+            p.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            p.kill()
