@@ -282,7 +282,7 @@ def test_serve_under_mlx_launch_answers_with_sharded_stats(tiny_mlx):
     port, ring = _ports(2)
     cmd = ["mlx.launch", "--backend", "ring", "-n", "2", "--starting-port", str(ring), "--", sys.executable, "-m",
            "ondevice", "serve", str(tiny_mlx("qwen2")), "--ngram", "--port", str(port), "--device", "cpu"]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
                          env={**os.environ, "PYTHONPATH": str(ROOT)})
     body = json.dumps({"model": "qwen2", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6,
                        "temperature": 0}).encode()
@@ -298,8 +298,18 @@ def test_serve_under_mlx_launch_answers_with_sharded_stats(tiny_mlx):
         assert doc is not None, p.stderr.read() if p.poll() is not None else "server did not answer"
         assert doc["usage"]["completion_tokens"] == 6 and doc["ondevice"]["world_size"] == 2
     finally:
-        p.send_signal(2)
+        os.killpg(p.pid, 2)  # Ctrl-C in a terminal: the launcher and every rank get SIGINT; rank 0 decides
         try:
             p.wait(timeout=20)
         except subprocess.TimeoutExpired:
-            p.kill()
+            os.killpg(p.pid, 9)
+            pytest.fail("the job did not stop within 20 s of Ctrl-C")
+        for _ in range(40):  # every rank ends too, not just the launcher
+            try:
+                os.killpg(p.pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.5)
+        else:
+            os.killpg(p.pid, 9)
+            pytest.fail("a rank outlived the job by 20 s")
