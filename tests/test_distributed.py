@@ -313,3 +313,23 @@ def test_serve_under_mlx_launch_answers_with_sharded_stats(tiny_mlx):
         else:
             os.killpg(p.pid, 9)
             pytest.fail("a rank outlived the job by 20 s")
+
+
+def test_plan_sharding_names_what_mlx_lm_offers(tmp_path):
+    from types import SimpleNamespace
+
+    from ondevice.backends.mlx_sharded import plan_sharding
+    from ondevice.errors import OndeviceError
+
+    cfg = {"model_type": "llama", "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 512}
+    neither = SimpleNamespace(model=SimpleNamespace(layers=[1, 2]))
+    tensor_only = SimpleNamespace(shard=lambda g: None, model=SimpleNamespace(layers=[1, 2]))
+    with pytest.raises(OndeviceError, match="cannot shard a gpt2 model; run it on one machine"):
+        plan_sharding(neither, {**cfg, "model_type": "gpt2"}, 2, "auto", tmp_path)
+    with pytest.raises(OndeviceError, match="by pipeline parallelism; it offers tensor"):
+        plan_sharding(tensor_only, cfg, 2, "pipeline", tmp_path)
+    with pytest.raises(OndeviceError, match="4 attention heads cannot be split evenly over 3 ranks"):
+        plan_sharding(tensor_only, cfg, 3, "auto", tmp_path)
+    with pytest.raises(OndeviceError, match="ONDEVICE_SHARD='rows'"):
+        plan_sharding(tensor_only, cfg, 2, "rows", tmp_path)
+    assert plan_sharding(tensor_only, cfg, 2, "auto", tmp_path) == "tensor"
