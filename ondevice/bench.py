@@ -63,7 +63,8 @@ def _record(mode, p, rep, gamma, stats) -> dict:
             "tokens": stats.tokens, "tokens_per_second": stats.tokens_per_second,
             "decode_tokens_per_second": stats.decode_tokens_per_second,
             "time_to_first_token": stats.time_to_first_token, "acceptance_rate": stats.acceptance_rate,
-            "mean_accepted_per_forward": stats.mean_accepted_per_forward, "peak_rss_mb": peak_rss_mb()}
+            "mean_accepted_per_forward": stats.mean_accepted_per_forward, "peak_rss_mb": peak_rss_mb(),
+            **(stats.bench_fields() if hasattr(stats, "bench_fields") else {})}  # a sharded target's collectives
 
 
 def _timed(tokens) -> dict:

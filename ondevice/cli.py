@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -73,6 +74,8 @@ def _main(
     debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks.")] = False,
 ) -> None:
     _state["debug"] = debug
+    if os.environ.get("MLX_RANK", "0") != "0":  # a rank > 0 of an mlx.launch job: only rank 0 writes stdout
+        os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
 
 
 def _dump(obj) -> None:
@@ -310,6 +313,8 @@ def bench_cmd(
     device: DeviceOpt = None,
     json_path: Annotated[Path | None, typer.Option("--json", help="Write the JSON document here.")] = None,
     plot: Annotated[Path | None, typer.Option("--plot", help="Write PNG plots into this directory.")] = None,
+    link_latency: Annotated[float | None, typer.Option("--link-latency", help="With --synthetic: predict tok/s with the target sharded over --world-size machines on a link of this many ms per collective.")] = None,
+    world_size: Annotated[int, typer.Option("--world-size", min=2, help="Machines for --link-latency.")] = 2,
 ) -> None:
     """Benchmark plain vs speculative decoding (and anchors) on the prompt suite; JSON + table + plots."""
     from ondevice import bench, bench_tools, catalog
@@ -320,6 +325,11 @@ def bench_cmd(
             model, draft = pair
     if synthetic:
         doc = bench_tools.synthetic_costs(synthetic, draft_config=draft, threads=threads, device=device)
+        if link_latency is not None:
+            from ondevice.dist_tools import predict_link
+
+            doc["distributed_prediction"] = predict_link(doc["costs"], latency_ms=link_latency, world_size=world_size,
+                                                         n_layers=bench_tools.SYNTHETIC[synthetic]["num_hidden_layers"])
     else:
         doc = bench.run_bench(model, draft, ngram=ngram, classes=[c.strip() for c in classes.split(",") if c.strip()],
                               max_tokens=max_tokens, repeats=repeats, gamma=gamma, anchors=anchors, per_class=per_class,
@@ -328,6 +338,10 @@ def bench_cmd(
         if cold_start:
             doc["cold_start"] = bench_tools.cold_start(catalog.resolve(model))
         bench_tools.table(doc)
+        if doc["runs"] and "world_size" in doc["runs"][0]:  # a target sharded with mlx.launch
+            from ondevice.dist_tools import bench_summary
+
+            doc["distributed"] = bench_summary(doc)
         if plot:
             doc["plots"] = [str(p) for p in bench_tools.plots(doc, plot)]
     text = json.dumps(doc, indent=2, default=str)
@@ -370,6 +384,27 @@ def info_cmd(
         return _dump(info)
     for k, v in info.items():
         typer.echo(f"{k:>16}: {v}")
+
+
+@app.command("launch", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def launch_cmd(
+    ctx: typer.Context,
+    hosts: Annotated[str | None, typer.Option("--hosts", help="Comma-separated hosts (rank 0 first), reached by ssh.")] = None,
+    backend: Annotated[str, typer.Option("--backend", help="ring (TCP) | jaccl (Thunderbolt RDMA).")] = "ring",
+    hostfile: Annotated[Path | None, typer.Option("--hostfile", help="An mlx.launch hostfile (jaccl: from mlx.distributed_config).")] = None,
+    python: Annotated[str | None, typer.Option("--python", help="Python on the hosts (default: this one).")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the hostfile and command only.")] = False,
+) -> None:
+    """Run an ondevice command with its target sharded over several machines: `ondevice launch --hosts a,b -- generate MODEL -p hi`."""
+    from ondevice.dist_tools import launch
+    from ondevice.errors import OndeviceError
+
+    try:
+        code = launch(None if hosts is None else [h.strip() for h in hosts.split(",") if h.strip()], list(ctx.args),
+                      backend=backend, hostfile_path=hostfile, python=python, dry_run=dry_run)
+    except OndeviceError as e:
+        _fail(str(e))
+    raise typer.Exit(code)
 
 
 def main() -> None:

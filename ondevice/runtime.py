@@ -49,8 +49,20 @@ def load(
         draft_device: where the draft runs: 'gpu' | 'cpu' | 'mil' (a Core ML draft in the MIL interpreter) |
             None (the target's ``device``; a Core ML draft then stays on CPU_AND_NE).
     Returns:
-        A ``Runtime``; use it as a context manager or call ``close()``.
+        A ``Runtime``; use it as a context manager or call ``close()``. In an ``mlx.launch`` job with
+        several ranks the target is sharded over them (see ``ondevice.sharded``).
     """
+    from ondevice import distributed
+
+    if distributed.active():
+        from ondevice import sharded
+
+        return sharded.load(model, draft, drafter=drafter, n_ctx=n_ctx, threads=threads, device=device, mmap=mmap)
+    return _load(model, draft, drafter=drafter, n_ctx=n_ctx, threads=threads, device=device, mmap=mmap)
+
+
+def _load(model, draft, *, drafter, n_ctx, threads, device, mmap, open_target=open_backend, runtime_class=None) -> Runtime:
+    """``load`` with the target's opener and the runtime class as parameters (a sharded target swaps both)."""
     t0 = time.perf_counter()
     if draft is None and drafter in (None, "model"):
         pair = catalog.resolve_pair(str(model))
@@ -63,7 +75,7 @@ def load(
         raise OndeviceError("drafter='model' needs a draft model: pass draft=PATH (or --draft)")
     if kind != "model" and draft is not None:
         raise OndeviceError(f"a draft model was given but drafter={kind!r} would not use it; drop one of them")
-    target = open_backend(catalog.resolve(model), n_ctx=n_ctx, threads=threads, device=device, mmap=mmap)
+    target = open_target(catalog.resolve(model), n_ctx=n_ctx, threads=threads, device=device, mmap=mmap)
     drafter_obj: Drafter | None = None
     vocab_limit = target.vocab_size
     draft_backend, draft_choice = None, None
@@ -90,7 +102,7 @@ def load(
     except BaseException:
         target.close()
         raise
-    rt = Runtime(target, drafter_obj, vocab_limit=vocab_limit, load_seconds=time.perf_counter() - t0)
+    rt = (runtime_class or Runtime)(target, drafter_obj, vocab_limit=vocab_limit, load_seconds=time.perf_counter() - t0)
     rt.draft_choice = draft_choice  # draft="auto": what was chosen and why (None otherwise)
     return rt
 

@@ -51,11 +51,10 @@ class MLXBackend(HFVocab):
         self.device = pick_device(device)
         import mlx.core as mx
         from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
-        from mlx_lm.utils import load
 
         self._mx = mx
         try:
-            self.model, self.tokenizer = load(str(self.path))
+            self.model, self.tokenizer = self._load_model()
         except (ValueError, FileNotFoundError, KeyError) as e:
             raise OndeviceError(f"{self.path}: mlx-lm could not load this model ({e})") from e
         self.cache = make_prompt_cache(self.model)
@@ -66,6 +65,12 @@ class MLXBackend(HFVocab):
         args = getattr(self.model, "args", None)
         self.vocab_size = int(getattr(args, "vocab_size", 0) or len(self.tokenizer.get_vocab()))
         self._init_vocab(self.tokenizer._tokenizer, self.tokenizer.eos_token_ids or [])  # the HF fast tokenizer
+
+    def _load_model(self):
+        """(model, tokenizer) from mlx-lm (``ondevice.sharded`` overrides this to split the model over ranks)."""
+        from mlx_lm.utils import load
+
+        return load(str(self.path))
 
     # -- cache -----------------------------------------------------------------------------------
     @property
