@@ -57,11 +57,14 @@ def load(
     if distributed.active():
         from ondevice import sharded
 
-        return sharded.load(model, draft, drafter=drafter, n_ctx=n_ctx, threads=threads, device=device, mmap=mmap)
-    return _load(model, draft, drafter=drafter, n_ctx=n_ctx, threads=threads, device=device, mmap=mmap)
+        return sharded.load(model, draft, drafter=drafter, n_ctx=n_ctx, threads=threads, device=device, mmap=mmap,
+                            draft_device=draft_device)
+    return _load(model, draft, drafter=drafter, n_ctx=n_ctx, threads=threads, device=device, mmap=mmap,
+                 draft_device=draft_device)
 
 
-def _load(model, draft, *, drafter, n_ctx, threads, device, mmap, open_target=open_backend, runtime_class=None) -> Runtime:
+def _load(model, draft, *, drafter, n_ctx, threads, device, mmap, draft_device=None, open_target=open_backend,
+          runtime_class=None) -> Runtime:
     """``load`` with the target's opener and the runtime class as parameters (a sharded target swaps both)."""
     t0 = time.perf_counter()
     if draft is None and drafter in (None, "model"):
