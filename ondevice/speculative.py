@@ -205,12 +205,11 @@ class TextAssembler:
         return 0
 
     def _release(self, final: bool) -> str:
-        for s in self.stop:
-            i = self.text.find(s, max(0, self.emitted - len(s)))
-            if i >= 0:
-                self.text = self.text[:i]
-                self.stopped = True
-                final = True
+        hits = [i for s in self.stop if (i := self.text.find(s, max(0, self.emitted - len(s)))) >= 0]
+        if hits:  # cut at the earliest occurrence of any stop string
+            self.text = self.text[: min(hits)]
+            self.stopped = True
+            final = True
         end = len(self.text)
         if not final:  # hold back the longest suffix that could still grow into any stop string
             end -= max((self._stop_prefix(s) for s in self.stop), default=0)
