@@ -520,18 +520,46 @@ def test_13_bad_request_inputs_are_one_line_errors(tiny_gguf):
 
 
 # -- fault injection: real SIGINTs at chosen native calls -----------------------------------------------
-FAULT_POINTS = [  # (name, which backend, native function, n-th call, request)
-    ("prefill", "target", "llama_decode", 1, dict(gamma=0, long=True)),
-    ("cost probe", "target", "llama_decode", 5, dict(gamma="auto")),
-    ("mid-decode", "target", "llama_decode", 4, dict(gamma=3)),
-    ("mid-draft", "draft", "llama_decode", 3, dict(gamma=3)),
-    ("rollback", "target", "llama_memory_seq_rm", 2, dict(gamma=3)),
-]
+FAULT_POINTS = {  # (name, which backend, function, n-th call, request); MLX layers: 2 cache updates per forward
+    "gguf": [
+        ("prefill", "target", "llama_decode", 1, dict(gamma=0, long=True)),  # the first of two prefill batches
+        ("cost probe", "target", "llama_decode", 5, dict(gamma="auto")),
+        ("mid-decode", "target", "llama_decode", 4, dict(gamma=3)),
+        ("mid-draft", "draft", "llama_decode", 3, dict(gamma=3)),
+        ("rollback", "target", "llama_memory_seq_rm", 2, dict(gamma=3)),
+    ],
+    "mlx": [  # an MLX target (SIGINT between two layers of one forward) verifying a GGUF draft
+        ("prefill", "target", "update_and_fetch", 1, dict(gamma=0, long=True)),
+        ("cost probe", "target", "update_and_fetch", 9, dict(gamma="auto")),
+        ("mid-decode", "target", "update_and_fetch", 7, dict(gamma=3)),
+        ("mid-draft", "draft", "llama_decode", 3, dict(gamma=3)),
+    ],
+}
 
 
-def _fault_main(target: str, draft: str) -> None:
-    """In a subprocess: for each point, deliver a real SIGINT right after the chosen native call returns,
-    then check that the same runtime answers exactly like a fresh one, before and after ``reset()``."""
+class _MethodTrip:
+    """Wraps method ``name`` of ``cls`` (all instances): after its n-th call returns, ``action()``."""
+
+    def __init__(self, cls, name: str, n: int, action) -> None:
+        self.cls, self.name, self.real = cls, name, cls.__dict__[name]
+        count = []
+
+        def call(*a, **kw):
+            out = self.real(*a, **kw)
+            count.append(1)
+            if len(count) == n:
+                action()
+            return out
+
+        setattr(cls, name, call)
+
+    def remove(self) -> None:
+        setattr(self.cls, self.name, self.real)
+
+
+def _fault_main(kind: str, target: str, draft: str) -> None:
+    """In a subprocess: for each point, deliver a real SIGINT right after the chosen call returns, then
+    check that the same runtime answers exactly like a fresh one, before and after ``reset()``."""
     sent = []
 
     def sigint():
@@ -539,14 +567,20 @@ def _fault_main(target: str, draft: str) -> None:
         os.kill(os.getpid(), signal.SIGINT)
         time.sleep(0.01)  # the handler runs here at the latest
 
-    with ondevice.load(target, drafter="none", n_ctx=128, threads=1) as fresh:
+    n_ctx = 128 if kind == "gguf" else 256  # GGUF: n_batch 128, so a 200-token prefill takes two decodes
+    with ondevice.load(target, drafter="none", n_ctx=n_ctx, threads=1) as fresh:
         ref = fresh.generate(PROMPT, max_tokens=24, temperature=0, gamma=0).tokens
-    rt = ondevice.load(target, draft, n_ctx=128, threads=1)  # n_batch 128: a 200-token prefill takes two decodes
+    rt = ondevice.load(target, draft, n_ctx=n_ctx, threads=1)
     long_ids = _long_ids(rt, 200)
     report = []
-    for name, which, fn, n, req in FAULT_POINTS:
+    for name, which, fn, n, req in FAULT_POINTS[kind]:
         backend = rt.target if which == "target" else rt.drafter.backend
-        trip = _NativeTrip(backend, fn, n, sigint)
+        if fn == "update_and_fetch":
+            from mlx_lm.models.cache import KVCache
+
+            trip = _MethodTrip(KVCache, fn, n, sigint)
+        else:
+            trip = _NativeTrip(backend, fn, n, sigint)
         try:
             rt.generate(long_ids if req.get("long") else PROMPT, max_tokens=24, temperature=0, gamma=req["gamma"])
             interrupted = False
@@ -568,12 +602,16 @@ def _fault_main(target: str, draft: str) -> None:
     print(json.dumps(report))
 
 
-def test_sigint_at_every_point_leaves_an_exact_runtime(tiny_gguf, tmp_path):
+@pytest.mark.parametrize("kind", ["gguf", "mlx"])
+def test_sigint_at_every_point_leaves_an_exact_runtime(kind, tiny_gguf, tiny_mlx, tmp_path):
+    if kind == "mlx":
+        pytest.importorskip("mlx.core")
+    target = tiny_gguf("llama") if kind == "gguf" else tiny_mlx("llama")
     r = _python("import sys; from test_reliability import _fault_main; _fault_main(*sys.argv[1:])",
-                str(tiny_gguf("llama")), str(tiny_gguf("llama_draft")), env={"ONDEVICE_HOME": str(tmp_path)})
+                kind, str(target), str(tiny_gguf("llama_draft")), env={"ONDEVICE_HOME": str(tmp_path)})
     assert r.returncode == 0, r.stderr[-3000:]
     report = json.loads(r.stdout.splitlines()[-1])
-    assert [p["point"] for p in report] == [p[0] for p in FAULT_POINTS]
+    assert [p["point"] for p in report] == [p[0] for p in FAULT_POINTS[kind]]
     for p in report:
         assert p == dict(point=p["point"], interrupted=True, after="exact", reset="exact"), p
 

@@ -212,7 +212,7 @@ class LlamaBackend:
         if n_past > cur or n_past < 0:
             raise ValueError(f"cannot roll back to {n_past}: cache holds {cur} positions")
         if n_past == 0:
-            self._lib.llama_memory_clear(self._mem, True)  # always possible, whatever the cache holds
+            self._lib.llama_memory_clear(self._mem, False)  # always possible, whatever the cache holds
             return
         if n_past == cur:
             return
