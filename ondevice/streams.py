@@ -33,13 +33,10 @@ class Request:
         self.gen: weakref.ReferenceType | None = None  # the generator serving this request
 
 
-class Stream:
-    """An iterator of ``Chunk`` with a cancel handle and the request's ``stats`` once done."""
+class _Outputs:
+    """What a stream shows of its request: ``stats``, ``text`` and ``tokens`` so far, and ``cancel()``."""
 
-    def __init__(self, gen_factory, request: Request) -> None:
-        self._req = request
-        self._gen = gen_factory(request)
-        request.gen = weakref.ref(self._gen)
+    _req: Request
 
     @property
     def stats(self) -> Stats:
@@ -56,6 +53,15 @@ class Stream:
     def cancel(self) -> None:
         """Stop after the current target pass (safe from any thread)."""
         self._req.cancel_event.set()
+
+
+class Stream(_Outputs):
+    """An iterator of ``Chunk`` with a cancel handle and the request's ``stats`` once done."""
+
+    def __init__(self, gen_factory, request: Request) -> None:
+        self._req = request
+        self._gen = gen_factory(request)
+        request.gen = weakref.ref(self._gen)
 
     @property
     def cancelled(self) -> bool:
@@ -78,7 +84,7 @@ class Stream:
         self.close()
 
 
-class AsyncStream:
+class AsyncStream(_Outputs):
     """A ``Stream`` for asyncio: ``async for chunk in rt.astream(...)``.
 
     Each ``__anext__`` computes the next chunk on this stream's own worker thread, so the event loop
@@ -89,25 +95,10 @@ class AsyncStream:
 
     def __init__(self, stream: Stream) -> None:
         self._stream = stream
+        self._req = stream._req
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="ondevice-astream")
         self._pending: Future | None = None
         self._closed = False
-
-    @property
-    def stats(self) -> Stats:
-        return self._stream.stats
-
-    @property
-    def text(self) -> str:
-        return self._stream.text
-
-    @property
-    def tokens(self) -> list[int]:
-        return self._stream.tokens
-
-    def cancel(self) -> None:
-        """Stop after the current target pass (safe from any thread)."""
-        self._stream.cancel()
 
     def __aiter__(self) -> AsyncStream:
         return self

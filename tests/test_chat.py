@@ -9,8 +9,6 @@ import subprocess
 import sys
 import threading
 
-import pytest
-
 import ondevice
 
 PROMPT = "The model draft and the target verify"
