@@ -102,10 +102,12 @@ def probe_shape(target: Backend, draft: Backend | None = None, ks=PROBE_KS, cont
     """The probe's batch sizes and prefix length, shrunk to fit the smaller of the two contexts.
 
     Returns:
-        (ks, context_tokens): every k fits after the prefix; k = 1 is always measured.
+        (ks, context_tokens): every k fits after the prefix; k = 1 and 2 are always measured (the
+        policy extrapolates the curve from its last two points).
     """
     room = min(target.n_ctx, draft.n_ctx) if draft is not None else target.n_ctx
-    ks = [k for k in ks if 2 * k <= room] or [1]
+    ks = [k for k in ks if 2 * k <= room]
+    ks = ks if len(ks) >= 2 else [1, 2]
     return ks, max(0, min(context_tokens, room - max(ks)))
 
 

@@ -116,6 +116,13 @@ def test_02_cost_probe_fits_a_small_context(tiny_mlx, monkeypatch, tmp_path):
         res = rt.generate(PROMPT, max_tokens=12, temperature=0, gamma="auto")
         assert res.tokens == ref.tokens and res.stats.probe_seconds > 0
         assert rt.target.n_past == len(rt.tokenize(PROMPT)) + 11  # the cache holds this request, not the probe
+    from ondevice.backends.mlx import MLXBackend
+    from ondevice.costs import measure
+
+    tiny = MLXBackend(tiny_mlx("llama"), n_ctx=3, device="cpu")
+    c = measure(tiny, reps=1)
+    assert sorted(c.target_seconds) == [1, 2] and len(c.verify_costs(8)) == 8 and tiny.n_past == 0
+    tiny.close()
 
 
 # -- 3. Ctrl-C between llama_decode and the bookkeeping -----------------------------------------------
