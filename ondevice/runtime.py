@@ -207,9 +207,10 @@ class Runtime:
     def render_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> list[int]:
         from ondevice.chat import render
 
-        self._check_open()
         t = self.target
-        bos = t.token_bytes(t.bos_id).decode("utf-8", "replace") if t.bos_id is not None else ""
+        with self._lock:
+            self._check_open()
+            bos = t.token_bytes(t.bos_id).decode("utf-8", "replace") if t.bos_id is not None else ""
         text = render(t.chat_template, messages, add_generation_prompt=add_generation_prompt, bos_token=bos)
         return self.tokenize(text, add_bos=not (bos and text.startswith(bos)))
 
