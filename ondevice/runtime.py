@@ -16,7 +16,7 @@ from ondevice.drafters import Drafter, ModelDrafter, NgramDrafter, _common_prefi
 from ondevice.errors import OndeviceError
 from ondevice.params import DEFAULT_GAMMA, DEFAULT_MAX_TOKENS, DEFAULT_N_CTX, DEFAULTS, SamplingParams
 from ondevice.policy import AdaptivePolicy, FixedGamma
-from ondevice.speculative import Chunk, Result, Stats, TextAssembler, steps
+from ondevice.speculative import Chunk, Result, Stats, TextAssembler, step_chunks, steps
 from ondevice.streams import AsyncStream, Request, Stream
 
 DRAFTERS = ("model", "ngram", "none")
@@ -355,7 +355,7 @@ class Runtime:
                     policy.observe_step(step.drafted, step.verify_seconds, step.draft_seconds)
                 if stats.target_forwards == 1:
                     stats.prompt_seconds = time.perf_counter() - t_start
-                chunks = _chunks(step, t.is_eog, text, stats, max_tokens)
+                chunks = step_chunks(step, t.is_eog, text, stats, max_tokens)
                 if stats.stop_reason or out.cancel_event.is_set():
                     tail = text.flush()
                     if tail:
@@ -387,27 +387,3 @@ class Runtime:
             self.last_stats = stats
             self._exit()
 
-
-def _chunks(step, is_eog, text: TextAssembler, stats: Stats, max_tokens: int) -> list[Chunk]:
-    """One step's tokens → chunks (one per run of draft / target tokens), stopping at EOS, a stop
-    string or ``max_tokens`` (recorded in ``stats.stop_reason``)."""
-    chunks: list[Chunk] = []
-    for tok, fd in zip(step.tokens, step.from_draft, strict=True):
-        if is_eog(tok):
-            stats.stop_reason = "eos"
-            break
-        piece = text.feed(tok)
-        if chunks and chunks[-1].from_draft[-1] == fd:
-            chunks[-1].tokens.append(tok)
-            chunks[-1].from_draft.append(fd)
-            chunks[-1].text += piece
-        else:
-            chunks.append(Chunk(piece, [tok], [fd]))
-        stats.tokens += 1
-        if text.stopped:
-            stats.stop_reason = "stop"
-            break
-        if stats.tokens >= max_tokens:
-            stats.stop_reason = "length"
-            break
-    return chunks

@@ -216,3 +216,28 @@ class TextAssembler:
         out = self.text[self.emitted : end]
         self.emitted = max(self.emitted, end)
         return out
+
+
+def step_chunks(step: Step, is_eog: Callable[[int], bool], text: TextAssembler, stats: Stats, max_tokens: int) -> list[Chunk]:
+    """One step's tokens → chunks (one per run of draft / target tokens), stopping at EOS, a stop
+    string or ``max_tokens`` (recorded in ``stats.stop_reason``)."""
+    chunks: list[Chunk] = []
+    for tok, fd in zip(step.tokens, step.from_draft, strict=True):
+        if is_eog(tok):
+            stats.stop_reason = "eos"
+            break
+        piece = text.feed(tok)
+        if chunks and chunks[-1].from_draft[-1] == fd:
+            chunks[-1].tokens.append(tok)
+            chunks[-1].from_draft.append(fd)
+            chunks[-1].text += piece
+        else:
+            chunks.append(Chunk(piece, [tok], [fd]))
+        stats.tokens += 1
+        if text.stopped:
+            stats.stop_reason = "stop"
+            break
+        if stats.tokens >= max_tokens:
+            stats.stop_reason = "length"
+            break
+    return chunks
