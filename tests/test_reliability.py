@@ -238,11 +238,16 @@ def test_05_use_after_close_is_a_clear_error_also_for_a_waiting_thread(tiny_gguf
                 print("error:", e)
         rt.close()
         print("closed twice")
+        try:
+            rt.target.eval([1])  # the backend itself refuses too, instead of touching freed memory
+        except ondevice.OndeviceError as e:
+            print("backend:", e)
     """, str(tiny_gguf("llama")), timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     out = r.stdout.splitlines()
     assert out[0] in ("waiting thread: [4]", "waiting thread: ['this Runtime is closed; load() a new one']"), out
     assert out[1:5] == ["error: this Runtime is closed; load() a new one"] * 4 and out[5] == "closed twice"
+    assert out[6] == "backend: model.gguf: this model was closed; load it again"
 
 
 # -- 6. sliding-window MLX models ---------------------------------------------------------------------
