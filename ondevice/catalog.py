@@ -196,6 +196,10 @@ def pull(name: str, *, force: bool = False, quiet: bool = False) -> Path:
     Raises:
         OndeviceError: unknown name, download failure, or sha256 mismatch (the file is deleted).
     """
+    from ondevice import sources
+
+    if name.startswith(sources.PREFIXES):  # a name of another store: downloads only what hf: names lack
+        return sources.resolve(name)
     _, pairs = catalog()
     if name in pairs:
         pull(pairs[name].draft, force=force, quiet=quiet)
@@ -257,10 +261,16 @@ def pull(name: str, *, force: bool = False, quiet: bool = False) -> Path:
 
 
 def resolve(spec: str | os.PathLike, *, auto_pull: bool = True) -> Path:
-    """Turn a model path or catalog model name into a local path (pulling it when allowed)."""
+    """Turn a model path, catalog name or store name (``hf:``, ``ollama:``, ``lmstudio:``, ``ORG/REPO``; see
+    ``ondevice.sources``) into a local path (pulling a catalog model when allowed)."""
     path = Path(spec).expanduser()
     if path.exists():
         return path
+    from ondevice import sources  # hf:, ollama:, lmstudio: and bare ORG/REPO names
+
+    found = sources.resolve(str(spec), download=auto_pull)
+    if found is not None:
+        return found
     models, pairs = catalog()
     name = str(spec)
     if name in pairs:

@@ -105,9 +105,18 @@ def pull_cmd(
 
 
 @command("models")
-def models_cmd(json_out: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False) -> None:
-    """List the catalog: models, pairs, and which are pulled."""
+def models_cmd(
+    json_out: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    local: Annotated[bool, typer.Option("--local", help="List models in the HF cache, LM Studio and Ollama instead.")] = False,
+    target: Annotated[str | None, typer.Option("--target", help="With --local: also judge each as a draft for this model.")] = None,
+) -> None:
+    """List the catalog: models, pairs, and which are pulled (--local: the models already on this machine)."""
     from ondevice import catalog
+
+    if local or target:
+        from ondevice.local_cli import show_local
+
+        return show_local(json_out, target)
 
     rows = catalog.listing()
     if json_out:
@@ -125,7 +134,7 @@ def models_cmd(json_out: Annotated[bool, typer.Option("--json", help="Print JSON
 
 
 # Options shared by generate / chat / bench. Defaults come from ondevice.params.
-DraftOpt = Annotated[str | None, typer.Option("--draft", help="Draft model (path or catalog name).")]
+DraftOpt = Annotated[str | None, typer.Option("--draft", help="Draft model (path, catalog or store name), or auto.")]
 NgramOpt = Annotated[bool, typer.Option("--ngram", help="Draft by prompt lookup (n-gram) instead of a model.")]
 NoSpecOpt = Annotated[bool, typer.Option("--no-spec", help="Plain decoding, no speculation.")]
 MaxTokOpt = Annotated[int, typer.Option("--max-tokens", min=1, help="Most tokens to generate.")]
@@ -189,7 +198,10 @@ def generate_cmd(
                   repetition_penalty=repetition_penalty, seed=seed, gamma=_gamma(gamma))
         if json_out:
             res = rt.generate(prompt, **kw)
-            return _dump({"text": res.text, "tokens": res.tokens, "stats": dataclasses.asdict(res.stats)})
+            doc = {"text": res.text, "tokens": res.tokens, "stats": dataclasses.asdict(res.stats)}
+            return _dump({**doc, "draft_choice": rt.draft_choice} if rt.draft_choice else doc)
+        if rt.draft_choice:
+            typer.echo(f"draft: {rt.draft_choice['reason']}", err=True)
         for chunk in rt.stream(prompt, **kw):
             sys.stdout.write(chunk.text)
             sys.stdout.flush()
@@ -227,10 +239,39 @@ def chat_cmd(
     drafter = _drafter(draft, ngram, no_spec)
     with load(model, draft, drafter=drafter, n_ctx=n_ctx, threads=threads, device=device) as rt:
         name = rt.drafter.name if rt.drafter else "none"
+        if rt.draft_choice:  # --draft auto: say what was chosen and why
+            name += f" (auto: {rt.draft_choice['draft'] or 'ngram'})"
+            if stats:
+                typer.echo(f"draft: {rt.draft_choice['reason']}", err=True)
         gen = dict(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                    repetition_penalty=repetition_penalty, seed=seed, gamma=_gamma(gamma))
         run_chat(rt, system=system, show_draft=show_draft, show_stats=stats, gen=gen,
                  title=f"ondevice chat · {model} · drafter {name}")
+
+
+@command("serve")
+def serve_cmd(
+    model: Annotated[str, typer.Argument(help="Model: path or catalog name.")] = DEFAULT_CHAT_MODEL,
+    draft: DraftOpt = None,
+    ngram: NgramOpt = False,
+    no_spec: NoSpecOpt = False,
+    host: Annotated[str, typer.Option("--host", help="Address to bind; anything but loopback is reachable by others.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", min=0, max=65535, help="TCP port.")] = 8080,
+    api_key: Annotated[str | None, typer.Option("--api-key", envvar="ONDEVICE_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1.")] = None,
+    n_ctx: CtxOpt = DEFAULT_N_CTX,
+    max_queue: Annotated[int, typer.Option("--max-queue", min=0, help="Requests that may wait behind the running one (more get 503).")] = 16,
+    cors_origin: Annotated[list[str] | None, typer.Option("--cors-origin", help="Allow browser calls from this origin (repeatable; '*' = any).")] = None,
+    threads: ThreadsOpt = None,
+    device: DeviceOpt = None,
+) -> None:
+    """Serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models) and a chat page at /."""
+    from ondevice.runtime import load
+    from ondevice.server import open_socket, serve
+
+    sock = open_socket(host, port)  # fail fast on a busy port, before the model loads
+    with load(model, draft, drafter=_drafter(draft, ngram, no_spec), n_ctx=n_ctx, threads=threads, device=device) as rt:
+        model_id = Path(model).name.removesuffix(".gguf") if Path(model).exists() else model
+        serve(rt, model_id, host=host, port=port, api_key=api_key, max_queue=max_queue, cors_origins=cors_origin, sock=sock)
 
 
 @command("convert")
@@ -306,14 +347,19 @@ def bench_cmd(
 @command("check-pair")
 def check_pair_cmd(
     target: Annotated[str, typer.Argument(help="Target model (path or catalog name).")],
-    draft: Annotated[str, typer.Argument(help="Draft model (path or catalog name).")],
+    draft: Annotated[str | None, typer.Argument(help="Draft model; omit it to list the local candidate drafts.")] = None,
 ) -> None:
     """Check that a draft can verify against a target: same token text for every shared id."""
-    from converters.pairs import check_vocabs, model_tokens
+    from converters.pairs import check_vocabs
     from ondevice import catalog
+    from ondevice.discovery import tokens
 
+    if draft is None:
+        from ondevice.local_cli import show_candidates
+
+        return show_candidates(target)
     t, d = catalog.resolve(target), catalog.resolve(draft)
-    n = check_vocabs(model_tokens(t), model_tokens(d), t, d)
+    n = check_vocabs(tokens(t), tokens(d), t, d)
     typer.echo(f"compatible: {n} shared token ids ({t} + {d})")
 
 

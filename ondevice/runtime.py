@@ -37,7 +37,8 @@ def load(
     Args:
         model: target: a GGUF path, a converted model directory, a catalog model name, or a catalog
             pair name (which also sets the draft).
-        draft: draft model (same forms), or None.
+        draft: draft model (same forms), "auto" (the local model the cost model expects to be fastest,
+            else n-gram drafting; see ``Runtime.draft_choice``), or None.
         drafter: "model" (needs a draft), "ngram" (prompt lookup) or "none" (plain decoding).
             Default: "model" when a draft is given, else "ngram".
         n_ctx: context length of the caches.
@@ -63,11 +64,18 @@ def load(
     target = open_backend(catalog.resolve(model), n_ctx=n_ctx, threads=threads, device=device, mmap=mmap)
     drafter_obj: Drafter | None = None
     vocab_limit = target.vocab_size
+    draft_backend, draft_choice = None, None
     try:
+        if kind == "model" and str(draft) == "auto":  # a local draft the cost model picks, or n-gram (#17)
+            from ondevice.autodraft import choose_draft
+
+            draft_backend, draft_choice = choose_draft(target, n_ctx=n_ctx, threads=threads, device=device, mmap=mmap)
+            kind = draft_choice["drafter"]
         if kind == "model":
             from converters.pairs import check_vocabs
 
-            draft_backend = open_backend(catalog.resolve(draft), n_ctx=n_ctx, threads=threads, device=device, mmap=mmap)
+            if draft_backend is None:
+                draft_backend = open_backend(catalog.resolve(draft), n_ctx=n_ctx, threads=threads, device=device, mmap=mmap)
             try:
                 vocab_limit = check_vocabs(target.vocab_tokens(), draft_backend.vocab_tokens(), target.path, draft_backend.path)
             except BaseException:
@@ -79,7 +87,9 @@ def load(
     except BaseException:
         target.close()
         raise
-    return Runtime(target, drafter_obj, vocab_limit=vocab_limit, load_seconds=time.perf_counter() - t0)
+    rt = Runtime(target, drafter_obj, vocab_limit=vocab_limit, load_seconds=time.perf_counter() - t0)
+    rt.draft_choice = draft_choice  # draft="auto": what was chosen and why (None otherwise)
+    return rt
 
 
 class Runtime:
@@ -90,6 +100,8 @@ class Runtime:
     it grew, so a request interrupted anywhere (Ctrl-C, an error) leaves a runtime that the next
     request simply continues from; ``reset()`` empties both caches whatever state they are in.
     """
+
+    draft_choice: dict | None = None  # set by load(draft="auto"): what was chosen and why
 
     def __init__(self, target: Backend, drafter: Drafter | None, *, vocab_limit: int, load_seconds: float = 0.0) -> None:
         self.target = target

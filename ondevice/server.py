@@ -1,0 +1,413 @@
+"""``ondevice serve``: an OpenAI-compatible HTTP server (Starlette on uvicorn) and the chat page.
+
+Routes: ``GET /`` (the chat page), ``GET /health``, ``GET /v1/models``, ``POST /v1/completions`` and
+``POST /v1/chat/completions`` (whole or streamed as server-sent events). One ``Runtime`` serves every
+request in turn (``ondevice.server_engine``); the wire format lives in ``ondevice.server_openai``.
+
+Security: the server binds 127.0.0.1 unless told otherwise (``ondevice.server_guard`` checks Host,
+Origin and the API key before routing). Request bodies are limited to ``MAX_BODY`` bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from importlib import resources
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, JSONResponse, Response
+from starlette.routing import Route
+
+from ondevice.errors import OndeviceError
+from ondevice.server_engine import Busy, Engine
+from ondevice.server_guard import LOOPBACK, Guard
+from ondevice.server_openai import (
+    ApiError,
+    Reply,
+    chat_messages,
+    check_context,
+    completion_prompt,
+    generation_args,
+)
+
+MAX_BODY = 4 << 20  # bytes; a full 32k-token conversation is well under 1 MiB of JSON
+RETRY_AFTER = "1"
+
+
+def _error(e: ApiError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+class Server:
+    """The application state: runtime, engine, model id, and the security settings.
+
+    Args:
+        runtime: the loaded ``Runtime`` (closed by the caller).
+        model_id: the name clients send as ``model`` (also listed by /v1/models).
+        api_key: when set, /v1 routes need ``Authorization: Bearer api_key``.
+        max_queue: requests that may wait behind the running one.
+        cors_origins: browser origins allowed to call the API ("*" = any).
+        loopback_only: refuse requests whose Host header is not a loopback name.
+    """
+
+    def __init__(self, runtime, model_id: str, *, api_key: str | None = None, max_queue: int = 16,
+                 cors_origins: list[str] | None = None, loopback_only: bool = True) -> None:
+        self.rt = runtime
+        self.model_id = model_id
+        self.api_key = api_key
+        self.engine = Engine(runtime, max_queue)
+        app = Starlette(
+            routes=[
+                Route("/", self.page, methods=["GET"]),
+                Route("/health", self.health, methods=["GET"]),
+                Route("/v1/models", self.models, methods=["GET"]),
+                Route("/v1/models/{model_id:path}", self.model, methods=["GET"]),
+                Route("/v1/completions", self.completions, methods=["POST"]),
+                Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            ],
+            exception_handlers={HTTPException: self._http_error, Exception: self._crash},
+        )
+        self.asgi = Guard(app, api_key=api_key, cors_origins=list(cors_origins or []), loopback_only=loopback_only)
+
+    async def __call__(self, scope, receive, send) -> None:
+        await self.asgi(scope, receive, send)
+
+    async def _http_error(self, request: Request, exc: HTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        msg = f"{request.method} {request.url.path}: {exc.detail}"
+        return _error(ApiError(exc.status_code, msg, code=code))
+
+    async def _crash(self, request: Request, exc: Exception) -> JSONResponse:
+        first = (str(exc).splitlines() or [""])[0]
+        return _error(ApiError(500, f"internal error: {type(exc).__name__}: {first}", code="internal_error"))
+
+    # -- simple routes ------------------------------------------------------------------------------
+    async def page(self, request: Request) -> HTMLResponse:
+        html = resources.files("ondevice.web").joinpath("index.html").read_text(encoding="utf-8")
+        return HTMLResponse(html, headers={"Content-Security-Policy": "default-src 'self'; style-src 'unsafe-inline'; "
+                                           "script-src 'unsafe-inline'; img-src data:", "X-Content-Type-Options": "nosniff"})
+
+    async def health(self, request: Request) -> JSONResponse:
+        e = self.engine
+        d = self.rt.drafter
+        return JSONResponse({"status": "ok", "model": self.model_id, "drafter": d.name if d else "none",
+                             "n_ctx": self.rt.target.n_ctx, "auth": bool(self.api_key), "running": e.running,
+                             "queued": e.waiting, "max_queue": e.max_queue, **{k: v for k, v in vars(e.counters).items()}})
+
+    def _model_obj(self) -> dict:
+        d = self.rt.drafter
+        return {"id": self.model_id, "object": "model", "created": 0, "owned_by": "ondevice",
+                "meta": {"n_ctx": self.rt.target.n_ctx, "drafter": d.name if d else "none",
+                         "vocab_size": self.rt.target.vocab_size}}
+
+    async def models(self, request: Request) -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [self._model_obj()]})
+
+    async def model(self, request: Request) -> JSONResponse:
+        self._check_model(request.path_params["model_id"])
+        return JSONResponse(self._model_obj())
+
+    def _check_model(self, name: Any) -> None:
+        if name != self.model_id:
+            raise ApiError(404, f"the model {name!r} is not served here; this server serves {self.model_id!r} "
+                           "(see GET /v1/models)", param="model", code="model_not_found")
+
+    # -- generation ---------------------------------------------------------------------------------
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, chat=False)
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._generate(request, chat=True)
+
+    async def _body(self, request: Request) -> dict:
+        n = request.headers.get("content-length")
+        if n is not None and (not n.isdigit() or int(n) > MAX_BODY):
+            raise ApiError(413, f"the request body is {n} bytes; the limit is {MAX_BODY}", code="body_too_large")
+        data = bytearray()
+        async for part in request.stream():
+            data += part
+            if len(data) > MAX_BODY:
+                raise ApiError(413, f"the request body is over the limit of {MAX_BODY} bytes", code="body_too_large")
+        try:
+            body = json.loads(data)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
+        return body
+
+    async def _generate(self, request: Request, chat: bool) -> Response:
+        try:
+            body = await self._body(request)
+            if body.get("model") is None:
+                raise ApiError(400, f"'model' is required; this server serves {self.model_id!r}", param="model",
+                               code="missing_required_parameter")
+            self._check_model(body.get("model"))
+            stream = body.get("stream", False)
+            if not isinstance(stream, bool):
+                raise ApiError(400, "'stream' must be true or false", param="stream")
+            opts = body.get("stream_options") or {}
+            with_usage = bool(isinstance(opts, dict) and opts.get("include_usage"))
+            ids = await self._prompt_ids(body, chat)
+            gen = generation_args(body, len(ids), self.rt.target.n_ctx)
+        except ApiError as e:
+            return _error(e)
+        reply = Reply(chat, self.model_id)
+        if stream:
+            return SSEResponse(self, ids, gen, reply, with_usage)
+        return await self._whole(request, ids, gen, reply)
+
+    async def _prompt_ids(self, body: dict, chat: bool) -> list[int]:
+        try:
+            if chat:
+                ids = self.rt.render_chat(chat_messages(body))
+            else:
+                p = completion_prompt(body)
+                ids = self.rt.tokenize(p) if isinstance(p, str) else p
+                if isinstance(p, str) and not p and self.rt.target.bos_id is not None:
+                    ids = [self.rt.target.bos_id]
+                bad = [x for x in ids if not 0 <= x < self.rt.target.vocab_size]
+                if bad:
+                    raise ApiError(400, f"prompt token id {bad[0]} is outside the vocabulary (size "
+                                   f"{self.rt.target.vocab_size})", param="prompt")
+        except OndeviceError as e:
+            raise ApiError(400, str(e), param="messages" if chat else "prompt") from e
+        if not ids:
+            raise ApiError(400, "the prompt is empty", param="prompt")
+        check_context(len(ids), self.rt.target.n_ctx)
+        return ids
+
+    async def start(self, ids: list[int], gen: dict):
+        """Admit a job or raise ApiError (503 when the queue is full, 400 when the runtime refuses)."""
+        try:
+            return await self.engine.start(ids, gen)
+        except Busy as e:
+            raise ApiError(503, f"the server is busy: {e}; retry later", code="server_busy",
+                           headers={"Retry-After": RETRY_AFTER}) from None
+        except OndeviceError as e:
+            raise ApiError(400, str(e)) from e
+
+    async def _whole(self, request: Request, ids: list[int], gen: dict, reply: Reply) -> Response:
+        watcher = asyncio.ensure_future(_disconnected(request.receive))
+        admit = asyncio.ensure_future(self.start(ids, gen))
+        job = None
+        try:
+            await asyncio.wait({admit, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if not admit.done():  # the client left while queued
+                admit.cancel()
+                try:
+                    await admit
+                except (asyncio.CancelledError, ApiError):
+                    pass
+                return Response(status_code=499)
+            job = admit.result()
+            text = []
+            collect = asyncio.ensure_future(_collect(job, text))
+            await asyncio.wait({collect, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if not collect.done():
+                job.cancel()
+                await collect
+                return Response(status_code=499)
+            collect.result()
+            return JSONResponse(reply.whole("".join(text), job.stats))
+        except ApiError as e:
+            return _error(e)
+        except OndeviceError as e:
+            return _error(ApiError(400, str(e)))
+        finally:
+            watcher.cancel()
+            admit.cancel()  # no-op once admitted; a shutdown that cancels this handler leaves no waiter behind
+            if job is not None:
+                job.cancel()
+
+
+async def _disconnected(receive) -> None:
+    """Return when the client disconnects (the request body has already been read)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _collect(job, text: list[str]) -> None:
+    async for piece in job.events():
+        text.append(piece.chunk.text)
+
+
+def _sse(obj: dict) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+class SSEResponse:
+    """A streamed completion: waits for the runtime *before* sending headers (so 503/400 keep their status),
+    sends one ``data:`` event per chunk, ends with ``data: [DONE]``, and cancels the job as soon as the
+    client disconnects."""
+
+    def __init__(self, server: Server, ids: list[int], gen: dict, reply: Reply, with_usage: bool) -> None:
+        self.server, self.ids, self.gen, self.reply, self.with_usage = server, ids, gen, reply, with_usage
+
+    async def __call__(self, scope, receive, send) -> None:
+        watcher = asyncio.ensure_future(_disconnected(receive))
+        body = asyncio.ensure_future(self._run(scope, send))
+        try:
+            await asyncio.wait({body, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+            if not body.done():
+                body.cancel()  # the client left: cancels the queued wait or the running job (see _run)
+            try:
+                await body
+            except (asyncio.CancelledError, OSError):
+                pass
+
+    async def _run(self, scope, send) -> None:
+        try:
+            job = await self.server.start(self.ids, self.gen)
+        except ApiError as e:
+            await _error(e)(scope, None, send)
+            return
+        try:
+            events = job.events()
+            try:
+                piece = await anext(events, None)
+            except OndeviceError as e:
+                await _error(ApiError(400, str(e)))(scope, None, send)
+                return
+            await send({"type": "http.response.start", "status": 200, "headers": [
+                (b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+                (b"x-accel-buffering", b"no")]})
+            r, u = self.reply, self.with_usage
+            opening = r.first(u)
+            out = [_sse(opening)] if opening else []
+            try:
+                while piece is not None:
+                    c = piece.chunk
+                    out.append(_sse(r.piece(c.text, c.from_draft, piece.drafted, piece.accepted, u)))
+                    await send({"type": "http.response.body", "body": b"".join(out), "more_body": True})
+                    out = []
+                    piece = await anext(events, None)
+                out += [_sse(o) for o in r.last(job.stats, u)]
+            except Exception as e:  # noqa: BLE001 - after the headers: report in-band, as OpenAI does
+                msg = str(e) if isinstance(e, OndeviceError) else f"internal error: {type(e).__name__}: {e}"
+                out.append(_sse(ApiError(500, (msg.splitlines() or [""])[0], code="internal_error").body()))
+            await send({"type": "http.response.body", "body": b"".join(out) + b"data: [DONE]\n\n", "more_body": False})
+        finally:
+            job.cancel()
+
+
+def open_socket(host: str = "127.0.0.1", port: int = 8080):
+    """Bind the listening socket (before the model loads, so a busy port fails fast).
+
+    Returns:
+        A bound ``socket.socket`` to pass to ``serve(sock=...)``.
+    Raises:
+        OndeviceError: the address cannot be resolved or the port is in use.
+    """
+    import socket
+
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as e:
+        raise OndeviceError(f"--host {host}: cannot resolve this address ({e.strerror})") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        raise OndeviceError(f"cannot listen on {host}:{port}: {e.strerror}; choose another --port or stop the "
+                            "program that holds it") from None
+    return sock
+
+
+def serve(runtime, model_id: str, *, host: str = "127.0.0.1", port: int = 8080, api_key: str | None = None,
+          max_queue: int = 16, cors_origins: list[str] | None = None, log_level: str = "warning", sock=None) -> None:
+    """Serve ``runtime`` until Ctrl-C (the caller closes the runtime afterwards).
+
+    Args:
+        runtime: a loaded ``Runtime``.
+        model_id: the model name clients use.
+        host, port: where to listen (127.0.0.1 by default; anything else prints a warning).
+        api_key: require ``Authorization: Bearer api_key`` on /v1 routes.
+        max_queue: requests that may wait behind the running one (more get 503).
+        cors_origins: browser origins allowed to call the API from other pages ("*" = any).
+        sock: a socket from ``open_socket(host, port)`` (bound here when None).
+    """
+    import uvicorn
+
+    sock = sock or open_socket(host, port)
+    port = sock.getsockname()[1]
+
+    loopback = host in LOOPBACK
+    if not loopback:
+        print(f"warning: serving on {host}:{port}: anyone who can reach this machine can use the model"
+              + ("" if api_key else " (no --api-key set)"), file=sys.stderr)
+    if cors_origins and "*" in cors_origins:
+        print("warning: --cors-origin '*': any web page you open can call this server", file=sys.stderr)
+    app = Server(runtime, model_id, api_key=api_key, max_queue=max_queue, cors_origins=cors_origins,
+                 loopback_only=loopback)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=3,
+                            lifespan="off", server_header=False)
+
+    class _Uvicorn(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:  # Ctrl-C: end the running generation now, not after a timeout
+            app.engine.close()
+            super().handle_exit(sig, frame)
+
+    server = _Uvicorn(config)
+    shown = f"[{host}]" if ":" in host else host
+    print(f"ondevice serve: {model_id} on http://{shown}:{port}/ (OpenAI API at /v1; Ctrl-C stops)", file=sys.stderr)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        app.engine.close()
+
+
+def launch(model: str, *args: str, host: str = "127.0.0.1", api_key: str | None = None, timeout: float = 120.0,
+           stderr=None):
+    """Start ``ondevice serve MODEL ARGS`` in a subprocess on a free loopback port and wait until it answers.
+
+    Args:
+        model: the model argument of ``ondevice serve``.
+        args: further command-line options (e.g. "--n-ctx", "512").
+        host: the address to bind (passed as --host) and to poll.
+        api_key: passed through the ONDEVICE_API_KEY environment variable (not the command line).
+        timeout: seconds to wait for /health.
+        stderr: a file for the server's stderr (default: a temporary file, quoted if it fails to start).
+    Returns:
+        ``(process, base_url)``; terminate the process when done.
+    Raises:
+        OndeviceError: the server exited or did not answer in time (its stderr tail is in the message).
+    """
+    import os
+    import socket
+    import subprocess
+    import tempfile
+    import time
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, **({"ONDEVICE_API_KEY": api_key} if api_key else {})}
+    log = stderr if stderr is not None else tempfile.TemporaryFile()
+    proc = subprocess.Popen([sys.executable, "-m", "ondevice", "serve", model, "--host", host, "--port", str(port), *args],
+                            stdout=subprocess.DEVNULL, stderr=log, env=env)
+    url = f"http://{host}:{port}"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            break
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return proc, url
+        except OSError:
+            time.sleep(0.1)
+    proc.kill()
+    proc.wait()
+    log.seek(0)
+    tail = " | ".join(log.read().decode("utf-8", "replace").strip().splitlines()[-3:])
+    raise OndeviceError(f"`ondevice serve {model}` did not start on port {port}: {tail or 'no output'}")

@@ -1,0 +1,1 @@
+"""The chat page served at ``/`` by ``ondevice serve`` (index.html, self-contained)."""
