@@ -71,7 +71,7 @@ class Stats:
     accept_counts: list[int] = field(default_factory=list)
     gamma_counts: dict[int, int] = field(default_factory=dict)
     drafter: str = "none"
-    stop_reason: str = ""
+    stop_reason: str = ""  # eos | length | stop | context | cancelled (also: closed or dropped unfinished) | error
 
     def add(self, step: Step) -> None:
         self.target_forwards += 1
