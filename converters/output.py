@@ -5,8 +5,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,13 +26,28 @@ def check_out(out: Path) -> None:
         raise OndeviceError(f"{out}: cannot write to {probe}; choose a writable --out directory")
 
 
+def _new_temp_dir(out: Path) -> Path:
+    """Create a new, uniquely named directory beside ``out`` with the user's normal permissions.
+
+    ``tempfile.mkdtemp`` would make it mode 0700, and the rename would carry that to ``out``;
+    ``os.mkdir`` honours the umask, and ``a failing ``mkdir`` on an existing name keeps it ours alone.
+    """
+    while True:
+        tmp = out.parent / f".{out.name}.{secrets.token_hex(6)}.partial"
+        try:
+            tmp.mkdir()
+            return tmp
+        except FileExistsError:
+            continue
+
+
 @contextlib.contextmanager
 def atomic_dir(out: Path) -> Iterator[Path]:
     """Yield a temp dir beside ``out``; rename it to ``out`` only if the block succeeds."""
     check_out(out)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+        tmp = _new_temp_dir(out)
     except OSError as e:
         raise OndeviceError(f"{out}: cannot write there ({e.strerror}); choose a writable --out directory") from e
     try:

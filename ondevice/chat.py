@@ -86,7 +86,7 @@ class ChatSession:
 
     def prompt_ids(self, user: str) -> list[int]:
         """Token ids for the next answer, dropping the oldest turns while the prompt would not fit."""
-        budget = self.rt.target.n_ctx - int(self.gen.get("max_tokens", 256))
+        budget = self.rt.n_ctx - int(self.gen.get("max_tokens", 256))
         while True:
             ids = self.rt.render_chat(self.messages(user))
             if len(ids) <= budget or not self.turns:

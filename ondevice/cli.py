@@ -37,6 +37,16 @@ def _fail(message: str, code: int = 2) -> None:
     raise typer.Exit(code)
 
 
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so that the interpreter's final flush cannot fail again on the closed pipe."""
+    import os
+
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+
+
 def command(*args, **kwargs):
     """Register a subcommand whose errors print as one line (a traceback only with --debug)."""
 
@@ -51,6 +61,9 @@ def command(*args, **kwargs):
                 raise
             except KeyboardInterrupt:
                 raise typer.Exit(130) from None
+            except BrokenPipeError:  # the reader went away (`| head`): stop quietly, as SIGPIPE would
+                _silence_stdout()
+                raise typer.Exit(141) from None
             except Exception as e:  # noqa: BLE001 - every error becomes one line unless --debug
                 if _state["debug"]:
                     raise

@@ -7,12 +7,17 @@ backends' own ``eval``; no sampling involved.
 from __future__ import annotations
 
 import json
+import os
 import statistics
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ondevice.backends import Backend
+
+PROBE_KS = (1, 2, 3, 4, 5, 6, 8, 12, 16)  # verify batch sizes the probe times
+PROBE_CONTEXT = 64  # prefix tokens before the timed batches
 
 
 @dataclass
@@ -93,26 +98,47 @@ def _time_eval(b: Backend, context: list[int], tokens: list[int], reps: int) -> 
     return statistics.median(ts)
 
 
-def measure(target: Backend, draft: Backend | None = None, *, ks=(1, 2, 3, 4, 5, 6, 8, 12, 16), reps: int = 5,
-            context_tokens: int = 64) -> Costs:
+def probe_shape(target: Backend, draft: Backend | None = None, ks=PROBE_KS, context_tokens: int = PROBE_CONTEXT):
+    """The probe's batch sizes and prefix length, shrunk to fit the smaller of the two contexts.
+
+    Returns:
+        (ks, context_tokens): every k fits after the prefix; k = 1 and 2 are always measured (the
+        policy extrapolates the curve from its last two points).
+    """
+    room = min(target.n_ctx, draft.n_ctx) if draft is not None else target.n_ctx
+    ks = [k for k in ks if 2 * k <= room]
+    ks = ks if len(ks) >= 2 else [1, 2]
+    return ks, max(0, min(context_tokens, room - max(ks)))
+
+
+def measure(target: Backend, draft: Backend | None = None, *, ks=PROBE_KS, reps: int = 5,
+            context_tokens: int = PROBE_CONTEXT) -> Costs:
     """Time the target on k-token batches after a ``context_tokens`` prefix (and one draft token).
 
-    Both caches are left empty (callers reset their bookkeeping, e.g. ``Runtime.reset``).
+    The probe is sized to the contexts (``probe_shape``). Both caches are left empty whatever happens,
+    an error or Ctrl-C included (callers forget their bookkeeping before calling, e.g. ``Runtime``).
     """
+    ks, context_tokens = probe_shape(target, draft, ks, context_tokens)
     ids = [(i * 7919) % max(target.vocab_size - 1, 1) + 1 for i in range(context_tokens + max(ks))]
-    target.rollback(0)
-    target.eval(ids[:context_tokens], logits="last")
     c = Costs()
-    _time_eval(target, ids, ids[context_tokens : context_tokens + 1], 1)  # warm-up
-    for k in ks:
-        c.target_seconds[k] = _time_eval(target, ids, ids[context_tokens : context_tokens + k], reps)
-    target.rollback(0)
-    if draft is not None:
-        draft.rollback(0)
-        draft.eval(ids[:context_tokens], logits="last")
-        _time_eval(draft, ids, ids[context_tokens : context_tokens + 1], 1)
-        c.draft_seconds = _time_eval(draft, ids, ids[context_tokens : context_tokens + 1], reps)
-        draft.rollback(0)
+    try:
+        target.rollback(0)
+        if context_tokens:
+            target.eval(ids[:context_tokens], logits="last")
+        _time_eval(target, ids, ids[context_tokens : context_tokens + 1], 1)  # warm-up
+        for k in ks:
+            c.target_seconds[k] = _time_eval(target, ids, ids[context_tokens : context_tokens + k], reps)
+        target.rollback(0)
+        if draft is not None:
+            draft.rollback(0)
+            if context_tokens:
+                draft.eval(ids[:context_tokens], logits="last")
+            _time_eval(draft, ids, ids[context_tokens : context_tokens + 1], 1)
+            c.draft_seconds = _time_eval(draft, ids, ids[context_tokens : context_tokens + 1], reps)
+    finally:
+        target.rollback(0)
+        if draft is not None:
+            draft.rollback(0)
     return c
 
 
@@ -128,28 +154,45 @@ def speedup_bound(alpha: float, gamma: int, c: float, verify_cost: float) -> flo
 
 
 def _key(b: Backend) -> str:
+    """Model file (path, size, mtime), backend, threads and the device it really runs on."""
     p = Path(b.path)
     st = p.stat() if p.is_file() else (p / "config.json").stat()
     return f"{type(b).__name__}:{p.resolve()}:{st.st_size}:{st.st_mtime_ns}:{getattr(b, 'threads', '')}:{getattr(b, 'device', '')}"
 
 
+def _read(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """Write through a temp file of our own (unique name) and rename it: readers and other processes
+    only ever see a whole file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 def cached_measure(target: Backend, draft: Backend | None = None) -> Costs:
-    """``measure``, cached in ``$ONDEVICE_HOME/costs.json`` per (model files, threads, device)."""
+    """``measure``, cached in ``$ONDEVICE_HOME/costs.json`` per (model files, threads, device, probe shape)."""
     from ondevice import catalog
 
-    key = _key(target) + ("|" + _key(draft) if draft is not None else "")
+    ks, ctx = probe_shape(target, draft)
+    key = _key(target) + ("|" + _key(draft) if draft is not None else "") + f"|probe {ctx}+{max(ks)}"
     path = catalog.home() / "costs.json"
-    try:
-        cache = json.loads(path.read_text())
-    except (OSError, ValueError):
-        cache = {}
-    if key in cache:
-        e = cache[key]
+    e = _read(path).get(key)
+    if e is not None:
         return Costs({int(k): v for k, v in e["target_seconds"].items()}, e["draft_seconds"])
     c = measure(target, draft, reps=7)
+    cache = _read(path)  # re-read: another process may have added entries meanwhile
     cache[key] = {"target_seconds": {str(k): v for k, v in c.target_seconds.items()}, "draft_seconds": c.draft_seconds}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(cache, indent=1))
-    tmp.replace(path)
+    _write_atomic(path, json.dumps(cache, indent=1))
     return c

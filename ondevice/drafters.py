@@ -44,16 +44,23 @@ class ModelDrafter:
     """Drafts by sampling from a smaller model's processed distribution (any ``Backend``).
 
     The draft cache is kept in step with the context by rolling back to the longest common prefix
-    of what it holds and the new context, then evaluating the rest.
+    of what it holds and the new context, then evaluating the rest. ``_cached`` is always a prefix of
+    what the cache really holds (shortened before a rollback, lengthened after an eval), so an
+    interruption anywhere leaves a state the next ``propose`` continues from.
+
+    The draft proposes only ids of the shared vocabulary (its q is 0 beyond). Context ids outside it
+    (the target may emit them) are fed to the draft as ``UNKNOWN_ID``: this only changes what the draft
+    guesses, never the output law, which the target's verification keeps exact.
 
     Args:
         backend: the draft model.
-        vocab_limit: the shared vocabulary size of the pair (ids beyond it are masked).
+        vocab_limit: the shared vocabulary size of the pair.
         target_vocab: width of the target's rows; q rows are padded or cut to it.
     """
 
     name = "model"
     cheap = False
+    UNKNOWN_ID = 0  # stand-in for context ids the draft has no row for
 
     def __init__(self, backend: Backend, vocab_limit: int, target_vocab: int) -> None:
         self.backend = backend
@@ -61,20 +68,25 @@ class ModelDrafter:
         self.target_vocab = target_vocab
         self._cached: list[int] = []  # the ids whose K/V the draft cache holds
 
-    def _keep(self, context: Sequence[int]) -> int:
-        """Cached positions still valid for ``context`` (at least its last token is re-evaluated)."""
-        return min(_common_prefix(self._cached, context), len(context) - 1)
-
     def lag(self, context: Sequence[int]) -> int:
         """Tokens of ``context`` the draft cache would have to evaluate before drafting."""
         return len(context) - self._keep(context)
 
+    def _feed(self, ids: Sequence[int]) -> list[int]:
+        """Ids as the draft model can evaluate them (see ``UNKNOWN_ID``)."""
+        lim = self.vocab_limit
+        return [int(t) if 0 <= t < lim else self.UNKNOWN_ID for t in ids]
+
+    def _keep(self, context: Sequence[int]) -> int:
+        """Cached positions still valid for ``context`` (at least its last token is re-evaluated)."""
+        return min(_common_prefix(self._cached, context), len(context) - 1, self.backend.n_past)
+
     def _sync(self, context: Sequence[int]) -> np.ndarray:
         """Make the cache hold ``context``; return logits [V] after its last token."""
         keep = self._keep(context)
-        self.backend.rollback(keep)
         self._cached = list(context[:keep])
-        logits = self.backend.eval(context[keep:], logits="last")[-1]
+        self.backend.rollback(keep)
+        logits = self.backend.eval(self._feed(context[keep:]), logits="last")[-1]
         self._cached = list(context)
         return logits
 
@@ -112,8 +124,8 @@ class ModelDrafter:
 
     def reset(self) -> None:
         """Forget the draft cache (after someone else emptied or changed it)."""
-        self.backend.rollback(0)
         self._cached = []
+        self.backend.rollback(0)
 
     def close(self) -> None:
         self.backend.close()

@@ -4,19 +4,20 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
-from ondevice import catalog
+from ondevice import catalog, inputs
 from ondevice.backends import Backend, open_backend
 from ondevice.costs import Costs
 from ondevice.drafters import Drafter, ModelDrafter, NgramDrafter, _common_prefix
 from ondevice.errors import OndeviceError
 from ondevice.params import DEFAULT_GAMMA, DEFAULT_MAX_TOKENS, DEFAULT_N_CTX, DEFAULTS, SamplingParams
 from ondevice.policy import AdaptivePolicy, FixedGamma
-from ondevice.speculative import Chunk, Result, Stats, TextAssembler, steps
+from ondevice.speculative import Chunk, Result, Stats, TextAssembler, step_chunks, steps
+from ondevice.streams import AsyncStream, Request, Stream
 
 DRAFTERS = ("model", "ngram", "none")
 
@@ -110,37 +111,14 @@ def _load(model, draft, *, drafter, n_ctx, threads, device, mmap, draft_device=N
     return rt
 
 
-class Stream:
-    """An iterator of ``Chunk`` with a cancel handle and the request's ``stats`` once done."""
-
-    def __init__(self, runtime: Runtime, prompt, params: SamplingParams, max_tokens: int, gamma: int,
-                 stop: Sequence[str]) -> None:
-        self.stats = Stats()
-        self.text = ""
-        self.tokens: list[int] = []
-        self._cancel = threading.Event()
-        self._gen = runtime._run(prompt, params, max_tokens, gamma, stop, self)
-
-    def cancel(self) -> None:
-        """Stop after the current target pass (safe from any thread)."""
-        self._cancel.set()
-
-    @property
-    def cancelled(self) -> bool:
-        return self._cancel.is_set()
-
-    def __iter__(self) -> Iterator[Chunk]:
-        return self
-
-    def __next__(self) -> Chunk:
-        return next(self._gen)
-
-    def close(self) -> None:
-        self._gen.close()
-
-
 class Runtime:
-    """A loaded target (and drafter), ready to generate. Calls from several threads are serialised."""
+    """A loaded target (and drafter), ready to generate. Calls from several threads are serialised.
+
+    Consistency rule: ``_kv`` (what the runtime believes the target cache holds) is always a prefix of
+    what it really holds. Bookkeeping is shortened *before* a cache is cut and lengthened only *after*
+    it grew, so a request interrupted anywhere (Ctrl-C, an error) leaves a runtime that the next
+    request simply continues from; ``reset()`` empties both caches whatever state they are in.
+    """
 
     draft_choice: dict | None = None  # set by load(draft="auto"): what was chosen and why
 
@@ -149,11 +127,15 @@ class Runtime:
         self.drafter = drafter
         self.vocab_limit = vocab_limit
         self.load_seconds = load_seconds
-        self._lock = threading.Lock()  # guards native state; never held while user code runs
+        draft_backend = getattr(drafter, "backend", None)
+        # Both caches must hold every position: a pair agrees on the smaller context.
+        self.n_ctx = min(target.n_ctx, draft_backend.n_ctx) if draft_backend is not None else target.n_ctx
+        self._lock = threading.RLock()  # guards native state; user code runs under it only as an observer
         self._slot = threading.Lock()  # one request at a time (a stream holds it until it ends)
-        self._owner: int | None = None
-        self._kv: list[int] = []  # the ids whose K/V the target cache holds
-        self._current: Stream | None = None
+        self._owner: int | None = None  # the thread whose request holds the slot
+        self._current: Request | None = None
+        self._closed = False
+        self._kv: list[int] = []  # a prefix of the ids whose K/V the target cache holds
         self.observer = None  # optional verify observer (benchmarks): see speculative.steps
         self.last_stats: Stats | None = None  # statistics of the last finished request
         self._adaptive = None  # AdaptivePolicy, created at the first gamma="auto" request
@@ -166,14 +148,19 @@ class Runtime:
         self.close()
 
     def close(self) -> None:
-        """Cancel any running stream, wait for it, then free native memory (both models)."""
+        """Cancel any running stream, wait for it, then free native memory (both models).
+
+        Idempotent. Every later call raises a clear ``OndeviceError``, also in threads that were
+        waiting for their turn when the runtime was closed.
+        """
         self.cancel()
-        self._enter(None)
+        if not self._enter(None, closing=True):
+            return
         try:
             with self._lock:
+                self._closed = True
                 if self.drafter is not None:
                     self.drafter.close()
-                    self.drafter = None
                 self.target.close()
         finally:
             self._exit()
@@ -181,7 +168,12 @@ class Runtime:
     # -- API -------------------------------------------------------------------------------------
     def tokenize(self, text: str, *, add_bos: bool = True) -> list[int]:
         """Tokenize as llama-cpp-python's create_completion does (BOS per model metadata, specials parsed)."""
-        return self.target.tokenize(text, add_bos=add_bos, special=True)
+        if not isinstance(text, str):
+            raise OndeviceError(f"text to tokenize must be a str, not {type(text).__name__}")
+        inputs.check_text(text, "the prompt")
+        with self._lock:
+            self._check_open()
+            return self.target.tokenize(text, add_bos=add_bos, special=True)
 
     def stream(
         self,
@@ -208,48 +200,29 @@ class Runtime:
             stop: strings that end generation (not included in the text).
         Returns:
             A ``Stream``: iterate it for chunks; ``.cancel()`` stops it; ``.stats`` when finished.
+            A stream dropped unfinished ends at once; a new request from the thread that left a
+            stream unfinished ends that stream first.
+        Raises:
+            OndeviceError: a bad argument (checked here, before anything runs) or a closed runtime.
         """
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                                 repetition_penalty=repetition_penalty, seed=seed)
-        if int(max_tokens) != max_tokens or max_tokens < 1:
-            raise OndeviceError(f"max_tokens={max_tokens!r}: must be an integer >= 1")
-        if gamma != "auto" and (isinstance(gamma, str) or int(gamma) != gamma or gamma < 0):
-            raise OndeviceError(f"gamma={gamma!r}: must be 'auto' or an integer >= 0 (0 = plain decoding)")
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
-        return Stream(self, prompt, params, int(max_tokens), gamma if gamma == "auto" else int(gamma), stops)
+        max_tokens = inputs.integer("max_tokens", max_tokens, 1)
+        if gamma != "auto":
+            gamma = inputs.integer("gamma", gamma, 0, " or 'auto' (0 = plain decoding)")
+        stops = inputs.stop_strings(stop)
+        self._supersede()
+        ids = self._prompt_ids(prompt)
+        return Stream(lambda req: self._run(ids, params, max_tokens, gamma, stops, req), Request())
 
-    async def astream(self, prompt: str | Sequence[int], **kwargs) -> AsyncIterator[Chunk]:
-        """``stream`` for asyncio: the model runs in a worker thread, chunks arrive on the event loop.
+    def astream(self, prompt: str | Sequence[int], **kwargs) -> AsyncStream:
+        """``stream`` for asyncio: ``async for chunk in rt.astream(prompt, ...)``.
 
-        Takes the same arguments as ``stream``. Leaving the ``async for`` early cancels generation;
-        ``Runtime.last_stats`` holds the statistics when it ends.
+        Takes the same arguments as ``stream``. The model runs on a worker thread, one pass per chunk
+        asked for; leaving the ``async for`` early ends the request at once, and ``Runtime.last_stats``
+        then holds its statistics.
         """
-        import asyncio
-
-        stream = self.stream(prompt, **kwargs)
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-        done = object()
-
-        def produce() -> None:
-            try:
-                for chunk in stream:
-                    loop.call_soon_threadsafe(queue.put_nowait, chunk)
-            except BaseException as e:  # noqa: BLE001 - re-raised on the event loop
-                loop.call_soon_threadsafe(queue.put_nowait, e)
-            finally:
-                loop.call_soon_threadsafe(queue.put_nowait, done)
-
-        worker = threading.Thread(target=produce, name="ondevice-astream", daemon=True)
-        worker.start()
-        try:
-            while (item := await queue.get()) is not done:
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-        finally:
-            stream.cancel()
-            await asyncio.to_thread(worker.join)
+        return AsyncStream(self.stream(prompt, **kwargs))
 
     def generate(self, prompt: str | Sequence[int], **kwargs) -> Result:
         """Generate to completion. Takes the same arguments as ``stream``; returns ``Result``."""
@@ -266,17 +239,20 @@ class Runtime:
         from ondevice.chat import render
 
         t = self.target
-        bos = t.token_bytes(t.bos_id).decode("utf-8", "replace") if t.bos_id is not None else ""
+        with self._lock:
+            self._check_open()
+            bos = t.token_bytes(t.bos_id).decode("utf-8", "replace") if t.bos_id is not None else ""
         text = render(t.chat_template, messages, add_generation_prompt=add_generation_prompt, bos_token=bos)
         return self.tokenize(text, add_bos=not (bos and text.startswith(bos)))
 
     def reset(self) -> None:
-        """Forget the cached prefix: the next request evaluates its whole prompt."""
+        """Forget the cached prefix: the next request evaluates its whole prompt. Always restores a
+        consistent state, whatever interrupted the previous request."""
         self._enter(None)
         try:
             with self._lock:
-                self.target.rollback(0)
                 self._kv = []
+                self.target.rollback(0)
                 if self.drafter is not None:
                     self.drafter.reset()
         finally:
@@ -286,7 +262,57 @@ class Runtime:
         """Cancel the stream that is running now, if any."""
         cur = self._current
         if cur is not None:
-            cur.cancel()
+            cur.cancel_event.set()
+
+    # -- requests --------------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise OndeviceError("this Runtime is closed; load() a new one")
+
+    def _prompt_ids(self, prompt) -> list[int]:
+        t = self.target
+        self._check_open()
+        if isinstance(prompt, str):
+            ids = self.tokenize(prompt) if prompt else ([t.bos_id] if t.bos_id is not None else [])
+            if not ids:
+                raise OndeviceError("empty prompt and the model has no BOS token to start from; pass some text")
+        else:
+            ids = inputs.token_ids(prompt, t.vocab_size, t.bos_id)
+        if len(ids) >= self.n_ctx:
+            raise OndeviceError(f"prompt is {len(ids)} tokens but n_ctx is {self.n_ctx}; raise n_ctx or shorten the prompt")
+        return ids
+
+    def _supersede(self) -> None:
+        """End the stream this thread left unfinished (it holds the slot this thread now asks for);
+        refuse a call from inside a running stream (e.g. from a callback), which would deadlock."""
+        if self._owner != threading.get_ident():
+            return
+        cur = self._current
+        gen = cur.gen() if cur is not None and cur.gen is not None else None
+        if gen is not None and gen.gi_running:
+            raise OndeviceError("a new request cannot start from inside a running stream of this Runtime "
+                                "(e.g. from a callback); finish, cancel or close that stream first")
+        if gen is not None:
+            gen.close()
+
+    def _enter(self, req: Request | None, closing: bool = False) -> bool:
+        """Take the request slot (waiting for the request that holds it), after ending a stream this
+        thread left unfinished. Returns False (slot not taken) when closing a closed runtime."""
+        self._supersede()
+        self._slot.acquire()
+        if self._closed:
+            self._slot.release()
+            if closing:
+                return False
+            self._check_open()
+        self._owner = threading.get_ident()
+        self._current = req
+        return True
+
+    def _exit(self) -> None:
+        self._owner = None
+        self._current = None
+        self._slot.release()
 
     # -- the loop --------------------------------------------------------------------------------
     def _policy(self, gamma, stats: Stats):
@@ -302,72 +328,48 @@ class Runtime:
         return self._adaptive
 
     def _costs(self) -> Costs:
-        """Measured costs, cached on disk per model files, device and threads (a probe of a few seconds)."""
+        """Measured costs, cached on disk per model files, device and threads (a probe of a few seconds).
+
+        The probe fills both caches with synthetic tokens: the bookkeeping is emptied first, and the
+        probe empties the caches again whatever happens, so an interrupted probe leaves nothing stale.
+        """
         from ondevice.costs import cached_measure
 
-        draft = getattr(self.drafter, "backend", None)
-        costs = cached_measure(self.target, draft)
-        self._kv = []  # the probe emptied both caches
+        self._kv = []
         if self.drafter is not None:
             self.drafter.reset()
-        return costs
-
-    def _enter(self, stream: Stream | None) -> None:
-        if self._owner == threading.get_ident():
-            raise OndeviceError("this thread is still iterating a stream of this Runtime; finish, cancel or close it first")
-        self._slot.acquire()
-        self._owner = threading.get_ident()
-        self._current = stream
-
-    def _exit(self) -> None:
-        self._owner = None
-        self._current = None
-        self._slot.release()
+        return cached_measure(self.target, getattr(self.drafter, "backend", None))
 
     def _prefill(self, ids: list[int]) -> int:
         """Make the target cache hold ``ids[:-1]``, reusing the longest cached prefix. Returns tokens reused."""
-        keep = min(_common_prefix(self._kv, ids), len(ids) - 1)
-        self.target.rollback(keep)
+        keep = min(_common_prefix(self._kv, ids), len(ids) - 1, self.target.n_past)
         self._kv = self._kv[:keep]
+        self.target.rollback(keep)
         if len(ids) - 1 > keep:
             self.target.eval(ids[keep:-1], logits="last")
         self._kv = list(ids[:-1])
         return keep
 
-    def _run(self, prompt, params: SamplingParams, max_tokens: int, gamma: int, stop: list[str], out: Stream):
+    def _run(self, ids: list[int], params: SamplingParams, max_tokens: int, gamma, stop: list[str], out: Request):
+        """The generator behind a ``Stream``: takes the slot at the first chunk, releases it when it ends."""
         t = self.target
-        if isinstance(prompt, str):
-            ids = self.tokenize(prompt) if prompt else ([t.bos_id] if t.bos_id is not None else [])
-        else:
-            ids = [int(x) for x in prompt]
-        if not ids:
-            raise OndeviceError("empty prompt and the model has no BOS token to start from")
-        if len(ids) >= t.n_ctx:
-            raise OndeviceError(f"prompt is {len(ids)} tokens but n_ctx is {t.n_ctx}; raise n_ctx or shorten the prompt")
-        bad = [x for x in ids if not 0 <= x < t.vocab_size]
-        if bad:
-            raise OndeviceError(f"prompt token id {bad[0]} is outside the vocabulary (size {t.vocab_size})")
         self._enter(out)
         stats = out.stats
         stats.load_seconds = self.load_seconds
         stats.prompt_tokens = len(ids)
         use_draft = self.drafter is not None and gamma != 0
         stats.drafter = self.drafter.name if use_draft else "none"
+        t_start = t_first = None
         try:
             policy = self._policy(gamma, stats) if use_draft else FixedGamma(0)
-        except BaseException:
-            self._exit()
-            raise
-        t_start = time.perf_counter()
-        t_first = None
-        context = list(ids)
-        try:
+            t_start = time.perf_counter()
+            context = list(ids)
             with self._lock:
                 stats.prompt_eval_tokens = len(ids) - self._prefill(ids)
             rng = np.random.default_rng(params.seed)
             text = TextAssembler(t.token_bytes, stop)
             drafter = self.drafter if use_draft else None
-            it = steps(t, drafter, context, params, policy, rng, self.vocab_limit, self.observer)
+            it = steps(t, drafter, context, params, policy, rng, self.observer, n_ctx=self.n_ctx)
             while True:
                 with self._lock:  # native state is touched only here; user code never runs under it
                     step = next(it, None)
@@ -384,26 +386,8 @@ class Runtime:
                     policy.observe_step(step.drafted, step.verify_seconds, step.draft_seconds)
                 if stats.target_forwards == 1:
                     stats.prompt_seconds = time.perf_counter() - t_start
-                chunks: list[Chunk] = []
-                for tok, fd in zip(step.tokens, step.from_draft, strict=True):
-                    if t.is_eog(tok):
-                        stats.stop_reason = "eos"
-                        break
-                    piece = text.feed(tok)
-                    if chunks and chunks[-1].from_draft[-1] == fd:  # one chunk per run of draft / target tokens
-                        chunks[-1].tokens.append(tok)
-                        chunks[-1].from_draft.append(fd)
-                        chunks[-1].text += piece
-                    else:
-                        chunks.append(Chunk(piece, [tok], [fd]))
-                    stats.tokens += 1
-                    if text.stopped:
-                        stats.stop_reason = "stop"
-                        break
-                    if stats.tokens >= max_tokens:
-                        stats.stop_reason = "length"
-                        break
-                if stats.stop_reason or out.cancelled:
+                chunks = step_chunks(step, t.is_eog, text, stats, max_tokens)
+                if stats.stop_reason or out.cancel_event.is_set():
                     tail = text.flush()
                     if tail:
                         if chunks:
@@ -419,10 +403,18 @@ class Runtime:
                     yield c
                 if stats.stop_reason:
                     break
-                if out.cancelled:
+                if out.cancel_event.is_set():
                     stats.stop_reason = "cancelled"
                     break
+        except GeneratorExit:  # the stream was closed or dropped unfinished
+            stats.stop_reason = stats.stop_reason or "cancelled"
+            raise
+        except BaseException:
+            stats.stop_reason = stats.stop_reason or "error"
+            raise
         finally:
-            stats.finish(t_start, t_first, time.perf_counter())
+            end = time.perf_counter()
+            stats.finish(end if t_start is None else t_start, t_first, end)
             self.last_stats = stats
             self._exit()
+

@@ -57,7 +57,8 @@ def probs(
         logits: [V] raw logits.
         params: sampling parameters.
         history: token ids before this position (for the repetition penalty).
-        vocab_limit: ids >= this are masked (padding rows a draft or target has beyond the shared vocab).
+        vocab_limit: ids >= this get probability 0. Only for a draft (the ids it shares with its
+            target); the target's own rows are never masked, or its law would change.
     Returns:
         [V] float64 probabilities summing to 1 (one-hot at the argmax when greedy).
     """

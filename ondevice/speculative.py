@@ -71,7 +71,7 @@ class Stats:
     accept_counts: list[int] = field(default_factory=list)
     gamma_counts: dict[int, int] = field(default_factory=dict)
     drafter: str = "none"
-    stop_reason: str = ""
+    stop_reason: str = ""  # eos | length | stop | context | cancelled (also: closed or dropped unfinished) | error
 
     def add(self, step: Step) -> None:
         self.target_forwards += 1
@@ -117,8 +117,9 @@ def steps(
     params: SamplingParams,
     policy: Policy,
     rng: np.random.Generator,
-    vocab_limit: int | None = None,
     observer: Callable[[list[int], np.ndarray | None, np.ndarray, int], None] | None = None,
+    *,
+    n_ctx: int | None = None,
 ) -> Iterator[Step]:
     """Draft → verify once → accept → roll back, forever (the caller stops it).
 
@@ -130,17 +131,20 @@ def steps(
             (n-gram) proposes its longest guess first and the policy keeps a prefix, judged by the
             match length; a model drafter is asked for exactly γ tokens.
         rng: draws every random number (draft sampling and verification).
-        vocab_limit: shared vocabulary size of the pair; larger ids are masked.
+        The target's p is never masked: ids a draft cannot propose (beyond the pair's shared vocabulary)
+        have q = 0 and still come out of the residual with exactly the target's probability.
         observer: called as ``observer(draft, q, p, n_accepted)`` after each verification (benchmarks).
+        n_ctx: the context both caches can hold (default: the target's).
     Yields:
         One ``Step`` per target pass.
     """
     V = target.vocab_size
+    n_ctx = target.n_ctx if n_ctx is None else min(n_ctx, target.n_ctx)
     while True:
-        base = target.n_past  # == len(context) - 1
-        if base + 1 > target.n_ctx:
+        base = len(context) - 1  # the target cache holds context[:-1]
+        if base + 1 > n_ctx:
             return  # the context is full: the caller reports stop_reason "context"
-        room = target.n_ctx - base - 1
+        room = n_ctx - base - 1
         t0 = time.perf_counter()
         draft: list[int] = []
         q = None
@@ -159,7 +163,7 @@ def steps(
                 draft, q = drafter.propose(context, g, params, rng, keep_drafting=getattr(policy, "keep_drafting", None))
         t1 = time.perf_counter()
         logits = target.eval([context[-1], *draft])  # [len(draft)+1, V]
-        p = probs_batch(logits, params, context, draft, vocab_limit)
+        p = probs_batch(logits, params, context, draft)  # the target's own law, never masked
         if draft:
             q = _one_hot(draft, V) if q is None else q[: len(draft)]
         n_acc, nxt = verify(draft, q, p, rng)
@@ -193,20 +197,47 @@ class TextAssembler:
         self.text += self._dec.decode(b"", final=True)
         return self._release(final=True)
 
+    def _stop_prefix(self, s: str) -> int:
+        """Length of the longest proper prefix of ``s`` that the text ends with (0 if none)."""
+        for k in range(min(len(s) - 1, len(self.text)), 0, -1):
+            if self.text.endswith(s[:k]):
+                return k
+        return 0
+
     def _release(self, final: bool) -> str:
-        for s in self.stop:
-            i = self.text.find(s, max(0, self.emitted - len(s)))
-            if i >= 0:
-                self.text = self.text[:i]
-                self.stopped = True
-                final = True
+        hits = [i for s in self.stop if (i := self.text.find(s, max(0, self.emitted - len(s)))) >= 0]
+        if hits:  # cut at the earliest occurrence of any stop string
+            self.text = self.text[: min(hits)]
+            self.stopped = True
+            final = True
         end = len(self.text)
-        if not final:
-            for s in self.stop:  # hold back a suffix that could still grow into a stop string
-                for k in range(min(len(s) - 1, end), 0, -1):
-                    if self.text.endswith(s[:k]):
-                        end = min(end, len(self.text) - k)
-                        break
+        if not final:  # hold back the longest suffix that could still grow into any stop string
+            end -= max((self._stop_prefix(s) for s in self.stop), default=0)
         out = self.text[self.emitted : end]
         self.emitted = max(self.emitted, end)
         return out
+
+
+def step_chunks(step: Step, is_eog: Callable[[int], bool], text: TextAssembler, stats: Stats, max_tokens: int) -> list[Chunk]:
+    """One step's tokens → chunks (one per run of draft / target tokens), stopping at EOS, a stop
+    string or ``max_tokens`` (recorded in ``stats.stop_reason``)."""
+    chunks: list[Chunk] = []
+    for tok, fd in zip(step.tokens, step.from_draft, strict=True):
+        if is_eog(tok):
+            stats.stop_reason = "eos"
+            break
+        piece = text.feed(tok)
+        if chunks and chunks[-1].from_draft[-1] == fd:
+            chunks[-1].tokens.append(tok)
+            chunks[-1].from_draft.append(fd)
+            chunks[-1].text += piece
+        else:
+            chunks.append(Chunk(piece, [tok], [fd]))
+        stats.tokens += 1
+        if text.stopped:
+            stats.stop_reason = "stop"
+            break
+        if stats.tokens >= max_tokens:
+            stats.stop_reason = "length"
+            break
+    return chunks

@@ -3,6 +3,11 @@
 Only the logits rows a caller asks for are copied (never ``logits_all``, which allocates n_ctx × V
 floats). Rollback uses ``llama_memory_seq_rm``; sliding-window models get a full-size SWA cache so
 that rollback stays exact, and every rollback is checked against the positions the cache holds.
+
+Nothing about the cache is remembered on the Python side: the position count is read from llama.cpp
+(``llama_memory_seq_pos_max``) every time, so a Ctrl-C between a ``llama_decode`` and the next line
+cannot make the two disagree. Context length and batch size are read back from the context too
+(llama.cpp rounds the one and caps the other).
 """
 
 from __future__ import annotations
@@ -60,6 +65,8 @@ class LlamaBackend:
         n_batch: most tokens per llama_decode call.
         mmap, mlock: how the weights are loaded.
         device: 'cpu' keeps every layer on the CPU; 'gpu' offloads all; None is llama.cpp's default.
+            ``self.device`` says where the layers really run ('gpu' only when this llama.cpp build can
+            offload), e.g. for keying measured costs.
     """
 
     def __init__(
@@ -91,6 +98,7 @@ class LlamaBackend:
             mp.n_gpu_layers = 0
         elif device == "gpu":
             mp.n_gpu_layers = 999  # all layers on Metal/CUDA when llama.cpp was built with it
+        self.device = "gpu" if mp.n_gpu_layers != 0 and llama_cpp.llama_supports_gpu_offload() else "cpu"
         self._model = llama_cpp.llama_model_load_from_file(str(self.path).encode(), mp)
         if not self._model:
             raise OndeviceError(f"{self.path}: llama.cpp could not load this GGUF (corrupt, truncated or unsupported); re-download or reconvert it")
@@ -113,10 +121,12 @@ class LlamaBackend:
         if not self._ctx:
             self.close()
             raise OndeviceError(f"{self.path}: llama.cpp could not create a context of n_ctx={n_ctx}; try a smaller --n-ctx")
+        # What the context really got: llama.cpp rounds n_ctx up (to 256) and caps n_batch at the n_ctx
+        # asked for; one llama_decode takes at most n_batch tokens (GGML_ASSERT otherwise).
         self.n_ctx = int(llama_cpp.llama_n_ctx(self._ctx))
+        self.n_batch = max(1, min(int(llama_cpp.llama_n_batch(self._ctx)), self.n_batch))
         self._mem = llama_cpp.llama_get_memory(self._ctx)
         self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
-        self._n_past = 0
         self.add_bos = bool(llama_cpp.llama_vocab_get_add_bos(self._vocab))
         bos = int(llama_cpp.llama_vocab_bos(self._vocab))
         self.bos_id = bos if bos >= 0 else None
@@ -125,11 +135,17 @@ class LlamaBackend:
         self._pieces: dict[int, bytes] = {}
         self._buf = ctypes.create_string_buffer(256)
 
+    def _check_open(self) -> None:
+        if not self._ctx:
+            raise OndeviceError(f"{self.path.name}: this model was closed; load it again")
+
     # -- vocabulary ------------------------------------------------------------------------------
     def is_eog(self, token: int) -> bool:
+        self._check_open()
         return bool(self._lib.llama_vocab_is_eog(self._vocab, int(token)))
 
     def tokenize(self, text: str, *, add_bos: bool = True, special: bool = True) -> list[int]:
+        self._check_open()
         data = text.encode("utf-8")
         n_max = len(data) + 8
         arr = (self._lib.llama_token * n_max)()
@@ -146,23 +162,28 @@ class LlamaBackend:
     def token_bytes(self, token: int) -> bytes:
         piece = self._pieces.get(token)
         if piece is None:
+            self._check_open()
             n = self._lib.llama_token_to_piece(self._vocab, int(token), self._buf, len(self._buf), 0, False)
             piece = self._buf.raw[: max(n, 0)]
             self._pieces[token] = piece
         return piece
 
     def vocab_tokens(self) -> list[str]:
+        self._check_open()
         get = self._lib.llama_vocab_get_text
         return [(get(self._vocab, i) or b"").decode("utf-8", "replace") for i in range(self.vocab_size)]
 
     # -- cache -----------------------------------------------------------------------------------
     @property
     def n_past(self) -> int:
-        return self._n_past
+        """Positions in the cache, as llama.cpp reports them (never a Python-side counter)."""
+        self._check_open()
+        return int(self._lib.llama_memory_seq_pos_max(self._mem, 0)) + 1
 
     def eval(self, tokens: Sequence[int], logits: Literal["all", "last"] = "all") -> np.ndarray:
         n = len(tokens)
-        check_room(self._n_past, n, self.n_ctx, self.path)
+        n_past = self.n_past
+        check_room(n_past, n, self.n_ctx, self.path)
         lib, b = self._lib, self._batch
         rows = []
         for start in range(0, n, self.n_batch):
@@ -171,15 +192,15 @@ class LlamaBackend:
             m = len(chunk)
             for i, t in enumerate(chunk):
                 b.token[i] = int(t)
-                b.pos[i] = self._n_past + i
+                b.pos[i] = n_past + i
                 b.n_seq_id[i] = 1
                 b.seq_id[i][0] = 0
                 b.logits[i] = logits == "all" or (last_chunk and i == m - 1)
             b.n_tokens = m
             rc = lib.llama_decode(self._ctx, b)
             if rc != 0:
-                raise OndeviceError(f"{self.path.name}: llama_decode failed (code {rc}) at position {self._n_past}")
-            self._n_past += m
+                raise OndeviceError(f"{self.path.name}: llama_decode failed (code {rc}) at position {n_past}")
+            n_past += m
             n_out = m if logits == "all" else int(last_chunk)
             if n_out:
                 ptr = lib.llama_get_logits(self._ctx)
@@ -187,15 +208,16 @@ class LlamaBackend:
         return rows[0] if len(rows) == 1 else np.concatenate(rows)
 
     def rollback(self, n_past: int) -> None:
-        if n_past > self._n_past or n_past < 0:
-            raise ValueError(f"cannot roll back to {n_past}: cache holds {self._n_past} positions")
-        if n_past == self._n_past:
+        cur = self.n_past
+        if n_past > cur or n_past < 0:
+            raise ValueError(f"cannot roll back to {n_past}: cache holds {cur} positions")
+        if n_past == 0:
+            self._lib.llama_memory_clear(self._mem, False)  # always possible, whatever the cache holds
+            return
+        if n_past == cur:
             return
         if not self._lib.llama_memory_seq_rm(self._mem, 0, n_past, -1):
             raise OndeviceError(f"{self.path.name}: this model's cache cannot roll back to position {n_past}")
-        self._n_past = n_past
-        if n_past == 0:
-            return
         pos_min = self._lib.llama_memory_seq_pos_min(self._mem, 0)
         pos_max = self._lib.llama_memory_seq_pos_max(self._mem, 0)
         # The next token at position n_past attends to [n_past − n_swa, n_past) (everything without SWA):
