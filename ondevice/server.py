@@ -95,13 +95,13 @@ class Server:
         e = self.engine
         d = self.rt.drafter
         return JSONResponse({"status": "ok", "model": self.model_id, "drafter": d.name if d else "none",
-                             "n_ctx": self.rt.target.n_ctx, "auth": bool(self.api_key), "running": e.running,
+                             "n_ctx": self.rt.n_ctx, "auth": bool(self.api_key), "running": e.running,
                              "queued": e.waiting, "max_queue": e.max_queue, **{k: v for k, v in vars(e.counters).items()}})
 
     def _model_obj(self) -> dict:
         d = self.rt.drafter
         return {"id": self.model_id, "object": "model", "created": 0, "owned_by": "ondevice",
-                "meta": {"n_ctx": self.rt.target.n_ctx, "drafter": d.name if d else "none",
+                "meta": {"n_ctx": self.rt.n_ctx, "drafter": d.name if d else "none",
                          "vocab_size": self.rt.target.vocab_size}}
 
     async def models(self, request: Request) -> JSONResponse:
@@ -153,7 +153,7 @@ class Server:
             opts = body.get("stream_options") or {}
             with_usage = bool(isinstance(opts, dict) and opts.get("include_usage"))
             ids = await self._prompt_ids(body, chat)
-            gen = generation_args(body, len(ids), self.rt.target.n_ctx)
+            gen = generation_args(body, len(ids), self.rt.n_ctx)
         except ApiError as e:
             return _error(e)
         reply = Reply(chat, self.model_id)
@@ -178,7 +178,7 @@ class Server:
             raise ApiError(400, str(e), param="messages" if chat else "prompt") from e
         if not ids:
             raise ApiError(400, "the prompt is empty", param="prompt")
-        check_context(len(ids), self.rt.target.n_ctx)
+        check_context(len(ids), self.rt.n_ctx)
         return ids
 
     async def start(self, ids: list[int], gen: dict):

@@ -201,7 +201,7 @@ class DistributedRuntime(Runtime):
         if kw.get("seed") is None and self.world.rank == 0:  # one seed for every rank
             kw["seed"] = int.from_bytes(os.urandom(4), "little")
         stream = super().stream(prompt, **kw)
-        stream.stats = DistStats(world_size=self.world.size, shard=self.target.inner.shard_mode)  # before anyone holds it
+        stream._req.stats = DistStats(world_size=self.world.size, shard=self.target.inner.shard_mode)  # before it runs
         return stream
 
     def _not_streaming_here(self) -> None:
