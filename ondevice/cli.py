@@ -265,6 +265,8 @@ def bench_cmd(
     anchors: Annotated[bool, typer.Option("--anchors", help="Also run the libraries on the same prompts: llama-cpp-python (GGUF) or mlx-lm stream_generate (MLX).")] = False,
     cold_start: Annotated[bool, typer.Option("--cold-start", help="Measure process start → first token, cold and warm.")] = False,
     synthetic: Annotated[str | None, typer.Option("--synthetic", help="Measure costs on a shape-true random model (e.g. qwen2.5-1.5b) instead.")] = None,
+    formats: Annotated[str | None, typer.Option("--formats", help="Quant advisor: requantize MODEL to each (e.g. q4_k_m,q4_0,iq4_nl), measure speed, verify curve, quality, speedup; recommend one.")] = None,
+    reference: Annotated[str | None, typer.Option("--reference", help="--formats: judge quality against this more precise GGUF (default: the source).")] = None,
     per_class: Annotated[int | None, typer.Option("--per-class", min=1, help="Only the first N prompts of each class.")] = None,
     temperature: TempOpt = 0.0,
     threads: ThreadsOpt = None,
@@ -281,6 +283,16 @@ def bench_cmd(
             model, draft = pair
     if synthetic:
         doc = bench_tools.synthetic_costs(synthetic, draft_config=draft, threads=threads, device=device)
+    elif formats:
+        from ondevice import bench_formats
+
+        doc = bench_formats.advise(model, [f.strip() for f in formats.split(",") if f.strip()], draft=draft,
+                                   reference=reference, classes=[c.strip() for c in classes.split(",") if c.strip()],
+                                   per_class=per_class, repeats=repeats, max_tokens=max_tokens, threads=threads,
+                                   progress=lambda m: typer.echo(m, err=True))
+        bench_formats.table(doc)
+        if plot:
+            doc["plots"] = [str(bench_formats.plot(doc, plot))]
     else:
         doc = bench.run_bench(model, draft, ngram=ngram, classes=[c.strip() for c in classes.split(",") if c.strip()],
                               max_tokens=max_tokens, repeats=repeats, gamma=gamma, anchors=anchors, per_class=per_class,

@@ -192,3 +192,31 @@ def test_advisor_recommends_the_fastest_format_within_the_quality_budget():
     best, why = recommend(rows)
     assert best == "q4_0"  # 40 × 1.6 = 64 effective tok/s beats iq4_nl's 63; q2 fails the quality budget
     assert "q2" in why and "quality" in why
+
+
+def test_bench_reports_the_oracle_next_to_the_realized_speedup(tiny_gguf):
+    from ondevice.bench import run_bench
+
+    doc = run_bench(str(tiny_gguf("llama", "q8_0")), ngram=True, classes=["edit"], per_class=1, repeats=1,
+                    max_tokens=24, gamma="auto", n_ctx=1024, threads=1)
+    ngram = [r for r in doc["runs"] if r["mode"] == "ngram_auto"]
+    assert ngram and all(r["same_as_plain"] for r in ngram)  # greedy: token for token
+    assert all(r["oracle_speedup"] >= 1.0 and r["oracle_passes"] >= 1 for r in ngram)  # γ = 0 everywhere is allowed
+    row = next(s for s in doc["summary"] if s["mode"] == "ngram_auto")
+    assert row["oracle_speedup"] >= 1.0 and "realized_over_oracle" in row and 0 <= row["plain_steps_share"] <= 1
+
+
+def test_advisor_end_to_end_on_a_tiny_model(tiny_gguf, tmp_path, monkeypatch):
+    from ondevice.bench_formats import advise, plot
+
+    monkeypatch.setenv("ONDEVICE_HOME", str(tmp_path))
+    doc = advise(str(tiny_gguf("qwen2", "q8_0")), ["q8_0", "q4_0"], classes=["edit"], per_class=1, max_tokens=8,
+                 rounds=1, threads=1)
+    rows = {r["format"]: r for r in doc["formats"]}
+    assert rows["q8_0"]["made"] == "source" and rows["q8_0"]["top1_agreement"] == 1.0
+    assert rows["q4_0"]["made"] == "requantized into a temp dir" and not list(tmp_path.glob("ondevice-formats-*"))
+    for r in rows.values():
+        assert r["decode_tokens_per_second"] > 0 and set(r["verify_cost"]) == {"2", "4", "8", "16"}
+        assert r["ngram"]["edit"]["same_as_plain"] is True
+    assert doc["recommendation"]["format"] in rows and doc["recommendation"]["why"]
+    assert plot(doc, tmp_path / "plots").is_file()
