@@ -339,6 +339,16 @@ def listing() -> list[dict]:
             "size": e.size, "license": e.license, "sha256": e.sha256, "pulled": pulled,
             "path": str(cached_path(e)) if pulled else None, "description": e.description,
         })
+        for v in sorted(cached_path(e).parent.glob(f"{Path(e.filename).stem}.local-*.json")):
+            quant = v.stem.rsplit(".local-", 1)[1]
+            rec = variant_record(e, quant)
+            if rec is not None:  # made locally from the published file: listed as such, never as published
+                rows.append({"name": f"{e.name}:{quant}", "kind": "local variant", "role": e.role, "arch": e.arch,
+                             "format": e.format, "quant": quant.upper(), "size": rec["size"], "license": e.license,
+                             "sha256": rec["sha256"], "pulled": True, "path": rec["path"],
+                             "description": f"local requantization of {e.filename} (sha256 {e.sha256[:12]}…), "
+                                            f"quality vs it: top-1 {rec['quality']['top1_agreement']:.1%}, "
+                                            f"mean KL {rec['quality']['mean_kl']:.3f}"})
     for p in pairs.values():
         rows.append({"name": p.name, "kind": "pair", "target": p.target, "draft": p.draft, "description": p.description})
     return rows

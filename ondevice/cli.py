@@ -112,7 +112,8 @@ def models_cmd(json_out: Annotated[bool, typer.Option("--json", help="Print JSON
         if r["kind"] == "pair":
             t.add_row(r["name"], "pair", f"{r['target']} + {r['draft']}", "", "", "", "")
         else:
-            t.add_row(r["name"], "model", r["role"], r["quant"], f"{r['size'] / 1e6:.0f} MB", r["license"], "✓" if r["pulled"] else "")
+            t.add_row(r["name"], r["kind"], r["role"], r["quant"], f"{r['size'] / 1e6:.0f} MB",
+                      r["license"], "✓" if r["pulled"] else "")
     Console().print(t)
 
 

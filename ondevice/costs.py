@@ -34,13 +34,20 @@ class Costs:
 
     def _curve(self) -> dict[int, float]:
         """The measured times made monotone (a larger batch never costs less; noise can say otherwise)
-        and capped at k single decodes."""
-        out, best = {}, 0.0
-        t1 = self.target_seconds[1]
-        for k in sorted(self.target_seconds):
-            best = max(best, min(self.target_seconds[k], k * t1))
-            out[k] = best
-        return out
+        and capped at k single decodes.
+
+        Monotone from above: each k takes the least time seen for any batch of k or more. Timing noise on
+        a busy machine only ever adds time, so the smaller reading is the truer one; raising later points
+        to an inflated earlier one instead would let one slow plain step make every batch look free (and
+        a policy that then always drafts would never time a plain step again to correct it).
+        """
+        ks = sorted(self.target_seconds)
+        low, env = float("inf"), {}
+        for k in reversed(ks):
+            low = min(low, self.target_seconds[k])
+            env[k] = low
+        t1 = env[ks[0]]
+        return {k: min(env[k], k * t1) for k in ks}
 
     def verify_cost(self, k: int) -> float:
         """cost(k)/cost(1), interpolated linearly between measured k (extrapolated from the last two)."""
@@ -104,8 +111,13 @@ def measure(target: Backend, draft: Backend | None = None, *, ks=(1, 2, 3, 4, 5,
     target.eval(ids[:context_tokens], logits="last")
     c = Costs()
     _time_eval(target, ids, ids[context_tokens : context_tokens + 1], 1)  # warm-up
-    for k in ks:
-        c.target_seconds[k] = _time_eval(target, ids, ids[context_tokens : context_tokens + k], reps)
+    # Interleaved (each rep times every k in turn): a machine whose load changes during the probe then
+    # shifts the whole curve, not its shape.
+    times: dict[int, list[float]] = {k: [] for k in ks}
+    for _ in range(reps):
+        for k in ks:
+            times[k].append(_time_eval(target, ids, ids[context_tokens : context_tokens + k], 1))
+    c.target_seconds = {k: statistics.median(v) for k, v in times.items()}
     target.rollback(0)
     if draft is not None:
         draft.rollback(0)
