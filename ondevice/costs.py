@@ -7,7 +7,6 @@ backends' own ``eval``; no sampling involved.
 from __future__ import annotations
 
 import json
-import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -90,6 +89,7 @@ class Costs:
 
 
 def _time_eval(b: Backend, context: list[int], tokens: list[int], reps: int) -> float:
+    import statistics  # lazily: decimal and fractions come with it, and a cold start needs neither
     base = b.n_past
     ts = []
     for _ in range(reps):
@@ -106,6 +106,7 @@ def measure(target: Backend, draft: Backend | None = None, *, ks=(1, 2, 3, 4, 5,
 
     Both caches are left empty (callers reset their bookkeeping, e.g. ``Runtime.reset``).
     """
+    import statistics
     ids = [(i * 7919) % max(target.vocab_size - 1, 1) + 1 for i in range(context_tokens + max(ks))]
     target.rollback(0)
     target.eval(ids[:context_tokens], logits="last")
