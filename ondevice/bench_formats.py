@@ -187,7 +187,7 @@ def table(doc: dict) -> None:
         pair = (r.get("pair") or {}).get("edit") or {}
         f = lambda x, fmt: "" if x is None else format(x, fmt)  # noqa: E731
         t.add_row(r["format"], f(r["bits_per_weight"], ".2f"), f(r["decode_tokens_per_second"], ".1f"),
-                  f(r["prefill_tokens_per_second"], ".0f"), r["verify_cost"]["4"], r["verify_cost"]["8"], r["verify_cost"]["16"],
+                  f(r["prefill_tokens_per_second"], ".0f"), *(f(r["verify_cost"][k], ".2f") for k in ("4", "8", "16")),
                   f(r["top1_agreement"], ".1%"), f(r["mean_kl"], ".3f"), f(r.get("edit_speedup"), ".2f"),
                   f(ng.get("oracle_speedup"), ".2f"), f(pair.get("decode_speedup_vs_plain"), ".2f"))
     con = Console(stderr=True)

@@ -291,9 +291,11 @@ def bench_cmd(
                                    reference=reference, classes=[c.strip() for c in classes.split(",") if c.strip()],
                                    per_class=per_class, repeats=repeats, max_tokens=max_tokens, threads=threads,
                                    progress=lambda m: typer.echo(m, err=True))
-        bench_formats.table(doc)
         if plot:
             doc["plots"] = [str(bench_formats.plot(doc, plot))]
+        if json_path:  # before the table: a display error must not lose a long measurement
+            json_path.write_text(json.dumps(doc, indent=2, default=str))
+        bench_formats.table(doc)
     else:
         doc = bench.run_bench(model, draft, ngram=ngram, classes=[c.strip() for c in classes.split(",") if c.strip()],
                               max_tokens=max_tokens, repeats=repeats, gamma=gamma, anchors=anchors, per_class=per_class,
