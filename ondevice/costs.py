@@ -75,9 +75,13 @@ class Costs:
         return out
 
     def observe(self, k: int, seconds: float, draft_seconds_per_token: float | None = None, weight: float = 0.05) -> None:
-        """Fold one real step's timing into the curve (online refinement of the load-time probe)."""
+        """Fold one real step's timing into the curve (online refinement of the load-time probe).
+
+        A reading is clipped at twice the current value: a step the OS preempted is not a slower machine,
+        and one such step must not move the curve far (a changing load still does, step by step).
+        """
         old = self.target_seconds.get(k)
-        self.target_seconds[k] = seconds if old is None else old + weight * (seconds - old)
+        self.target_seconds[k] = seconds if old is None else old + weight * (min(seconds, 2 * old) - old)
         if draft_seconds_per_token is not None:
             self.draft_seconds += weight * (draft_seconds_per_token - self.draft_seconds)
 

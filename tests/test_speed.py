@@ -220,3 +220,24 @@ def test_advisor_end_to_end_on_a_tiny_model(tiny_gguf, tmp_path, monkeypatch):
         assert r["ngram"]["edit"]["same_as_plain"] is True
     assert doc["recommendation"]["format"] in rows and doc["recommendation"]["why"]
     assert plot(doc, tmp_path / "plots").is_file()
+
+
+def test_one_slow_plain_step_does_not_make_batches_look_free():
+    """A preempted plain step (k = 1 timed 10× too slow) once raised every batch to its time, so cost(k) = 1
+    for all k and the policy drafted every pass, never timing a plain step again to correct it."""
+    from ondevice.policy import AdaptivePolicy
+
+    costs = Costs({1: 1.0, 2: 1.9, 4: 3.0, 8: 5.5, 16: 9.0})
+    for _ in range(3):
+        costs.observe(1, 50.0)  # preempted plain steps folded into the curve
+    assert costs.target_seconds[1] < 1.2 and costs.verify_cost(4) >= 2.5  # the batches keep their own cost
+    p = AdaptivePolicy(costs, "ngram", learn_costs=False)
+    for _ in range(30):
+        p.update(0, 0, 1, [5, 6], [7])  # guesses are wrong
+    assert p.next_gamma(hint=1) == 0
+    # an inconsistent curve (plain step slower than a batch of 16) is made monotone from above, never below
+    bad = Costs({1: 10.0, 2: 1.9, 4: 3.0, 8: 5.5, 16: 9.0})
+    assert bad.verify_cost(16) > 4.0
+    # control: the old rule (monotone from below, each k raised to the slowest smaller batch) says free
+    t = bad.target_seconds
+    assert max(min(t[j], j * t[1]) for j in t) / t[1] <= 1.0
