@@ -261,6 +261,10 @@ def pull_variant(name: str, quant: str, *, force: bool = False, quiet: bool = Fa
     """
     from ondevice import catalog
 
+    pair = catalog.resolve_pair(name)
+    if pair:
+        raise OndeviceError(f"{name} is a pair: requantize each model, `ondevice pull {pair[0]} --quant {quant}` and "
+                            f"`ondevice pull {pair[1]} --quant {quant}`")
     entry = catalog.get(name)
     if quant not in FTYPES or quant == "f16":
         raise OndeviceError(f"--quant {quant}: choose one of {', '.join(q for q in FTYPES if q != 'f16')}")

@@ -302,7 +302,7 @@ def bench_cmd(
                               temperature=temperature, threads=threads,
                               progress=lambda r: typer.echo(f"{r['class']:>8} {r['mode']:<28} {r['tokens_per_second']:7.1f} tok/s", err=True))
         if cold_start:
-            doc["cold_start"] = bench_tools.cold_start(catalog.resolve(model))
+            doc["cold_start"] = bench_tools.cold_start(catalog.resolve(model), threads=threads)
         bench_tools.table(doc)
         if plot:
             doc["plots"] = [str(p) for p in bench_tools.plots(doc, plot)]
