@@ -25,16 +25,19 @@ def convert(
     context: int = 512,
     compress: str = "int4",
     compute_units: str = "CPU_AND_NE",
+    allow_requantize: bool = False,
     progress: bool = True,
     verify: bool = True,
 ) -> dict:
     """Convert ``src`` (and optionally a ``draft``) into a new directory ``out``.
 
     Args:
-        src: HF checkpoint directory, or a GGUF file for ``to="mlx"`` / ``to="coreml"``.
+        src: HF checkpoint directory, or a GGUF file (``to="gguf"`` requantizes it: converters.quantize).
         to: "gguf" | "mlx" | "coreml".
         out: a new directory; a pair writes ``out/target`` and ``out/draft``.
-        quant: GGUF quantization: f16 | q8_0 | q4_0 | q4_k_m.
+        quant: GGUF quantization: f16 | q8_0 | q4_0 | iq4_nl | q4_k_m.
+        allow_requantize: GGUF → GGUF from an already quantized file (stacks two quantizations; the quality
+            cost against the source is measured and reported).
         bits, group_size: MLX quantization.
         context, compress, compute_units: Core ML: cache slots (fixed at conversion), int4 | palettize4 | none,
             the compute units recorded in the package (CPU_AND_NE: Neural Engine).
@@ -61,7 +64,7 @@ def convert(
         if quant not in QUANTS:
             raise OndeviceError(f"--quant {quant}: unknown; choose one of {', '.join(QUANTS)}")
     opts = {"quant": quant, "bits": bits, "group_size": group_size, "context": context, "compress": compress,
-            "compute_units": compute_units, "progress": progress}
+            "compute_units": compute_units, "allow_requantize": allow_requantize, "progress": progress}
     check_out(out)
     t0 = time.perf_counter()
     if draft is not None:
@@ -101,8 +104,12 @@ def _vocab_of(path: Path) -> list[str]:
 
 
 def _convert_one(src: Path, to: str, out: Path, *, quant: str, bits: int, group_size: int, context: int,
-                 compress: str, compute_units: str, progress: bool) -> dict:
+                 compress: str, compute_units: str, allow_requantize: bool, progress: bool) -> dict:
     out.mkdir(parents=True, exist_ok=True)
+    if to == "gguf" and src.is_file():
+        from converters.quantize import requantize
+
+        return requantize(src, out, quant=quant, allow_requantize=allow_requantize, progress=progress)
     if to == "gguf":
         from converters.to_gguf import hf_to_gguf
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Callable
 from pathlib import Path
 
@@ -10,12 +9,11 @@ import numpy as np
 
 from converters.archs import arch_of, gguf_tensors, write_hparams
 from converters.hf import HFCheckpoint
+from converters.quantize import FTYPES
 from converters.tokenizer import Vocab
-from ondevice.errors import OndeviceError
 
-# --quant name → llama_ftype (llama.h). f16 is written directly by gguf.
-QUANTS = {"f16": 1, "q8_0": 7, "q4_0": 2, "q4_k_m": 15}
-MAIN_TYPE = {"f16": "F16", "q8_0": "Q8_0", "q4_0": "Q4_0", "q4_k_m": "Q4_K"}
+QUANTS = FTYPES  # --quant name → llama_ftype (llama.h); f16 is written directly by gguf
+MAIN_TYPE = {"f16": "F16", "q8_0": "Q8_0", "q4_0": "Q4_0", "iq4_nl": "IQ4_NL", "q4_k_m": "Q4_K"}
 
 
 def write_gguf(
@@ -72,17 +70,9 @@ def write_vocab(w, vocab: Vocab) -> None:
 
 def quantize(src: Path, dst: Path, quant: str, threads: int = 0) -> None:
     """Quantize GGUF ``src`` to ``dst`` with llama.cpp's ``llama_model_quantize``."""
-    import llama_cpp
+    from converters.quantize import llama_quantize
 
-    from ondevice.backends.llama import init_llama
-
-    init_llama()
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = QUANTS[quant]
-    params.nthread = threads
-    rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
-    if rc != 0:
-        raise OndeviceError(f"{src}: llama_model_quantize to {quant} failed (code {rc})")
+    llama_quantize(src, dst, quant, threads=threads)
 
 
 def tensor_types(path: Path) -> dict[str, str]:
@@ -95,7 +85,8 @@ def tensor_types(path: Path) -> dict[str, str]:
 
 # Types llama.cpp's own mixture uses on purpose for each --quant (q4_k_m puts Q6_K on the output and on
 # some attn_v/ffn_down; every ftype but f16/q8_0 gives the output matrix Q6_K).
-INTENDED = {"f16": {"F16"}, "q8_0": {"Q8_0"}, "q4_0": {"Q4_0", "Q6_K"}, "q4_k_m": {"Q4_K", "Q5_K", "Q6_K"}}
+INTENDED = {"f16": {"F16"}, "q8_0": {"Q8_0"}, "q4_0": {"Q4_0", "Q6_K"}, "iq4_nl": {"IQ4_NL", "Q5_K", "Q6_K"},
+            "q4_k_m": {"Q4_K", "Q5_K", "Q6_K"}}
 
 
 def fallbacks(types: dict[str, str], quant: str) -> dict[str, str]:

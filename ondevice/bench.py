@@ -17,6 +17,7 @@ from pathlib import Path
 
 from ondevice.costs import Costs, measure, speedup_bound
 from ondevice.errors import OndeviceError
+from ondevice.oracle import oracle_speedup
 
 CLASSES = ("code", "edit", "summary", "chat")
 PROMPTS_DIR = Path(__file__).resolve().parent.parent / "scripts" / "prompts"
@@ -63,7 +64,8 @@ def _record(mode, p, rep, gamma, stats) -> dict:
             "tokens": stats.tokens, "tokens_per_second": stats.tokens_per_second,
             "decode_tokens_per_second": stats.decode_tokens_per_second,
             "time_to_first_token": stats.time_to_first_token, "acceptance_rate": stats.acceptance_rate,
-            "mean_accepted_per_forward": stats.mean_accepted_per_forward, "peak_rss_mb": peak_rss_mb(),
+            "mean_accepted_per_forward": stats.mean_accepted_per_forward, "target_forwards": stats.target_forwards,
+            "plain_steps": stats.plain_steps, "peak_rss_mb": peak_rss_mb(),
             **(stats.bench_fields() if hasattr(stats, "bench_fields") else {})}  # a sharded target's collectives
 
 
@@ -198,6 +200,12 @@ def run_bench(
                 rt.reset()
                 res = rt.generate(ids, max_tokens=max_tokens, temperature=temperature, seed=rep, gamma=g)
                 runs.append(_record(name, p, rep, g, res.stats))
+                if name == "plain":
+                    plain_tokens = res.tokens
+                elif temperature == 0:
+                    runs[-1]["same_as_plain"] = res.tokens == plain_tokens  # greedy: token for token
+                if name.startswith("ngram") and temperature == 0:  # the answer is a fact: replayable offline
+                    runs[-1].update(oracle_speedup(ids, res.tokens, costs), prompt_ids=ids, answer_ids=res.tokens)
                 if progress:
                     progress(runs[-1])
             for name, fn in anchor_fns.items():
@@ -267,6 +275,15 @@ def summarize(runs: list[dict], costs: Costs) -> list[dict]:
                    "speedup_vs_plain": statistics.median(ratios) if ratios else None,
                    "decode_speedup_vs_plain": statistics.median(dec) if dec else None, "bound": None,
                    "acceptance_rate": None}
+            oracle = [r["oracle_speedup"] for r in rs if r.get("oracle_speedup")]
+            if oracle:
+                row["oracle_speedup"] = statistics.median(oracle)
+                row["realized_over_oracle"] = row["decode_speedup_vs_plain"] / row["oracle_speedup"] if dec else None
+            if any("same_as_plain" in r for r in rs):
+                row["same_as_plain"] = all(r.get("same_as_plain", True) for r in rs)
+            forwards = sum(r.get("target_forwards") or 0 for r in rs)
+            if forwards:
+                row["plain_steps_share"] = sum(r["plain_steps"] for r in rs) / forwards
             g = rs[0].get("gamma")
             if isinstance(g, int) and g > 0:
                 alpha = statistics.fmean(r["acceptance_rate"] for r in rs)

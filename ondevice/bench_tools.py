@@ -48,17 +48,17 @@ def synthetic_gguf(name: str, out_dir: Path, quant: str = "q4_k_m") -> Path:
 _COLD = r"""
 import sys, time, json
 t0 = time.perf_counter()
-kind, path, mmap = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
+kind, path, mmap, threads = sys.argv[1], sys.argv[2], sys.argv[3] == "1", int(sys.argv[4])
 if kind == "ondevice":
     import ondevice
     t_imp = time.perf_counter()
-    rt = ondevice.load(path, drafter="none", n_ctx=512, mmap=mmap)
+    rt = ondevice.load(path, drafter="none", n_ctx=512, mmap=mmap, threads=threads)
     t_load = time.perf_counter()
     next(iter(rt.stream("Hello", max_tokens=1, temperature=0)))
 else:
     import llama_cpp
     t_imp = time.perf_counter()
-    llm = llama_cpp.Llama(path, n_ctx=512, use_mmap=mmap, verbose=False)
+    llm = llama_cpp.Llama(path, n_ctx=512, use_mmap=mmap, n_threads=threads, n_threads_batch=threads, verbose=False)
     t_load = time.perf_counter()
     llm.create_completion("Hello", max_tokens=1, temperature=0)
 t_end = time.perf_counter()
@@ -78,10 +78,15 @@ def evict(path: Path) -> str:
     return "posix_fadvise(POSIX_FADV_DONTNEED)"
 
 
-def cold_start(model_path: Path, repeats: int = 3) -> dict:
-    """Fresh process → first token, cold (evicted) and warm, mmap on/off, ours and raw llama-cpp-python."""
+def cold_start(model_path: Path, repeats: int = 5, threads: int | None = None) -> dict:
+    """Fresh process → first token, cold (evicted) and warm, mmap on/off, ours and raw llama-cpp-python.
+
+    Both runners get the same context (512) and the same threads (default: all cores), interleaved.
+    ``summary["ratio/…"]`` is ondevice ÷ raw for each condition (the target is ≤ 1.15).
+    """
     rows = []
     method = None
+    threads = threads or os.cpu_count() or 1
     for rep in range(repeats):
         for kind in ("ondevice", "llama_cpp"):
             for mmap in (True, False):
@@ -89,8 +94,8 @@ def cold_start(model_path: Path, repeats: int = 3) -> dict:
                     if state == "cold":
                         method = evict(model_path)
                     t0 = time.perf_counter()
-                    r = subprocess.run([sys.executable, "-c", _COLD, kind, str(model_path), "1" if mmap else "0"],
-                                       capture_output=True, text=True, timeout=600)
+                    r = subprocess.run([sys.executable, "-c", _COLD, kind, str(model_path), "1" if mmap else "0",
+                                        str(threads)], capture_output=True, text=True, timeout=600)
                     wall = time.perf_counter() - t0
                     if r.returncode != 0:
                         raise OndeviceError(f"cold-start run failed: {r.stderr.strip().splitlines()[-1:]}")
@@ -103,7 +108,11 @@ def cold_start(model_path: Path, repeats: int = 3) -> dict:
             for state in ("cold", "warm"):
                 vals = [r["process_to_first_token"] for r in rows if (r["runner"], r["mmap"], r["cache"]) == (kind, mmap, state)]
                 summary[f"{kind}/{'mmap' if mmap else 'no-mmap'}/{state}"] = statistics.median(vals)
-    return {"eviction": method, "import_ondevice_seconds": statistics.median(imp), "runs": rows, "summary": summary}
+    for key in [k for k in summary if k.startswith("ondevice/")]:
+        raw = summary["llama_cpp/" + key.split("/", 1)[1]]
+        summary["ratio/" + key.split("/", 1)[1]] = summary[key] / raw if raw else None
+    return {"eviction": method, "threads": threads, "import_ondevice_seconds": statistics.median(imp), "runs": rows,
+            "summary": summary}
 
 
 def _import_time() -> float:
@@ -116,12 +125,14 @@ def table(doc: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    t = Table("class", "mode", "tok/s (median)", "min–max", "× plain", "bound", "acceptance", title="ondevice bench")
+    t = Table("class", "mode", "tok/s (median)", "min–max", "× plain", "decode × plain", "oracle", "bound", "acceptance",
+              "plain passes", title="ondevice bench")
     for r in doc["summary"]:
         f = lambda x, fmt: "" if x is None else format(x, fmt)  # noqa: E731
         t.add_row(r["class"], r["mode"], f(r["median_tokens_per_second"], ".1f"),
                   f"{r['min_tokens_per_second']:.1f}–{r['max_tokens_per_second']:.1f}", f(r["speedup_vs_plain"], ".2f"),
-                  f(r["bound"], ".2f"), f(r["acceptance_rate"], ".0%"))
+                  f(r.get("decode_speedup_vs_plain"), ".2f"), f(r.get("oracle_speedup"), ".2f"), f(r["bound"], ".2f"),
+                  f(r["acceptance_rate"], ".0%"), f(r.get("plain_steps_share"), ".0%"))
     Console(stderr=True).print(t)
 
 

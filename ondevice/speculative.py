@@ -147,15 +147,16 @@ def steps(
         room = n_ctx - base - 1
         t0 = time.perf_counter()
         draft: list[int] = []
+        proposal: list[int] = []  # a cheap drafter's whole guess (the policy learns from it even when unused)
         q = None
         hint = 0
         if drafter is None:
             g = 0
         elif getattr(drafter, "cheap", False):
-            draft, q = drafter.propose(context, min(policy.max_gamma, room), params, rng)
+            proposal, q = drafter.propose(context, min(policy.max_gamma, room), params, rng)
             hint = getattr(drafter, "last_match_len", 0)
-            g = min(policy.next_gamma(hint), room) if draft else 0
-            draft = draft[:g]
+            g = min(policy.next_gamma(hint), room) if proposal else 0
+            draft = proposal[:g]
         else:
             lag = drafter.lag(context) if hasattr(drafter, "lag") else 0
             g = max(0, min(policy.next_gamma(0, lag), room))
@@ -169,9 +170,9 @@ def steps(
         n_acc, nxt = verify(draft, q, p, rng)
         if observer is not None:
             observer(draft, q, p, n_acc)
-        policy.update(len(draft), n_acc, hint)
         target.rollback(base + 1 + n_acc)  # keep pending + accepted drafts; nxt becomes pending
         emitted = [*draft[:n_acc], nxt]
+        policy.update(len(draft), n_acc, hint, proposal, emitted)
         context.extend(emitted)
         t2 = time.perf_counter()
         yield Step(emitted, [True] * n_acc + [False], g, len(draft), n_acc, t1 - t0, t2 - t1)

@@ -163,3 +163,63 @@ def test_auto_is_default_and_reports_gamma_histogram(tiny_gguf, tmp_path, monkey
         again = rt.generate(PROMPT, max_tokens=24, temperature=0)
         assert again.stats.probe_seconds == 0
     assert (tmp_path / "costs.json").is_file()
+
+
+# -- spending cheap verification (issue 14) ---------------------------------------------------------------
+
+
+def _shadow(policy, proposal, emitted, hint=1, rounds=40):
+    """Plain steps (γ = 0) whose unused n-gram guess agreed with ``emitted`` as given."""
+    for _ in range(rounds):
+        policy.update(0, 0, hint, proposal, emitted)
+
+
+def test_ngram_drafts_when_the_curve_is_flat_and_never_when_steep():
+    flat = Costs({1: 1.0, 2: 1.15, 4: 1.63, 8: 2.93, 16: 3.88})  # IQ4_NL 1.5B target, measured (issue 14)
+    steep = Costs({k: float(k) for k in (1, 2, 4, 8, 16)})  # verifying k tokens costs k decodes
+    for alpha_pattern in ([1, 2, 3, 9], [1, 2, 9, 9]):  # guesses agree for 2–3 tokens, then not
+        p_flat, p_steep = AdaptivePolicy(flat, "ngram"), AdaptivePolicy(steep, "ngram")
+        _shadow(p_flat, [1, 2, 3, 4], alpha_pattern)
+        _shadow(p_steep, [1, 2, 3, 4], alpha_pattern)
+        assert p_flat.next_gamma(hint=1) >= 2
+        assert all(p_steep.next_gamma(hint=h) == 0 for h in (0, 1, 4, 30))
+    # even half-right single guesses pay on the flat curve: 1 + 0.5 > cost(2) = 1.15
+    half = AdaptivePolicy(flat, "ngram")
+    for i in range(60):
+        half.update(0, 0, 1, [7], [7] if i % 2 else [8])
+    assert half.next_gamma(hint=1) >= 1
+    # ... and not on Q4_K_M's curve, where one more token costs more than half a decode (control)
+    q4km = Costs({1: 1.0, 2: 1.6, 4: 3.14, 8: 5.30, 16: 6.08})
+    half_k = AdaptivePolicy(q4km, "ngram")
+    for i in range(60):
+        half_k.update(0, 0, 1, [7], [7] if i % 2 else [8])
+    assert half_k.next_gamma(hint=1) == 0
+
+
+def test_plain_steps_teach_the_ngram_estimate_without_probes():
+    flat = Costs({1: 1.0, 2: 1.15, 4: 1.63, 8: 2.93, 16: 3.88})
+    p = AdaptivePolicy(flat, "ngram")
+    feed(p, [(4, 0)] * 40, hint=2)  # drafts failed: the estimate for short matches collapses
+    assert p.next_gamma(hint=2) == 0
+    _shadow(p, [5, 6, 7, 8], [5, 6, 7, 8, 9], hint=2)  # but the unused guesses turn out right, step after step
+    assert p.next_gamma(hint=2) >= 3
+    # the same plain steps without the guesses teach nothing (control)
+    q = AdaptivePolicy(flat, "ngram")
+    feed(q, [(4, 0)] * 40, hint=2)
+    feed(q, [(0, 0)] * 40, hint=2)
+    assert q.next_gamma(hint=2) == 0
+
+
+def test_gain_not_ratio_picks_gamma():
+    from ondevice.policy import expected_gain
+
+    flat = Costs({1: 1.0, 2: 1.15, 4: 1.63, 8: 2.93, 16: 3.88})
+    alphas = [0.8] * 8
+    gains = {g: expected_gain(alphas, g, 0.0, flat) for g in range(9)}
+    rates = {g: expected_rate(alphas, g, 0.0, flat) for g in range(1, 9)}
+    p = AdaptivePolicy(flat, "ngram")
+    _shadow(p, list(range(8)), list(range(8)) + [99], hint=4, rounds=1)  # one observation: the prior mostly
+    p.estimates[4].by_position = [0.8] * 8
+    g = p.next_gamma(hint=4)
+    assert g == max(gains, key=gains.get)
+    assert g > max(rates, key=rates.get)  # the per-step ratio would stop earlier

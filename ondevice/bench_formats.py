@@ -1,0 +1,218 @@
+"""``ondevice bench MODEL --formats q4_k_m,q4_0,iq4_nl``: the quant advisor.
+
+On a CPU the weight format decides whether verification is cheap: llama.cpp repacks Q4_0 and IQ4_NL
+into interleaved layouts with batched GEMM kernels, while K-quants, Q4_1 and Q5_0 run the rows of a
+batch through vec-dot. So the advisor requantizes the model into each format (into a temp dir, or
+reusing a local ``pull --quant`` variant) and measures, side by side in one run:
+decode and prefill tok/s and the verify curve (interleaved rounds, medians), quality against the most
+precise source available (teacher-forced top-1 agreement and mean KL on held-back text), and the
+speculative speedup each yields on grounded edits (n-gram ``auto``; with a draft, the pair) next to
+the n-gram oracle. It recommends the format with the most effective tok/s on grounded edits (decode
+tok/s × n-gram speedup) among those within the quality budget, and says why.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from ondevice.errors import OndeviceError
+
+# Quality budget: within this much top-1 agreement, and this much mean KL (nats), of the most faithful format.
+TOP1_SLACK = 0.03
+KL_SLACK = 0.1
+MAIN_TYPE = {"q8_0": "Q8_0", "q4_0": "Q4_0", "iq4_nl": "IQ4_NL", "q4_k_m": "Q4_K", "q4_1": "Q4_1", "q5_0": "Q5_0"}
+
+
+def recommend(rows: list[dict]) -> tuple[str, str]:
+    """The format to use and why: most effective tok/s on grounded edits within the quality budget.
+
+    Args:
+        rows: one per format with ``format``, ``decode_tokens_per_second``, ``edit_speedup`` (n-gram auto
+            on grounded edits, × plain decode), ``top1_agreement`` and ``mean_kl``.
+    Returns:
+        (format, one-paragraph reason).
+    """
+    best_top1 = max(r["top1_agreement"] for r in rows)
+    best_kl = min(r["mean_kl"] for r in rows)
+    ok = [r for r in rows if r["top1_agreement"] >= best_top1 - TOP1_SLACK and r["mean_kl"] <= best_kl + KL_SLACK]
+    out = [r for r in rows if r not in ok]
+
+    def effective(r: dict) -> float:
+        return r["decode_tokens_per_second"] * (r.get("edit_speedup") or 1.0)
+
+    pick = max(ok, key=effective)
+    why = (f"{pick['format']}: {effective(pick):.1f} effective tok/s on grounded edits "
+           f"({pick['decode_tokens_per_second']:.1f} plain decode tok/s × {pick.get('edit_speedup') or 1.0:.2f} n-gram "
+           f"speedup), quality within budget (top-1 agreement {pick['top1_agreement']:.1%}, mean KL "
+           f"{pick['mean_kl']:.3f}; the best format has {best_top1:.1%} / {best_kl:.3f})")
+    others = [r for r in ok if r is not pick]
+    if others:
+        why += "; others within budget: " + ", ".join(f"{r['format']} {effective(r):.1f}" for r in others)
+    if out:
+        why += "; outside the quality budget: " + ", ".join(
+            f"{r['format']} (top-1 {r['top1_agreement']:.1%}, KL {r['mean_kl']:.3f})" for r in out)
+    return pick["format"], why
+
+
+def _prefill_seconds(backend, n: int = 128) -> float:
+    ids = [(i * 7919) % max(backend.vocab_size - 1, 1) + 1 for i in range(n)]
+    backend.rollback(0)
+    t0 = time.perf_counter()
+    backend.eval(ids, logits="last")
+    dt = time.perf_counter() - t0
+    backend.rollback(0)
+    return dt
+
+
+def _files(src: Path, name: str | None, formats: list[str], tmp: Path, progress: Callable[[str], None]) -> dict:
+    """format → (GGUF path, how it was made): the source itself, a cached local variant, or a fresh requantization."""
+    from converters.quantize import precision, requantize_file
+    from ondevice import catalog
+
+    prec = precision(src)
+    main = max(prec["types"], key=prec["types"].get)
+    out = {}
+    for fmt in formats:
+        if MAIN_TYPE.get(fmt) == main:
+            out[fmt] = (src, "source")
+            continue
+        if name is not None:
+            entry = catalog.get(name)
+            if catalog.variant_record(entry, fmt) is not None:
+                out[fmt] = (catalog.variant_path(entry, fmt), "cached local variant")
+                continue
+        progress(f"requantizing {src.name} → {fmt}")
+        dst = tmp / f"{fmt}.gguf"
+        requantize_file(src, dst, fmt, allow_requantize=True, measure=False)
+        out[fmt] = (dst, "requantized into a temp dir")
+    return out
+
+
+def advise(model: str, formats: list[str], *, draft: str | None = None, reference: str | None = None,
+           classes=("edit",), per_class: int | None = 2, repeats: int = 1, max_tokens: int = 96, rounds: int = 3,
+           threads: int | None = None, progress: Callable[[str], None] | None = None) -> dict:
+    """Measure ``model`` requantized into each of ``formats``, side by side; recommend one.
+
+    Args:
+        model: a GGUF path or catalog name (the source of every requantization).
+        formats: e.g. ["q4_k_m", "q4_0", "iq4_nl"]; the source's own format is measured as published.
+        draft: also measure the model-draft pair with this draft (as given).
+        reference: judge quality against this GGUF (default: the source). Judge 4-bit formats against a
+            clearly more precise file where one exists; against the source, the numbers are the cost of
+            requantizing, not the distance from the float model.
+        classes, per_class, repeats, max_tokens: the speculative runs (``run_bench``).
+        rounds: interleaved rounds of the cost measurement (medians are reported).
+    Returns:
+        JSON document: per-format rows, the recommendation and why, the settings.
+    """
+    from ondevice import catalog
+    from ondevice.backends import open_backend
+    from ondevice.bench import machine, run_bench
+    from ondevice.costs import Costs, measure
+
+    say = progress or (lambda s: None)
+    bad = [f for f in formats if f not in MAIN_TYPE]
+    if bad or not formats:
+        raise OndeviceError(f"--formats {','.join(formats)}: choose from {', '.join(MAIN_TYPE)}")
+    src = catalog.resolve(model)
+    name = model if str(model) in catalog.catalog()[0] else None
+    ref = catalog.resolve(reference) if reference else src
+    t_start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="ondevice-formats-", dir=catalog.home() if catalog.home().is_dir() else None) as d:
+        files = _files(src, name, formats, Path(d), say)
+        timings: dict[str, list] = {f: [] for f in formats}
+        for r in range(rounds):  # interleaved: the load of a shared machine falls on every format alike
+            for fmt in formats:
+                say(f"costs round {r + 1}/{rounds}: {fmt}")
+                b = open_backend(files[fmt][0], n_ctx=512, threads=threads)
+                try:
+                    timings[fmt].append((measure(b, ks=(1, 2, 4, 8, 16), reps=3), _prefill_seconds(b)))
+                finally:
+                    b.close()
+        rows = []
+        from converters.quantize import precision, quality
+
+        for fmt in formats:
+            path, how = files[fmt]
+            costs = Costs({k: statistics.median(c.target_seconds[k] for c, _ in timings[fmt]) for k in (1, 2, 4, 8, 16)})
+            prefill = statistics.median(p for _, p in timings[fmt])
+            say(f"quality: {fmt} vs {Path(ref).name}")
+            q = ({"top1_agreement": 1.0, "mean_kl": 0.0, "max_kl": 0.0, "tokens": 0, "reference": str(ref)}
+                 if Path(path).resolve() == Path(ref).resolve() else quality(path, ref, threads=threads))
+            say(f"speculative runs: {fmt}")
+            spec = run_bench(str(path), None, ngram=True, classes=classes, per_class=per_class, repeats=repeats,
+                             max_tokens=max_tokens, gamma="auto", threads=threads, n_ctx=2048)
+            row = {"format": fmt, "path": str(path), "made": how, "size_bytes": Path(path).stat().st_size,
+                   "bits_per_weight": precision(Path(path))["bits_per_weight"],
+                   "decode_tokens_per_second": 1.0 / costs.target_seconds[1], "prefill_tokens_per_second": 128 / prefill,
+                   "verify_cost": {str(k): round(costs.verify_cost(k), 3) for k in (2, 4, 8, 16)},
+                   "top1_agreement": q["top1_agreement"], "mean_kl": q["mean_kl"], "quality": q}
+            for s in spec["summary"]:
+                if s["mode"] == "ngram_auto":
+                    row.setdefault("ngram", {})[s["class"]] = {k: s.get(k) for k in (
+                        "decode_speedup_vs_plain", "speedup_vs_plain", "oracle_speedup", "realized_over_oracle",
+                        "same_as_plain", "plain_steps_share")}
+            row["edit_speedup"] = (row.get("ngram", {}).get("edit") or {}).get("decode_speedup_vs_plain")
+            if draft:
+                say(f"pair runs: {fmt} + {draft}")
+                pair = run_bench(str(path), draft, classes=classes, per_class=per_class, repeats=repeats,
+                                 max_tokens=max_tokens, gamma="auto", threads=threads, n_ctx=2048)
+                row["pair"] = {s["class"]: {k: s.get(k) for k in ("decode_speedup_vs_plain", "speedup_vs_plain",
+                                                                  "acceptance_rate", "plain_steps_share", "same_as_plain")}
+                               for s in pair["summary"] if s["mode"] == "draft_auto"}
+            rows.append(row)
+    pick, why = recommend(rows)
+    ref_note = ("quality is measured against the source itself: the numbers are what requantizing costs relative "
+                "to it, not the distance from the float model" if ref == src else
+                f"quality is measured against {Path(ref).name}, a more precise file of the same model")
+    return {"machine": machine(), "config": {"model": str(model), "source": str(src), "formats": formats, "draft": draft,
+            "reference": str(ref), "classes": list(classes), "per_class": per_class, "repeats": repeats,
+            "max_tokens": max_tokens, "rounds": rounds, "threads": threads, "seconds": time.perf_counter() - t_start},
+            "formats": rows, "recommendation": {"format": pick, "why": why, "reference_note": ref_note}}
+
+
+def table(doc: dict) -> None:
+    """Print the advisor's rows and recommendation."""
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table("format", "bpw", "decode tok/s", "prefill tok/s", "cost(4)", "cost(8)", "cost(16)", "top-1", "KL",
+              "n-gram × (edit)", "oracle", "pair ×", title=f"ondevice bench --formats · {Path(doc['config']['source']).name}")
+    for r in doc["formats"]:
+        ng = (r.get("ngram") or {}).get("edit") or {}
+        pair = (r.get("pair") or {}).get("edit") or {}
+        f = lambda x, fmt: "" if x is None else format(x, fmt)  # noqa: E731
+        t.add_row(r["format"], f(r["bits_per_weight"], ".2f"), f(r["decode_tokens_per_second"], ".1f"),
+                  f(r["prefill_tokens_per_second"], ".0f"), *(f(r["verify_cost"][k], ".2f") for k in ("4", "8", "16")),
+                  f(r["top1_agreement"], ".1%"), f(r["mean_kl"], ".3f"), f(r.get("edit_speedup"), ".2f"),
+                  f(ng.get("oracle_speedup"), ".2f"), f(pair.get("decode_speedup_vs_plain"), ".2f"))
+    con = Console(stderr=True)
+    con.print(t)
+    con.print(f"recommended: {doc['recommendation']['why']}\n({doc['recommendation']['reference_note']})")
+
+
+def plot(doc: dict, out_dir: Path) -> Path:
+    """speedup_vs_quality.png: effective tok/s on grounded edits against mean KL, one point per format."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise OndeviceError("--plot needs matplotlib: pip install 'ondevice[plot]'") from e
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(5, 4))
+    for r in doc["formats"]:
+        y = r["decode_tokens_per_second"] * (r.get("edit_speedup") or 1.0)
+        ax.scatter(r["mean_kl"], y)
+        ax.annotate(r["format"], (r["mean_kl"], y), fontsize=8)
+    ax.set_xlabel(f"mean KL vs {Path(doc['config']['reference']).name} (nats)")
+    ax.set_ylabel("effective tok/s on grounded edits (decode × n-gram speedup)")
+    path = out_dir / "speedup_vs_quality.png"
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close("all")
+    return path

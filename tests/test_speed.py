@@ -1,0 +1,243 @@
+"""Verify-cheap formats (iq4_nl, GGUF → GGUF requantization, pull --quant), the oracle bound, the copy
+that survives a renamed token, and the quant advisor's recommendation rule."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from ondevice.costs import Costs
+from ondevice.errors import OndeviceError
+
+
+def _cos(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
+
+
+def test_iq4_nl_writes_iq4_nl_tensors_that_track_f16(tiny_gguf):
+    """Random tiny weights quantize coarsely at 4 bits, so iq4_nl is judged beside q4_0 (same bits, same
+    block size) and against a control that compares unrelated positions."""
+    from converters.gguf_writer import fallbacks, tensor_types
+    from ondevice.backends.llama import LlamaBackend
+
+    path = tiny_gguf("qwen2", "iq4_nl")
+    types = tensor_types(path)
+    assert sum(t == "IQ4_NL" for t in types.values()) >= 10 and fallbacks(types, "iq4_nl") == {}
+
+    def logits(p, ids=None):
+        b = LlamaBackend(p, n_ctx=256)
+        ids = ids or b.tokenize("the model draft target token verify accept reject sample speculative " * 6)[:64]
+        out = b.eval(ids)
+        b.close()
+        return ids, out
+
+    ids, ref = logits(tiny_gguf("qwen2", "f16"))
+    out = logits(path, ids)[1]
+    q40 = logits(tiny_gguf("qwen2", "q4_0"), ids)[1]
+    err, err_q40 = np.abs(out - ref).mean(), np.abs(q40 - ref).mean()
+    print(f"iq4_nl vs f16: mean cos {_cos(out, ref).mean():.3f}, mean |Δ| {err:.4f} (q4_0: {err_q40:.4f})")
+    assert err <= 1.25 * err_q40  # as close to f16 as q4_0 is
+    assert _cos(out, ref).mean() >= 0.85
+    assert _cos(out, ref).mean() > _cos(np.roll(out, 1, axis=0), ref).mean() + 0.2  # control: tracks position by position
+    assert err > 1e-3  # really quantized
+
+
+def test_requantize_measures_quality_and_refuses_stacking_without_consent(tiny_gguf, tmp_path):
+    from converters import convert
+
+    q8 = tiny_gguf("qwen2", "q8_0")
+    with pytest.raises(OndeviceError, match="already quantized.*--allow-requantize"):
+        convert(q8, to="gguf", quant="q4_0", out=tmp_path / "refused", progress=False)
+    assert not (tmp_path / "refused").exists()  # nothing half-written
+    s = convert(q8, to="gguf", quant="iq4_nl", out=tmp_path / "iq4", allow_requantize=True, progress=False)
+    assert s["requantized"] and "stacks a second quantization" in s["warning"]
+    assert s["tensor_types"].get("IQ4_NL", 0) >= 10
+    q = s["quality"]
+    assert 0.2 <= q["top1_agreement"] < 1.0 and q["mean_kl"] > 0 and q["tokens"] >= 64  # 4-bit random weights: coarse
+    m = json.loads((tmp_path / "iq4" / "model.gguf").with_name("manifest.json").read_text())
+    assert m["quality"] == q and len(m["source_sha256"]) == 64
+    # from f16 no consent is needed, and the quality is near-perfect against its own source
+    s16 = convert(tiny_gguf("qwen2", "f16"), to="gguf", quant="q8_0", out=tmp_path / "q8", progress=False)
+    assert s16["warning"] is None and s16["quality"]["top1_agreement"] >= 0.85
+    assert s16["quality"]["mean_kl"] < q["mean_kl"]  # 8-bit from f16 loses less than 4-bit stacked on 8-bit
+
+
+def test_requantize_refuses_or_warns_on_a_low_bit_source(tiny_gguf, tmp_path):
+    from converters import convert
+
+    q4 = tiny_gguf("qwen2", "q4_0")
+    with pytest.raises(OndeviceError, match="already 4.* bits per weight.*grow the file.*original f16"):
+        convert(q4, to="gguf", quant="q8_0", out=tmp_path / "q8", allow_requantize=True, progress=False)
+    assert not (tmp_path / "q8").exists()
+    s = convert(q4, to="gguf", quant="iq4_nl", out=tmp_path / "iq4", allow_requantize=True, progress=False)
+    assert "already low-bit" in s["warning"] and s["quality"]["mean_kl"] > 0
+
+
+def test_requantize_cli_prints_the_warning_and_quality(tiny_gguf, tmp_path):
+    r = subprocess.run([sys.executable, "-m", "ondevice", "convert", str(tiny_gguf("llama", "q8_0")), "--to", "gguf",
+                        "--quant", "q4_0", "--out", str(tmp_path / "o"), "--allow-requantize"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "warning:" in r.stderr and "top-1 agreement" in r.stderr and "mean KL" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "ondevice", "convert", str(tiny_gguf("llama", "q8_0")), "--to", "gguf",
+                        "--quant", "q4_0", "--out", str(tmp_path / "p")], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "--allow-requantize" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_pull_quant_makes_a_recorded_local_variant(tiny_gguf, tmp_path, monkeypatch):
+    """A local variant is cached beside the published file, recorded with its sha256, never resolved as it."""
+    import shutil
+
+    from converters.quantize import pull_variant
+    from ondevice import catalog
+
+    src = tiny_gguf("llama", "q8_0")
+    from ondevice.catalog import sha256_file
+
+    toml = tmp_path / "catalog.toml"
+    toml.write_text(f'''[models."tiny"]
+description = "tiny"
+role = "chat"
+arch = "llama"
+format = "gguf"
+quant = "Q8_0"
+vocab_size = 512
+license = "none"
+filename = "tiny.gguf"
+size = {src.stat().st_size}
+sha256 = "{sha256_file(src)}"
+parts = [{{ wheel = "not-downloaded==0", member = "x" }}]
+''')
+    monkeypatch.setenv("ONDEVICE_CATALOG", str(toml))
+    monkeypatch.setenv("ONDEVICE_HOME", str(tmp_path / "home"))
+    catalog.catalog.cache_clear()
+    try:
+        entry = catalog.get("tiny")
+        catalog.cached_path(entry).parent.mkdir(parents=True)
+        shutil.copy(src, catalog.cached_path(entry))
+        with pytest.raises(OndeviceError, match="pull tiny --quant q4_0"):
+            catalog.resolve("tiny:q4_0")
+        path = pull_variant("tiny", "q4_0", quiet=True)
+        assert path.parent == catalog.cached_path(entry).parent and path != catalog.cached_path(entry)
+        rec = json.loads(path.with_suffix(".json").read_text())
+        assert rec["published"] is False and rec["source_sha256"] == entry.sha256 and rec["sha256"] == sha256_file(path)
+        assert 0 < rec["quality"]["top1_agreement"] <= 1 and rec["quality"]["mean_kl"] > 0
+        assert catalog.resolve("tiny") == catalog.cached_path(entry)  # the name still means the published file
+        assert catalog.resolve("tiny:q4_0") == path
+        mtime = path.stat().st_mtime_ns
+        assert pull_variant("tiny", "q4_0", quiet=True) == path and path.stat().st_mtime_ns == mtime  # cached
+        path.write_bytes(path.read_bytes()[:-10])  # damaged: no longer resolves
+        with pytest.raises(OndeviceError, match="no local q4_0 variant"):
+            catalog.resolve("tiny:q4_0")
+    finally:
+        catalog.catalog.cache_clear()
+
+
+def test_oracle_dp_on_hand_made_guesses():
+    from ondevice.oracle import oracle_time
+
+    flat = Costs({1: 1.0, 2: 1.1, 4: 1.3, 8: 1.7})
+    # 6 tokens; at 0 a guess of 5 of which all are right: one pass of γ=5 then a plain one
+    steps = [(5, 5), (4, 4), (3, 3), (2, 2), (1, 1), (0, 0)]
+    t, path = oracle_time(steps, flat)
+    assert path == [5] and np.isclose(t, flat.verify_cost(6))
+    # nothing right: every pass plain, and the oracle never pays for a useless verify
+    t, path = oracle_time([(4, 0)] * 5, flat)
+    assert path == [0] * 5 and t == 5.0
+    # a steep curve (cost(k) = k): drafting never saves time, so the oracle is exactly plain
+    steep = Costs({k: float(k) for k in (1, 2, 4, 8)})
+    assert oracle_time(steps, steep)[0] == pytest.approx(6.0)
+
+
+def test_oracle_replays_the_ngram_drafter():
+    from ondevice.oracle import guesses, oracle_speedup
+
+    prompt = [1, 2, 3] + list(range(100, 140)) + [5]
+    answer = list(range(100, 140))  # the answer copies the prompt
+    g = guesses(prompt, answer)
+    assert g[1][1] >= 30  # after the first token the guess is the rest of the copy
+    r = oracle_speedup(prompt, answer, Costs({1: 1.0, 2: 1.1, 4: 1.3, 8: 1.7, 16: 2.5}))
+    assert r["oracle_speedup"] > 5 and r["oracle_passes"] <= 4
+
+
+def test_ngram_copy_survives_a_renamed_token():
+    from ondevice.drafters import NgramDrafter
+
+    d = NgramDrafter()
+    src = list(range(100, 130))
+    ctx = [1, 2] + src + [5] + src[:10]
+    assert d.propose(ctx, 4, None, None)[0] == src[10:14]
+    ctx.append(999)  # the answer renames src[10]
+    guess, _ = d.propose(ctx, 4, None, None)
+    assert guess == src[11:15] and d.last_match_len >= 10  # the copy goes on past the renamed token
+    ctx += [998, 997]  # a second divergence: the copy has ended
+    assert d.propose(ctx, 4, None, None) == ([], None)
+    # control: without the continuation, a fresh drafter on the renamed context has nothing to copy
+    assert NgramDrafter().propose([1, 2] + src + [5] + src[:10] + [999], 4, None, None) == ([], None)
+
+
+def test_advisor_recommends_the_fastest_format_within_the_quality_budget():
+    from ondevice.bench_formats import recommend
+
+    rows = [
+        {"format": "q4_k_m", "decode_tokens_per_second": 40.0, "edit_speedup": 1.3, "top1_agreement": 0.97, "mean_kl": 0.02},
+        {"format": "q4_0", "decode_tokens_per_second": 40.0, "edit_speedup": 1.6, "top1_agreement": 0.95, "mean_kl": 0.05},
+        {"format": "iq4_nl", "decode_tokens_per_second": 35.0, "edit_speedup": 1.8, "top1_agreement": 0.96, "mean_kl": 0.04},
+        {"format": "q2", "decode_tokens_per_second": 80.0, "edit_speedup": 2.0, "top1_agreement": 0.70, "mean_kl": 0.9},
+    ]
+    best, why = recommend(rows)
+    assert best == "q4_0"  # 40 × 1.6 = 64 effective tok/s beats iq4_nl's 63; q2 fails the quality budget
+    assert "q2" in why and "quality" in why
+
+
+def test_bench_reports_the_oracle_next_to_the_realized_speedup(tiny_gguf):
+    from ondevice.bench import run_bench
+
+    doc = run_bench(str(tiny_gguf("llama", "q8_0")), ngram=True, classes=["edit"], per_class=1, repeats=1,
+                    max_tokens=24, gamma="auto", n_ctx=1024, threads=1)
+    ngram = [r for r in doc["runs"] if r["mode"] == "ngram_auto"]
+    assert ngram and all(r["same_as_plain"] for r in ngram)  # greedy: token for token
+    assert all(r["oracle_speedup"] >= 1.0 and r["oracle_passes"] >= 1 for r in ngram)  # γ = 0 everywhere is allowed
+    row = next(s for s in doc["summary"] if s["mode"] == "ngram_auto")
+    assert row["oracle_speedup"] >= 1.0 and "realized_over_oracle" in row and 0 <= row["plain_steps_share"] <= 1
+
+
+def test_advisor_end_to_end_on_a_tiny_model(tiny_gguf, tmp_path, monkeypatch):
+    from ondevice.bench_formats import advise, plot
+
+    monkeypatch.setenv("ONDEVICE_HOME", str(tmp_path))
+    doc = advise(str(tiny_gguf("qwen2", "q8_0")), ["q8_0", "q4_0"], classes=["edit"], per_class=1, max_tokens=8,
+                 rounds=1, threads=1)
+    rows = {r["format"]: r for r in doc["formats"]}
+    assert rows["q8_0"]["made"] == "source" and rows["q8_0"]["top1_agreement"] == 1.0
+    assert rows["q4_0"]["made"] == "requantized into a temp dir" and not list(tmp_path.glob("ondevice-formats-*"))
+    for r in rows.values():
+        assert r["decode_tokens_per_second"] > 0 and set(r["verify_cost"]) == {"2", "4", "8", "16"}
+        assert r["ngram"]["edit"]["same_as_plain"] is True
+    assert doc["recommendation"]["format"] in rows and doc["recommendation"]["why"]
+    assert plot(doc, tmp_path / "plots").is_file()
+
+
+def test_one_slow_plain_step_does_not_make_batches_look_free():
+    """A preempted plain step (k = 1 timed 10× too slow) once raised every batch to its time, so cost(k) = 1
+    for all k and the policy drafted every pass, never timing a plain step again to correct it."""
+    from ondevice.policy import AdaptivePolicy
+
+    costs = Costs({1: 1.0, 2: 1.9, 4: 3.0, 8: 5.5, 16: 9.0})
+    for _ in range(3):
+        costs.observe(1, 50.0)  # preempted plain steps folded into the curve
+    assert costs.target_seconds[1] < 1.2 and costs.verify_cost(4) >= 2.5  # the batches keep their own cost
+    p = AdaptivePolicy(costs, "ngram", learn_costs=False)
+    for _ in range(30):
+        p.update(0, 0, 1, [5, 6], [7])  # guesses are wrong
+    assert p.next_gamma(hint=1) == 0
+    # an inconsistent curve (plain step slower than a batch of 16) is made monotone from above, never below
+    bad = Costs({1: 10.0, 2: 1.9, 4: 3.0, 8: 5.5, 16: 9.0})
+    assert bad.verify_cost(16) > 4.0
+    # control: the old rule (monotone from below, each k raised to the slowest smaller batch) says free
+    t = bad.target_seconds
+    assert max(min(t[j], j * t[1]) for j in t) / t[1] <= 1.0
