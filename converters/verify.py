@@ -249,6 +249,10 @@ def verify_conversion(src: Path, to: str, written: Path, summary: dict, out: Pat
     """
     if to == "coreml":
         return None
+    if to == "gguf" and is_gguf_file(src):
+        result = _requantized(src, written / "model.gguf", summary, out)
+        record(written, result)
+        return result
     fmt = "gguf" if to == "gguf" else "mlx"
     path = written / "model.gguf" if fmt == "gguf" else written
     level = precision(fmt, summary["quant"], summary.get("bits"))
@@ -304,3 +308,28 @@ def _gguf_source(src: Path, path: Path, summary: dict, out: Path) -> dict:
         side["level"] = "quantized"
         side["written"] = lambda ids: mlx_float_logits(config, weights, ids)
     return side
+
+
+def _requantized(src: Path, path: Path, summary: dict, out: Path) -> dict:
+    """GGUF → GGUF (llama.cpp's quantizer): the output loads in llama.cpp and tokenizes the probe as the source
+    does. Its logits were already compared with the source's by ``converters.quantize.quality`` (top-1, KL),
+    which is recorded, not gated: a requantization loses quality by design, and the user chose how much."""
+    t0 = time.perf_counter()
+    ids = {}
+    for name, p in (("source", src), ("written", path)):
+        try:
+            b = llama_backend(p, MAX_TOKENS)
+        except OndeviceError as e:
+            raise OndeviceError(f"{out}: verification failed: llama.cpp cannot load the requantized file ({e}); "
+                                "nothing was kept") from None
+        try:
+            ids[name] = (b.tokenize(PROBE, add_bos=True), bool(b.add_bos))
+        finally:
+            b.close()
+    if ids["source"] != ids["written"]:
+        raise OndeviceError(f"{out}: verification failed: the requantized file tokenizes the probe differently from "
+                            f"{Path(src).name}; nothing was kept")
+    return {"runtime": "llama.cpp", "precision": "requantized",
+            "tokenizer": {"match": True, "probe_tokens": len(ids["source"][0]), "add_bos": ids["source"][1]},
+            "source": {"reference": "llama.cpp (source GGUF)", **(summary.get("quality") or {})},
+            "passed": True, "seconds": round(time.perf_counter() - t0, 3)}
