@@ -111,7 +111,12 @@ def facts(path: Path, cache: dict | None = None) -> dict:
         path = path / "model.gguf"
     own = cache is None
     cache = _load_cache() if own else cache
-    key, size = _stat_key(path)
+    try:
+        key, size = _stat_key(path)
+    except OSError as e:  # a dangling link (an interrupted HF download), a file removed meanwhile, no permission
+        why = f"a broken link to {os.readlink(path)}" if path.is_symlink() and not path.exists() else \
+            f"cannot be read ({e.strerror or type(e).__name__})"
+        raise OndeviceError(f"{path}: {why}") from e
     hit = cache.get(key)
     if hit is not None:
         return {**hit, "size": size}

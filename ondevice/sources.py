@@ -82,7 +82,7 @@ def _is_model_gguf(name: str) -> bool:
 
 def gguf_files(directory: Path) -> list[Path]:
     """Model GGUFs under ``directory`` (see ``_is_model_gguf``)."""
-    return [f for f in sorted(directory.rglob("*.gguf")) if _is_model_gguf(f.name)]
+    return [f for f in sorted(directory.rglob("*.gguf")) if _is_model_gguf(f.name) and not f.is_dir()]
 
 
 def choose_gguf(names: list[str], selector: str | None, what: str) -> str:
@@ -314,6 +314,9 @@ def resolve_lmstudio(ref: str) -> Path:
     roots = lmstudio_dirs()
     rel, _, selector = ref.partition(":")
     name = f"lmstudio:{ref}"
+    if not rel.strip("/") or Path(rel).is_absolute() or ".." in Path(rel).parts:
+        raise OndeviceError(f"{name}: expected lmstudio:PATH[:QUANT] with PATH inside LM Studio's models folder "
+                            f"({', '.join(map(str, roots))}), or a file/folder name; for other files give the path itself")
     hits = [r / rel for r in roots if (r / rel).exists()]
     if not hits:
         key = rel.lower().removesuffix(".gguf")

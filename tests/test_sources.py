@@ -511,6 +511,27 @@ def test_lmstudio_repo_name_with_quant(stores, models):
         sources.resolve("hf:bad..name/x--y")
 
 
+def test_broken_files_in_the_stores_are_listed_with_a_reason(stores, models):
+    """Half-downloaded or odd entries never crash ``models --local``: each is a row with a one-line error."""
+    d = stores["lmstudio"] / "odd/repo GGUF"
+    d.mkdir(parents=True)
+    data = models["draft"].read_bytes()
+    (d / "cut-Q4_0.gguf").write_bytes(data[:3000])
+    (d / "empty-Q5_0.gguf").write_bytes(b"")
+    (d / "dangling-Q6_K.gguf").symlink_to(stores["tmp"] / "nowhere.gguf")  # an interrupted HF download looks like this
+    (d / "folder.gguf").mkdir()  # a directory is not a model file
+    (d / "with space-Q8_0.gguf").write_bytes(data)
+    rows = {r["name"].removeprefix("lmstudio:odd/repo GGUF/"): r for r in discovery.local_models()}
+    assert "folder.gguf" not in rows and "fingerprint" in rows["with space-Q8_0.gguf"]
+    for name, reason in [("cut-Q4_0.gguf", "truncated"), ("empty-Q5_0.gguf", "too short for a GGUF header"),
+                         ("dangling-Q6_K.gguf", "a broken link to")]:
+        assert reason in rows[name]["error"] and "\n" not in rows[name]["error"], rows[name]
+    assert sources.resolve("lmstudio:odd/repo GGUF/with space-Q8_0.gguf") == d / "with space-Q8_0.gguf"
+    for bad in ("lmstudio:", "lmstudio:../../etc", "lmstudio:odd/../../x", "lmstudio:/etc"):
+        with pytest.raises(OndeviceError, match="with PATH inside LM Studio's models folder"):
+            sources.resolve(bad)
+
+
 def test_fast_gguf_header_reads_what_gguf_reads(models, tmp_path):
     """gguf_meta (a struct walk of the header) gives gguf-py's token texts and scalars, and one-line errors."""
     import gguf
