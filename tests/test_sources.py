@@ -64,6 +64,7 @@ def hf_put(cache: Path, repo: str, files: dict[str, Path]) -> Path:
         blob.write_bytes(data)
         link = snap / name
         link.parent.mkdir(parents=True, exist_ok=True)
+        link.unlink(missing_ok=True)
         link.symlink_to(os.path.relpath(blob, link.parent))
     (base / "refs").mkdir(exist_ok=True)
     (base / "refs" / "main").write_text(REV)
@@ -437,6 +438,20 @@ def test_download_gguf_by_quant(fake_hub, capsys):
     assert fake_hub["calls"][-1][1:] == (("tiny/remote-GGUF", "tiny-remote-F16.gguf"), {"revision": "v1", "cache_dir": hub})
     with pytest.raises(OndeviceError, match=r"holds 2 GGUF files \(tiny-remote-F16.gguf, tiny-remote-Q8_0.gguf\); add :QUANT"):
         sources.resolve("hf:tiny/remote-GGUF@v2")
+
+
+def test_dangling_link_in_the_hf_cache_is_downloaded_again(fake_hub, monkeypatch):
+    """An interrupted download leaves a snapshot link without its blob: online it is fetched again,
+    offline the error names the broken link (it used to reach the backend as 'unrecognised model format')."""
+    path = sources.resolve("hf:tiny/remote-GGUF:Q8_0")
+    path.resolve().unlink()
+    n = len(fake_hub["calls"])
+    assert sources.resolve("hf:tiny/remote-GGUF:Q8_0") == path and path.is_file()
+    assert [c[0] for c in fake_hub["calls"][n:]] == ["list_repo_files", "hf_hub_download"]
+    path.resolve().unlink()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(OndeviceError, match=r"hf:tiny/remote-GGUF:Q8_0: .*tiny-remote-Q8_0.gguf is a broken link"):
+        catalog.resolve("hf:tiny/remote-GGUF:Q8_0")
 
 
 def test_download_split_gguf_and_safetensors_repo(fake_hub):
