@@ -189,7 +189,11 @@ def local_models() -> list[dict]:
         quant, size, vocab_size, fingerprint; or name, source, path and ``error`` for a broken one.
     """
     found: list[tuple[str, str, Path | None, str | None]] = []
-    found += [(n, "hf", p, None) for n, p in _hf_models()]
+    try:
+        found += [(n, "hf", p, None) for n, p in _hf_models()]
+    except OSError as e:  # an unreadable cache folder: say so, and list the other stores
+        found.append(("hf:", "hf", sources.hf_cache_dir(), f"{sources.hf_cache_dir()}: cannot scan the Hugging Face "
+                      f"cache ({e.strerror or type(e).__name__}); check its permissions or HF_HOME"))
     found += [(f"lmstudio:{n}", "lmstudio", p, None) for n, p in sources.lmstudio_models()]
     root = sources.ollama_dir()
     for n, manifest in sources.ollama_names(root):

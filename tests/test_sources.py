@@ -542,6 +542,16 @@ def test_broken_files_in_the_stores_are_listed_with_a_reason(stores, models):
                          ("dangling-Q6_K.gguf", "a broken link to")]:
         assert reason in rows[name]["error"] and "\n" not in rows[name]["error"], rows[name]
     assert sources.resolve("lmstudio:odd/repo GGUF/with space-Q8_0.gguf") == d / "with space-Q8_0.gguf"
+    import huggingface_hub
+
+    def unreadable(path):
+        raise PermissionError(13, "Permission denied")  # a chmod 000 cache (tests run as root, where chmod is moot)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(huggingface_hub, "scan_cache_dir", unreadable)
+        rows = {r["name"]: r for r in discovery.local_models()}
+    assert "cannot scan the Hugging Face cache (Permission denied)" in rows["hf:"]["error"]
+    assert "fingerprint" in rows["ollama:tinydraft:latest"]  # the other stores are still listed
     for bad in ("lmstudio:", "lmstudio:../../etc", "lmstudio:odd/../../x", "lmstudio:/etc"):
         with pytest.raises(OndeviceError, match="with PATH inside LM Studio's models folder"):
             sources.resolve(bad)
