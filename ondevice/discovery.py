@@ -111,7 +111,12 @@ def facts(path: Path, cache: dict | None = None) -> dict:
         path = path / "model.gguf"
     own = cache is None
     cache = _load_cache() if own else cache
-    key, size = _stat_key(path)
+    try:
+        key, size = _stat_key(path)
+    except OSError as e:  # a dangling link (an interrupted HF download), a file removed meanwhile, no permission
+        why = f"a broken link to {os.readlink(path)}" if path.is_symlink() and not path.exists() else \
+            f"cannot be read ({e.strerror or type(e).__name__})"
+        raise OndeviceError(f"{path}: {why}") from e
     hit = cache.get(key)
     if hit is not None:
         return {**hit, "size": size}
@@ -184,7 +189,11 @@ def local_models() -> list[dict]:
         quant, size, vocab_size, fingerprint; or name, source, path and ``error`` for a broken one.
     """
     found: list[tuple[str, str, Path | None, str | None]] = []
-    found += [(n, "hf", p, None) for n, p in _hf_models()]
+    try:
+        found += [(n, "hf", p, None) for n, p in _hf_models()]
+    except OSError as e:  # an unreadable cache folder: say so, and list the other stores
+        found.append(("hf:", "hf", sources.hf_cache_dir(), f"{sources.hf_cache_dir()}: cannot scan the Hugging Face "
+                      f"cache ({e.strerror or type(e).__name__}); check its permissions or HF_HOME"))
     found += [(f"lmstudio:{n}", "lmstudio", p, None) for n, p in sources.lmstudio_models()]
     root = sources.ollama_dir()
     for n, manifest in sources.ollama_names(root):

@@ -30,10 +30,15 @@ def read_header(path: str | Path) -> tuple[dict, list[str] | None]:
         OndeviceError: not a GGUF v2/v3 file, or a truncated header.
     """
     path = Path(path)
+    if path.stat().st_size < 24:
+        raise OndeviceError(f"{path}: {path.stat().st_size} bytes, too short for a GGUF header (an interrupted download?)")
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
         try:
             return _parse(mm, path)
-        except (struct.error, IndexError, UnicodeDecodeError, ValueError) as e:
+        except struct.error:
+            raise OndeviceError(f"{path}: GGUF header runs past the end of the file ({len(mm)} bytes; "
+                                "truncated, e.g. an interrupted download)") from None
+        except (IndexError, UnicodeDecodeError, ValueError) as e:
             raise OndeviceError(f"{path}: corrupt GGUF header ({type(e).__name__}: {e})") from e
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
@@ -138,6 +138,12 @@ class Server:
             raise ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
         if not isinstance(body, dict):
             raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
+        try:  # JSON may spell unpaired UTF-16 surrogates ("\\ud800"), which no tokenizer can encode
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as e:
+            bad = e.object[e.start:e.end].encode("unicode_escape").decode()
+            raise ApiError(400, f"the request body holds an unpaired UTF-16 surrogate ({bad}); send valid Unicode",
+                           code="invalid_value") from None
         return body
 
     async def _generate(self, request: Request, chat: bool) -> Response:
@@ -156,6 +162,8 @@ class Server:
             gen = generation_args(body, len(ids), self.rt.n_ctx)
         except ApiError as e:
             return _error(e)
+        except ClientDisconnect:  # the client left while sending its body: nobody to answer
+            return Response(status_code=499)
         reply = Reply(chat, self.model_id)
         if stream:
             return SSEResponse(self, ids, gen, reply, with_usage)

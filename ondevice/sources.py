@@ -82,7 +82,7 @@ def _is_model_gguf(name: str) -> bool:
 
 def gguf_files(directory: Path) -> list[Path]:
     """Model GGUFs under ``directory`` (see ``_is_model_gguf``)."""
-    return [f for f in sorted(directory.rglob("*.gguf")) if _is_model_gguf(f.name)]
+    return [f for f in sorted(directory.rglob("*.gguf")) if _is_model_gguf(f.name) and not f.is_dir()]
 
 
 def choose_gguf(names: list[str], selector: str | None, what: str) -> str:
@@ -212,7 +212,9 @@ def resolve_hf(ref: str, *, download: bool = True) -> Path:
     snap = _hf_cached(repo, revision)
     if snap is not None:
         try:
-            return pick(snap, selector, name)
+            found = pick(snap, selector, name)
+            if found.exists() or not download or hf_offline():  # a dangling link is downloaded again
+                return found
         except OndeviceError:
             if not download or hf_offline():
                 raise
@@ -314,6 +316,9 @@ def resolve_lmstudio(ref: str) -> Path:
     roots = lmstudio_dirs()
     rel, _, selector = ref.partition(":")
     name = f"lmstudio:{ref}"
+    if not rel.strip("/") or Path(rel).is_absolute() or ".." in Path(rel).parts:
+        raise OndeviceError(f"{name}: expected lmstudio:PATH[:QUANT] with PATH inside LM Studio's models folder "
+                            f"({', '.join(map(str, roots))}), or a file/folder name; for other files give the path itself")
     hits = [r / rel for r in roots if (r / rel).exists()]
     if not hits:
         key = rel.lower().removesuffix(".gguf")
@@ -342,14 +347,22 @@ def resolve(spec: str, *, download: bool = True) -> Path | None:
     Raises:
         OndeviceError: the name is of one of these kinds but cannot be resolved (saying where it looked).
     """
+    if spec.startswith(PREFIXES) or _BARE.match(spec):
+        path = _resolve(spec, download)
+        if path.is_symlink() and not path.exists():  # the HF cache links into blobs/; an interrupted download
+            raise OndeviceError(f"{spec}: {path} is a broken link to {os.readlink(path)} (an interrupted download?); "
+                                "download it again")
+        return path
+    return None
+
+
+def _resolve(spec: str, download: bool) -> Path:
     if spec.startswith("hf:"):
         return resolve_hf(spec[3:], download=download)
     if spec.startswith("ollama:"):
         return resolve_ollama(spec[7:])
     if spec.startswith("lmstudio:"):
         return resolve_lmstudio(spec[9:])
-    if not _BARE.match(spec):
-        return None
     found: list[tuple[str, Path]] = []
     repo, _, selector = spec.partition(":")
     if _hf_cached(repo, None) is not None:

@@ -169,6 +169,7 @@ def test_errors_have_status_and_one_line_message(server, model_id):
         (b"x" * (5 << 20), {}, 413, "body_too_large"),
         (ok, {"headers": {"Host": "evil.example:8080"}}, 403, "forbidden_host"),
         (ok, {"headers": {"Origin": "https://evil.example"}}, 403, "forbidden_origin"),
+        ({**ok, "messages": [{"role": "user", "content": "\ud800 hi"}]}, {}, 400, "invalid_value"),  # lone surrogate
     ]
     for body, kw, status, code in cases:
         r = _post(server, body, **kw)
@@ -180,6 +181,29 @@ def test_errors_have_status_and_one_line_message(server, model_id):
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
     r = _post(server, ok)  # still serving
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
+
+
+def test_client_leaving_mid_body_is_quiet():
+    """A client that drops the connection while sending its body gets no answer and raises nothing."""
+    import asyncio
+
+    from ondevice.server import Server
+
+    app = Server(None, "m")  # the body is read before the runtime is touched
+    incoming = [{"type": "http.request", "body": b'{"mod', "more_body": True}, {"type": "http.disconnect"}]
+    sent: list = []
+
+    async def receive():
+        return incoming.pop(0) if incoming else {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "root_path": "", "query_string": b"",
+             "headers": [(b"host", b"127.0.0.1"), (b"content-length", b"100")], "scheme": "http", "http_version": "1.1",
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2)}
+    asyncio.run(app(scope, receive, send))  # before the fix: starlette.requests.ClientDisconnect escaped here
+    assert sent[0]["status"] == 499
 
 
 def test_openai_client_raises_typed_errors(client, model_id):

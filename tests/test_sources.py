@@ -64,6 +64,7 @@ def hf_put(cache: Path, repo: str, files: dict[str, Path]) -> Path:
         blob.write_bytes(data)
         link = snap / name
         link.parent.mkdir(parents=True, exist_ok=True)
+        link.unlink(missing_ok=True)
         link.symlink_to(os.path.relpath(blob, link.parent))
     (base / "refs").mkdir(exist_ok=True)
     (base / "refs" / "main").write_text(REV)
@@ -439,6 +440,20 @@ def test_download_gguf_by_quant(fake_hub, capsys):
         sources.resolve("hf:tiny/remote-GGUF@v2")
 
 
+def test_dangling_link_in_the_hf_cache_is_downloaded_again(fake_hub, monkeypatch):
+    """An interrupted download leaves a snapshot link without its blob: online it is fetched again,
+    offline the error names the broken link (it used to reach the backend as 'unrecognised model format')."""
+    path = sources.resolve("hf:tiny/remote-GGUF:Q8_0")
+    path.resolve().unlink()
+    n = len(fake_hub["calls"])
+    assert sources.resolve("hf:tiny/remote-GGUF:Q8_0") == path and path.is_file()
+    assert [c[0] for c in fake_hub["calls"][n:]] == ["list_repo_files", "hf_hub_download"]
+    path.resolve().unlink()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(OndeviceError, match=r"hf:tiny/remote-GGUF:Q8_0: .*tiny-remote-Q8_0.gguf is a broken link"):
+        catalog.resolve("hf:tiny/remote-GGUF:Q8_0")
+
+
 def test_download_split_gguf_and_safetensors_repo(fake_hub):
     first = sources.resolve("hf:tiny/split-GGUF:Q4_K_M")
     assert first.name == "big-Q4_K_M-00001-of-00002.gguf" and (first.parent / "big-Q4_K_M-00002-of-00002.gguf").is_file()
@@ -509,6 +524,37 @@ def test_lmstudio_repo_name_with_quant(stores, models):
         sources.resolve("lmstudio:pub/tiny-GGUF")
     with pytest.raises(OndeviceError, match="hf:bad..name/x--y: not a valid Hugging Face repo id"):
         sources.resolve("hf:bad..name/x--y")
+
+
+def test_broken_files_in_the_stores_are_listed_with_a_reason(stores, models):
+    """Half-downloaded or odd entries never crash ``models --local``: each is a row with a one-line error."""
+    d = stores["lmstudio"] / "odd/repo GGUF"
+    d.mkdir(parents=True)
+    data = models["draft"].read_bytes()
+    (d / "cut-Q4_0.gguf").write_bytes(data[:3000])
+    (d / "empty-Q5_0.gguf").write_bytes(b"")
+    (d / "dangling-Q6_K.gguf").symlink_to(stores["tmp"] / "nowhere.gguf")  # an interrupted HF download looks like this
+    (d / "folder.gguf").mkdir()  # a directory is not a model file
+    (d / "with space-Q8_0.gguf").write_bytes(data)
+    rows = {r["name"].removeprefix("lmstudio:odd/repo GGUF/"): r for r in discovery.local_models()}
+    assert "folder.gguf" not in rows and "fingerprint" in rows["with space-Q8_0.gguf"]
+    for name, reason in [("cut-Q4_0.gguf", "truncated"), ("empty-Q5_0.gguf", "too short for a GGUF header"),
+                         ("dangling-Q6_K.gguf", "a broken link to")]:
+        assert reason in rows[name]["error"] and "\n" not in rows[name]["error"], rows[name]
+    assert sources.resolve("lmstudio:odd/repo GGUF/with space-Q8_0.gguf") == d / "with space-Q8_0.gguf"
+    import huggingface_hub
+
+    def unreadable(path):
+        raise PermissionError(13, "Permission denied")  # a chmod 000 cache (tests run as root, where chmod is moot)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(huggingface_hub, "scan_cache_dir", unreadable)
+        rows = {r["name"]: r for r in discovery.local_models()}
+    assert "cannot scan the Hugging Face cache (Permission denied)" in rows["hf:"]["error"]
+    assert "fingerprint" in rows["ollama:tinydraft:latest"]  # the other stores are still listed
+    for bad in ("lmstudio:", "lmstudio:../../etc", "lmstudio:odd/../../x", "lmstudio:/etc"):
+        with pytest.raises(OndeviceError, match="with PATH inside LM Studio's models folder"):
+            sources.resolve(bad)
 
 
 def test_fast_gguf_header_reads_what_gguf_reads(models, tmp_path):
