@@ -32,12 +32,16 @@ def recommend(rows: list[dict]) -> tuple[str, str]:
 
     Args:
         rows: one per format with ``format``, ``decode_tokens_per_second``, ``edit_speedup`` (n-gram auto
-            on grounded edits, × plain decode), ``top1_agreement`` and ``mean_kl``.
+            on grounded edits, × plain decode), ``top1_agreement`` and ``mean_kl``; ``is_reference`` marks
+            the file quality was measured against (it is within budget, but does not set it).
     Returns:
         (format, one-paragraph reason).
     """
-    best_top1 = max(r["top1_agreement"] for r in rows)
-    best_kl = min(r["mean_kl"] for r in rows)
+    # The reference itself scores a trivial 100 % / 0 nats: when it is one of the candidates (no more precise
+    # file was given), the budget is set by the best *measured* format, or requantizing could never win.
+    judged = [r for r in rows if not r.get("is_reference")] or rows
+    best_top1 = max(r["top1_agreement"] for r in judged)
+    best_kl = min(r["mean_kl"] for r in judged)
     ok = [r for r in rows if r["top1_agreement"] >= best_top1 - TOP1_SLACK and r["mean_kl"] <= best_kl + KL_SLACK]
     out = [r for r in rows if r not in ok]
 
@@ -141,8 +145,9 @@ def advise(model: str, formats: list[str], *, draft: str | None = None, referenc
             costs = Costs({k: statistics.median(c.target_seconds[k] for c, _ in timings[fmt]) for k in (1, 2, 4, 8, 16)})
             prefill = statistics.median(p for _, p in timings[fmt])
             say(f"quality: {fmt} vs {Path(ref).name}")
+            is_ref = Path(path).resolve() == Path(ref).resolve()
             q = ({"top1_agreement": 1.0, "mean_kl": 0.0, "max_kl": 0.0, "tokens": 0, "reference": str(ref)}
-                 if Path(path).resolve() == Path(ref).resolve() else quality(path, ref, threads=threads))
+                 if is_ref else quality(path, ref, threads=threads))
             say(f"speculative runs: {fmt}")
             spec = run_bench(str(path), None, ngram=True, classes=classes, per_class=per_class, repeats=repeats,
                              max_tokens=max_tokens, gamma="auto", threads=threads, n_ctx=2048)
@@ -150,7 +155,7 @@ def advise(model: str, formats: list[str], *, draft: str | None = None, referenc
                    "bits_per_weight": precision(Path(path))["bits_per_weight"],
                    "decode_tokens_per_second": 1.0 / costs.target_seconds[1], "prefill_tokens_per_second": 128 / prefill,
                    "verify_cost": {str(k): round(costs.verify_cost(k), 3) for k in (2, 4, 8, 16)},
-                   "top1_agreement": q["top1_agreement"], "mean_kl": q["mean_kl"], "quality": q}
+                   "top1_agreement": q["top1_agreement"], "mean_kl": q["mean_kl"], "quality": q, "is_reference": is_ref}
             for s in spec["summary"]:
                 if s["mode"] == "ngram_auto":
                     row.setdefault("ngram", {})[s["class"]] = {k: s.get(k) for k in (

@@ -192,6 +192,17 @@ def test_advisor_recommends_the_fastest_format_within_the_quality_budget():
     best, why = recommend(rows)
     assert best == "q4_0"  # 40 × 1.6 = 64 effective tok/s beats iq4_nl's 63; q2 fails the quality budget
     assert "q2" in why and "quality" in why
+    # Judged against the source itself (no more precise file): the source's trivial 100 % must not set the
+    # budget, or no requantization could ever be recommended.
+    against_source = [{"format": "q4_k_m", "decode_tokens_per_second": 40.0, "edit_speedup": 1.3, "top1_agreement": 1.0,
+                       "mean_kl": 0.0, "is_reference": True},
+                      {"format": "iq4_nl", "decode_tokens_per_second": 35.0, "edit_speedup": 1.8, "top1_agreement": 0.906,
+                       "mean_kl": 0.039},
+                      {"format": "q2", "decode_tokens_per_second": 80.0, "edit_speedup": 2.0, "top1_agreement": 0.70,
+                       "mean_kl": 0.9}]
+    assert recommend(against_source)[0] == "iq4_nl"
+    del against_source[0]["is_reference"]  # control: the old rule let the reference set the budget
+    assert recommend(against_source)[0] == "q4_k_m"
 
 
 def test_bench_reports_the_oracle_next_to_the_realized_speedup(tiny_gguf):
