@@ -50,7 +50,7 @@ def convert(
         A JSON-able summary (sizes, seconds, bits per weight, tensor types, fallbacks) with, per output,
         ``verify``: what loading it in its runtime and comparing with the source found (``converters.verify``).
     """
-    from converters.output import atomic_dir, check_out
+    from converters.output import atomic_dir, check_interrupted, check_out
     from converters.verify import verify_conversion
     from ondevice import catalog
 
@@ -77,6 +77,7 @@ def convert(
                 "target": _convert_one(src, to, tmp / "target", **opts),
                 "draft": _convert_one(Path(draft), to, tmp / "draft", **opts),
             }
+            check_interrupted()  # a Ctrl-C swallowed by a llama.cpp callback stops here, not after verifying
             if verify:
                 summary["target"]["verify"] = verify_conversion(src, to, tmp / "target", summary["target"], out / "target")
                 summary["draft"]["verify"] = verify_conversion(Path(draft), to, tmp / "draft", summary["draft"], out / "draft")
@@ -84,6 +85,7 @@ def convert(
     else:
         with atomic_dir(out) as tmp:
             summary = _convert_one(src, to, tmp, **opts)
+            check_interrupted()  # a Ctrl-C swallowed by a llama.cpp callback stops here, not after verifying
             if verify:
                 summary["verify"] = verify_conversion(src, to, tmp, summary, out)
         summary["out"] = str(out)

@@ -86,6 +86,9 @@ def llama_quantize(src: Path, dst: Path, quant: str, *, allow_requantize: bool =
     params.nthread = threads
     params.allow_requantize = allow_requantize
     rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
+    from converters.output import check_interrupted
+
+    check_interrupted()  # a Ctrl-C that landed in llama.cpp's log callback was swallowed there
     if rc != 0:
         raise OndeviceError(f"{src}: llama_model_quantize to {quant} failed (code {rc})")
 
@@ -272,17 +275,28 @@ def pull_variant(name: str, quant: str, *, force: bool = False, quiet: bool = Fa
     dest = catalog.variant_path(entry, quant)
     if not force and catalog.variant_record(entry, quant) is not None:
         return dest
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    summary = requantize_file(src, dest, quant, allow_requantize=True)
-    if not quiet:
-        report(summary)
     import llama_cpp
 
-    catalog.record_variant(entry, quant, {
-        "published": False, "source_model": entry.name, "source_file": entry.filename, "source_sha256": entry.sha256,
-        "source_quant": entry.quant, "quant": quant, "quantizer": f"llama_model_quantize (llama-cpp-python "
-        f"{llama_cpp.__version__}, allow_requantize)", "bits_per_weight": summary["bits_per_weight"],
-        "tensor_types": summary["tensor_types"], "quality": summary["quality"], "warning": summary["warning"]})
+    from converters.output import check_interrupted, sigint_remembered
+
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    # written and measured under a temp name, renamed and recorded last: a failure or Ctrl-C leaves nothing
+    tmp = dest.with_name(f".{dest.stem}.{os.getpid()}.measuring.gguf")
+    try:
+        with sigint_remembered():
+            summary = requantize_file(src, tmp, quant, allow_requantize=True, reference=src)
+            check_interrupted()
+            os.replace(tmp, dest)
+            catalog.record_variant(entry, quant, {
+                "published": False, "source_model": entry.name, "source_file": entry.filename,
+                "source_sha256": entry.sha256, "source_quant": entry.quant, "quant": quant,
+                "quantizer": f"llama_model_quantize (llama-cpp-python {llama_cpp.__version__}, allow_requantize)",
+                "bits_per_weight": summary["bits_per_weight"], "tensor_types": summary["tensor_types"],
+                "quality": summary["quality"], "warning": summary["warning"]})
+    finally:
+        tmp.unlink(missing_ok=True)
+    if not quiet:
+        report(summary)
     if not quiet:
         from rich.console import Console
 
