@@ -95,9 +95,9 @@ def llama_quantize(src: Path, dst: Path, quant: str, *, allow_requantize: bool =
 
 def precision(path: Path) -> dict:
     """Bits per weight of a GGUF's 2-D weights (parameter-weighted) and the count of each tensor type."""
-    import gguf
+    from ondevice.formats.gguf_reader import GGUFFile
 
-    reader = gguf.GGUFReader(str(path))
+    reader = GGUFFile(path).reader  # a truncated or corrupt file: one line naming it
     bits, n, types = 0.0, 0, Counter()
     for t in reader.tensors:
         if len(t.shape) < 2:
