@@ -196,7 +196,7 @@ def requantize_file(src: Path, dst: Path, quant: str, *, allow_requantize: bool 
     Returns:
         Summary: source precision, warning, sizes, tensor types, quality (if ``measure``), seconds.
     """
-    from converters.gguf_writer import tensor_types
+    from converters.gguf_writer import fallbacks, tensor_types
     from ondevice.backends.llama import check_gguf_file
 
     src, dst = Path(src), Path(dst)
@@ -210,11 +210,19 @@ def requantize_file(src: Path, dst: Path, quant: str, *, allow_requantize: bool 
     finally:
         tmp.unlink(missing_ok=True)
     out_prec = precision(dst)
+    types_by_name = tensor_types(dst)
+    wider = {n: t for n, t in fallbacks(types_by_name, quant).items() if t in TYPE_BITS}
+    if prec["quantized"] and out_prec["bits_per_weight"] > prec["bits_per_weight"] + 0.05:
+        kinds = ", ".join(f"{t}×{c}" for t, c in Counter(wider.values()).most_common(3)) or "wider types"
+        warning = (f"{warning}; " if warning else "") + (
+            f"the output has more bits per weight than the source ({prec['bits_per_weight']:.2f} → "
+            f"{out_prec['bits_per_weight']:.2f}): llama.cpp fell back to {kinds} for tensors whose rows are not a "
+            f"multiple of the {quant} block size; the file grows and gains no precision")
     summary = {"format": "gguf", "quant": quant, "source": str(src), "source_bits_per_weight": prec["bits_per_weight"],
                "source_types": prec["types"], "requantized": prec["quantized"], "warning": warning,
                "size_bytes": dst.stat().st_size, "source_size_bytes": src.stat().st_size,
                "bits_per_weight": out_prec["bits_per_weight"], "tensor_types": out_prec["types"],
-               "tensor_types_by_name": tensor_types(dst), "seconds": round(time.perf_counter() - t0, 3)}
+               "fallbacks": wider, "tensor_types_by_name": types_by_name, "seconds": round(time.perf_counter() - t0, 3)}
     if measure:
         summary["quality"] = quality(dst, reference or src, threads=threads)
     return summary
@@ -244,15 +252,17 @@ def requantize(src: Path, out: Path, *, quant: str, allow_requantize: bool = Fal
 def report(summary: dict) -> None:
     """Print the warning (if any) and the quality cost of a requantization on stderr."""
     from rich.console import Console
+    from rich.markup import escape
 
-    con = Console(stderr=True, highlight=False)
+    # soft_wrap: one line per message whatever the width (a pipe is 80 columns); escape: a "[" in a path is text
+    con = Console(stderr=True, highlight=False, soft_wrap=True)
     if summary.get("warning"):
-        con.print(f"[yellow]warning:[/yellow] {summary['warning']}")
+        con.print(f"[yellow]warning:[/yellow] {escape(summary['warning'])}")
     q = summary.get("quality")
     if q:
-        con.print(f"quality vs {Path(q['reference']).name} on {q['tokens']} held-back tokens: top-1 agreement "
-                  f"{q['top1_agreement']:.1%}, mean KL {q['mean_kl']:.4f} nats (max {q['max_kl']:.2f}); "
-                  f"{summary['source_bits_per_weight']:.2f} → {summary['bits_per_weight']:.2f} bits per weight")
+        con.print(escape(f"quality vs {Path(q['reference']).name} on {q['tokens']} held-back tokens: top-1 agreement "
+                         f"{q['top1_agreement']:.1%}, mean KL {q['mean_kl']:.4f} nats (max {q['max_kl']:.2f}); "
+                         f"{summary['source_bits_per_weight']:.2f} → {summary['bits_per_weight']:.2f} bits per weight"))
 
 
 def pull_variant(name: str, quant: str, *, force: bool = False, quiet: bool = False) -> Path:
@@ -299,8 +309,9 @@ def pull_variant(name: str, quant: str, *, force: bool = False, quiet: bool = Fa
         report(summary)
     if not quiet:
         from rich.console import Console
+        from rich.markup import escape
 
-        Console(stderr=True).print(f"[green]✓[/green] {entry.name}:{quant} (local requantization, not the published "
-                                   f"file) → {dest}")
+        Console(stderr=True, soft_wrap=True).print(f"[green]✓[/green] {escape(f'{entry.name}:{quant}')} (local "
+                                                   f"requantization, not the published file) → {escape(str(dest))}")
     return dest
 

@@ -293,3 +293,37 @@ def test_info_reports_each_kind_of_verification(tiny_hf, tiny_gguf, tmp_path):
     line = describe(tmp_path / "r")["verified"]
     assert "not gated" in line and "mean KL" in line and "None" not in line, line
     assert describe(tiny_gguf("llama", "q8_0"))["verified"].startswith("yes, in llama.cpp: tokenizer identical")
+
+
+def test_requantize_warns_when_llama_cpp_falls_back_to_wider_types(tmp_path):
+    """Review: `pull smollm2 --quant q4_k_m` wrote a bigger file (5.74 → 6.16 bits per weight: rows of 576 are
+    not a multiple of 256, so llama.cpp used Q5_0/Q8_0) with no word about it. Rows of 384 here."""
+    from ondevice.testing import make_tiny_hf
+
+    src = make_tiny_hf(tmp_path / "hf", "llama", hidden_size=384, intermediate_size=768, num_attention_heads=3,
+                       num_key_value_heads=1)
+    convert(src, to="gguf", quant="q4_0", out=tmp_path / "q4", progress=False, verify=False)
+    s = convert(tmp_path / "q4" / "model.gguf", to="gguf", quant="q4_k_m", out=tmp_path / "k", allow_requantize=True,
+                progress=False)
+    assert s["bits_per_weight"] > s["source_bits_per_weight"] and s["fallbacks"], s
+    assert "more bits per weight than the source" in s["warning"], s["warning"]
+    s = convert(tmp_path / "q4" / "model.gguf", to="gguf", quant="q4_0", out=tmp_path / "same", allow_requantize=True,
+                progress=False)  # the negative control: no fallback, no such warning
+    assert s["bits_per_weight"] <= s["source_bits_per_weight"] + 0.05 and "more bits" not in s["warning"], s
+
+
+def test_requantize_messages_are_one_line_each_and_keep_brackets(tiny_gguf, tmp_path):
+    """Review: the warning and quality lines were wrapped at 80 columns on a pipe, and a "[...]" in a file
+    name was read as rich markup (dropped, or a MarkupError traceback for "[/x]")."""
+    import shutil
+
+    d = tmp_path / "a [b] [red]"
+    d.mkdir()
+    shutil.copy(tiny_gguf("llama", "q8_0"), d / "m[red]1.gguf")
+    r = _cli("convert", str(d / "m[red]1.gguf"), "--to", "gguf", "--quant", "q4_0", "--allow-requantize",
+             "--out", str(tmp_path / "o"))
+    assert r.returncode == 0, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 2, r.stderr
+    assert lines[0].startswith("warning: m[red]1.gguf is already quantized") and "second quantization" in lines[0]
+    assert lines[1].startswith("quality vs m[red]1.gguf on") and lines[1].endswith("bits per weight"), lines[1]
