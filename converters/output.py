@@ -48,7 +48,9 @@ _interrupted = threading.Event()
 
 @contextlib.contextmanager
 def sigint_remembered() -> Iterator[None]:
-    """Remember every Ctrl-C (SIGINT) received inside the block, for ``check_interrupted``.
+    """Remember every Ctrl-C (SIGINT) received inside the block, for ``check_interrupted``; SIGTERM and SIGHUP
+    (``kill``, a closed terminal), when nobody handles them, stop the block the same way instead of killing the
+    process before its temp files are removed.
 
     A Ctrl-C that lands while llama.cpp calls back into Python (its log callback, called thousands of times
     by the quantizer and at load) raises inside a ctypes callback, where Python prints "Exception ignored"
@@ -59,18 +61,22 @@ def sigint_remembered() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.getsignal(signal.SIGINT)
+    signals = [signal.SIGINT] + [s for s in (signal.SIGTERM, getattr(signal, "SIGHUP", None))
+                                 if s is not None and signal.getsignal(s) == signal.SIG_DFL]
+    previous = {s: signal.getsignal(s) for s in signals}
 
     def handler(signum, frame):
         _interrupted.set()
         raise KeyboardInterrupt
 
     _interrupted.clear()
-    signal.signal(signal.SIGINT, handler)
+    for s in signals:
+        signal.signal(s, handler)
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for s, h in previous.items():
+            signal.signal(s, h)
         _interrupted.clear()
 
 

@@ -327,3 +327,23 @@ def test_requantize_messages_are_one_line_each_and_keep_brackets(tiny_gguf, tmp_
     assert len(lines) == 2, r.stderr
     assert lines[0].startswith("warning: m[red]1.gguf is already quantized") and "second quantization" in lines[0]
     assert lines[1].startswith("quality vs m[red]1.gguf on") and lines[1].endswith("bits per weight"), lines[1]
+
+
+def test_sigterm_mid_conversion_leaves_no_temp_dir(tiny_hf, tmp_path):
+    """Review: `kill` (SIGTERM) mid-conversion ended the process at once and left `.OUT.<hex>.partial` beside
+    the output for good. Now it unwinds like Ctrl-C: nothing is left. The signal is sent from inside the
+    conversion (after the f16 GGUF is written), so the test does not depend on timing."""
+    code = f"""
+import os, signal, sys
+import converters.to_gguf as tg
+from converters import convert
+tg.quantize = lambda *a, **k: os.kill(os.getpid(), signal.SIGTERM)
+try:
+    convert({str(tiny_hf["llama"])!r}, to="gguf", quant="q4_0", out={str(tmp_path / "x")!r}, progress=False)
+except KeyboardInterrupt:
+    sys.exit(130)
+sys.exit(0)
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 130, (r.returncode, r.stderr[-2000:])
+    assert list(tmp_path.iterdir()) == [], list(tmp_path.iterdir())
