@@ -54,8 +54,8 @@ def convert(
     from converters.verify import verify_conversion
     from ondevice import catalog
 
-    src, out = catalog.resolve(src), Path(out)  # a catalog name is accepted wherever a path is
-    draft = catalog.resolve(draft) if draft is not None else None
+    src, out = _source(catalog.resolve(src)), Path(out)  # a catalog name is accepted wherever a path is
+    draft = _source(catalog.resolve(draft)) if draft is not None else None
     if to not in FORMATS:
         raise OndeviceError(f"--to {to}: unknown format; choose one of {', '.join(FORMATS)}")
     if to == "gguf":
@@ -91,6 +91,14 @@ def convert(
         summary["out"] = str(out)
     summary["seconds"] = round(time.perf_counter() - t0, 3)
     return summary
+
+
+def _source(path: Path) -> Path:
+    """A GGUF output directory of ``ondevice convert`` (model.gguf + manifest.json, no config.json) stands for
+    its model.gguf, as it does for ``ondevice run`` and ``info``."""
+    if path.is_dir() and (path / "model.gguf").is_file() and not (path / "config.json").is_file():
+        return path / "model.gguf"
+    return path
 
 
 def _vocab_of(path: Path) -> list[str]:

@@ -81,6 +81,10 @@ def open_checkpoint(path: str | Path) -> HFCheckpoint:
     except ValueError as e:
         raise OndeviceError(f"{cfg_path}: not valid JSON ({e})") from e
     arch_of(config, cfg_path)  # refuses unsupported architectures and quirks llama.cpp would compute differently
+    for key in ("quantization", "quantization_config"):  # MLX-quantized (mlx-lm), or GPTQ/AWQ/bitsandbytes
+        if config.get(key):
+            raise OndeviceError(f"{cfg_path}: already quantized weights ({key!r}); convert from the original float "
+                                "checkpoint (or from a GGUF file)")
     files = sorted(path.glob("model*.safetensors"))
     if not files:
         raise OndeviceError(f"{path}: no model*.safetensors files (PyTorch .bin checkpoints are not supported)")

@@ -347,3 +347,16 @@ sys.exit(0)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 130, (r.returncode, r.stderr[-2000:])
     assert list(tmp_path.iterdir()) == [], list(tmp_path.iterdir())
+
+
+def test_a_gguf_output_dir_is_a_source_and_an_mlx_quantized_dir_is_refused(tiny_hf, tiny_gguf, tmp_path):
+    """Review: `convert OUT_DIR` (a directory written by `convert --to gguf`, which `run` and `info` accept)
+    failed with "config.json: missing"; an MLX 4-bit directory given as the source failed with "tensor
+    model.embed_tokens.biases has no GGUF name"."""
+    gguf_dir = tiny_gguf("llama", "q8_0").parent
+    s = convert(gguf_dir, to="gguf", quant="q4_0", out=tmp_path / "rq", allow_requantize=True, progress=False)
+    assert s["source"].endswith("model.gguf") and s["verify"]["passed"]
+    convert(tiny_hf["llama"], to="mlx", out=tmp_path / "m", progress=False, verify=False)
+    r = _cli("convert", str(tmp_path / "m"), "--to", "gguf", "--out", str(tmp_path / "g"))
+    _one_line_error(r, "m/config.json: already quantized weights ('quantization')")
+    assert r.returncode == 2 and not (tmp_path / "g").exists()
