@@ -293,6 +293,10 @@ def test_info_reports_each_kind_of_verification(tiny_hf, tiny_gguf, tmp_path):
     line = describe(tmp_path / "r")["verified"]
     assert "not gated" in line and "mean KL" in line and "None" not in line, line
     assert describe(tiny_gguf("llama", "q8_0"))["verified"].startswith("yes, in llama.cpp: tokenizer identical")
+    (tmp_path / "pair" / "target").mkdir(parents=True)
+    (tmp_path / "pair" / "draft").mkdir()
+    with pytest.raises(OndeviceError, match="a converted pair .*pair/target"):  # was "unrecognised model format"
+        describe(tmp_path / "pair")
 
 
 def test_requantize_warns_when_llama_cpp_falls_back_to_wider_types(tmp_path):
