@@ -50,12 +50,12 @@ def convert(
         A JSON-able summary (sizes, seconds, bits per weight, tensor types, fallbacks) with, per output,
         ``verify``: what loading it in its runtime and comparing with the source found (``converters.verify``).
     """
-    from converters.output import atomic_dir, check_out
+    from converters.output import atomic_dir, check_interrupted, check_out
     from converters.verify import verify_conversion
     from ondevice import catalog
 
-    src, out = catalog.resolve(src), Path(out)  # a catalog name is accepted wherever a path is
-    draft = catalog.resolve(draft) if draft is not None else None
+    src, out = _source(catalog.resolve(src)), Path(out)  # a catalog name is accepted wherever a path is
+    draft = _source(catalog.resolve(draft)) if draft is not None else None
     if to not in FORMATS:
         raise OndeviceError(f"--to {to}: unknown format; choose one of {', '.join(FORMATS)}")
     if to == "gguf":
@@ -77,6 +77,7 @@ def convert(
                 "target": _convert_one(src, to, tmp / "target", **opts),
                 "draft": _convert_one(Path(draft), to, tmp / "draft", **opts),
             }
+            check_interrupted()  # a Ctrl-C swallowed by a llama.cpp callback stops here, not after verifying
             if verify:
                 summary["target"]["verify"] = verify_conversion(src, to, tmp / "target", summary["target"], out / "target")
                 summary["draft"]["verify"] = verify_conversion(Path(draft), to, tmp / "draft", summary["draft"], out / "draft")
@@ -84,11 +85,20 @@ def convert(
     else:
         with atomic_dir(out) as tmp:
             summary = _convert_one(src, to, tmp, **opts)
+            check_interrupted()  # a Ctrl-C swallowed by a llama.cpp callback stops here, not after verifying
             if verify:
                 summary["verify"] = verify_conversion(src, to, tmp, summary, out)
         summary["out"] = str(out)
     summary["seconds"] = round(time.perf_counter() - t0, 3)
     return summary
+
+
+def _source(path: Path) -> Path:
+    """A GGUF output directory of ``ondevice convert`` (model.gguf + manifest.json, no config.json) stands for
+    its model.gguf, as it does for ``ondevice run`` and ``info``."""
+    if path.is_dir() and (path / "model.gguf").is_file() and not (path / "config.json").is_file():
+        return path / "model.gguf"
+    return path
 
 
 def _vocab_of(path: Path) -> list[str]:

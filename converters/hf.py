@@ -81,6 +81,10 @@ def open_checkpoint(path: str | Path) -> HFCheckpoint:
     except ValueError as e:
         raise OndeviceError(f"{cfg_path}: not valid JSON ({e})") from e
     arch_of(config, cfg_path)  # refuses unsupported architectures and quirks llama.cpp would compute differently
+    for key in ("quantization", "quantization_config"):  # MLX-quantized (mlx-lm), or GPTQ/AWQ/bitsandbytes
+        if config.get(key):
+            raise OndeviceError(f"{cfg_path}: already quantized weights ({key!r}); convert from the original float "
+                                "checkpoint (or from a GGUF file)")
     files = sorted(path.glob("model*.safetensors"))
     if not files:
         raise OndeviceError(f"{path}: no model*.safetensors files (PyTorch .bin checkpoints are not supported)")
@@ -96,7 +100,41 @@ def open_checkpoint(path: str | Path) -> HFCheckpoint:
             raise OndeviceError(f"{f}: unreadable safetensors file ({e}); re-download or re-export it") from e
         size = f.stat().st_size
         _check_complete(f, size)
+    _check_tensors(ckpt)
     return ckpt
+
+
+# tensors every decoder layer of every supported architecture has (HF names, after "model.layers.N.")
+LAYER_TENSORS = tuple(f"self_attn.{p}_proj.weight" for p in "qkvo") + tuple(
+    f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")) + ("input_layernorm.weight", "post_attention_layernorm.weight")
+
+
+def _check_tensors(ckpt: HFCheckpoint) -> None:
+    """Refuse a checkpoint with a missing tensor (a lost shard, a damaged export) before anything is written:
+    every layer needs the common tensors and whatever layer 0 has (biases, q/k norms), the model its embedding,
+    final norm, and ``lm_head`` unless the config ties it to the embedding."""
+    path, names = ckpt.path, set(ckpt._index)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())
+        except (ValueError, KeyError, AttributeError) as e:
+            raise OndeviceError(f"{index}: unreadable shard index ({e}); re-download it") from e
+        lost = sorted(s for s in shards if not (path / s).is_file())
+        if lost:
+            raise OndeviceError(f"{path / lost[0]}: missing ({len(lost)} of {len(shards)} shards named by "
+                                f"{index.name}); re-download the checkpoint")
+    first = {n.removeprefix("model.layers.0.") for n in names if n.startswith("model.layers.0.")}
+    per_layer = (set(LAYER_TENSORS) | first) - {"self_attn.rotary_emb.inv_freq"}
+    required = {"model.embed_tokens.weight", "model.norm.weight"}
+    required |= {f"model.layers.{i}.{s}" for i in range(int(ckpt.config["num_hidden_layers"])) for s in per_layer}
+    if ckpt.config.get("tie_word_embeddings") is False:
+        required.add("lm_head.weight")
+    missing = sorted(required - names)
+    if missing:
+        where = ckpt.files[0] if len(ckpt.files) == 1 else path
+        raise OndeviceError(f"{where}: {len(missing)} tensor(s) missing (first: {missing[0]}); the checkpoint is "
+                            "incomplete, re-download or re-export it")
 
 
 def _check_complete(f: Path, size: int) -> None:

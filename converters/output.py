@@ -7,6 +7,8 @@ import json
 import os
 import secrets
 import shutil
+import signal
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -41,9 +43,53 @@ def _new_temp_dir(out: Path) -> Path:
             continue
 
 
+_interrupted = threading.Event()
+
+
+@contextlib.contextmanager
+def sigint_remembered() -> Iterator[None]:
+    """Remember every Ctrl-C (SIGINT) received inside the block, for ``check_interrupted``; SIGTERM and SIGHUP
+    (``kill``, a closed terminal), when nobody handles them, stop the block the same way instead of killing the
+    process before its temp files are removed.
+
+    A Ctrl-C that lands while llama.cpp calls back into Python (its log callback, called thousands of times
+    by the quantizer and at load) raises inside a ctypes callback, where Python prints "Exception ignored"
+    and carries on: the conversion would then finish and be kept as if nothing happened. The handler
+    still raises ``KeyboardInterrupt`` at once, as the default one does; the flag catches the swallowed ones.
+    Outside the main thread (no signal handlers there) the block runs unchanged.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    signals = [signal.SIGINT] + [s for s in (signal.SIGTERM, getattr(signal, "SIGHUP", None))
+                                 if s is not None and signal.getsignal(s) == signal.SIG_DFL]
+    previous = {s: signal.getsignal(s) for s in signals}
+
+    def handler(signum, frame):
+        _interrupted.set()
+        raise KeyboardInterrupt
+
+    _interrupted.clear()
+    for s in signals:
+        signal.signal(s, handler)
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+        _interrupted.clear()
+
+
+def check_interrupted() -> None:
+    """Raise ``KeyboardInterrupt`` if a Ctrl-C was received (and perhaps swallowed) in ``sigint_remembered``."""
+    if _interrupted.is_set():
+        raise KeyboardInterrupt
+
+
 @contextlib.contextmanager
 def atomic_dir(out: Path) -> Iterator[Path]:
-    """Yield a temp dir beside ``out``; rename it to ``out`` only if the block succeeds."""
+    """Yield a temp dir beside ``out``; rename it to ``out`` only if the block succeeds and no Ctrl-C was
+    received meanwhile (``sigint_remembered``)."""
     check_out(out)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -51,7 +97,9 @@ def atomic_dir(out: Path) -> Iterator[Path]:
     except OSError as e:
         raise OndeviceError(f"{out}: cannot write there ({e.strerror}); choose a writable --out directory") from e
     try:
-        yield tmp
+        with sigint_remembered():
+            yield tmp
+            check_interrupted()
         if out.exists():
             out.rmdir()  # empty, checked above
         os.replace(tmp, out)

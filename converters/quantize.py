@@ -86,15 +86,18 @@ def llama_quantize(src: Path, dst: Path, quant: str, *, allow_requantize: bool =
     params.nthread = threads
     params.allow_requantize = allow_requantize
     rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
+    from converters.output import check_interrupted
+
+    check_interrupted()  # a Ctrl-C that landed in llama.cpp's log callback was swallowed there
     if rc != 0:
         raise OndeviceError(f"{src}: llama_model_quantize to {quant} failed (code {rc})")
 
 
 def precision(path: Path) -> dict:
     """Bits per weight of a GGUF's 2-D weights (parameter-weighted) and the count of each tensor type."""
-    import gguf
+    from ondevice.formats.gguf_reader import GGUFFile
 
-    reader = gguf.GGUFReader(str(path))
+    reader = GGUFFile(path).reader  # a truncated or corrupt file: one line naming it
     bits, n, types = 0.0, 0, Counter()
     for t in reader.tensors:
         if len(t.shape) < 2:
@@ -193,7 +196,7 @@ def requantize_file(src: Path, dst: Path, quant: str, *, allow_requantize: bool 
     Returns:
         Summary: source precision, warning, sizes, tensor types, quality (if ``measure``), seconds.
     """
-    from converters.gguf_writer import tensor_types
+    from converters.gguf_writer import fallbacks, tensor_types
     from ondevice.backends.llama import check_gguf_file
 
     src, dst = Path(src), Path(dst)
@@ -207,11 +210,19 @@ def requantize_file(src: Path, dst: Path, quant: str, *, allow_requantize: bool 
     finally:
         tmp.unlink(missing_ok=True)
     out_prec = precision(dst)
+    types_by_name = tensor_types(dst)
+    wider = {n: t for n, t in fallbacks(types_by_name, quant).items() if t in TYPE_BITS}
+    if prec["quantized"] and out_prec["bits_per_weight"] > prec["bits_per_weight"] + 0.05:
+        kinds = ", ".join(f"{t}×{c}" for t, c in Counter(wider.values()).most_common(3)) or "wider types"
+        warning = (f"{warning}; " if warning else "") + (
+            f"the output has more bits per weight than the source ({prec['bits_per_weight']:.2f} → "
+            f"{out_prec['bits_per_weight']:.2f}): llama.cpp fell back to {kinds} for tensors whose rows are not a "
+            f"multiple of the {quant} block size; the file grows and gains no precision")
     summary = {"format": "gguf", "quant": quant, "source": str(src), "source_bits_per_weight": prec["bits_per_weight"],
                "source_types": prec["types"], "requantized": prec["quantized"], "warning": warning,
                "size_bytes": dst.stat().st_size, "source_size_bytes": src.stat().st_size,
                "bits_per_weight": out_prec["bits_per_weight"], "tensor_types": out_prec["types"],
-               "tensor_types_by_name": tensor_types(dst), "seconds": round(time.perf_counter() - t0, 3)}
+               "fallbacks": wider, "tensor_types_by_name": types_by_name, "seconds": round(time.perf_counter() - t0, 3)}
     if measure:
         summary["quality"] = quality(dst, reference or src, threads=threads)
     return summary
@@ -241,15 +252,17 @@ def requantize(src: Path, out: Path, *, quant: str, allow_requantize: bool = Fal
 def report(summary: dict) -> None:
     """Print the warning (if any) and the quality cost of a requantization on stderr."""
     from rich.console import Console
+    from rich.markup import escape
 
-    con = Console(stderr=True, highlight=False)
+    # soft_wrap: one line per message whatever the width (a pipe is 80 columns); escape: a "[" in a path is text
+    con = Console(stderr=True, highlight=False, soft_wrap=True)
     if summary.get("warning"):
-        con.print(f"[yellow]warning:[/yellow] {summary['warning']}")
+        con.print(f"[yellow]warning:[/yellow] {escape(summary['warning'])}")
     q = summary.get("quality")
     if q:
-        con.print(f"quality vs {Path(q['reference']).name} on {q['tokens']} held-back tokens: top-1 agreement "
-                  f"{q['top1_agreement']:.1%}, mean KL {q['mean_kl']:.4f} nats (max {q['max_kl']:.2f}); "
-                  f"{summary['source_bits_per_weight']:.2f} → {summary['bits_per_weight']:.2f} bits per weight")
+        con.print(escape(f"quality vs {Path(q['reference']).name} on {q['tokens']} held-back tokens: top-1 agreement "
+                         f"{q['top1_agreement']:.1%}, mean KL {q['mean_kl']:.4f} nats (max {q['max_kl']:.2f}); "
+                         f"{summary['source_bits_per_weight']:.2f} → {summary['bits_per_weight']:.2f} bits per weight"))
 
 
 def pull_variant(name: str, quant: str, *, force: bool = False, quiet: bool = False) -> Path:
@@ -272,21 +285,33 @@ def pull_variant(name: str, quant: str, *, force: bool = False, quiet: bool = Fa
     dest = catalog.variant_path(entry, quant)
     if not force and catalog.variant_record(entry, quant) is not None:
         return dest
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    summary = requantize_file(src, dest, quant, allow_requantize=True)
-    if not quiet:
-        report(summary)
     import llama_cpp
 
-    catalog.record_variant(entry, quant, {
-        "published": False, "source_model": entry.name, "source_file": entry.filename, "source_sha256": entry.sha256,
-        "source_quant": entry.quant, "quant": quant, "quantizer": f"llama_model_quantize (llama-cpp-python "
-        f"{llama_cpp.__version__}, allow_requantize)", "bits_per_weight": summary["bits_per_weight"],
-        "tensor_types": summary["tensor_types"], "quality": summary["quality"], "warning": summary["warning"]})
+    from converters.output import check_interrupted, sigint_remembered
+
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    # written and measured under a temp name, renamed and recorded last: a failure or Ctrl-C leaves nothing
+    tmp = dest.with_name(f".{dest.stem}.{os.getpid()}.measuring.gguf")
+    try:
+        with sigint_remembered():
+            summary = requantize_file(src, tmp, quant, allow_requantize=True, reference=src)
+            check_interrupted()
+            os.replace(tmp, dest)
+            catalog.record_variant(entry, quant, {
+                "published": False, "source_model": entry.name, "source_file": entry.filename,
+                "source_sha256": entry.sha256, "source_quant": entry.quant, "quant": quant,
+                "quantizer": f"llama_model_quantize (llama-cpp-python {llama_cpp.__version__}, allow_requantize)",
+                "bits_per_weight": summary["bits_per_weight"], "tensor_types": summary["tensor_types"],
+                "quality": summary["quality"], "warning": summary["warning"]})
+    finally:
+        tmp.unlink(missing_ok=True)
+    if not quiet:
+        report(summary)
     if not quiet:
         from rich.console import Console
+        from rich.markup import escape
 
-        Console(stderr=True).print(f"[green]✓[/green] {entry.name}:{quant} (local requantization, not the published "
-                                   f"file) → {dest}")
+        Console(stderr=True, soft_wrap=True).print(f"[green]✓[/green] {escape(f'{entry.name}:{quant}')} (local "
+                                                   f"requantization, not the published file) → {escape(str(dest))}")
     return dest
 

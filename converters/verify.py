@@ -237,7 +237,7 @@ def verify_conversion(src: Path, to: str, written: Path, summary: dict, out: Pat
 
     Args:
         src: the source (HF checkpoint directory or GGUF file).
-        to: "gguf" | "mlx" | "coreml" (Core ML is verified by ``converters.coreml``; here: None).
+        to: "gguf" | "mlx" | "coreml" (Core ML is checked by ``converters.coreml``; here its record is kept).
         written: the directory just written (still temporary).
         summary: the converter's summary (``quant``, ``bits``, ``requantized_tensors``).
         out: the directory the user asked for, named in errors.
@@ -247,8 +247,14 @@ def verify_conversion(src: Path, to: str, written: Path, summary: dict, out: Pat
         OndeviceError: one line naming ``out`` when the output does not load, tokenizes differently from
             the source, has a tensor that is not the source's, or computes differently.
     """
-    if to == "coreml":
-        return None
+    if to == "coreml":  # checked by converters.coreml itself (the MIL interpreter runs the saved program)
+        check = summary.get("verified")  # kept too: scripts/macos_check.py reads it
+        if check is None:
+            return None
+        result = {"runtime": "MIL interpreter (coremltools op semantics; Core ML itself needs macOS)",
+                  "precision": summary.get("quant"), "passed": True, **check}
+        record(written, result)
+        return result
     if to == "gguf" and is_gguf_file(src):
         result = _requantized(src, written / "model.gguf", summary, out)
         record(written, result)

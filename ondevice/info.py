@@ -13,6 +13,11 @@ from ondevice.backends import detect_format
 def describe(model: str | Path, device: str | None = None) -> dict:
     """Facts about a model path or catalog name (pulls a catalog model if needed)."""
     path = catalog.resolve(model)
+    if path.is_dir() and (path / "target").is_dir() and (path / "draft").is_dir():
+        from ondevice.errors import OndeviceError
+
+        raise OndeviceError(f"{path}: a converted pair (target/ and draft/); describe each: "
+                            f"`ondevice info {path / 'target'}` and `ondevice info {path / 'draft'}`")
     fmt = detect_format(path)
     info: dict = {"path": str(path), "format": fmt, "size_bytes": _size(path)}
     if fmt == "gguf":
@@ -46,17 +51,46 @@ def describe(model: str | Path, device: str | None = None) -> dict:
 
 
 def _verified(path: Path) -> str:
-    """What the converter's verification (manifest.json beside the model) found, in one line."""
+    """What the converter's verification found, in one line: ``manifest.json`` beside a converted model, or the
+    record of a local requantization (``ondevice pull NAME --quant FMT``) beside the variant."""
     manifest = (path if path.is_dir() else path.parent) / "manifest.json"
     try:
-        v = json.loads(manifest.read_text()).get("verify")
-    except (OSError, ValueError):
+        m = json.loads(manifest.read_text())
+        v = m.get("verify") or m.get("verified")  # "verified": Core ML packages written before "verify" held it
+    except (OSError, ValueError, AttributeError):
         v = None
+    if not v and path.is_file():
+        return _variant(path)
     if not v:
         return "no (not converted by ondevice, or before verification existed)"
+    if "check" in v:  # Core ML: the saved program run by the MIL interpreter
+        return (f"yes, {v['check']}: top-1 {v.get('top1')} (max rel. error {v.get('max_rel_err')}) "
+                f"over {v.get('tokens')} tokens")
+    if v.get("precision") == "requantized":
+        q = v.get("source") or {}
+        return (f"yes, in {v.get('runtime')}: loads, tokenizer identical; quality against {q.get('reference')} "
+                f"(recorded, not gated): {_quality(q)}")
     gate = v.get("written") or v.get("source") or {}
     return (f"yes, in {v.get('runtime')}: tokenizer identical, top-1 {gate.get('top1_agreement')} "
             f"(max rel. error {gate.get('max_rel_error')}) against {gate.get('reference')}")
+
+
+def _variant(path: Path) -> str:
+    """A local requantization's record (``converters.quantize.pull_variant``), in one line."""
+    try:
+        rec = json.loads(path.with_suffix(".json").read_text())
+    except (OSError, ValueError):
+        rec = None
+    if not isinstance(rec, dict) or rec.get("published") is not False or rec.get("size") != path.stat().st_size:
+        return "no (not converted by ondevice, or before verification existed)"
+    return (f"local requantization of {rec.get('source_file')} (not the published file), quality against it "
+            f"(recorded, not gated): {_quality(rec.get('quality') or {})}")
+
+
+def _quality(q: dict) -> str:
+    if q.get("top1_agreement") is None:
+        return "not measured"
+    return f"top-1 {q['top1_agreement']:.1%}, mean KL {q.get('mean_kl')} nats over {q.get('tokens')} tokens"
 
 
 def _size(path: Path) -> int:

@@ -207,3 +207,160 @@ def test_block_conversion_matches_mx_load(tiny_gguf, smollm2):
             assert np.array_equal(b, np.array(loaded[stem + ".biases"]).astype(np.float16))
             n += 1
         assert n >= 14
+
+
+def test_missing_tensor_and_corrupt_gguf_are_one_line_errors(tiny_hf, tiny_gguf, tmp_path):
+    """Review: a checkpoint missing one tensor failed late (GGUF: "does not load in llama.cpp", MLX: a
+    ValueError, Core ML: a KeyError); a truncated GGUF given to requantization or as a --draft was a bare
+    ValueError. Each is now one line naming the file, exit code 2, nothing written."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    miss = tmp_path / "miss"
+    shutil.copytree(tiny_hf["llama"], miss)
+    w = load_file(str(miss / "model.safetensors"))
+    del w["model.layers.1.mlp.down_proj.weight"]
+    save_file(w, str(miss / "model.safetensors"), metadata={"format": "pt"})
+    trunc = tmp_path / "trunc.gguf"
+    trunc.write_bytes(tiny_gguf("llama", "q8_0").read_bytes()[:-100])
+    cases = [
+        (["convert", str(miss), "--to", "gguf", "--quant", "q8_0"], "model.layers.1.mlp.down_proj.weight"),
+        (["convert", str(trunc), "--to", "gguf", "--quant", "q4_0", "--allow-requantize"], "trunc.gguf: corrupt GGUF"),
+        (["convert", str(tiny_hf["llama"]), "--draft", str(trunc), "--quant", "q8_0"], "trunc.gguf: corrupt GGUF"),
+    ]
+    for i, (args, needle) in enumerate(cases):
+        out = tmp_path / f"o{i}"
+        r = _cli(*args, "--out", str(out))
+        _one_line_error(r, needle)
+        assert r.returncode == 2 and not out.exists(), args
+    for to in ("mlx", "coreml"):  # the same refusal, before any backend is imported
+        with pytest.raises(OndeviceError, match=r"miss/model.safetensors: 1 tensor\(s\) missing"):
+            convert(miss, to=to, out=tmp_path / to, compress="none", progress=False)
+    assert not list(tmp_path.glob(".*.partial"))
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_ctrl_c_swallowed_by_a_llama_cpp_callback_keeps_nothing(tiny_hf, tmp_path, monkeypatch):
+    """Review: a Ctrl-C that lands while llama.cpp runs its Python log callback raises inside a ctypes
+    callback, where Python prints "Exception ignored" and carries on; the conversion then finished, exit 0,
+    output kept. Reproduced with a real ctypes callback sending SIGINT to this process."""
+    import ctypes
+    import os
+    import signal
+
+    import converters.to_gguf as tg
+
+    swallowed = []
+
+    @ctypes.CFUNCTYPE(None)
+    def callback():
+        os.kill(os.getpid(), signal.SIGINT)
+        for _ in range(10_000):  # the handler runs here, inside the callback
+            pass
+
+    real = tg.quantize
+
+    def quantize(*a, **k):
+        real(*a, **k)
+        qsort = ctypes.CDLL(None).qsort  # any C function calling back into Python: qsort of 2 items
+        cmp = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)(lambda x, y: callback() or 0)
+        qsort((ctypes.c_int * 2)(1, 2), 2, ctypes.sizeof(ctypes.c_int), cmp)
+        swallowed.append(True)  # reached: the KeyboardInterrupt did not propagate (the defect's premise)
+
+    monkeypatch.setattr(tg, "quantize", quantize)
+    with pytest.raises(KeyboardInterrupt):
+        convert(tiny_hf["llama"], to="gguf", out=tmp_path / "x", quant="q4_0", progress=False)
+    assert swallowed, "the negative control: the interrupt must have been swallowed by the callback"
+    assert not (tmp_path / "x").exists() and not list(tmp_path.glob(".*"))
+    monkeypatch.setattr(tg, "quantize", real)
+    s = convert(tiny_hf["llama"], to="gguf", out=tmp_path / "x", quant="q4_0", progress=False, verify=False)
+    assert (tmp_path / "x" / "model.gguf").is_file() and s["quant"] == "q4_0"  # the next run works
+
+
+def test_info_reports_each_kind_of_verification(tiny_hf, tiny_gguf, tmp_path):
+    """Review: `ondevice info` said "verified: no" for a Core ML package the MIL interpreter had checked, and
+    "top-1 0.375 (max rel. error None)" as a pass for a requantized GGUF whose quality is recorded, not gated;
+    convert()'s JSON said "verify": null for Core ML."""
+    from ondevice.info import describe
+
+    c = convert(tiny_hf["llama"], to="coreml", out=tmp_path / "c", compress="none", context=32, progress=False)
+    assert c["verify"]["runtime"].startswith("MIL interpreter") and c["verify"]["top1"] >= 0.9
+    line = describe(tmp_path / "c")["verified"]
+    assert line.startswith("yes, mil-interpreter") and "None" not in line, line
+    convert(tiny_gguf("llama", "q8_0"), to="gguf", quant="q4_0", out=tmp_path / "r", allow_requantize=True,
+            progress=False)
+    line = describe(tmp_path / "r")["verified"]
+    assert "not gated" in line and "mean KL" in line and "None" not in line, line
+    assert describe(tiny_gguf("llama", "q8_0"))["verified"].startswith("yes, in llama.cpp: tokenizer identical")
+    (tmp_path / "pair" / "target").mkdir(parents=True)
+    (tmp_path / "pair" / "draft").mkdir()
+    with pytest.raises(OndeviceError, match="a converted pair .*pair/target"):  # was "unrecognised model format"
+        describe(tmp_path / "pair")
+
+
+def test_requantize_warns_when_llama_cpp_falls_back_to_wider_types(tmp_path):
+    """Review: `pull smollm2 --quant q4_k_m` wrote a bigger file (5.74 → 6.16 bits per weight: rows of 576 are
+    not a multiple of 256, so llama.cpp used Q5_0/Q8_0) with no word about it. Rows of 384 here."""
+    from ondevice.testing import make_tiny_hf
+
+    src = make_tiny_hf(tmp_path / "hf", "llama", hidden_size=384, intermediate_size=768, num_attention_heads=3,
+                       num_key_value_heads=1)
+    convert(src, to="gguf", quant="q4_0", out=tmp_path / "q4", progress=False, verify=False)
+    s = convert(tmp_path / "q4" / "model.gguf", to="gguf", quant="q4_k_m", out=tmp_path / "k", allow_requantize=True,
+                progress=False)
+    assert s["bits_per_weight"] > s["source_bits_per_weight"] and s["fallbacks"], s
+    assert "more bits per weight than the source" in s["warning"], s["warning"]
+    s = convert(tmp_path / "q4" / "model.gguf", to="gguf", quant="q4_0", out=tmp_path / "same", allow_requantize=True,
+                progress=False)  # the negative control: no fallback, no such warning
+    assert s["bits_per_weight"] <= s["source_bits_per_weight"] + 0.05 and "more bits" not in s["warning"], s
+
+
+def test_requantize_messages_are_one_line_each_and_keep_brackets(tiny_gguf, tmp_path):
+    """Review: the warning and quality lines were wrapped at 80 columns on a pipe, and a "[...]" in a file
+    name was read as rich markup (dropped, or a MarkupError traceback for "[/x]")."""
+    import shutil
+
+    d = tmp_path / "a [b] [red]"
+    d.mkdir()
+    shutil.copy(tiny_gguf("llama", "q8_0"), d / "m[red]1.gguf")
+    r = _cli("convert", str(d / "m[red]1.gguf"), "--to", "gguf", "--quant", "q4_0", "--allow-requantize",
+             "--out", str(tmp_path / "o"))
+    assert r.returncode == 0, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 2, r.stderr
+    assert lines[0].startswith("warning: m[red]1.gguf is already quantized") and "second quantization" in lines[0]
+    assert lines[1].startswith("quality vs m[red]1.gguf on") and lines[1].endswith("bits per weight"), lines[1]
+
+
+def test_sigterm_mid_conversion_leaves_no_temp_dir(tiny_hf, tmp_path):
+    """Review: `kill` (SIGTERM) mid-conversion ended the process at once and left `.OUT.<hex>.partial` beside
+    the output for good. Now it unwinds like Ctrl-C: nothing is left. The signal is sent from inside the
+    conversion (after the f16 GGUF is written), so the test does not depend on timing."""
+    code = f"""
+import os, signal, sys
+import converters.to_gguf as tg
+from converters import convert
+tg.quantize = lambda *a, **k: os.kill(os.getpid(), signal.SIGTERM)
+try:
+    convert({str(tiny_hf["llama"])!r}, to="gguf", quant="q4_0", out={str(tmp_path / "x")!r}, progress=False)
+except KeyboardInterrupt:
+    sys.exit(130)
+sys.exit(0)
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 130, (r.returncode, r.stderr[-2000:])
+    assert list(tmp_path.iterdir()) == [], list(tmp_path.iterdir())
+
+
+def test_a_gguf_output_dir_is_a_source_and_an_mlx_quantized_dir_is_refused(tiny_hf, tiny_gguf, tmp_path):
+    """Review: `convert OUT_DIR` (a directory written by `convert --to gguf`, which `run` and `info` accept)
+    failed with "config.json: missing"; an MLX 4-bit directory given as the source failed with "tensor
+    model.embed_tokens.biases has no GGUF name"."""
+    gguf_dir = tiny_gguf("llama", "q8_0").parent
+    s = convert(gguf_dir, to="gguf", quant="q4_0", out=tmp_path / "rq", allow_requantize=True, progress=False)
+    assert s["source"].endswith("model.gguf") and s["verify"]["passed"]
+    convert(tiny_hf["llama"], to="mlx", out=tmp_path / "m", progress=False, verify=False)
+    r = _cli("convert", str(tmp_path / "m"), "--to", "gguf", "--out", str(tmp_path / "g"))
+    _one_line_error(r, "m/config.json: already quantized weights ('quantization')")
+    assert r.returncode == 2 and not (tmp_path / "g").exists()

@@ -121,7 +121,21 @@ parts = [{{ wheel = "not-downloaded==0", member = "x" }}]
         shutil.copy(src, catalog.cached_path(entry))
         with pytest.raises(OndeviceError, match="pull tiny --quant q4_0"):
             catalog.resolve("tiny:q4_0")
+        import converters.quantize as cq
+
+        def interrupted(*a, **k):  # Ctrl-C while the variant's quality is measured
+            raise KeyboardInterrupt
+
+        with monkeypatch.context() as m:
+            m.setattr(cq, "quality", interrupted)
+            with pytest.raises(KeyboardInterrupt):
+                pull_variant("tiny", "q4_0", quiet=True)
+        # review: the variant used to be renamed into place before it was measured and recorded
+        assert sorted(f.name for f in catalog.cached_path(entry).parent.iterdir()) == ["tiny.gguf", "tiny.gguf.verified"]
         path = pull_variant("tiny", "q4_0", quiet=True)
+        from ondevice.info import describe
+
+        assert describe(path)["verified"].startswith("local requantization of tiny.gguf (not the published file)")
         assert path.parent == catalog.cached_path(entry).parent and path != catalog.cached_path(entry)
         rec = json.loads(path.with_suffix(".json").read_text())
         assert rec["published"] is False and rec["source_sha256"] == entry.sha256 and rec["sha256"] == sha256_file(path)

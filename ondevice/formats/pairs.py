@@ -44,9 +44,9 @@ def check_vocabs(target: list[str], draft: list[str], target_name: str | Path, d
 
 def gguf_tokens(path: Path) -> list[str]:
     """The token texts of a GGUF file, in id order."""
-    import gguf
+    from ondevice.formats.gguf_reader import GGUFFile
 
-    reader = gguf.GGUFReader(str(path))
+    reader = GGUFFile(path).reader  # a truncated or corrupt file: one line naming it
     field = reader.fields.get("tokenizer.ggml.tokens")
     if field is None:
         raise OndeviceError(f"{path}: GGUF has no tokenizer.ggml.tokens; it cannot be paired")
