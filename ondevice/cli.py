@@ -32,8 +32,9 @@ _state = {"debug": False}
 
 def _fail(message: str, code: int = 2) -> None:
     from rich.console import Console
+    from rich.markup import escape
 
-    Console(stderr=True, highlight=False).print(f"[bold red]error:[/bold red] {message}", soft_wrap=True)
+    Console(stderr=True, highlight=False).print(f"[bold red]error:[/bold red] {escape(message)}", soft_wrap=True)
     raise typer.Exit(code)
 
 

@@ -153,8 +153,9 @@ class SyncedPolicy:
         self.inner.next_gamma(hint, lag)  # keeps the policy's own counters in step
         return int(rows[0, 3])
 
-    def update(self, drafted: int, accepted: int, hint: int = 0) -> None:
-        self.inner.update(drafted, accepted, hint)
+    def update(self, drafted: int, accepted: int, hint: int = 0, proposal=None, emitted=None) -> None:
+        # the whole guess and the emitted tokens are the same on every rank (same drafts, same decisions)
+        self.inner.update(drafted, accepted, hint, proposal, emitted)
 
 
 @dataclass
