@@ -48,6 +48,8 @@ def test_errors_are_one_line_with_exit_2(tmp_path):
     assert r.returncode != 0 and "Traceback" in r.stderr
     r = run_cli("pull", "nope")
     assert r.returncode == 2 and "catalog names" in r.stderr
+    r = run_cli("generate", str(tmp_path / "odd[/x]name.gguf"), "-p", "hi")  # not read as rich markup
+    assert r.returncode == 2 and "odd[/x]name.gguf" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_catalog_entries_are_complete():
