@@ -289,11 +289,10 @@ def record_variant(entry: Entry, quant: str, record: dict) -> None:
     """Write the JSON record of a freshly made local variant (atomically)."""
     path = variant_path(entry, quant)
     st = path.stat()
-    out = path.with_suffix(".json")
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps({**record, "path": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
-                               "sha256": sha256_file(path)}, indent=2))
-    tmp.replace(out)
+    from ondevice.atomic import write_text
+
+    write_text(path.with_suffix(".json"), json.dumps({**record, "path": str(path), "size": st.st_size,
+                                                      "mtime_ns": st.st_mtime_ns, "sha256": sha256_file(path)}, indent=2))
 
 
 def resolve(spec: str | os.PathLike, *, auto_pull: bool = True) -> Path:

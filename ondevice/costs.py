@@ -7,12 +7,11 @@ backends' own ``eval``; no sampling involved.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ondevice.atomic import write_text
 from ondevice.backends import Backend
 
 PROBE_KS = (1, 2, 3, 4, 5, 6, 8, 12, 16)  # verify batch sizes the probe times
@@ -185,20 +184,6 @@ def _read(path: Path) -> dict:
         return {}
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    """Write through a temp file of our own (unique name) and rename it: readers and other processes
-    only ever see a whole file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def cached_measure(target: Backend, draft: Backend | None = None) -> Costs:
     """``measure``, cached in ``$ONDEVICE_HOME/costs.json`` per (model files, threads, device, probe shape)."""
     from ondevice import catalog
@@ -212,5 +197,5 @@ def cached_measure(target: Backend, draft: Backend | None = None) -> Costs:
     c = measure(target, draft, reps=7)
     cache = _read(path)  # re-read: another process may have added entries meanwhile
     cache[key] = {"target_seconds": {str(k): v for k, v in c.target_seconds.items()}, "draft_seconds": c.draft_seconds}
-    _write_atomic(path, json.dumps(cache, indent=1))
+    write_text(path, json.dumps(cache, indent=1))
     return c

@@ -11,10 +11,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import threading
 from pathlib import Path
 
 from ondevice import sources
+from ondevice.atomic import write_text
 from ondevice.backends import is_gguf_file
 from ondevice.errors import OndeviceError
 from ondevice.gguf_meta import read_header
@@ -149,16 +149,10 @@ def _load_cache() -> dict:
 
 
 def _save_cache(cache: dict) -> None:
-    path = _cache_file()
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps({"version": FACTS_VERSION, "models": cache}))
-        tmp.replace(path)  # atomic: readers see the old or the new file; concurrent writers: the last wins
+        write_text(_cache_file(), json.dumps({"version": FACTS_VERSION, "models": cache}))
     except OSError:
         pass  # a read-only cache dir only costs a re-read next time
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def _hf_models() -> list[tuple[str, Path]]:
