@@ -231,10 +231,10 @@ class DistributedRuntime(Runtime):
 
         draft = getattr(self.drafter, "backend", None)
         c0, f0 = self.world.collectives, self.target.forwards
-        local = measure(self.target, draft, reps=5)  # every rank runs the same passes
-        self._kv = []
+        self._kv = []  # before the probe, as Runtime._costs does: an interrupted probe leaves nothing stale
         if self.drafter is not None:
             self.drafter.reset()
+        local = measure(self.target, draft, reps=5)  # every rank runs the same passes
         shared = self.world.share({"t": {str(k): v for k, v in local.target_seconds.items()}, "d": local.draft_seconds})
         self._probe = (self.world.collectives - c0, self.target.forwards - f0)  # left out of the request's stats
         return Costs({int(k): v for k, v in shared["t"].items()}, shared["d"])
