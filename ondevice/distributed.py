@@ -26,6 +26,7 @@ import socket
 import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -285,6 +286,6 @@ def world() -> World:
 def active() -> bool:
     """Launched with more than one rank (joins the job on first call)."""
     hostfile = os.environ.get("MLX_HOSTFILE")
-    if hostfile and os.path.isfile(hostfile) and not open(hostfile).read().strip():
+    if hostfile and os.path.isfile(hostfile) and not Path(hostfile).read_text().strip():
         return False  # mlx.launch -n 1 writes an empty hostfile: a job of one
     return launched() and world().size > 1
