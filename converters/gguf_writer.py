@@ -13,7 +13,6 @@ from converters.quantize import FTYPES
 from converters.tokenizer import Vocab
 
 QUANTS = FTYPES  # --quant name → llama_ftype (llama.h); f16 is written directly by gguf
-MAIN_TYPE = {"f16": "F16", "q8_0": "Q8_0", "q4_0": "Q4_0", "iq4_nl": "IQ4_NL", "q4_k_m": "Q4_K"}
 
 
 def write_gguf(

@@ -29,6 +29,9 @@ from ondevice.errors import OndeviceError
 
 # --quant name → llama_ftype (llama.h). f16 is written directly by gguf, never by the quantizer.
 FTYPES = {"f16": 1, "q8_0": 7, "q4_0": 2, "iq4_nl": 25, "q4_k_m": 15}
+# a format name → the tensor type most of its weights get (q4_1 / q5_0: published files we only read)
+MAIN_TYPE = {"f16": "F16", "q8_0": "Q8_0", "q4_0": "Q4_0", "iq4_nl": "IQ4_NL", "q4_k_m": "Q4_K", "q4_1": "Q4_1",
+             "q5_0": "Q5_0"}
 # Bits per weight of each GGML tensor type (block scales included).
 TYPE_BITS = {"F32": 32.0, "F16": 16.0, "BF16": 16.0, "Q8_0": 8.5, "Q6_K": 6.5625, "Q5_1": 6.0, "Q5_0": 5.5,
              "Q5_K": 5.5, "Q4_1": 5.0, "Q4_0": 4.5, "IQ4_NL": 4.5, "Q4_K": 4.5, "IQ4_XS": 4.25, "Q3_K": 3.4375,

@@ -24,7 +24,7 @@ from ondevice.errors import OndeviceError
 # Quality budget: within this much top-1 agreement, and this much mean KL (nats), of the most faithful format.
 TOP1_SLACK = 0.03
 KL_SLACK = 0.1
-MAIN_TYPE = {"q8_0": "Q8_0", "q4_0": "Q4_0", "iq4_nl": "IQ4_NL", "q4_k_m": "Q4_K", "q4_1": "Q4_1", "q5_0": "Q5_0"}
+FORMATS = ("q8_0", "q4_0", "iq4_nl", "q4_k_m", "q4_1", "q5_0")  # what --formats takes (types: quantize.MAIN_TYPE)
 
 
 def recommend(rows: list[dict]) -> tuple[str, str]:
@@ -74,14 +74,14 @@ def _prefill_seconds(backend, n: int = 128) -> float:
 
 def _files(src: Path, name: str | None, formats: list[str], tmp: Path, progress: Callable[[str], None]) -> dict:
     """format → (GGUF path, how it was made): the source itself, a cached local variant, or a fresh requantization."""
-    from converters.quantize import precision, requantize_file
+    from converters.quantize import MAIN_TYPE, precision, requantize_file
     from ondevice import catalog
 
     prec = precision(src)
     main = max(prec["types"], key=prec["types"].get)
     out = {}
     for fmt in formats:
-        if MAIN_TYPE.get(fmt) == main:
+        if MAIN_TYPE[fmt] == main:
             out[fmt] = (src, "source")
             continue
         if name is not None:
@@ -119,9 +119,9 @@ def advise(model: str, formats: list[str], *, draft: str | None = None, referenc
     from ondevice.costs import Costs, measure
 
     say = progress or (lambda s: None)
-    bad = [f for f in formats if f not in MAIN_TYPE]
+    bad = [f for f in formats if f not in FORMATS]
     if bad or not formats:
-        raise OndeviceError(f"--formats {','.join(formats)}: choose from {', '.join(MAIN_TYPE)}")
+        raise OndeviceError(f"--formats {','.join(formats)}: choose from {', '.join(FORMATS)}")
     src = catalog.resolve(model)
     name = model if str(model) in catalog.catalog()[0] else None
     ref = catalog.resolve(reference) if reference else src
