@@ -39,9 +39,8 @@ def _fail(message: str, code: int = 2) -> None:
 
 
 def _silence_stdout() -> None:
-    """Point stdout at /dev/null so that the interpreter's final flush cannot fail again on the closed pipe."""
-    import os
-
+    """Point stdout at /dev/null (after a closed pipe, so the interpreter's final flush cannot fail again;
+    on ranks > 0 of an mlx.launch job, which must not write)."""
     try:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     except (OSError, ValueError):
@@ -89,7 +88,12 @@ def _main(
 ) -> None:
     _state["debug"] = debug
     if os.environ.get("MLX_RANK", "0") != "0":  # a rank > 0 of an mlx.launch job: only rank 0 writes stdout
-        os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+        _silence_stdout()
+
+
+def _csv(text: str) -> list[str]:
+    """A comma-separated option → its non-empty items."""
+    return [x.strip() for x in text.split(",") if x.strip()]
 
 
 def _dump(obj) -> None:
@@ -358,8 +362,8 @@ def bench_cmd(
     elif formats:
         from ondevice import bench_formats
 
-        doc = bench_formats.advise(model, [f.strip() for f in formats.split(",") if f.strip()], draft=draft,
-                                   reference=reference, classes=[c.strip() for c in classes.split(",") if c.strip()],
+        doc = bench_formats.advise(model, _csv(formats), draft=draft,
+                                   reference=reference, classes=_csv(classes),
                                    per_class=per_class, repeats=repeats, max_tokens=max_tokens, threads=threads,
                                    progress=lambda m: typer.echo(m, err=True))
         if plot:
@@ -368,7 +372,7 @@ def bench_cmd(
             json_path.write_text(json.dumps(doc, indent=2, default=str))
         bench_formats.table(doc)
     else:
-        doc = bench.run_bench(model, draft, ngram=ngram, classes=[c.strip() for c in classes.split(",") if c.strip()],
+        doc = bench.run_bench(model, draft, ngram=ngram, classes=_csv(classes),
                               max_tokens=max_tokens, repeats=repeats, gamma=gamma, anchors=anchors, per_class=per_class,
                               temperature=temperature, threads=threads,
                               progress=lambda r: typer.echo(f"{r['class']:>8} {r['mode']:<28} {r['tokens_per_second']:7.1f} tok/s", err=True))
@@ -437,7 +441,7 @@ def launch_cmd(
     from ondevice.errors import OndeviceError
 
     try:
-        code = launch(None if hosts is None else [h.strip() for h in hosts.split(",") if h.strip()], list(ctx.args),
+        code = launch(None if hosts is None else _csv(hosts), list(ctx.args),
                       backend=backend, hostfile_path=hostfile, python=python, dry_run=dry_run)
     except OndeviceError as e:
         _fail(str(e))
