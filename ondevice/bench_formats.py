@@ -202,13 +202,9 @@ def table(doc: dict) -> None:
 
 def plot(doc: dict, out_dir: Path) -> Path:
     """speedup_vs_quality.png: effective tok/s on grounded edits against mean KL, one point per format."""
-    try:
-        import matplotlib
+    from ondevice.bench_tools import pyplot
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as e:
-        raise OndeviceError("--plot needs matplotlib: pip install 'ondevice[plot]'") from e
+    plt = pyplot()
     out_dir.mkdir(parents=True, exist_ok=True)
     fig, ax = plt.subplots(figsize=(5, 4))
     for r in doc["formats"]:

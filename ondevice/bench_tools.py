@@ -136,8 +136,8 @@ def table(doc: dict) -> None:
     Console(stderr=True).print(t)
 
 
-def plots(doc: dict, out_dir: Path) -> list[Path]:
-    """PNG plots: tok/s by mode and class, acceptance vs γ, realized speedup vs bound."""
+def pyplot():
+    """matplotlib.pyplot on the file-only Agg backend, or a one-line error naming the extra to install."""
     try:
         import matplotlib
 
@@ -145,6 +145,12 @@ def plots(doc: dict, out_dir: Path) -> list[Path]:
         import matplotlib.pyplot as plt
     except ImportError as e:
         raise OndeviceError("--plot needs matplotlib: pip install 'ondevice[plot]'") from e
+    return plt
+
+
+def plots(doc: dict, out_dir: Path) -> list[Path]:
+    """PNG plots: tok/s by mode and class, acceptance vs γ, realized speedup vs bound."""
+    plt = pyplot()
     out_dir.mkdir(parents=True, exist_ok=True)
     s = doc["summary"]
     classes = list(dict.fromkeys(r["class"] for r in s))
