@@ -14,7 +14,7 @@ from pathlib import Path
 from ondevice.atomic import write_text
 from ondevice.backends import Backend
 
-PROBE_KS = (1, 2, 3, 4, 5, 6, 8, 12, 16)  # verify batch sizes the probe times
+PROBE_KS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 33)  # verify batch sizes the probe times (33: n-gram γ = 32)
 PROBE_CONTEXT = 64  # prefix tokens before the timed batches
 
 
@@ -53,7 +53,7 @@ class Costs:
         return {k: min(env[k], k * t1) for k in ks}
 
     def verify_cost(self, k: int) -> float:
-        """cost(k)/cost(1), interpolated linearly between measured k (extrapolated from the last two)."""
+        """cost(k)/cost(1), interpolated linearly between measured k (past the last one: see ``verify_costs``)."""
         return self.verify_costs(k)[k - 1]
 
     def verify_costs(self, n: int) -> list[float]:
@@ -73,9 +73,10 @@ class Costs:
                 hi = ks[j + 1]
                 w = (k - lo) / (hi - lo)
                 out.append(((1 - w) * curve[lo] + w * curve[hi]) / t1)
-            else:
+            else:  # past the last measured k: at least that point's cost per token (a locally flat stretch
+                # of the curve must not make every longer batch look free)
                 a, b = ks[-2], ks[-1]
-                out.append((curve[b] + (curve[b] - curve[a]) / (b - a) * (k - b)) / t1)
+                out.append(max(curve[b] + (curve[b] - curve[a]) / (b - a) * (k - b), curve[b] * k / b) / t1)
         return out
 
     def observe(self, k: int, seconds: float, draft_seconds_per_token: float | None = None, weight: float = 0.05) -> None:

@@ -146,6 +146,7 @@ class NgramDrafter:
     """
 
     name = "ngram"
+    RESUME_AFTER = 4  # tokens a copy must agree for before it may survive another differing token
     cheap = True  # proposing costs nothing: the policy trims the longest guess
 
     def __init__(self, max_ngram: int = 4, min_ngram: int = 1, max_report: int = 64) -> None:
@@ -153,17 +154,20 @@ class NgramDrafter:
         self.min_ngram = min_ngram
         self.max_report = max_report
         self.last_match_len = 0
+        self.last_from_prompt = False  # the guess copies the request's prompt (not the answer so far)
+        self._prompt_len = 0
         self._of: list | None = None  # the context list the index describes (drafts never affect exactness,
         self._done = 0  # so a stale index could only cost speed; it is rebuilt when the list changes)
         self._last = None
         self._index: dict[tuple, int] = {}  # n-gram → where its latest occurrence ends
-        self._copy: tuple[int, int, int] | None = None  # (context length, source position, agreement) of the last guess
+        self._copy: tuple[int, int, int, int] | None = None  # (context length, source position, agreement, since a differing token) of the last guess
 
     def _sync(self, context) -> None:
         """Index every n-gram that ends before the context's last position."""
         done = self._done
         if context is not self._of or len(context) < done or (done and context[done - 1] != self._last):
             self._of, self._index, done, self._copy = context, {}, 1, None
+            self._prompt_len = len(context)
         n = len(context)
         for end in range(done, n):  # n-grams ending at end ≤ n − 1 (the suffix itself excluded)
             for size in range(self.min_ngram, min(self.max_ngram, end) + 1):
@@ -171,8 +175,13 @@ class NgramDrafter:
         self._done = max(done, n)
         self._last = context[self._done - 1]
 
+    @property
+    def hint(self) -> tuple[int, bool]:
+        """What the policy judges the last guess by: (match length, copying from the prompt)."""
+        return self.last_match_len, self.last_from_prompt
+
     def propose(self, context, gamma, params, rng):
-        self.last_match_len = 0
+        self.last_match_len, self.last_from_prompt = 0, False
         n = len(context)
         if gamma <= 0 or n < 2:
             return [], None
@@ -184,28 +193,33 @@ class NgramDrafter:
             if end is not None:
                 break
         if resumed is not None and (end is None or size < 2 or resumed[0] == end):
-            end, self.last_match_len = resumed  # the copy goes on (past a differing token, if one was emitted)
+            end, self.last_match_len, fresh = resumed  # the copy goes on (past a differing token, if one was emitted)
         elif end is not None:
-            self.last_match_len = size + self._agree_before(context, end - size, n - size, self.max_report - size)
+            self.last_match_len = fresh = size + self._agree_before(context, end - size, n - size, self.max_report - size)
         else:
             self._copy = None
             return [], None
-        self._copy = (n, end, self.last_match_len)
+        self._copy = (n, end, self.last_match_len, fresh)
+        self.last_from_prompt = end < self._prompt_len
         return list(context[end : end + gamma]), None
 
-    def _resume(self, context) -> tuple[int, int] | None:
-        """(source position, agreement) of the last guess's copy continued past at most one differing token."""
+    def _resume(self, context) -> tuple[int, int, int] | None:
+        """(source position, agreement, agreement since the last differing token) of the last guess's copy,
+        continued past at most one differing token; a copy that differs again before it has agreed for
+        ``RESUME_AFTER`` tokens has ended (it was not a rename)."""
         if self._copy is None:
             return None
-        n0, src0, agree0 = self._copy
+        n0, src0, agree0, fresh0 = self._copy
         n = len(context)
         end = src0 + (n - n0)
-        if not 0 < n - n0 <= 8 or end >= n - 1:  # too far from the last guess, or nothing left to copy
+        if not 0 < n - n0 <= 64 or end >= n - 1:  # too far from the last guess, or nothing left to copy
             return None
-        differ = sum(context[src0 + i] != context[n0 + i] for i in range(n - n0))
-        if differ > 1:  # the copy has ended
+        diffs = [i for i in range(n - n0) if context[src0 + i] != context[n0 + i]]
+        if not diffs:
+            return end, min(agree0 + n - n0, self.max_report), fresh0 + n - n0
+        if len(diffs) > 1 or fresh0 + diffs[0] < self.RESUME_AFTER:  # the copy has ended
             return None
-        return end, min(agree0 + n - n0 - differ, self.max_report)
+        return end, min(agree0 + n - n0 - 1, self.max_report), n - n0 - diffs[0] - 1
 
     @staticmethod
     def _agree_before(ctx, a: int, b: int, limit: int) -> int:

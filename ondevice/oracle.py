@@ -107,7 +107,7 @@ def replay_policy(prompt: Sequence[int], answer: Sequence[int], costs: Costs, po
     n = len(answer)
     while i < n:
         proposal, _ = drafter.propose(context, pol.max_gamma, None, None)
-        hint = drafter.last_match_len
+        hint = drafter.hint
         g = pol.next_gamma(hint) if proposal else 0
         draft = proposal[:g]
         kept = 0

@@ -154,7 +154,7 @@ def steps(
             g = 0
         elif getattr(drafter, "cheap", False):
             proposal, q = drafter.propose(context, min(policy.max_gamma, room), params, rng)
-            hint = getattr(drafter, "last_match_len", 0)
+            hint = getattr(drafter, "hint", 0)
             g = min(policy.next_gamma(hint), room) if proposal else 0
             draft = proposal[:g]
         else:

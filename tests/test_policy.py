@@ -6,7 +6,7 @@ import numpy as np
 
 import ondevice
 from ondevice.costs import Costs, speedup_bound
-from ondevice.policy import AdaptivePolicy, expected_rate
+from ondevice.policy import RISK, AdaptivePolicy, expected_rate
 
 PROMPT = "The model draft and the target verify"
 
@@ -93,7 +93,7 @@ def test_ngram_match_length_reports_how_far_a_copy_agrees():
 def test_ngram_long_agreement_drafts_from_the_first_step():
     p = AdaptivePolicy(curve(per_token=0.6), "ngram")  # this CPU's shape: cost(k) ≈ 0.4 + 0.6k decodes
     assert p.next_gamma(hint=2) == 0  # short matches: not worth a verify until shown otherwise
-    assert p.next_gamma(hint=30) >= 2  # a 30-token verbatim agreement: a copy is under way
+    assert p.next_gamma(hint=40) >= 2  # a 40-token verbatim agreement: a copy is under way
 
 
 def test_keep_drafting_stops_on_low_confidence():
@@ -183,16 +183,16 @@ def test_ngram_drafts_when_the_curve_is_flat_and_never_when_steep():
         _shadow(p_steep, [1, 2, 3, 4], alpha_pattern)
         assert p_flat.next_gamma(hint=1) >= 2
         assert all(p_steep.next_gamma(hint=h) == 0 for h in (0, 1, 4, 30))
-    # even half-right single guesses pay on the flat curve: 1 + 0.5 > cost(2) = 1.15
+    # even single guesses right 60 % of the time pay on the flat curve: 1 + 0.6 > RISK · cost(2) = 1.55
     half = AdaptivePolicy(flat, "ngram")
     for i in range(60):
-        half.update(0, 0, 1, [7], [7] if i % 2 else [8])
+        half.update(0, 0, 1, [7], [7] if i % 5 < 3 else [8])
     assert half.next_gamma(hint=1) >= 1
     # ... and not on Q4_K_M's curve, where one more token costs more than half a decode (control)
     q4km = Costs({1: 1.0, 2: 1.6, 4: 3.14, 8: 5.30, 16: 6.08})
     half_k = AdaptivePolicy(q4km, "ngram")
     for i in range(60):
-        half_k.update(0, 0, 1, [7], [7] if i % 2 else [8])
+        half_k.update(0, 0, 1, [7], [7] if i % 5 < 3 else [8])
     assert half_k.next_gamma(hint=1) == 0
 
 
@@ -214,12 +214,46 @@ def test_gain_not_ratio_picks_gamma():
     from ondevice.policy import expected_gain
 
     flat = Costs({1: 1.0, 2: 1.15, 4: 1.63, 8: 2.93, 16: 3.88})
-    alphas = [0.8] * 8
-    gains = {g: expected_gain(alphas, g, 0.0, flat) for g in range(9)}
+    alphas = [0.9] * 8
+    gains = {g: expected_gain(alphas, g, 0.0, flat, risk=RISK) for g in range(9)}
     rates = {g: expected_rate(alphas, g, 0.0, flat) for g in range(1, 9)}
-    p = AdaptivePolicy(flat, "ngram")
-    _shadow(p, list(range(8)), list(range(8)) + [99], hint=4, rounds=1)  # one observation: the prior mostly
-    p.estimates[4].by_position = [0.8] * 8
+    p = AdaptivePolicy(flat, "ngram", max_gamma=8)
+    p.guesses.cells[p.guesses.bucket(4)] = [[1.0, 0.9] for _ in range(6)]  # α = 0.9 at every position
     g = p.next_gamma(hint=4)
     assert g == max(gains, key=gains.get)
     assert g > max(rates, key=rates.get)  # the per-step ratio would stop earlier
+
+
+def test_a_renamed_copy_resumes_after_a_long_accepted_step_but_not_after_two_differences():
+    from ondevice.drafters import NgramDrafter
+
+    src = list(range(100, 160))
+    prompt = [1, 2, 3] + src + [7, 8]
+    d = NgramDrafter()
+    ctx = prompt + src[:10]
+    guess, _ = d.propose(ctx, 32, None, None)
+    assert guess == src[10:42] and d.hint == (10, True)  # copying the prompt
+    ctx += src[10:30] + [999]  # one step kept 20 guessed tokens, then the target renamed one token
+    guess, _ = d.propose(ctx, 8, None, None)
+    assert guess == src[31:39]  # the copy goes on past the renamed token, aligned by position
+    ctx += [998]  # ... but differs again at once: that was no rename, the copy has ended
+    guess, _ = d.propose(ctx, 8, None, None)
+    assert guess != src[32:40]
+
+
+def test_a_guess_repeating_the_answer_is_told_from_one_copying_the_prompt():
+    from ondevice.drafters import NgramDrafter
+
+    d = NgramDrafter()
+    ctx = [1, 2, 3, 4, 5]  # the prompt: the drafter sees this list first
+    d.propose(ctx, 2, None, None)
+    ctx += [50, 51, 52, 53, 54, 9, 50, 51, 52]  # the answer (extended in place, as the loop does) repeats itself
+    assert d.propose(ctx, 2, None, None)[0] == [53, 54] and d.hint == (3, False)
+    ctx += [53, 54, 1, 2, 3]  # ... then quotes the prompt
+    assert d.propose(ctx, 2, None, None)[0] == [4, 5] and d.hint[1] is True
+
+
+def test_the_verify_curve_past_its_last_point_is_never_cheaper_per_token():
+    flat_end = Costs({1: 1.0, 2: 1.8, 12: 6.9, 16: 6.8})  # noise or a kernel's sweet spot: flat from 12 to 16
+    vc = flat_end.verify_costs(33)
+    assert vc[15] == 6.8 / 1.0 and vc[32] >= 6.8 * 33 / 16 - 1e-9  # not 6.8 + (6.8 − 6.9)/4 · 17
