@@ -91,7 +91,8 @@ def test_ngram_match_length_reports_how_far_a_copy_agrees():
 
 
 def test_ngram_long_agreement_drafts_from_the_first_step():
-    p = AdaptivePolicy(curve(per_token=0.6), "ngram")  # this CPU's shape: cost(k) ≈ 0.4 + 0.6k decodes
+    idle = Costs({1: 1.0, 2: 1.85, 4: 2.77, 8: 5.25, 12: 6.88, 16: 6.82, 24: 10.62, 32: 12.49})  # Qwen 1.5B IQ4_NL here
+    p = AdaptivePolicy(idle, "ngram")
     assert p.next_gamma(hint=2) == 0  # short matches: not worth a verify until shown otherwise
     assert p.next_gamma(hint=40) >= 2  # a 40-token verbatim agreement: a copy is under way
 
@@ -183,7 +184,7 @@ def test_ngram_drafts_when_the_curve_is_flat_and_never_when_steep():
         _shadow(p_steep, [1, 2, 3, 4], alpha_pattern)
         assert p_flat.next_gamma(hint=1) >= 2
         assert all(p_steep.next_gamma(hint=h) == 0 for h in (0, 1, 4, 30))
-    # even single guesses right 60 % of the time pay on the flat curve: 1 + 0.6 > RISK · cost(2) = 1.55
+    # even single guesses right 60 % of the time pay on the flat curve: 0.6 > RISK · (cost(2) − 1) = 0.26
     half = AdaptivePolicy(flat, "ngram")
     for i in range(60):
         half.update(0, 0, 1, [7], [7] if i % 5 < 3 else [8])
