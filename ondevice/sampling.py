@@ -18,6 +18,12 @@ min(q, p) + max(0, p − q) = p(y).
 
 Greedy (temperature 0) is the same rule with one-hot p and q: accept iff argmaxes agree, and the
 residual of a rejected draft is the target's argmax.
+
+``verify`` states the rule on dense [γ+1, V] rows. The decoding loop calls ``verify_logits``, the same
+rule on the target's raw logits: it processes only the rows the rule examines, keeps rows sparse
+(the candidates that survive top-k/top-p/min-p) and, when greedy, computes only argmaxes. Its
+results and the uniforms it draws are bit-identical to ``verify`` on ``probs_batch`` (tested against
+the dense reference).
 """
 
 from __future__ import annotations
@@ -29,8 +35,8 @@ import numpy as np
 from ondevice.params import SamplingParams
 
 __all__ = [
-    "SamplingParams", "probs", "probs_batch", "probs_sparse", "sample", "sample_sparse", "verify", "verify_greedy", "verify_logits",
-    "accept_probability", "residual",
+    "SamplingParams", "probs", "probs_batch", "probs_sparse", "sample", "sample_sparse", "verify", "verify_greedy",
+    "verify_logits", "accept_probability", "residual", "residual_sparse",
 ]
 
 REPETITION_WINDOW = 64  # tokens of history the repetition penalty looks at (llama.cpp's default)
@@ -57,15 +63,23 @@ def _argmax(x: np.ndarray, seen: np.ndarray, penalty: float) -> int:
     m = int(np.argmax(x))
     if not len(seen):
         return m
-    if seen[min(int(np.searchsorted(seen, m)), len(seen) - 1)] == m:  # the raw winner is penalised: find the unseen one
+    if _has(seen, m):  # the raw winner is penalised: find the first maximum among the unseen ids
         y = x.copy()
         y[seen] = -np.inf
-        m = int(np.argmax(y))
-    cand = np.union1d(seen, [m])  # sorted, so argmax keeps "first index" among them
-    v = x[cand].astype(np.float64)
-    hit = np.isin(cand, seen)
-    v[hit] = _penalty_of(v[hit], penalty)
-    return int(cand[np.argmax(v)])
+        m = int(np.argmax(y))  # if no unseen id beats -inf this is 0, whose value then is the unseen maximum
+    v = _penalty_of(x[seen].astype(np.float64), penalty)
+    i = int(np.argmax(v))
+    a, va = int(seen[i]), float(v[i])
+    if not _has(seen, m):  # the unseen winner against the seen one, as argmax would judge: NaN first, then ties by id
+        vm = float(x[m])
+        if (vm != vm and (va == va or m < a)) or (va == va and (vm > va or (vm == va and m < a))):
+            a = m
+    return a
+
+
+def _has(sorted_ids: np.ndarray, i: int) -> bool:
+    pos = int(np.searchsorted(sorted_ids, i))
+    return pos < len(sorted_ids) and int(sorted_ids[pos]) == i
 
 
 def _top_k(x: np.ndarray, k: int, seen: np.ndarray, penalty: float) -> tuple[np.ndarray, np.ndarray] | None:
@@ -83,8 +97,8 @@ def _top_k(x: np.ndarray, k: int, seen: np.ndarray, penalty: float) -> tuple[np.
     Returns:
         (ids [k], float64 processed logits [k]) in no particular order, or None.
     """
-    n = len(x)
-    s = max(1, min(16, n // (8 * (k + len(seen)))))
+    n, m = len(x), k + len(seen)
+    s = max(1, min(64, int(np.sqrt(n / m) / 2), n // (8 * m)))  # balances the two partitions' lengths (n/s, ~k·s)
     sub = x[::s].copy()
     if len(seen):
         sub[seen[seen % s == 0] // s] = np.nan  # a penalised value may fall: judge t0 on unseen ids only
@@ -125,8 +139,10 @@ def probs_sparse(
 ) -> tuple[np.ndarray, np.ndarray]:
     """``probs`` in sparse form: the ids with a probability and their probabilities (float64).
 
-    ``probs(...)[ids] == pr`` and ``probs`` is 0 elsewhere; ids are in the sampler's order (processed
-    logit descending, ties by id) and may hold 0.0 where an exp underflowed.
+    Args and the processing are those of ``probs``.
+    Returns:
+        (ids, pr): ``probs(...)[ids] == pr`` and ``probs`` is 0 elsewhere; ids in the sampler's order
+        (processed logit descending, ties by id); pr float64, 0.0 where an exp underflowed.
     """
     x = np.asarray(logits)
     if x.dtype.kind != "f":
@@ -170,7 +186,7 @@ def probs(
 
     Order (as llama.cpp's default chain): repetition penalty → top-k → top-p → min-p → temperature.
     top-p and min-p are judged on the untempered softmax, as llama.cpp does. The penalty and the
-    softmax are computed in float64; only the top-k candidates are converted.
+    softmax are computed in float64 (with top-k on, for the candidates only).
 
     Args:
         logits: [V] raw logits.
@@ -255,6 +271,19 @@ def residual(p: np.ndarray, q: np.ndarray) -> np.ndarray:
     r = np.maximum(p - q, 0.0)
     s = r.sum()
     return r / s if s > 0.0 else p
+
+
+def residual_sparse(ids: np.ndarray, pr: np.ndarray, qv: np.ndarray, V: int) -> np.ndarray:
+    """``residual(p, q)`` at p's ids, bit for bit: p is ``pr`` at ``ids`` (0 elsewhere), ``qv`` is q there.
+
+    max(0, p − q) is 0 wherever p is 0, so only p's ids are computed; the sum alone runs over the
+    dense [V] row, because summing in another order could change its last bits.
+    """
+    rv = np.maximum(pr - qv, 0.0)
+    dense = np.zeros(V, dtype=np.float64)
+    dense[ids] = rv
+    s = dense.sum()
+    return rv / s if s > 0.0 else pr
 
 
 def verify(
@@ -343,13 +372,7 @@ def verify_logits(
         qx = 1.0 if q is None else q[i, x]
         if rng.random() * qx < px:  # as in verify: u < p/q  ⇔  u·q < p
             continue
-        p = np.zeros(logits.shape[-1], dtype=np.float64)
-        p[ids] = pr
-        if q is None:  # max(0, p − e_x) is p with a 0 at x (p(x) <= 1), no dense one-hot needed
-            r = p.copy()
-            r[x] = 0.0
-            s = r.sum()
-            return i, sample(r / s if s > 0.0 else p, rng)
-        return i, sample(residual(p, q[i]), rng)
+        qv = (ids == x).astype(np.float64) if q is None else q[i, ids]  # q_i at p's ids
+        return i, sample_sparse(ids, residual_sparse(ids, pr, qv, logits.shape[-1]), rng)
     ids, pr = probs_sparse(logits[gamma], params, _window(history, draft_tokens, gamma))
     return gamma, sample_sparse(ids, pr, rng)

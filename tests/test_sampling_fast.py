@@ -12,7 +12,16 @@ import pytest
 from ondevice import sampling
 from ondevice.drafters import ModelDrafter
 from ondevice.policy import FixedGamma
-from ondevice.sampling import SamplingParams, probs, probs_batch, sample, verify, verify_greedy, verify_logits
+from ondevice.sampling import (
+    SamplingParams,
+    probs,
+    probs_batch,
+    residual,
+    sample,
+    verify,
+    verify_greedy,
+    verify_logits,
+)
 from ondevice.speculative import steps
 
 REPETITION_WINDOW = 64
@@ -134,6 +143,19 @@ def test_probs_is_bit_identical_to_the_reference(V):
     assert fast_taken > 20  # the shortcut was exercised, not only the full-partition fallback
 
 
+def test_greedy_argmax_under_the_penalty_resolves_ties_and_nans_as_argmax_does():
+    rng = np.random.default_rng(4)
+    values = np.array([-np.inf, -2.0, -1.0, 0.0, 1.0, 2.0, np.nan], dtype=np.float32)
+    for case in range(3000):
+        V = int(rng.integers(1, 9))
+        x = values[rng.integers(0, len(values) - (case % 3 != 0), V)]  # a NaN in one case out of three
+        hist = [int(t) for t in rng.integers(0, V, rng.integers(0, 6))]
+        for pen in (2.0, 0.5):  # exact halving/doubling: a seen 2.0 ties an unseen 1.0, a seen -1.0 an unseen -2.0
+            params = SamplingParams(temperature=0, repetition_penalty=pen)
+            limit = None if case % 4 else int(rng.integers(1, V + 1))
+            assert _same(probs(x, params, hist, limit), _ref_probs(x, params, hist, limit)), (x, hist, pen, limit)
+
+
 def test_top_k_shortcut_declines_a_straddling_tie():
     x = np.array([5, 4, 3, 3, 3, 1, 0, -1], dtype=np.float32)
     assert sampling._top_k(x, 3, np.zeros(0, np.int64), 1.0) is None  # which 3 wins is argpartition's choice
@@ -149,6 +171,27 @@ def test_probs_batch_is_bit_identical_to_the_reference():
         params, hist = _params(rng, V), _history(rng, V)
         draft = [int(t) for t in rng.integers(0, V, g)]
         assert _same(probs_batch(logits, params, hist, draft), _ref_probs_batch(logits, params, hist, draft))
+
+
+def test_sparse_residual_is_bit_identical_to_the_dense_one():
+    rng = np.random.default_rng(6)
+    for case in range(200):
+        V = int(rng.choice([5, 300, 5000]))
+        ids = rng.choice(V, int(rng.integers(1, V + 1)), replace=False)
+        pr = rng.random(len(ids)) ** 4
+        pr[rng.random(len(ids)) < 0.1] = 0.0
+        pr = pr / pr.sum() if pr.sum() else np.eye(len(ids))[0]
+        p = np.zeros(V)
+        p[ids] = pr
+        q = np.zeros(V)
+        if case % 2:
+            q[rng.integers(V)] = 1.0  # one-hot draft
+        else:
+            q[rng.choice(V, V // 2, replace=False)] = rng.random(V // 2)
+            q /= q.sum()
+        got = np.zeros(V)
+        got[ids] = sampling.residual_sparse(ids, pr, q[ids], V)
+        assert _same(got, residual(p, q)), case
 
 
 def _verify_cases(seed, greedy, n=300):
