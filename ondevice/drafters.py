@@ -12,7 +12,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from ondevice.backends import Backend
-from ondevice.sampling import SamplingParams, probs, sample
+from ondevice.sampling import SamplingParams, probs_sparse, sample_sparse
 
 
 @runtime_checkable
@@ -92,7 +92,8 @@ class ModelDrafter:
 
     def propose(self, context, gamma, params, rng, keep_drafting=None):
         """Sample up to ``gamma`` tokens; ``keep_drafting(confidences)`` may stop early (confidence =
-        the draft's probability of each token it drew)."""
+        the draft's probability of each token it drew). Greedy drafting is deterministic: q is None
+        (one-hot at each token)."""
         if gamma <= 0:
             return [], np.zeros((0, self.target_vocab))
         if len(context) + gamma > self.backend.n_ctx:
@@ -103,23 +104,23 @@ class ModelDrafter:
         logits = self._sync(context)
         tokens, rows, confs = [], [], []
         for i in range(gamma):
-            q = probs(logits, params, hist, self.vocab_limit)
-            t = sample(q, rng)
+            ids, pr = probs_sparse(logits, params, hist, self.vocab_limit)  # q: pr at ids, 0 elsewhere
+            t = sample_sparse(ids, pr, rng)
             tokens.append(t)
-            rows.append(q)
-            confs.append(float(q[t]))
+            rows.append((ids, pr))
+            confs.append(float(pr[np.flatnonzero(ids == t)[0]]))
             hist.append(t)
             if i + 1 < gamma and keep_drafting is not None and not keep_drafting(confs):
                 break
             if i + 1 < gamma:
                 logits = self.backend.eval([t], logits="last")[-1]
                 self._cached.append(t)
-        q = np.stack(rows)
-        V = q.shape[1]
-        if V < self.target_vocab:
-            q = np.pad(q, ((0, 0), (0, self.target_vocab - V)))
-        elif V > self.target_vocab:
-            q = q[:, : self.target_vocab]
+        if params.greedy:
+            return tokens, None
+        q = np.zeros((len(rows), self.target_vocab))  # [γ', target V]: ids past the target's width are cut
+        for i, (ids, pr) in enumerate(rows):
+            inside = ids < self.target_vocab
+            q[i, ids[inside]] = pr[inside]
         return tokens, q
 
     def reset(self) -> None:

@@ -18,6 +18,12 @@ min(q, p) + max(0, p − q) = p(y).
 
 Greedy (temperature 0) is the same rule with one-hot p and q: accept iff argmaxes agree, and the
 residual of a rejected draft is the target's argmax.
+
+``verify`` states the rule on dense [γ+1, V] rows. The decoding loop calls ``verify_logits``, the same
+rule on the target's raw logits: it processes only the rows the rule examines, keeps rows sparse
+(the candidates that survive top-k/top-p/min-p) and, when greedy, computes only argmaxes. Its
+results and the uniforms it draws are bit-identical to ``verify`` on ``probs_batch`` (tested against
+the dense reference).
 """
 
 from __future__ import annotations
@@ -28,55 +34,134 @@ import numpy as np
 
 from ondevice.params import SamplingParams
 
-__all__ = ["SamplingParams", "probs", "probs_batch", "sample", "verify", "accept_probability", "residual"]
+__all__ = [
+    "SamplingParams", "probs", "probs_batch", "probs_sparse", "sample", "sample_sparse", "verify", "verify_greedy",
+    "verify_logits", "accept_probability", "residual", "residual_sparse",
+]
 
 REPETITION_WINDOW = 64  # tokens of history the repetition penalty looks at (llama.cpp's default)
+_NO_IDS = np.zeros(0, dtype=np.int64)
 
 
-def _penalize(logits: np.ndarray, history: Sequence[int], penalty: float) -> np.ndarray:
-    """CTRL repetition penalty: a seen token's logit l becomes l / penalty if l > 0 else l · penalty."""
-    if penalty == 1.0 or not len(history):
-        return logits
+def _seen(history: Sequence[int], n: int) -> np.ndarray:
+    """Sorted distinct ids in [0, n) among the last ``REPETITION_WINDOW`` tokens of ``history``."""
     seen = np.unique(np.asarray(history[-REPETITION_WINDOW:], dtype=np.int64))
-    seen = seen[(seen >= 0) & (seen < logits.shape[-1])]
-    out = logits.copy()
-    v = out[seen]
-    out[seen] = np.where(v > 0, v / penalty, v * penalty)
-    return out
+    return seen[(seen >= 0) & (seen < n)]
 
 
-def probs(
-    logits: np.ndarray, params: SamplingParams, history: Sequence[int] = (), vocab_limit: int | None = None
-) -> np.ndarray:
-    """Turn one row of logits into the distribution the sampler draws from.
+def _penalty_of(v: np.ndarray, penalty: float) -> np.ndarray:
+    """CTRL repetition penalty on float64 logits of seen tokens: l → l / penalty if l > 0 else l · penalty."""
+    return np.where(v > 0, v / penalty, v * penalty)
 
-    Order (as llama.cpp's default chain): repetition penalty → top-k → top-p → min-p → temperature.
-    top-p and min-p are judged on the untempered softmax, as llama.cpp does.
+
+def _argmax(x: np.ndarray, seen: np.ndarray, penalty: float) -> int:
+    """``np.argmax`` of the penalised float64 row (first index on ties, first NaN if any), without building it.
+
+    The unseen ids keep their values, so their first maximum is found on ``x`` as it is (an exact
+    float32 → float64 conversion keeps order and ties); only it and the ≤ 64 seen ids can win.
+    """
+    m = int(np.argmax(x))
+    if not len(seen):
+        return m
+    if _has(seen, m):  # the raw winner is penalised: find the first maximum among the unseen ids
+        y = x.copy()
+        y[seen] = -np.inf
+        m = int(np.argmax(y))  # if no unseen id beats -inf this is 0, whose value then is the unseen maximum
+    v = _penalty_of(x[seen].astype(np.float64), penalty)
+    i = int(np.argmax(v))
+    a, va = int(seen[i]), float(v[i])
+    if not _has(seen, m):  # the unseen winner against the seen one, as argmax would judge: NaN first, then ties by id
+        vm = float(x[m])
+        if (vm != vm and (va == va or m < a)) or (va == va and (vm > va or (vm == va and m < a))):
+            a = m
+    return a
+
+
+def _has(sorted_ids: np.ndarray, i: int) -> bool:
+    pos = int(np.searchsorted(sorted_ids, i))
+    return pos < len(sorted_ids) and int(sorted_ids[pos]) == i
+
+
+def _top_k(x: np.ndarray, k: int, seen: np.ndarray, penalty: float) -> tuple[np.ndarray, np.ndarray] | None:
+    """The set ``np.argpartition(-g, k - 1)[:k]`` picks, g the penalised float64 row, and g there — or None
+    when that set is not unique (ties straddle the k-th value, or fewer than k finite values) and
+    only the full partition reproduces it.
+
+    A 1-in-s subsample gives a value t0 that at least k unseen ids reach, so the top k of g lie among
+    {unseen: x ≥ t0} ∪ seen (every id outside has g < t0 ≤ the k-th value): only that short list is
+    converted to float64 and partitioned. Costs two passes over ``x`` instead of a float64 partition.
 
     Args:
-        logits: [V] raw logits.
-        params: sampling parameters.
-        history: token ids before this position (for the repetition penalty).
-        vocab_limit: ids >= this get probability 0. Only for a draft (the ids it shares with its
-            target); the target's own rows are never masked, or its law would change.
+        x: [n] logits (float32 or float64), n > k.
+        seen: sorted ids in [0, n) the penalty applies to (empty when it is off).
     Returns:
-        [V] float64 probabilities summing to 1 (one-hot at the argmax when greedy).
+        (ids [k], float64 processed logits [k]) in no particular order, or None.
     """
-    x = np.asarray(logits, dtype=np.float64)
+    n, m = len(x), k + len(seen)
+    s = max(1, min(64, int(np.sqrt(n / m) / 2), n // (8 * m)))  # balances the two partitions' lengths (n/s, ~k·s)
+    sub = x[::s].copy()
+    if len(seen):
+        sub[seen[seen % s == 0] // s] = np.nan  # a penalised value may fall: judge t0 on unseen ids only
+    t0 = -np.partition(-sub, k - 1)[k - 1] if len(sub) >= k else np.nan
+    if not t0 > -np.inf:  # NaN (too few values) or -inf (too many ties): take the full partition
+        return None
+    mask = x >= t0
+    if len(seen):
+        mask[seen] = False
+    ids = np.concatenate([np.flatnonzero(mask), seen])
+    g = x[ids].astype(np.float64)
+    if len(seen):
+        g[len(ids) - len(seen) :] = _penalty_of(g[len(ids) - len(seen) :], penalty)
+    neg = -g
+    tk = np.partition(neg, k - 1)[k - 1]  # −(the k-th largest of g); NaN sorts last, as in argpartition
+    keep = neg <= tk
+    if np.isnan(tk) or np.count_nonzero(keep) != k:
+        return None
+    return ids[keep], g[keep]
+
+
+def _full(x: np.ndarray, k: int, seen: np.ndarray, penalty: float, vocab_limit: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """The reference candidate step on the whole float64 row: (top-k ids by argpartition or all ids, their g)."""
     V = x.shape[-1]
+    g = np.asarray(x, dtype=np.float64)
     if vocab_limit is not None and vocab_limit < V:
-        x = x.copy()
-        x[vocab_limit:] = -np.inf
-    x = _penalize(x, history, params.repetition_penalty)
-    out = np.zeros(V, dtype=np.float64)
+        g = g.copy()
+        g[vocab_limit:] = -np.inf
+    if len(seen):
+        g = g.copy()
+        g[seen] = _penalty_of(g[seen], penalty)
+    cand = np.argpartition(-g, k - 1)[:k] if k < V else np.arange(V)
+    return cand, g[cand]
+
+
+def probs_sparse(
+    logits: np.ndarray, params: SamplingParams, history: Sequence[int], vocab_limit: int | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """``probs`` in sparse form: the ids with a probability and their probabilities (float64).
+
+    Args and the processing are those of ``probs``.
+    Returns:
+        (ids, pr): ``probs(...)[ids] == pr`` and ``probs`` is 0 elsewhere; ids in the sampler's order
+        (processed logit descending, ties by id); pr float64, 0.0 where an exp underflowed.
+    """
+    x = np.asarray(logits)
+    if x.dtype.kind != "f":
+        x = x.astype(np.float64)
+    V = x.shape[-1]
+    n = V if vocab_limit is None or vocab_limit >= V else vocab_limit
+    pen = params.repetition_penalty
+    seen = _seen(history, V) if pen != 1.0 and len(history) else _NO_IDS
     if params.greedy:
-        out[int(np.argmax(x))] = 1.0
-        return out
+        if n < 1:
+            cand, g = _full(x, V, seen, pen, vocab_limit)
+            return np.array([int(cand[np.argmax(g)])]), np.ones(1)
+        return np.array([_argmax(x[:n], seen[seen < n], pen)]), np.ones(1)
     # Candidates: the top-k ids (all ids when top_k is off), sorted by logit, descending; ties by id.
     k = params.top_k if 0 < params.top_k < V else V
-    cand = np.argpartition(-x, k - 1)[:k] if k < V else np.arange(V)
-    cand = cand[np.lexsort((cand, -x[cand]))]
-    lc = x[cand]
+    found = _top_k(x[:n], k, seen[seen < n], pen) if k < n else None
+    cand, lc = found if found is not None else _full(x, k, seen, pen, vocab_limit)
+    order = np.lexsort((cand, -lc))
+    cand, lc = cand[order], lc[order]
     finite = np.isfinite(lc)
     cand, lc = cand[finite], lc[finite]
     if params.top_p < 1.0 or params.min_p > 0.0:
@@ -91,7 +176,30 @@ def probs(
         cand, lc = cand[:keep], lc[:keep]
     z = (lc - lc[0]) / params.temperature
     e = np.exp(z)
-    out[cand] = e / e.sum()
+    return cand, e / e.sum()
+
+
+def probs(
+    logits: np.ndarray, params: SamplingParams, history: Sequence[int] = (), vocab_limit: int | None = None
+) -> np.ndarray:
+    """Turn one row of logits into the distribution the sampler draws from.
+
+    Order (as llama.cpp's default chain): repetition penalty → top-k → top-p → min-p → temperature.
+    top-p and min-p are judged on the untempered softmax, as llama.cpp does. The penalty and the
+    softmax are computed in float64 (with top-k on, for the candidates only).
+
+    Args:
+        logits: [V] raw logits.
+        params: sampling parameters.
+        history: token ids before this position (for the repetition penalty).
+        vocab_limit: ids >= this get probability 0. Only for a draft (the ids it shares with its
+            target); the target's own rows are never masked, or its law would change.
+    Returns:
+        [V] float64 probabilities summing to 1 (one-hot at the argmax when greedy).
+    """
+    ids, pr = probs_sparse(logits, params, history, vocab_limit)
+    out = np.zeros(np.shape(logits)[-1], dtype=np.float64)
+    out[ids] = pr
     return out
 
 
@@ -110,13 +218,17 @@ def probs_batch(
     Returns:
         [n, V] probabilities.
     """
-    hist = list(history)
-    rows = []
+    out = np.zeros(logits.shape, dtype=np.float64)
     for i in range(logits.shape[0]):
-        rows.append(probs(logits[i], params, hist, vocab_limit))
-        if i < len(draft):
-            hist.append(int(draft[i]))
-    return np.stack(rows)
+        ids, pr = probs_sparse(logits[i], params, _window(history, draft, i), vocab_limit)
+        out[i, ids] = pr
+    return out
+
+
+def _window(history: Sequence[int], draft: Sequence[int], i: int) -> list[int]:
+    """The last ``REPETITION_WINDOW`` ids of ``history + draft[:i]`` (all the penalty of row i looks at)."""
+    tail = list(history[-REPETITION_WINDOW:]) + [int(t) for t in draft[:i]]
+    return tail[-REPETITION_WINDOW:]
 
 
 def sample(p: np.ndarray, rng: np.random.Generator) -> int:
@@ -128,6 +240,23 @@ def sample(p: np.ndarray, rng: np.random.Generator) -> int:
     c = np.cumsum(p[nz])
     i = int(np.searchsorted(c, rng.random() * c[-1], side="right"))
     return int(nz[min(i, len(nz) - 1)])
+
+
+def sample_sparse(ids: np.ndarray, pr: np.ndarray, rng: np.random.Generator) -> int:
+    """``sample`` of the distribution that is ``pr`` at ``ids`` (distinct) and 0 elsewhere, drawing the same uniform.
+
+    ``sample`` walks the non-zero entries in id order, so they are put in id order first.
+    """
+    order = np.argsort(ids)
+    ids, pr = ids[order], pr[order]
+    nz = pr != 0
+    ids, pr = ids[nz], pr[nz]
+    if len(ids) == 1:
+        rng.random()
+        return int(ids[0])
+    c = np.cumsum(pr)
+    i = int(np.searchsorted(c, rng.random() * c[-1], side="right"))
+    return int(ids[min(i, len(ids) - 1)])
 
 
 def accept_probability(p: np.ndarray, q: np.ndarray, x: int) -> float:
@@ -142,6 +271,19 @@ def residual(p: np.ndarray, q: np.ndarray) -> np.ndarray:
     r = np.maximum(p - q, 0.0)
     s = r.sum()
     return r / s if s > 0.0 else p
+
+
+def residual_sparse(ids: np.ndarray, pr: np.ndarray, qv: np.ndarray, V: int) -> np.ndarray:
+    """``residual(p, q)`` at p's ids, bit for bit: p is ``pr`` at ``ids`` (0 elsewhere), ``qv`` is q there.
+
+    max(0, p − q) is 0 wherever p is 0, so only p's ids are computed; the sum alone runs over the
+    dense [V] row, because summing in another order could change its last bits.
+    """
+    rv = np.maximum(pr - qv, 0.0)
+    dense = np.zeros(V, dtype=np.float64)
+    dense[ids] = rv
+    s = dense.sum()
+    return rv / s if s > 0.0 else pr
 
 
 def verify(
@@ -165,3 +307,72 @@ def verify(
             continue
         return i, sample(residual(p[i], q[i]), rng)
     return gamma, sample(p[gamma], rng)
+
+
+def verify_greedy(
+    draft_tokens: Sequence[int], logits: np.ndarray, params: SamplingParams, history: Sequence[int], rng: np.random.Generator
+) -> tuple[int, int]:
+    """``verify(draft, q, probs_batch(logits, params, history, draft), rng)`` for greedy ``params``, any q.
+
+    Greedy target rows are one-hot, p_i = e_{a_i} with a_i the argmax of row i after the repetition
+    penalty; q_i is any distribution (one-hot e_{x_i} for an n-gram or greedy model draft). With
+    u ∈ [0, 1) and 0 <= q_i(x_i) <= 1:
+        accept x_i  ⇔  u·q_i(x_i) < p_i(x_i) = [a_i = x_i]  ⇔  a_i = x_i;
+        after a rejection (a_i ≠ x_i) r_i = max(0, e_{a_i} − q_i) / Σ = (1 − q_i(a_i))·e_{a_i} / Σ = e_{a_i}
+        (or p_i = e_{a_i} itself when that sum is 0), so the emitted token is a_i;
+        if all γ are accepted, the bonus p_γ = e_{a_γ} emits a_γ.
+    Only the rows up to the first disagreement are examined, and only their argmax is computed. The
+    uniforms ``verify`` would draw (one per examined draft, one for the emitted token) are drawn too,
+    so ``rng`` ends in the same state.
+
+    Args:
+        draft_tokens: [γ] drafted ids.
+        logits: [γ+1, V] target logits, row i scoring the token after history + draft[:i].
+        history: the ids before row 0 (for the repetition penalty).
+    Returns:
+        (n_accepted, next_token), as ``verify``.
+    """
+    gamma = len(draft_tokens)
+    for i in range(gamma + 1):
+        a = int(probs_sparse(logits[i], params, _window(history, draft_tokens, i))[0][0])
+        if i == gamma or a != int(draft_tokens[i]):
+            for _ in range(i + 2 if i < gamma else gamma + 1):
+                rng.random()
+            return i, a
+    raise AssertionError("unreachable")
+
+
+def verify_logits(
+    draft_tokens: Sequence[int],
+    q: np.ndarray | None,
+    logits: np.ndarray,
+    params: SamplingParams,
+    history: Sequence[int],
+    rng: np.random.Generator,
+) -> tuple[int, int]:
+    """``verify(draft, q, probs_batch(logits, params, history, draft), rng)``, same uniforms, same result,
+    processing only the target rows the rule examines (rows after the first rejection are never read).
+
+    Args:
+        draft_tokens: [γ] drafted ids.
+        q: [γ, V] draft distributions, or None for a deterministic draft (q_i one-hot at x_i).
+        logits: [γ+1, V] target logits, row i scoring the token after history + draft[:i].
+        history: the ids before row 0 (for the repetition penalty).
+    Returns:
+        (n_accepted, next_token), as ``verify``.
+    """
+    gamma = len(draft_tokens)
+    if params.greedy and (q is None or all(0.0 <= q[i, int(x)] <= 1.0 for i, x in enumerate(draft_tokens))):
+        return verify_greedy(draft_tokens, logits, params, history, rng)
+    for i in range(gamma):
+        x = int(draft_tokens[i])
+        ids, pr = probs_sparse(logits[i], params, _window(history, draft_tokens, i))
+        hit = np.flatnonzero(ids == x)
+        px = pr[hit[0]] if len(hit) else 0.0
+        qx = 1.0 if q is None else q[i, x]
+        if rng.random() * qx < px:  # as in verify: u < p/q  ⇔  u·q < p
+            continue
+        qv = (ids == x).astype(np.float64) if q is None else q[i, ids]  # q_i at p's ids
+        return i, sample_sparse(ids, residual_sparse(ids, pr, qv, logits.shape[-1]), rng)
+    ids, pr = probs_sparse(logits[gamma], params, _window(history, draft_tokens, gamma))
+    return gamma, sample_sparse(ids, pr, rng)

@@ -16,7 +16,7 @@ import numpy as np
 from ondevice.backends import Backend
 from ondevice.drafters import Drafter
 from ondevice.policy import Policy
-from ondevice.sampling import SamplingParams, probs_batch, verify
+from ondevice.sampling import SamplingParams, probs_batch, verify, verify_logits
 
 
 @dataclass
@@ -164,11 +164,15 @@ def steps(
                 draft, q = drafter.propose(context, g, params, rng, keep_drafting=getattr(policy, "keep_drafting", None))
         t1 = time.perf_counter()
         logits = target.eval([context[-1], *draft])  # [len(draft)+1, V]
-        p = probs_batch(logits, params, context, draft)  # the target's own law, never masked
-        if draft:
-            q = _one_hot(draft, V) if q is None else q[: len(draft)]
-        n_acc, nxt = verify(draft, q, p, rng)
-        if observer is not None:
+        if draft and q is not None:
+            q = q[: len(draft)]
+        if observer is None:  # the target's own law, never masked; only the rows examined are processed
+            n_acc, nxt = verify_logits(draft, q, logits, params, context, rng)
+        else:  # the same rule on every row, with p and q built in full for the observer
+            p = probs_batch(logits, params, context, draft)
+            if draft and q is None:
+                q = _one_hot(draft, V)
+            n_acc, nxt = verify(draft, q, p, rng)
             observer(draft, q, p, n_acc)
         target.rollback(base + 1 + n_acc)  # keep pending + accepted drafts; nxt becomes pending
         emitted = [*draft[:n_acc], nxt]

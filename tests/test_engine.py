@@ -166,6 +166,7 @@ def test_sampled_speculative_matches_target_law(tiny_gguf, temperature, monkeypa
         assert 0.2 < acc < 0.95, acc  # drafts are both accepted and rejected: the test exercises both
         assert _chisquare(counts, law, n) > 1e-3
         monkeypatch.setattr(sampling, "residual", lambda p, q: p)  # the planted bug
+        monkeypatch.setattr(sampling, "residual_sparse", lambda ids, pr, qv, V: pr)  # the loop's sparse form
         bug = _sampled_counts(rt, ids, n, temperature, top_k, gamma=2)
         assert _chisquare(bug, law, n) < 1e-4
 

@@ -152,6 +152,7 @@ def test_sampled_law_with_policy_on(tiny_gguf, monkeypatch):
         assert _chisquare(counts(), law, n) > 1e-3
         assert rt.last_stats.drafted > 0
         monkeypatch.setattr(sampling, "residual", lambda p, q: p)
+        monkeypatch.setattr(sampling, "residual_sparse", lambda ids, pr, qv, V: pr)  # the loop's sparse form
         assert _chisquare(counts(), law, n) < 1e-4
 
 
