@@ -26,6 +26,8 @@ def convert(
     compress: str = "int4",
     compute_units: str = "CPU_AND_NE",
     allow_requantize: bool = False,
+    output_type: str | None = None,
+    embedding_type: str | None = None,
     progress: bool = True,
     verify: bool = True,
 ) -> dict:
@@ -38,6 +40,8 @@ def convert(
         quant: GGUF quantization: f16 | q8_0 | q4_0 | iq4_nl | q4_k_m.
         allow_requantize: GGUF → GGUF from an already quantized file (stacks two quantizations; the quality
             cost against the source is measured and reported).
+        output_type, embedding_type: GGUF: a ggml tensor type (q4_0, iq4_nl, q8_0, q6_k, ...) for the output
+            projection / token embedding instead of llama.cpp's choice (``converters.quantize.TENSOR_TYPES``).
         bits, group_size: MLX quantization.
         context, compress, compute_units: Core ML: cache slots (fixed at conversion), int4 | palettize4 | none,
             the compute units recorded in the package (CPU_AND_NE: Neural Engine).
@@ -63,8 +67,14 @@ def convert(
 
         if quant not in QUANTS:
             raise OndeviceError(f"--quant {quant}: unknown; choose one of {', '.join(QUANTS)}")
+        from converters.quantize import check_tensor_types
+
+        output_type, embedding_type = check_tensor_types(quant, output_type, embedding_type)
+    elif output_type or embedding_type:
+        raise OndeviceError(f"--output-type / --embedding-type are GGUF quantizer options; --to {to} does not take them")
     opts = {"quant": quant, "bits": bits, "group_size": group_size, "context": context, "compress": compress,
-            "compute_units": compute_units, "allow_requantize": allow_requantize, "progress": progress}
+            "compute_units": compute_units, "allow_requantize": allow_requantize, "progress": progress,
+            "output_type": output_type, "embedding_type": embedding_type}
     check_out(out)
     t0 = time.perf_counter()
     if draft is not None:
@@ -114,16 +124,18 @@ def _vocab_of(path: Path) -> list[str]:
 
 
 def _convert_one(src: Path, to: str, out: Path, *, quant: str, bits: int, group_size: int, context: int,
-                 compress: str, compute_units: str, allow_requantize: bool, progress: bool) -> dict:
+                 compress: str, compute_units: str, allow_requantize: bool, progress: bool, output_type: str | None,
+                 embedding_type: str | None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
+    types = {"output_type": output_type, "embedding_type": embedding_type}
     if to == "gguf" and src.is_file():
         from converters.quantize import requantize
 
-        return requantize(src, out, quant=quant, allow_requantize=allow_requantize, progress=progress)
+        return requantize(src, out, quant=quant, allow_requantize=allow_requantize, progress=progress, **types)
     if to == "gguf":
         from converters.to_gguf import hf_to_gguf
 
-        return hf_to_gguf(src, out, quant=quant, progress=progress)
+        return hf_to_gguf(src, out, quant=quant, progress=progress, **types)
     if to == "mlx":
         from converters.mlx import to_mlx
 

@@ -67,11 +67,12 @@ def write_vocab(w, vocab: Vocab) -> None:
         w.add_chat_template(vocab.chat_template)
 
 
-def quantize(src: Path, dst: Path, quant: str, threads: int = 0) -> None:
-    """Quantize GGUF ``src`` to ``dst`` with llama.cpp's ``llama_model_quantize``."""
+def quantize(src: Path, dst: Path, quant: str, threads: int = 0, **types: str | None) -> None:
+    """Quantize GGUF ``src`` to ``dst`` with llama.cpp's ``llama_model_quantize`` (``types``: output_type,
+    embedding_type, as ``converters.quantize.llama_quantize`` takes them)."""
     from converters.quantize import llama_quantize
 
-    llama_quantize(src, dst, quant, threads=threads)
+    llama_quantize(src, dst, quant, threads=threads, **types)
 
 
 def tensor_types(path: Path) -> dict[str, str]:
@@ -88,7 +89,9 @@ INTENDED = {"f16": {"F16"}, "q8_0": {"Q8_0"}, "q4_0": {"Q4_0", "Q6_K"}, "iq4_nl"
             "q4_k_m": {"Q4_K", "Q5_K", "Q6_K"}}
 
 
-def fallbacks(types: dict[str, str], quant: str) -> dict[str, str]:
+def fallbacks(types: dict[str, str], quant: str, asked: set[str] = frozenset()) -> dict[str, str]:
     """2-D weight tensors that fell back to a type outside the quant's intended mixture (llama.cpp does
-    this when a row length is not a multiple of the block size, e.g. Q5_0 instead of Q4_K)."""
-    return {n: t for n, t in types.items() if t not in INTENDED[quant] | {"F32"} and not n.endswith(".bias")}
+    this when a row length is not a multiple of the block size, e.g. Q5_0 instead of Q4_K); ``asked``: the
+    types given to the output / embedding tensors on purpose (upper case), never counted as fallbacks."""
+    ok = INTENDED[quant] | {"F32"} | set(asked)
+    return {n: t for n, t in types.items() if t not in ok and not n.endswith(".bias")}

@@ -2,13 +2,17 @@
 
 Three jobs:
 - ``llama_quantize``: one call of ``llama_model_quantize`` (F16 → q8_0 | q4_0 | iq4_nl | q4_k_m, or a
-  quantized GGUF → another format with ``allow_requantize``).
+  quantized GGUF → another format with ``allow_requantize``), optionally with the output projection and
+  the token embedding given their own tensor type (llama-quantize's ``--output-tensor-type`` /
+  ``--token-embedding-type``: every format but q8_0 otherwise gives the output Q6_K, which x86 llama.cpp
+  runs through vec-dot instead of the repacked GEMM kernels its Q4_0 / IQ4_NL / Q8_0 get).
 - ``requantize``: GGUF → GGUF into a new directory (``ondevice convert SRC.gguf --to gguf --quant FMT``).
   Requantizing stacks two quantizations (llama.cpp dequantizes the source, then quantizes again), so it is
   refused without ``allow_requantize`` when the source is already quantized, refused outright when it would
   not lose bits, and its quality cost is always measured against the source and reported.
 - ``pull_variant``: a locally requantized copy of a catalog model, cached beside the published file and
-  recorded with the source's sha256 (``ondevice pull NAME --quant FMT``); never presented as published.
+  recorded with the source's sha256 (``ondevice pull NAME --quant FMT [--output-type TYPE]``, named
+  ``NAME:FMT`` or ``NAME:FMT+out-TYPE``: ``catalog.variant_tag``); never presented as published.
 
 Quality is teacher-forced: both models read the same held-back text in one pass; we report the share
 of positions where their top-1 tokens agree and the mean KL(source ‖ candidate) of the next-token
@@ -40,6 +44,10 @@ TYPE_BITS = {"F32": 32.0, "F16": 16.0, "BF16": 16.0, "Q8_0": 8.5, "Q6_K": 6.5625
 # Nominal bits per weight of the main type of each --quant.
 QUANT_BITS = {"f16": 16.0, "q8_0": 8.5, "q4_0": 4.5, "iq4_nl": 4.5, "q4_k_m": 4.5}
 LOW_BIT = 6.0  # a source at or below this many bits per weight is "already low-bit"
+# ggml tensor types that --output-type / --embedding-type take (llama_cpp.GGML_TYPE_<NAME>); the types below
+# 4 bits that need an importance matrix, and the integer / intermediate types, are left out.
+TENSOR_TYPES = ("f32", "f16", "bf16", "q8_0", "q6_k", "q5_k", "q5_1", "q5_0", "q4_k", "q4_1", "q4_0", "iq4_nl",
+                "iq4_xs", "q3_k", "q2_k")
 
 # The held-back text for quality checks: not in the benchmark prompts; prose, code and a list.
 HELD_OUT_TEXT = """\
@@ -72,7 +80,26 @@ def _init():
     return llama_cpp
 
 
-def llama_quantize(src: Path, dst: Path, quant: str, *, allow_requantize: bool = False, threads: int = 0) -> None:
+def check_tensor_types(quant: str, output_type: str | None, embedding_type: str | None) -> tuple[str | None, str | None]:
+    """Validate ``--output-type`` / ``--embedding-type`` for ``--quant quant``; returns them lower-cased.
+
+    Raises:
+        OndeviceError (one line): an unknown type name (the accepted ones listed), or a type asked for a
+            format llama.cpp's quantizer does not write (f16 is written directly, tensor by tensor).
+    """
+    out = []
+    for flag, t in (("--output-type", output_type), ("--embedding-type", embedding_type)):
+        if t is not None and t.lower() not in TENSOR_TYPES:
+            raise OndeviceError(f"{flag} {t}: unknown tensor type; choose one of {', '.join(TENSOR_TYPES)}")
+        out.append(t.lower() if t is not None else None)
+    if any(out) and (quant not in FTYPES or quant == "f16"):
+        raise OndeviceError(f"--output-type / --embedding-type need a quantized --quant "
+                            f"({', '.join(q for q in FTYPES if q != 'f16')}), not {quant}")
+    return out[0], out[1]
+
+
+def llama_quantize(src: Path, dst: Path, quant: str, *, allow_requantize: bool = False, threads: int = 0,
+                   output_type: str | None = None, embedding_type: str | None = None) -> None:
     """Quantize GGUF ``src`` into ``dst`` with llama.cpp's ``llama_model_quantize``.
 
     Args:
@@ -80,14 +107,27 @@ def llama_quantize(src: Path, dst: Path, quant: str, *, allow_requantize: bool =
         quant: a key of ``FTYPES`` other than f16.
         allow_requantize: let llama.cpp dequantize already-quantized tensors and quantize them again.
         threads: quantizer threads (0 = all cores).
+        output_type, embedding_type: a ``TENSOR_TYPES`` name for the output projection (``output.weight``, or
+            ``token_embd.weight`` when the two are tied) and for the token embedding; None: llama.cpp's choice.
     """
     if quant not in FTYPES or quant == "f16":
         raise OndeviceError(f"--quant {quant}: llama.cpp can quantize to {', '.join(q for q in FTYPES if q != 'f16')}")
+    output_type, embedding_type = check_tensor_types(quant, output_type, embedding_type)
+    if output_type and embedding_type and output_type != embedding_type:
+        from converters.gguf_writer import tensor_types
+
+        if "output.weight" not in tensor_types(src):  # llama.cpp would quietly give the tied tensor the embedding's
+            raise OndeviceError(f"{src}: the output projection is the token embedding (tied weights); give it one type "
+                                f"(--output-type {output_type} or --embedding-type {embedding_type}), not two")
     llama_cpp = _init()
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = FTYPES[quant]
     params.nthread = threads
     params.allow_requantize = allow_requantize
+    if output_type:
+        params.output_tensor_type = getattr(llama_cpp, f"GGML_TYPE_{output_type.upper()}")
+    if embedding_type:
+        params.token_embedding_type = getattr(llama_cpp, f"GGML_TYPE_{embedding_type.upper()}")
     rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
     from converters.output import check_interrupted
 
@@ -191,11 +231,16 @@ def quality(candidate: Path, reference: Path, *, text: str = HELD_OUT_TEXT, n_to
 
 
 def requantize_file(src: Path, dst: Path, quant: str, *, allow_requantize: bool = False, measure: bool = True,
-                    reference: Path | None = None, threads: int | None = None) -> dict:
+                    reference: Path | None = None, threads: int | None = None, output_type: str | None = None,
+                    embedding_type: str | None = None, quantize_from: Path | None = None) -> dict:
     """Requantize GGUF ``src`` to ``dst`` (written beside it as a temp file, then renamed) and measure it.
 
     Args:
         reference: judge quality against this file instead of ``src`` (a more precise source when one exists).
+        output_type, embedding_type: tensor types for the output projection / token embedding (``llama_quantize``).
+        quantize_from: hand the quantizer this file instead of ``src``: ``src`` already quantized to ``quant``
+            by the same quantizer, whose tensors of the asked type are copied, so only the others are redone
+            (the same bytes, in seconds). Checks and the summary still describe ``src``.
     Returns:
         Summary: source precision, warning, sizes, tensor types, quality (if ``measure``), seconds.
     """
@@ -203,25 +248,29 @@ def requantize_file(src: Path, dst: Path, quant: str, *, allow_requantize: bool 
     from ondevice.backends.llama import check_gguf_file
 
     src, dst = Path(src), Path(dst)
+    output_type, embedding_type = check_tensor_types(quant, output_type, embedding_type)
     check_gguf_file(src)
     prec, warning = check_requantize(src, quant, allow_requantize)
     t0 = time.perf_counter()
     tmp = dst.with_name(f".{dst.name}.{os.getpid()}.partial")
     try:
-        llama_quantize(src, tmp, quant, allow_requantize=prec["quantized"], threads=threads or 0)
+        llama_quantize(quantize_from or src, tmp, quant, allow_requantize=prec["quantized"], threads=threads or 0,
+                       output_type=output_type, embedding_type=embedding_type)
         os.replace(tmp, dst)
     finally:
         tmp.unlink(missing_ok=True)
     out_prec = precision(dst)
     types_by_name = tensor_types(dst)
-    wider = {n: t for n, t in fallbacks(types_by_name, quant).items() if t in TYPE_BITS}
-    if prec["quantized"] and out_prec["bits_per_weight"] > prec["bits_per_weight"] + 0.05:
+    asked = {t.upper() for t in (output_type, embedding_type) if t}
+    wider = {n: t for n, t in fallbacks(types_by_name, quant, asked).items() if t in TYPE_BITS}
+    if prec["quantized"] and out_prec["bits_per_weight"] > prec["bits_per_weight"] + 0.05 and (wider or not asked):
         kinds = ", ".join(f"{t}×{c}" for t, c in Counter(wider.values()).most_common(3)) or "wider types"
         warning = (f"{warning}; " if warning else "") + (
             f"the output has more bits per weight than the source ({prec['bits_per_weight']:.2f} → "
             f"{out_prec['bits_per_weight']:.2f}): llama.cpp fell back to {kinds} for tensors whose rows are not a "
             f"multiple of the {quant} block size; the file grows and gains no precision")
-    summary = {"format": "gguf", "quant": quant, "source": str(src), "source_bits_per_weight": prec["bits_per_weight"],
+    summary = {"format": "gguf", "quant": quant, "output_type": output_type, "embedding_type": embedding_type,
+               "source": str(src), "source_bits_per_weight": prec["bits_per_weight"],
                "source_types": prec["types"], "requantized": prec["quantized"], "warning": warning,
                "size_bytes": dst.stat().st_size, "source_size_bytes": src.stat().st_size,
                "bits_per_weight": out_prec["bits_per_weight"], "tensor_types": out_prec["types"],
@@ -232,8 +281,9 @@ def requantize_file(src: Path, dst: Path, quant: str, *, allow_requantize: bool 
 
 
 def requantize(src: Path, out: Path, *, quant: str, allow_requantize: bool = False, reference: Path | None = None,
-               progress: bool = True) -> dict:
-    """``ondevice convert SRC.gguf --to gguf --quant FMT --out DIR``: ``DIR/model.gguf`` + manifest + quality.
+               output_type: str | None = None, embedding_type: str | None = None, progress: bool = True) -> dict:
+    """``ondevice convert SRC.gguf --to gguf --quant FMT [--output-type T] --out DIR``: ``DIR/model.gguf`` +
+    manifest + quality.
 
     The warning and the measured quality cost are printed to stderr (unless ``progress`` is off) and
     recorded in ``DIR/manifest.json``.
@@ -241,11 +291,13 @@ def requantize(src: Path, out: Path, *, quant: str, allow_requantize: bool = Fal
     from converters.output import write_manifest
     from ondevice.catalog import sha256_file
 
-    summary = requantize_file(src, out / "model.gguf", quant, allow_requantize=allow_requantize, reference=reference)
+    summary = requantize_file(src, out / "model.gguf", quant, allow_requantize=allow_requantize, reference=reference,
+                              output_type=output_type, embedding_type=embedding_type)
     types = summary.pop("tensor_types_by_name")
     write_manifest(out, {"source": str(Path(src).resolve()), "source_sha256": sha256_file(Path(src)), "format": "gguf",
-                         "quant": quant, "requantized_from": summary["source_types"], "quality": summary["quality"],
-                         "tensor_types": types})
+                         "quant": quant, "output_type": summary["output_type"],
+                         "embedding_type": summary["embedding_type"], "requantized_from": summary["source_types"],
+                         "quality": summary["quality"], "tensor_types": types})
     if progress:
         report(summary)
     summary["path"] = "model.gguf"
@@ -268,12 +320,30 @@ def report(summary: dict) -> None:
                          f"{summary['source_bits_per_weight']:.2f} → {summary['bits_per_weight']:.2f} bits per weight"))
 
 
-def pull_variant(name: str, quant: str, *, force: bool = False, quiet: bool = False) -> Path:
-    """``ondevice pull NAME --quant FMT``: requantize a pulled catalog model locally, once, and cache it.
+def _copy_source(published: Path, plain: Path, output_type: str | None, embedding_type: str | None) -> Path | None:
+    """``plain`` (the recorded ``FMT`` variant of ``published``) when quantizing from it gives the very bytes
+    quantizing ``published`` would: the tensors whose type is asked are verbatim copies of the published ones
+    there (llama.cpp copies a tensor already of its new type, so the rest come out as in ``plain``); else None.
+    """
+    from converters.gguf_writer import tensor_types
+
+    pub, var = tensor_types(published), tensor_types(plain)
+    names = {"token_embd.weight"} if embedding_type else set()
+    if output_type:
+        names.add("output.weight" if "output.weight" in pub else "token_embd.weight")  # tied: the embedding
+    return plain if all(n in pub and pub[n] == var.get(n) for n in names) else None
+
+
+def pull_variant(name: str, quant: str, *, output_type: str | None = None, embedding_type: str | None = None,
+                 force: bool = False, quiet: bool = False) -> Path:
+    """``ondevice pull NAME --quant FMT [--output-type T] [--embedding-type T]``: requantize a pulled catalog
+    model locally, once, and cache it.
 
     The variant lives beside the published file (``catalog.variant_path``) with a JSON record naming the
-    published file and its sha256, the quantizer and the measured quality; it is never presented as the
-    published file (``resolve(NAME)`` still returns that; ``resolve("NAME:FMT")`` returns the variant).
+    published file and its sha256, the quantizer, the tensor types asked and the measured quality; it is
+    never presented as the published file (``resolve(NAME)`` still returns that; ``resolve("NAME:FMT")``, or
+    ``"NAME:FMT+out-T"`` with an output type (``catalog.variant_tag``), returns the variant). With a type
+    asked and the plain ``NAME:FMT`` variant cached, the quantizer reads that one (same bytes, in seconds).
     """
     from ondevice import catalog
 
@@ -284,37 +354,42 @@ def pull_variant(name: str, quant: str, *, force: bool = False, quiet: bool = Fa
     entry = catalog.get(name)
     if quant not in FTYPES or quant == "f16":
         raise OndeviceError(f"--quant {quant}: choose one of {', '.join(q for q in FTYPES if q != 'f16')}")
+    output_type, embedding_type = check_tensor_types(quant, output_type, embedding_type)
+    tag = catalog.variant_tag(quant, output_type, embedding_type)
     src = catalog.pull(name, quiet=quiet)
-    dest = catalog.variant_path(entry, quant)
-    if not force and catalog.variant_record(entry, quant) is not None:
+    dest = catalog.variant_path(entry, tag)
+    if not force and catalog.variant_record(entry, tag) is not None:
         return dest
     import llama_cpp
 
     from converters.output import check_interrupted, sigint_remembered
 
+    via = _copy_source(src, catalog.variant_path(entry, quant), output_type, embedding_type) if (
+        tag != quant and catalog.variant_record(entry, quant) is not None) else None
     dest.parent.mkdir(parents=True, exist_ok=True)
     # written and measured under a temp name, renamed and recorded last: a failure or Ctrl-C leaves nothing
     tmp = dest.with_name(f".{dest.stem}.{os.getpid()}.measuring.gguf")
     try:
         with sigint_remembered():
-            summary = requantize_file(src, tmp, quant, allow_requantize=True, reference=src)
+            summary = requantize_file(src, tmp, quant, allow_requantize=True, reference=src, output_type=output_type,
+                                      embedding_type=embedding_type, quantize_from=via)
             check_interrupted()
             os.replace(tmp, dest)
-            catalog.record_variant(entry, quant, {
+            catalog.record_variant(entry, tag, {
                 "published": False, "source_model": entry.name, "source_file": entry.filename,
                 "source_sha256": entry.sha256, "source_quant": entry.quant, "quant": quant,
+                "output_type": output_type, "embedding_type": embedding_type, "variant": f"{entry.name}:{tag}",
                 "quantizer": f"llama_model_quantize (llama-cpp-python {llama_cpp.__version__}, allow_requantize)",
+                "quantized_from": via.name if via else entry.filename,
                 "bits_per_weight": summary["bits_per_weight"], "tensor_types": summary["tensor_types"],
                 "quality": summary["quality"], "warning": summary["warning"]})
     finally:
         tmp.unlink(missing_ok=True)
     if not quiet:
         report(summary)
-    if not quiet:
         from rich.console import Console
         from rich.markup import escape
 
-        Console(stderr=True, soft_wrap=True).print(f"[green]✓[/green] {escape(f'{entry.name}:{quant}')} (local "
+        Console(stderr=True, soft_wrap=True).print(f"[green]✓[/green] {escape(f'{entry.name}:{tag}')} (local "
                                                    f"requantization, not the published file) → {escape(str(dest))}")
     return dest
-

@@ -12,8 +12,10 @@ from converters.output import write_manifest
 from converters.tokenizer import read_hf_vocab
 
 
-def hf_to_gguf(src: Path, out: Path, *, quant: str = "q4_k_m", progress: bool = True) -> dict:
-    """Write ``out/model.gguf`` and ``out/manifest.json``; return the summary."""
+def hf_to_gguf(src: Path, out: Path, *, quant: str = "q4_k_m", progress: bool = True, output_type: str | None = None,
+               embedding_type: str | None = None) -> dict:
+    """Write ``out/model.gguf`` and ``out/manifest.json``; return the summary (``output_type``,
+    ``embedding_type``: tensor types for those two tensors, ``converters.quantize.llama_quantize``)."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
@@ -29,7 +31,7 @@ def hf_to_gguf(src: Path, out: Path, *, quant: str = "q4_k_m", progress: bool = 
         counts = write_gguf(ckpt, vocab, f16, on_tensor=lambda n: bar.update(task, advance=1, description=f"gguf {n}"))
         if quant != "f16":
             bar.update(task, description=f"quantize {quant} (llama.cpp)")
-            quantize(f16, final, quant)
+            quantize(f16, final, quant, output_type=output_type, embedding_type=embedding_type)
             f16.unlink()
     types = tensor_types(final)
     n_params = sum(counts.values())
@@ -43,7 +45,9 @@ def hf_to_gguf(src: Path, out: Path, *, quant: str = "q4_k_m", progress: bool = 
         "n_params": n_params,
         "bits_per_weight": round(size * 8 / n_params, 3),
         "tensor_types": dict(Counter(types.values())),
-        "fallbacks": fallbacks(types, quant),
+        "output_type": output_type,
+        "embedding_type": embedding_type,
+        "fallbacks": fallbacks(types, quant, {t.upper() for t in (output_type, embedding_type) if t}),
         "seconds": round(time.perf_counter() - t0, 3),
     }
     write_manifest(out, {
@@ -51,6 +55,8 @@ def hf_to_gguf(src: Path, out: Path, *, quant: str = "q4_k_m", progress: bool = 
         "source_sha256": ckpt.source_sha256(),
         "format": "gguf",
         "quant": quant,
+        "output_type": output_type,
+        "embedding_type": embedding_type,
         "arch": ckpt.arch,
         "vocab_size": len(vocab.tokens),
         "vocab_sha256": vocab.sha256(),

@@ -3,7 +3,9 @@
 On a CPU the weight format decides whether verification is cheap: llama.cpp repacks Q4_0 and IQ4_NL
 into interleaved layouts with batched GEMM kernels, while K-quants, Q4_1 and Q5_0 run the rows of a
 batch through vec-dot. So the advisor requantizes the model into each format (into a temp dir, or
-reusing a local ``pull --quant`` variant) and measures, side by side in one run:
+reusing a local ``pull --quant`` variant) and measures, side by side in one run. A format may name the
+output projection's / token embedding's tensor type as ``pull`` does (``iq4_nl+out-iq4_nl``,
+``catalog.variant_tag``): llama.cpp gives the output Q6_K otherwise, a vec-dot type. It measures:
 decode and prefill tok/s and the verify curve (interleaved rounds, medians), quality against the most
 precise source available (teacher-forced top-1 agreement and mean KL on held-back text), and the
 speculative speedup each yields on grounded edits (n-gram ``auto``; with a draft, the pair) next to
@@ -25,6 +27,28 @@ from ondevice.errors import OndeviceError
 TOP1_SLACK = 0.03
 KL_SLACK = 0.1
 FORMATS = ("q8_0", "q4_0", "iq4_nl", "q4_k_m", "q4_1", "q5_0")  # what --formats takes (types: quantize.MAIN_TYPE)
+
+
+def parse_formats(formats: list[str]) -> dict[str, tuple[str, str | None, str | None]]:
+    """``--formats`` items → (format, output type, embedding type), keyed by the variant name as ``pull``
+    spells it (``iq4_nl+out-iq4_nl``). Raises one line on an unknown format or tensor type."""
+    from converters.quantize import FTYPES, check_tensor_types
+    from ondevice import catalog
+
+    if not formats:
+        raise OndeviceError(f"--formats: choose from {', '.join(FORMATS)} (a type for the output tensor: FMT+out-TYPE)")
+    out = {}
+    for item in formats:
+        fmt, otype, etype = catalog.parse_variant_tag(item)
+        if fmt not in FORMATS:
+            raise OndeviceError(f"--formats {item}: choose from {', '.join(FORMATS)} (a type for the output tensor: "
+                                "FMT+out-TYPE)")
+        if (otype or etype) and fmt not in FTYPES:
+            raise OndeviceError(f"--formats {item}: {fmt} is only read as published; llama.cpp's quantizer writes "
+                                f"{', '.join(q for q in FTYPES if q != 'f16')}")
+        otype, etype = check_tensor_types(fmt, otype, etype)
+        out[catalog.variant_tag(fmt, otype, etype)] = (fmt, otype, etype)
+    return out
 
 
 def recommend(rows: list[dict]) -> tuple[str, str]:
@@ -72,27 +96,28 @@ def _prefill_seconds(backend, n: int = 128) -> float:
     return dt
 
 
-def _files(src: Path, name: str | None, formats: list[str], tmp: Path, progress: Callable[[str], None]) -> dict:
-    """format → (GGUF path, how it was made): the source itself, a cached local variant, or a fresh requantization."""
+def _files(src: Path, name: str | None, formats: dict[str, tuple], tmp: Path, progress: Callable[[str], None]) -> dict:
+    """variant name → (GGUF path, how it was made): the source itself, a cached local variant, or a fresh
+    requantization (``formats``: ``parse_formats``)."""
     from converters.quantize import MAIN_TYPE, precision, requantize_file
     from ondevice import catalog
 
     prec = precision(src)
     main = max(prec["types"], key=prec["types"].get)
     out = {}
-    for fmt in formats:
-        if MAIN_TYPE[fmt] == main:
-            out[fmt] = (src, "source")
+    for tag, (fmt, otype, etype) in formats.items():
+        if MAIN_TYPE[fmt] == main and not (otype or etype):
+            out[tag] = (src, "source")
             continue
         if name is not None:
             entry = catalog.get(name)
-            if catalog.variant_record(entry, fmt) is not None:
-                out[fmt] = (catalog.variant_path(entry, fmt), "cached local variant")
+            if catalog.variant_record(entry, tag) is not None:
+                out[tag] = (catalog.variant_path(entry, tag), "cached local variant")
                 continue
-        progress(f"requantizing {src.name} → {fmt}")
-        dst = tmp / f"{fmt}.gguf"
-        requantize_file(src, dst, fmt, allow_requantize=True, measure=False)
-        out[fmt] = (dst, "requantized into a temp dir")
+        progress(f"requantizing {src.name} → {tag}")
+        dst = tmp / f"{tag}.gguf"
+        requantize_file(src, dst, fmt, allow_requantize=True, measure=False, output_type=otype, embedding_type=etype)
+        out[tag] = (dst, "requantized into a temp dir")
     return out
 
 
@@ -103,7 +128,8 @@ def advise(model: str, formats: list[str], *, draft: str | None = None, referenc
 
     Args:
         model: a GGUF path or catalog name (the source of every requantization).
-        formats: e.g. ["q4_k_m", "q4_0", "iq4_nl"]; the source's own format is measured as published.
+        formats: e.g. ["q4_k_m", "q4_0", "iq4_nl", "iq4_nl+out-iq4_nl"]; the source's own format is measured
+            as published; ``+out-TYPE`` / ``+emb-TYPE`` set the output / token embedding tensor type.
         draft: also measure the model-draft pair with this draft (as given).
         reference: judge quality against this GGUF (default: the source). Judge 4-bit formats against a
             clearly more precise file where one exists; against the source, the numbers are the cost of
@@ -119,15 +145,14 @@ def advise(model: str, formats: list[str], *, draft: str | None = None, referenc
     from ondevice.costs import Costs, measure
 
     say = progress or (lambda s: None)
-    bad = [f for f in formats if f not in FORMATS]
-    if bad or not formats:
-        raise OndeviceError(f"--formats {','.join(formats)}: choose from {', '.join(FORMATS)}")
+    parsed = parse_formats(formats)
+    formats = list(parsed)  # one spelling per variant, as pull names it
     src = catalog.resolve(model)
     name = model if str(model) in catalog.catalog()[0] else None
     ref = catalog.resolve(reference) if reference else src
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="ondevice-formats-", dir=catalog.home() if catalog.home().is_dir() else None) as d:
-        files = _files(src, name, formats, Path(d), say)
+        files = _files(src, name, parsed, Path(d), say)
         timings: dict[str, list] = {f: [] for f in formats}
         for r in range(rounds):  # interleaved: the load of a shared machine falls on every format alike
             for fmt in formats:

