@@ -122,12 +122,22 @@ def probe_shape(target: Backend, draft: Backend | None = None, ks=PROBE_KS, cont
     return ks, max(0, min(context_tokens, room - max(ks)))
 
 
+def plausible(target_seconds: dict[int, float]) -> bool:
+    """Could a machine have produced these times? No batch of k tokens faster than 0.8 of one decode or
+    slower than 1.5·k decodes. A probe on a machine busy enough to stall threads for whole time slices
+    says otherwise (seen: a 2-token batch at 1/15 of the time of one token), and a policy trusting it
+    would think drafts free or ruinous."""
+    t1 = target_seconds.get(1)
+    return bool(t1) and all(0.8 * t1 <= t <= 1.5 * k * t1 for k, t in target_seconds.items())
+
+
 def measure(target: Backend, draft: Backend | None = None, *, ks=PROBE_KS, reps: int = 5,
-            context_tokens: int = PROBE_CONTEXT) -> Costs:
+            context_tokens: int = PROBE_CONTEXT, attempts: int = 3) -> Costs:
     """Time the target on k-token batches after a ``context_tokens`` prefix (and one draft token).
 
-    The probe is sized to the contexts (``probe_shape``). Both caches are left empty whatever happens,
-    an error or Ctrl-C included (callers forget their bookkeeping before calling, e.g. ``Runtime``).
+    The probe is sized to the contexts (``probe_shape``) and repeated (up to ``attempts`` times) while its
+    curve is not ``plausible``; the last attempt is returned either way. Both caches are left empty whatever
+    happens, an error or Ctrl-C included (callers forget their bookkeeping before calling, e.g. ``Runtime``).
     """
     import statistics  # lazily: a cold start needs neither decimal nor fractions
 
@@ -139,13 +149,16 @@ def measure(target: Backend, draft: Backend | None = None, *, ks=PROBE_KS, reps:
         if context_tokens:
             target.eval(ids[:context_tokens], logits="last")
         _time_eval(target, ids, ids[context_tokens : context_tokens + 1], 1)  # warm-up
-        # Interleaved (each rep times every k in turn): a machine whose load changes during the probe then
-        # shifts the whole curve, not its shape.
-        times: dict[int, list[float]] = {k: [] for k in ks}
-        for _ in range(reps):
-            for k in ks:
-                times[k].append(_time_eval(target, ids, ids[context_tokens : context_tokens + k], 1))
-        c.target_seconds = {k: statistics.median(v) for k, v in times.items()}
+        for _ in range(attempts):
+            # Interleaved (each rep times every k in turn): a machine whose load changes during the probe
+            # then shifts the whole curve, not its shape.
+            times: dict[int, list[float]] = {k: [] for k in ks}
+            for _ in range(reps):
+                for k in ks:
+                    times[k].append(_time_eval(target, ids, ids[context_tokens : context_tokens + k], 1))
+            c.target_seconds = {k: statistics.median(v) for k, v in times.items()}
+            if plausible(c.target_seconds):
+                break  # else the machine was too busy to measure anything: try again
         target.rollback(0)
         if draft is not None:
             draft.rollback(0)
@@ -186,7 +199,8 @@ def _read(path: Path) -> dict:
 
 
 def cached_measure(target: Backend, draft: Backend | None = None) -> Costs:
-    """``measure``, cached in ``$ONDEVICE_HOME/costs.json`` per (model files, threads, device, probe shape)."""
+    """``measure``, cached in ``$ONDEVICE_HOME/costs.json`` per (model files, threads, device, probe shape);
+    an implausible curve (a probe on a swamped machine) is neither cached nor read back."""
     from ondevice import catalog
 
     ks, ctx = probe_shape(target, draft)
@@ -194,8 +208,12 @@ def cached_measure(target: Backend, draft: Backend | None = None) -> Costs:
     path = catalog.home() / "costs.json"
     e = _read(path).get(key)
     if e is not None:
-        return Costs({int(k): v for k, v in e["target_seconds"].items()}, e["draft_seconds"])
+        cached = Costs({int(k): v for k, v in e["target_seconds"].items()}, e["draft_seconds"])
+        if plausible(cached.target_seconds):
+            return cached
     c = measure(target, draft, reps=7)
+    if not plausible(c.target_seconds):
+        return c  # used for this process only (the policy refines it step by step); never cached
     cache = _read(path)  # re-read: another process may have added entries meanwhile
     cache[key] = {"target_seconds": {str(k): v for k, v in c.target_seconds.items()}, "draft_seconds": c.draft_seconds}
     write_text(path, json.dumps(cache, indent=1))

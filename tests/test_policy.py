@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
+import pytest
 
 import ondevice
 from ondevice.costs import Costs, speedup_bound
@@ -259,3 +262,36 @@ def test_the_verify_curve_past_its_last_point_is_never_cheaper_per_token():
     flat_end = Costs({1: 1.0, 2: 1.8, 12: 6.9, 16: 6.8})  # noise or a kernel's sweet spot: flat from 12 to 16
     vc = flat_end.verify_costs(33)
     assert vc[15] == 6.8 / 1.0 and vc[32] >= 6.8 * 33 / 16 - 1e-9  # not 6.8 + (6.8 − 6.9)/4 · 17
+
+
+def test_a_probe_on_a_swamped_machine_is_retried_and_never_cached(tiny_gguf, monkeypatch, tmp_path):
+    """Seen live: a probe under heavy load timed 2 tokens at 1/15 of 1 token; cached, it made every
+    1-token draft look free for every later process (γ = 1 on every step of every request)."""
+    from ondevice import costs
+    from ondevice.backends.llama import LlamaBackend
+
+    monkeypatch.setenv("ONDEVICE_HOME", str(tmp_path))
+    b = LlamaBackend(tiny_gguf("llama"), n_ctx=256, threads=1)
+    swamped = {1: 1.185, 2: 0.078, 3: 2.46, 4: 3.09}  # seconds, the cached entry seen
+    calls = []
+
+    def fake(target, ids, tokens, reps):
+        calls.append(len(tokens))
+        return swamped.get(len(tokens), 3.1) if len(calls) < 40 else 0.01 * (1 + 0.5 * (len(tokens) - 1))
+
+    monkeypatch.setattr(costs, "_time_eval", fake)
+    c = costs.measure(b, ks=(1, 2, 3, 4), reps=5, attempts=3)
+    assert costs.plausible(c.target_seconds) and c.verify_cost(2) == pytest.approx(1.5)  # the third attempt
+    # an implausible probe is used but not cached, and an implausible cached entry is measured again
+    calls.clear()
+    monkeypatch.setattr(costs, "_time_eval", lambda t, i, tokens, r: swamped.get(len(tokens), 3.1))
+    bad = costs.cached_measure(b)
+    assert not costs.plausible(bad.target_seconds) and not (tmp_path / "costs.json").exists()
+    ks, ctx = costs.probe_shape(b)
+    key = costs._key(b) + f"|probe {ctx}+{max(ks)}"
+    (tmp_path / "costs.json").write_text(json.dumps({key: {"target_seconds": swamped, "draft_seconds": 0.0}}))
+    monkeypatch.setattr(costs, "_time_eval", lambda t, i, tokens, r: 0.01 * len(tokens) ** 0.5)
+    good = costs.cached_measure(b)
+    assert costs.plausible(good.target_seconds) and good.target_seconds != {int(k): v for k, v in swamped.items()}
+    assert json.loads((tmp_path / "costs.json").read_text())[key]["target_seconds"]["2"] == pytest.approx(0.01 * 2 ** 0.5)
+    b.close()
