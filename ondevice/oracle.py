@@ -100,6 +100,7 @@ def replay_policy(prompt: Sequence[int], answer: Sequence[int], costs: Costs, po
     from ondevice.policy import AdaptivePolicy
 
     pol = policy or AdaptivePolicy(copy.deepcopy(costs), "ngram", learn_costs=False)
+    pol.restart()
     vc = costs.verify_costs(pol.max_gamma + 1)
     drafter = NgramDrafter()
     context = list(prompt)

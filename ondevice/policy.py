@@ -111,13 +111,13 @@ class GuessSurvival:
     """How far a deterministic drafter's guesses agree with what the target emits, learnt from every
     step's guess, used or not, per (source, match bucket) and guess position.
 
-    Cells are decayed counts started from ``GUESS_PRIORS`` with ``weight`` pseudo-observations, so the
-    estimate follows the work (edits copy, chat does not) within a few dozen observations.
+    Cells are decayed counts started from ``GUESS_PRIORS`` with ``weight`` pseudo-observations at every
+    request, so the estimate follows the request (edits copy, chat does not) within a few dozen tokens.
     """
 
     def __init__(self, weight: float = 4.0, decay: float = 0.97) -> None:
-        self.decay = decay
-        self.cells = {k: [[weight, weight * a] for a in v] for k, v in GUESS_PRIORS.items()}
+        self.weight, self.decay = weight, decay
+        self.restart()
 
     @staticmethod
     def bucket(hint) -> tuple[bool, int]:
@@ -130,16 +130,35 @@ class GuessSurvival:
         per_col = [ok / cnt for cnt, ok in self.cells[self.bucket(hint)]]
         return [per_col[_column(j)] for j in range(1, n + 1)]
 
+    def restart(self) -> None:
+        """A new request starts from the priors. Carried over, what one request taught misled the next
+        (live: after two edits whose copies ended early, a shared policy ran every later answer plain)."""
+        self.cells = {k: [[self.weight, self.weight * a] for a in v] for k, v in GUESS_PRIORS.items()}
+        self._pending: list[list] = []  # [cell, guess, positions judged] of guesses still agreeing
+
     def judge(self, hint, guess: Sequence[int], emitted: Sequence[int]) -> None:
-        """Record a step: its whole ``guess`` and the tokens it emitted. Positions up to the first that
-        differs were judged; a guess that agreed to the end of ``emitted`` says nothing past it."""
-        row = self.cells[self.bucket(hint)]
-        for j, (a, b) in enumerate(zip(guess, emitted, strict=False), start=1):
-            cell = row[_column(j)]
-            cell[0] = cell[0] * self.decay + 1.0
-            cell[1] = cell[1] * self.decay + float(a == b)
-            if a != b:
+        """Record a step: its whole ``guess`` and the tokens it emitted.
+
+        Every guess still agreeing with everything emitted since it was made is judged on each new token
+        (an unused guess thus also teaches the later positions, which plain steps alone never would). The
+        guesses made during one copy overlap and mostly say the same thing, so each emitted token carries
+        one observation in all, shared among the guesses it judges.
+        """
+        if guess:
+            self._pending.append([self.bucket(hint), list(guess), 0])
+        for tok in emitted:
+            if not self._pending:
                 break
+            w = 1.0 / len(self._pending)
+            d = self.decay ** w
+            for item in self._pending:
+                cell, g, done = item
+                right = g[done] == tok
+                c = self.cells[cell][_column(done + 1)]
+                c[0] = c[0] * d + w
+                c[1] = c[1] * d + w * right
+                item[2] = done + 1 if right else len(g)
+            self._pending = [it for it in self._pending if it[2] < len(it[1])]
 
 
 def expected_tokens(alphas: list[float], gamma: int) -> float:
@@ -212,6 +231,10 @@ class AdaptivePolicy:
     def c(self) -> float:
         """Draft token ÷ target decode (n-gram drafts cost nothing)."""
         return self.costs.draft_cost_ratio if self.drafter == "model" else 0.0
+
+    def restart(self) -> None:
+        """A new request (token stream) begins: n-gram estimates start again from their priors."""
+        self.guesses.restart()
 
     def alphas(self, hint: int, n: int) -> list[float]:
         """[α_1, …, α_n]: the chance each draft position is kept, given the ones before it were."""

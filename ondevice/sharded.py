@@ -157,6 +157,10 @@ class SyncedPolicy:
         # the whole guess and the emitted tokens are the same on every rank (same drafts, same decisions)
         self.inner.update(drafted, accepted, hint, proposal, emitted)
 
+    def restart(self) -> None:
+        if hasattr(self.inner, "restart"):
+            self.inner.restart()
+
 
 @dataclass
 class DistStats(Stats):

@@ -140,6 +140,8 @@ def steps(
     """
     V = target.vocab_size
     n_ctx = target.n_ctx if n_ctx is None else min(n_ctx, target.n_ctx)
+    if hasattr(policy, "restart"):
+        policy.restart()  # guesses about an earlier request's tokens are not judged against this one's
     while True:
         base = len(context) - 1  # the target cache holds context[:-1]
         if base + 1 > n_ctx:
