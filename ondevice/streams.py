@@ -9,7 +9,6 @@ on a thread of its own, and closes its stream synchronously when the consumer le
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import weakref
 from collections.abc import Iterator
@@ -106,6 +105,8 @@ class AsyncStream(_Outputs):
     async def __anext__(self) -> Chunk:
         if self._closed:
             raise StopAsyncIteration
+        import asyncio  # here, not at import: already loaded by any caller's event loop (24 ms at a cold start)
+
         self._pending = self._pool.submit(next, self._stream, None)
         try:
             chunk = await asyncio.wrap_future(self._pending)
