@@ -120,3 +120,38 @@ def tiny_mlx(tiny_gguf, tmp_path_factory):
         return cache[name]
 
     return get
+
+
+@pytest.fixture
+def tiny_catalog(tmp_path, monkeypatch):
+    """name → a catalog entry whose published file is ``src`` (copied into the cache, as if pulled)."""
+    import shutil
+
+    from ondevice import catalog
+    from ondevice.catalog import sha256_file
+
+    monkeypatch.setenv("ONDEVICE_HOME", str(tmp_path / "home"))
+
+    def make(src, arch="qwen2", quant="Q4_K_M"):
+        (tmp_path / "catalog.toml").write_text(f'''[models."tiny"]
+description = "tiny"
+role = "chat"
+arch = "{arch}"
+format = "gguf"
+quant = "{quant}"
+vocab_size = 512
+license = "none"
+filename = "tiny.gguf"
+size = {src.stat().st_size}
+sha256 = "{sha256_file(src)}"
+parts = [{{ wheel = "not-downloaded==0", member = "x" }}]
+''')
+        monkeypatch.setenv("ONDEVICE_CATALOG", str(tmp_path / "catalog.toml"))
+        catalog.catalog.cache_clear()
+        entry = catalog.get("tiny")
+        catalog.cached_path(entry).parent.mkdir(parents=True)
+        shutil.copy(src, catalog.cached_path(entry))
+        return entry
+
+    yield make
+    catalog.catalog.cache_clear()

@@ -4,7 +4,6 @@ convert, pull (a variant named NAME:FMT+out-TYPE that never collides with NAME:F
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 
@@ -88,39 +87,6 @@ def test_a_bad_tensor_type_is_one_line_and_leaves_nothing(tiny_gguf, tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "q6_k" in r.stderr
     assert not (tmp_path / "cli").exists()
-
-
-@pytest.fixture
-def tiny_catalog(tmp_path, monkeypatch):
-    """name → a catalog entry whose published file is ``src`` (copied into the cache, as if pulled)."""
-    from ondevice import catalog
-    from ondevice.catalog import sha256_file
-
-    monkeypatch.setenv("ONDEVICE_HOME", str(tmp_path / "home"))
-
-    def make(src):
-        (tmp_path / "catalog.toml").write_text(f'''[models."tiny"]
-description = "tiny"
-role = "chat"
-arch = "qwen2"
-format = "gguf"
-quant = "Q4_K_M"
-vocab_size = 512
-license = "none"
-filename = "tiny.gguf"
-size = {src.stat().st_size}
-sha256 = "{sha256_file(src)}"
-parts = [{{ wheel = "not-downloaded==0", member = "x" }}]
-''')
-        monkeypatch.setenv("ONDEVICE_CATALOG", str(tmp_path / "catalog.toml"))
-        catalog.catalog.cache_clear()
-        entry = catalog.get("tiny")
-        catalog.cached_path(entry).parent.mkdir(parents=True)
-        shutil.copy(src, catalog.cached_path(entry))
-        return entry
-
-    yield make
-    catalog.catalog.cache_clear()
 
 
 def test_pull_output_type_variant_is_its_own_name(tiny_gguf, tiny_catalog):

@@ -88,37 +88,15 @@ def test_requantize_cli_prints_the_warning_and_quality(tiny_gguf, tmp_path):
     assert r.returncode == 2 and "--allow-requantize" in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
-def test_pull_quant_makes_a_recorded_local_variant(tiny_gguf, tmp_path, monkeypatch):
+def test_pull_quant_makes_a_recorded_local_variant(tiny_gguf, tiny_catalog, monkeypatch):
     """A local variant is cached beside the published file, recorded with its sha256, never resolved as it."""
-    import shutil
-
     from converters.quantize import pull_variant
     from ondevice import catalog
-
-    src = tiny_gguf("llama", "q8_0")
     from ondevice.catalog import sha256_file
 
-    toml = tmp_path / "catalog.toml"
-    toml.write_text(f'''[models."tiny"]
-description = "tiny"
-role = "chat"
-arch = "llama"
-format = "gguf"
-quant = "Q8_0"
-vocab_size = 512
-license = "none"
-filename = "tiny.gguf"
-size = {src.stat().st_size}
-sha256 = "{sha256_file(src)}"
-parts = [{{ wheel = "not-downloaded==0", member = "x" }}]
-''')
-    monkeypatch.setenv("ONDEVICE_CATALOG", str(toml))
-    monkeypatch.setenv("ONDEVICE_HOME", str(tmp_path / "home"))
-    catalog.catalog.cache_clear()
+    src = tiny_gguf("llama", "q8_0")
     try:
-        entry = catalog.get("tiny")
-        catalog.cached_path(entry).parent.mkdir(parents=True)
-        shutil.copy(src, catalog.cached_path(entry))
+        entry = tiny_catalog(src, arch="llama", quant="Q8_0")
         with pytest.raises(OndeviceError, match="pull tiny --quant q4_0"):
             catalog.resolve("tiny:q4_0")
         import converters.quantize as cq
