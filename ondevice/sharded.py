@@ -238,7 +238,9 @@ class DistributedRuntime(Runtime):
         self._kv = []  # before the probe, as Runtime._costs does: an interrupted probe leaves nothing stale
         if self.drafter is not None:
             self.drafter.reset()
-        local = measure(self.target, draft, reps=5)  # every rank runs the same passes
+        # Every rank runs the same passes: one attempt, whatever its own timings say (a retry decided by
+        # one rank alone would leave the others waiting in a collective).
+        local = measure(self.target, draft, reps=5, attempts=1)
         shared = self.world.share({"t": {str(k): v for k, v in local.target_seconds.items()}, "d": local.draft_seconds})
         self._probe = (self.world.collectives - c0, self.target.forwards - f0)  # left out of the request's stats
         return Costs({int(k): v for k, v in shared["t"].items()}, shared["d"])
