@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from dataclasses import dataclass
 from functools import lru_cache
@@ -279,17 +280,23 @@ def variant_tag(quant: str, output_type: str | None = None, embedding_type: str 
     return tag
 
 
+_NAME = re.compile(r"[a-z0-9_]+")  # a format or tensor type name, as llama.cpp spells them (lower case)
+
+
 def parse_variant_tag(tag: str) -> tuple[str, str | None, str | None]:
-    """``variant_tag``'s inverse: ``"iq4_nl+out-q4_0"`` → ("iq4_nl", "q4_0", None). Raises on other shapes
-    (names are not checked here: ``converters.quantize.check_tensor_types`` does)."""
+    """``variant_tag``'s inverse: ``"iq4_nl+out-q4_0"`` → ("iq4_nl", "q4_0", None). Raises on other shapes,
+    and on names that are not ``[a-z0-9_]+`` (a tag becomes part of a file name); whether a name is a known
+    format or tensor type is ``converters.quantize.check_tensor_types``'s to say."""
     quant, *rest = tag.lower().split("+")
     found: dict[str, str] = {}
     for part in rest:
         key, _, value = part.partition("-")
-        if key not in ("out", "emb") or not value or key in found:
+        if key not in ("out", "emb") or not _NAME.fullmatch(value) or key in found:
             raise OndeviceError(f"{tag}: a local variant is FMT, FMT+out-TYPE, FMT+emb-TYPE or FMT+out-TYPE+emb-TYPE "
                                 "(e.g. iq4_nl+out-iq4_nl)")
         found[key] = value
+    if not _NAME.fullmatch(quant):  # a name, never a piece of a path (it becomes part of a file name)
+        raise OndeviceError(f"{tag}: {quant or '(empty)'} is not a format name (e.g. iq4_nl, q4_0)")
     return quant, found.get("out"), found.get("emb")
 
 

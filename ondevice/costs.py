@@ -122,13 +122,23 @@ def probe_shape(target: Backend, draft: Backend | None = None, ks=PROBE_KS, cont
     return ks, max(0, min(context_tokens, room - max(ks)))
 
 
-def plausible(target_seconds: dict[int, float]) -> bool:
+def plausible(target_seconds: dict[int, float], width: int = 1) -> bool:
     """Could a machine have produced these times? No batch of k tokens faster than 0.8 of one decode or
-    slower than 1.5·k decodes. A probe on a machine busy enough to stall threads for whole time slices
-    says otherwise (seen: a 2-token batch at 1/15 of the time of one token), and a policy trusting it
-    would think drafts free or ruinous."""
+    slower than 1.5·max(k, ``width``) decodes. A probe on a machine busy enough to stall threads for whole
+    time slices says otherwise (seen: a 2-token batch at 1/15 of the time of one token), and a policy
+    trusting it would think drafts free or ruinous.
+
+    Args:
+        width: tokens a multi-token batch may really compute (``batch_width``): a fixed-shape model
+            pads a 4-token batch to its prefill chunk, so that batch honestly costs up to ``chunk`` decodes.
+    """
     t1 = target_seconds.get(1)
-    return bool(t1) and all(0.8 * t1 <= t <= 1.5 * k * t1 for k, t in target_seconds.items())
+    return bool(t1) and all(0.8 * t1 <= t <= 1.5 * max(k, width) * t1 for k, t in target_seconds.items())
+
+
+def batch_width(target: Backend) -> int:
+    """The prefill chunk of a fixed-shape backend (Core ML, MIL: ``StaticCacheBackend``), else 1."""
+    return max(1, int(getattr(target, "chunk", 1)))
 
 
 def measure(target: Backend, draft: Backend | None = None, *, ks=PROBE_KS, reps: int = 5,
@@ -157,7 +167,7 @@ def measure(target: Backend, draft: Backend | None = None, *, ks=PROBE_KS, reps:
                 for k in ks:
                     times[k].append(_time_eval(target, ids, ids[context_tokens : context_tokens + k], 1))
             c.target_seconds = {k: statistics.median(v) for k, v in times.items()}
-            if plausible(c.target_seconds):
+            if plausible(c.target_seconds, batch_width(target)):
                 break  # else the machine was too busy to measure anything: try again
         target.rollback(0)
         if draft is not None:
@@ -209,10 +219,10 @@ def cached_measure(target: Backend, draft: Backend | None = None) -> Costs:
     e = _read(path).get(key)
     if e is not None:
         cached = Costs({int(k): v for k, v in e["target_seconds"].items()}, e["draft_seconds"])
-        if plausible(cached.target_seconds):
+        if plausible(cached.target_seconds, batch_width(target)):
             return cached
     c = measure(target, draft, reps=7)
-    if not plausible(c.target_seconds):
+    if not plausible(c.target_seconds, batch_width(target)):
         return c  # used for this process only (the policy refines it step by step); never cached
     cache = _read(path)  # re-read: another process may have added entries meanwhile
     cache[key] = {"target_seconds": {str(k): v for k, v in c.target_seconds.items()}, "draft_seconds": c.draft_seconds}

@@ -8,9 +8,10 @@ answer files like docs/answers/*.json ({"answers": [{"id", "class", "prompt_ids"
 Each curve is ``name=k:cost(k),...`` in plain decodes (cost(1) = 1); the default is the idle two-thread
 curve of Qwen2.5-Coder-1.5B IQ4_NL on the 2-core build machine. Per class, the speedups are total tokens ÷
 total modelled time (long answers weigh more, as they do for a user). ``--shared`` replays every answer
-with one policy in suite order (the runtime keeps its policy between requests); by default each answer
-gets a fresh one. Timing-free: acceptance is a fact of each greedy answer, so this isolates the policy
-from machine noise.
+with one policy object in suite order, as the runtime keeps one; its guess estimates restart from the priors
+at every request (``AdaptivePolicy.restart``) and the replay does not refine the curve, so the results
+equal those of a fresh policy per answer (the default). Timing-free: acceptance is a fact of each greedy
+answer, so this isolates the policy from machine noise.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("files", nargs="+")
     ap.add_argument("--curve", action="append", help="name=k:cost(k),... (repeatable)")
-    ap.add_argument("--shared", action="store_true", help="one policy for all answers, in suite order")
+    ap.add_argument("--shared", action="store_true", help="one policy object for all answers, in suite order (it restarts at every answer, as in the runtime: the same results as fresh ones)")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
     answers = load_answers(args.files)

@@ -295,3 +295,28 @@ def test_a_probe_on_a_swamped_machine_is_retried_and_never_cached(tiny_gguf, mon
     assert costs.plausible(good.target_seconds) and good.target_seconds != {int(k): v for k, v in swamped.items()}
     assert json.loads((tmp_path / "costs.json").read_text())[key]["target_seconds"]["2"] == pytest.approx(0.01 * 2 ** 0.5)
     b.close()
+
+
+def test_a_fixed_shape_backends_padded_prefill_is_plausible_and_cached(tiny_hf, monkeypatch, tmp_path):
+    """A Core ML / MIL model runs a 4-token batch as one prefill padded to its chunk: that batch honestly
+    costs like many decodes. Judged implausible, every probe ran three times and was never cached."""
+    import math
+
+    from ondevice import costs
+    from ondevice.backends.static import ReferenceBackend
+
+    monkeypatch.setenv("ONDEVICE_HOME", str(tmp_path))
+    b = ReferenceBackend(tiny_hf["qwen2"], context=256, chunk=64)
+    calls = []
+
+    def padded(target, ids, tokens, reps):  # decodes below 4 tokens, else 64-wide prefills at 12 decodes each
+        calls.append(len(tokens))
+        k = len(tokens)
+        return 0.01 * (k if k < 4 else 12 * math.ceil(k / 64))
+
+    monkeypatch.setattr(costs, "_time_eval", padded)
+    ks, _ = costs.probe_shape(b)
+    c = costs.cached_measure(b)
+    assert len(calls) == 1 + 7 * len(ks)  # the warm-up and one attempt of 7 reps
+    assert c.target_seconds[4] == pytest.approx(0.12) and (tmp_path / "costs.json").exists()
+    assert not costs.plausible(c.target_seconds)  # the same times from a batch-computing backend are a stall

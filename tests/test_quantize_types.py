@@ -146,3 +146,16 @@ def test_advisor_takes_output_type_variants(tiny_gguf, tmp_path, monkeypatch):
     rows = {r["format"]: r for r in doc["formats"]}
     assert rows["q8_0"]["made"] == "source" and rows["q8_0+out-q4_0"]["made"] == "requantized into a temp dir"
     assert rows["q8_0+out-q4_0"]["mean_kl"] > 0 and rows["q8_0+out-q4_0"]["ngram"]["edit"]["same_as_plain"] is True
+
+
+@pytest.mark.parametrize("tag", ["iq4_nl+out-../../x", "iq4_nl+out-a/b", "../iq4_nl", "q4_0/..", "", "iq4_nl+emb-q 8"])
+def test_a_variant_tag_that_is_no_name_is_a_one_line_error(tag):
+    """A tag becomes part of the variant's file name: one with a path separator made ``resolve`` raise a bare
+    ValueError from pathlib ("Invalid name") instead of saying what a variant name looks like."""
+    from ondevice import catalog
+
+    with pytest.raises(OndeviceError):
+        catalog.parse_variant_tag(tag)
+    if tag:
+        with pytest.raises(OndeviceError):
+            catalog.resolve(f"smollm2-135m-instruct:{tag}", auto_pull=False)
