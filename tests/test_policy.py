@@ -159,6 +159,53 @@ def test_sampled_law_with_policy_on(tiny_gguf, monkeypatch):
         assert _chisquare(counts(), law, n) < 1e-4
 
 
+def test_sampled_law_with_ngram_drafts(tiny_gguf, monkeypatch):
+    """n-gram drafts are one-hot q: a guess x is kept with chance p(x), else the residual p − δ_x is
+    sampled. The whole loop (drafter, policy, sparse verification) keeps the target's law."""
+    from test_engine import _chisquare, _exact_joint_law
+
+    from ondevice import sampling
+
+    target = tiny_gguf("qwen2")
+    n = 1500
+    with _forced_policy(ondevice.load(target, drafter="ngram", n_ctx=256)) as rt:
+        # PROMPT, a token g, PROMPT's last two tokens again: the lookup guesses g, chosen as the target's
+        # most likely next token in that very context, so guesses are often kept and sometimes rejected
+        from ondevice.backends.llama import LlamaBackend
+
+        start, g = rt.tokenize(PROMPT), 0
+        probe = LlamaBackend(target, n_ctx=256)
+        for _ in range(5):
+            probe.rollback(0)
+            g = int(np.argmax(probe.eval(start + [g] + start[-2:])[-1]))
+        probe.close()
+        ids = start + [g] + start[-2:]
+        params = sampling.SamplingParams(temperature=1.0, top_k=6, top_p=1.0, min_p=0.0)
+        eog = rt.target.is_eog
+        law: dict = {}
+        for seq, pr in _exact_joint_law(target, ids, params).items():  # an answer ends at its first EOS
+            end = next((i for i, t in enumerate(seq) if eog(t)), None)
+            key = seq if end is None else (*seq[:end], "eos")
+            law[key] = law.get(key, 0.0) + pr
+
+        def counts():
+            c, drafted, accepted = {}, 0, 0
+            for seed in range(n):
+                r = rt.generate(ids, max_tokens=3, temperature=1.0, top_k=6, top_p=1.0, min_p=0.0, seed=seed,
+                                gamma="auto")
+                key = (*r.tokens, "eos") if r.stats.stop_reason == "eos" else tuple(r.tokens)
+                c[key] = c.get(key, 0) + 1
+                drafted, accepted = drafted + r.stats.drafted, accepted + r.stats.accepted
+            return c, drafted, accepted
+
+        c, drafted, accepted = counts()
+        assert _chisquare(c, law, n) > 1e-3
+        assert drafted > n and 0 < accepted < drafted  # drafts were made, kept and rejected
+        monkeypatch.setattr(sampling, "residual", lambda p, q: p)
+        monkeypatch.setattr(sampling, "residual_sparse", lambda ids, pr, qv, V: pr)  # a rejected guess stays possible
+        assert _chisquare(counts()[0], law, n) < 1e-4
+
+
 def test_auto_is_default_and_reports_gamma_histogram(tiny_gguf, tmp_path, monkeypatch):
     monkeypatch.setenv("ONDEVICE_HOME", str(tmp_path))
     with ondevice.load(tiny_gguf("llama"), drafter="ngram") as rt:
