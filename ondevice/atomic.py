@@ -6,6 +6,13 @@ import os
 from pathlib import Path
 
 
+def _umask() -> int:
+    """The process umask (reading it means setting it for an instant)."""
+    old = os.umask(0o022)
+    os.umask(old)
+    return old
+
+
 def write_text(path: str | os.PathLike, text: str) -> None:
     """Write ``text`` to ``path`` through a temp file of our own (a unique name beside it), then rename.
 
@@ -17,6 +24,7 @@ def write_text(path: str | os.PathLike, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; the file is the user's like any other
         with os.fdopen(fd, "w") as f:
             f.write(text)
         os.replace(tmp, path)

@@ -74,7 +74,10 @@ class AcceptanceEstimate:
 MATCH_BUCKETS = (0, 1, 2, 3, 4, 8, 16, 32)
 # α for guess positions j = 1, 2, 3–4, 5–8, 9–16, 17+, by (copying from the request's prompt, match bucket):
 # measured over ~40,000 judged guess tokens of this drafter in greedy answers of SmolLM2-135M and
-# Qwen2.5-Coder-1.5B to the code, edit, summary and chat prompts of scripts/prompts. A guess backed by a long agreement with earlier
+# Qwen2.5-Coder-1.5B to the code, edit, summary and chat prompts of scripts/prompts:
+#   python scripts/guess_priors.py docs/answers/qwen2.5-coder-1.5b-iq4nl.json \
+#       docs/bench-speed-ngram-smollm2-q4_0-before-curve-fix.json docs/bench-speed-ngram-smollm2-q4_0.json
+# (cells with too few observations filled from a neighbour: (True, 0), (False, 0) and (False, 1)'s 17+). A guess backed by a long agreement with earlier
 # text is a copy in progress; one copied from the prompt (an edit) holds better than the answer repeating
 # itself, except for very long self-repeats (code restating its own structure).
 GUESS_PRIORS = {

@@ -40,5 +40,9 @@ def measure(paths: list[str]) -> dict:
 
 
 if __name__ == "__main__":
-    for cell, row in measure(sys.argv[1:]).items():
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("files", nargs="+", help="bench --ngram JSON documents or docs/answers/*.json")
+    for cell, row in measure(ap.parse_args().files).items():
         print(f"    {cell}: {row},")

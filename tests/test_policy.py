@@ -367,3 +367,16 @@ def test_a_fixed_shape_backends_padded_prefill_is_plausible_and_cached(tiny_hf, 
     assert len(calls) == 1 + 7 * len(ks)  # the warm-up and one attempt of 7 reps
     assert c.target_seconds[4] == pytest.approx(0.12) and (tmp_path / "costs.json").exists()
     assert not costs.plausible(c.target_seconds)  # the same times from a batch-computing backend are a stall
+
+
+def test_whole_file_writes_get_the_users_normal_permissions(tmp_path):
+    import os
+
+    from ondevice.atomic import write_text
+
+    old = os.umask(0o022)
+    try:
+        write_text(tmp_path / "costs.json", "{}")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "costs.json").stat().st_mode & 0o777 == 0o644  # mkstemp alone leaves 0600
