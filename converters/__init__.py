@@ -65,6 +65,7 @@ def convert(
     if to == "gguf":
         from converters.gguf_writer import QUANTS
 
+        quant = quant.lower()  # Q4_K_M as llama.cpp and file names spell it is the same format
         if quant not in QUANTS:
             raise OndeviceError(f"--quant {quant}: unknown; choose one of {', '.join(QUANTS)}")
         from converters.quantize import check_tensor_types

@@ -347,6 +347,8 @@ def pull_variant(name: str, quant: str, *, output_type: str | None = None, embed
     """
     from ondevice import catalog
 
+    quant = quant.lower()  # as resolve("NAME:IQ4_NL") reads it
+
     pair = catalog.resolve_pair(name)
     if pair:
         raise OndeviceError(f"{name} is a pair: requantize each model, `ondevice pull {pair[0]} --quant {quant}` and "

@@ -106,6 +106,7 @@ def test_pull_output_type_variant_is_its_own_name(tiny_gguf, tiny_catalog):
     path = pull_variant("tiny", "iq4_nl", output_type="iq4_nl", quiet=True)
     assert path.name == "tiny.local-iq4_nl+out-iq4_nl.gguf" and path != plain
     assert catalog.resolve("tiny:iq4_nl+out-iq4_nl") == path == catalog.resolve("tiny:IQ4_NL+OUT-IQ4_NL")
+    assert pull_variant("tiny", "IQ4_NL", output_type="IQ4_NL", quiet=True) == path  # spelt as llama.cpp does
     assert catalog.resolve("tiny:iq4_nl") == plain and catalog.resolve("tiny") == catalog.cached_path(entry)
     assert _types(path)["output.weight"] == "IQ4_NL" and _types(plain)["output.weight"] == "Q6_K"
     rec = json.loads(path.with_suffix(".json").read_text())
