@@ -42,7 +42,7 @@ TYPE_BITS = {"F32": 32.0, "F16": 16.0, "BF16": 16.0, "Q8_0": 8.5, "Q6_K": 6.5625
              "IQ3_S": 3.4375, "IQ3_XXS": 3.0625, "Q2_K": 2.625, "IQ2_XS": 2.3125, "IQ2_XXS": 2.0625,
              "IQ1_S": 1.5625}
 # Nominal bits per weight of the main type of each --quant.
-QUANT_BITS = {"f16": 16.0, "q8_0": 8.5, "q4_0": 4.5, "iq4_nl": 4.5, "q4_k_m": 4.5}
+QUANT_BITS = {q: TYPE_BITS[MAIN_TYPE[q]] for q in FTYPES}
 LOW_BIT = 6.0  # a source at or below this many bits per weight is "already low-bit"
 # ggml tensor types that --output-type / --embedding-type take (llama_cpp.GGML_TYPE_<NAME>); the types below
 # 4 bits that need an importance matrix, and the integer / intermediate types, are left out.
