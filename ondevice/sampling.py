@@ -234,25 +234,18 @@ def _window(history: Sequence[int], draft: Sequence[int], i: int) -> list[int]:
 def sample(p: np.ndarray, rng: np.random.Generator) -> int:
     """Draw one id from distribution ``p`` [V] by inverting its CDF with one uniform from ``rng``."""
     nz = np.flatnonzero(p)
-    if len(nz) == 1:
-        rng.random()  # keep the number of draws independent of the distribution's shape
-        return int(nz[0])
-    c = np.cumsum(p[nz])
-    i = int(np.searchsorted(c, rng.random() * c[-1], side="right"))
-    return int(nz[min(i, len(nz) - 1)])
+    return sample_sparse(nz, p[nz], rng)
 
 
 def sample_sparse(ids: np.ndarray, pr: np.ndarray, rng: np.random.Generator) -> int:
-    """``sample`` of the distribution that is ``pr`` at ``ids`` (distinct) and 0 elsewhere, drawing the same uniform.
-
-    ``sample`` walks the non-zero entries in id order, so they are put in id order first.
-    """
+    """Draw one id from the distribution that is ``pr`` at ``ids`` (distinct) and 0 elsewhere, by inverting
+    its CDF over the non-zero entries in id order with one uniform from ``rng``."""
     order = np.argsort(ids)
     ids, pr = ids[order], pr[order]
     nz = pr != 0
     ids, pr = ids[nz], pr[nz]
     if len(ids) == 1:
-        rng.random()
+        rng.random()  # keep the number of draws independent of the distribution's shape
         return int(ids[0])
     c = np.cumsum(pr)
     i = int(np.searchsorted(c, rng.random() * c[-1], side="right"))
