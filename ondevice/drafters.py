@@ -141,9 +141,11 @@ class NgramDrafter:
     to ``max_report``): a long agreement means a verbatim copy is under way, which the policy uses.
     The n-grams are indexed incrementally as the context grows, so a step costs O(new tokens), not a
     scan of the whole context (which cost 2 % of a 135M model's decode time).
-    A copy survives a one-token divergence (a renamed identifier, a changed number): when no n-gram of
-    two or more tokens matches, the copy the last guess came from continues, aligned past the token
-    that differed, as long as at most one of the tokens since that guess differs from the source.
+    A copy survives a one-token divergence (a renamed identifier, a changed number): unless a longer
+    n-gram match elsewhere wins, the copy the last guess came from continues, aligned past the token
+    that differed, as long as at most one of the tokens since that guess differs from the source and the
+    copy had agreed for ``RESUME_AFTER`` tokens since its last divergence. ``hint`` is what the policy
+    judges a guess by: (match length, whether it copies the request's prompt).
     """
 
     name = "ngram"

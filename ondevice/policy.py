@@ -7,17 +7,19 @@ Model of one step with γ drafts (units: one plain target decode):
     E[tokens] = 1 + Σ_{i=1..γ} Π_{j≤i} α_j        (α_j: chance draft j is kept, given j−1 were)
     cost      = γ·c + cost(γ+1)/cost(1)            (c: draft token ÷ target decode; 0 for n-gram)
 Each step takes the γ with the largest expected *gain* E[tokens] − cost: the decodes it saves over
-plain decoding (γ = 0 gains nothing). Time to finish an answer is Σ cost over its steps, and plain
+plain decoding (γ = 0 gains nothing), with the time a step adds over a plain one counted ``RISK`` times
+(a margin against the upward bias of the best of many noisy estimates). Time to finish an answer is Σ cost over its steps, and plain
 decoding makes one token per unit, so this is the per-step rule that minimises it; maximising each
 step's own ratio E[tokens] ÷ cost instead stops drafting too early when cost(k) is flat (a 4-draft step
 at α = 0.5 with cost(5) = 1.7 gains 0.24 decodes although its ratio, 1.14, is below a 1-draft step's).
 Unless even perfect acceptance could not win on this machine (then the drafter is never asked),
 speculation is chosen when it is expected to gain.
 
-Acceptance is learnt per draft position. A cheap (n-gram) drafter proposes its whole guess every step,
-drafted or not, so every step — plain ones included — also says how much of the guess the target agreed
-with (``update(..., proposal, emitted)``): for a deterministic guess the emitted token equals guess i
-exactly as often as guess i would have been accepted, so the estimates stay fresh without probes.
+Acceptance is learnt per draft position (for n-gram guesses also per match length and source:
+``GuessSurvival``). A cheap (n-gram) drafter proposes its whole guess every step, drafted or not, so every
+step — plain ones included — also says how much of the guess the target agreed with (``update(...,
+proposal, emitted)``): for a deterministic guess the emitted token equals guess i exactly as often as
+guess i would have been accepted, so the estimates stay fresh without probes.
 A model draft (costly to ask) is probed with γ = 1 now and then instead. A model draft that fell
 behind during plain steps must first catch up: that batch is charged to the step that drafts.
 """
@@ -34,8 +36,9 @@ from ondevice.costs import Costs
 class Policy(Protocol):
     max_gamma: int
 
-    def next_gamma(self, hint: int = 0, lag: int = 0) -> int:
-        """γ for the next step (``hint``: n-gram match length; ``lag``: how far the draft cache is behind)."""
+    def next_gamma(self, hint: int | tuple = 0, lag: int = 0) -> int:
+        """γ for the next step (``hint``: the drafter's ``hint``, e.g. the n-gram (match length, copying from
+        the prompt); ``lag``: how far the draft cache is behind)."""
         ...
 
     def update(self, drafted: int, accepted: int, hint: int = 0, proposal: Sequence[int] | None = None,
@@ -246,10 +249,11 @@ class AdaptivePolicy:
         return [self.estimate.at(i) for i in range(n)]
 
     def next_gamma(self, hint: int = 0, lag: int = 0) -> int:
-        """γ for the next step: the largest expected gain E[tokens] − cost (0 = plain decoding).
+        """γ for the next step: the largest expected gain E[tokens] − 1 − RISK·(cost − 1) (0 = plain decoding;
+        the loop is ``expected_gain`` for every γ in one pass).
 
         Args:
-            hint: the n-gram match length (0 for model drafts).
+            hint: the n-gram drafter's (match length, copying from the prompt), or a match length (0 for model drafts).
             lag: tokens the draft's cache is behind the context (model drafts after plain steps).
         """
         self.probing = False
