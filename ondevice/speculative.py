@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ondevice.backends import Backend
+from ondevice.backends.base import Backend
 from ondevice.drafters import Drafter
 from ondevice.policy import Policy
 from ondevice.sampling import SamplingParams, probs_batch, verify, verify_logits
@@ -86,6 +86,10 @@ class Stats:
             self.accept_counts.append(0)
         self.accept_counts[step.accepted] += 1
 
+    def bench_fields(self) -> dict:
+        """Extra fields a benchmark row reports (a sharded target's collectives: ``DistStats``)."""
+        return {}
+
     def finish(self, t_start: float, t_first: float | None, t_end: float) -> None:
         self.total_seconds = t_end - t_start
         self.acceptance_rate = self.accepted / self.drafted if self.drafted else 0.0
@@ -140,8 +144,7 @@ def steps(
     """
     V = target.vocab_size
     n_ctx = target.n_ctx if n_ctx is None else min(n_ctx, target.n_ctx)
-    if hasattr(policy, "restart"):
-        policy.restart()  # guesses about an earlier request's tokens are not judged against this one's
+    policy.restart()  # guesses about an earlier request's tokens are not judged against this one's
     while True:
         base = len(context) - 1  # the target cache holds context[:-1]
         if base + 1 > n_ctx:
@@ -154,16 +157,15 @@ def steps(
         hint = 0
         if drafter is None:
             g = 0
-        elif getattr(drafter, "cheap", False):
+        elif drafter.cheap:
             proposal, q = drafter.propose(context, min(policy.max_gamma, room), params, rng)
-            hint = getattr(drafter, "hint", 0)
+            hint = drafter.hint
             g = min(policy.next_gamma(hint), room) if proposal else 0
             draft = proposal[:g]
         else:
-            lag = drafter.lag(context) if hasattr(drafter, "lag") else 0
-            g = max(0, min(policy.next_gamma(0, lag), room))
+            g = max(0, min(policy.next_gamma(0, drafter.lag(context)), room))
             if g > 0:
-                draft, q = drafter.propose(context, g, params, rng, keep_drafting=getattr(policy, "keep_drafting", None))
+                draft, q = drafter.propose(context, g, params, rng, keep_drafting=policy.keep_drafting)
         t1 = time.perf_counter()
         logits = target.eval([context[-1], *draft])  # [len(draft)+1, V]
         if draft and q is not None:

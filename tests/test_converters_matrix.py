@@ -246,7 +246,7 @@ def test_gguf_names_map_back_to_hf_names(tiny, arch, family):
 
     from converters.archs import arch_of, gguf_names
     from converters.hf import open_checkpoint
-    from ondevice.formats.gguf_reader import hf_name
+    from ondevice.formats.gguf import hf_name
 
     ckpt = open_checkpoint(tiny(arch, family))
     gguf_arch = gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH[arch_of(ckpt.config, "").gguf_arch]]

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from ondevice import catalog
 from ondevice.errors import OndeviceError
+from ondevice.store import catalog, fetch, lookup
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -23,7 +23,7 @@ def run_cli(*args, env=None, input=None):
 
 
 def test_import_and_help_do_not_load_heavy_backends():
-    code = ("import sys, ondevice, ondevice.cli; heavy = [m for m in ('llama_cpp', 'mlx', 'coremltools', 'numpy', 'torch') "
+    code = ("import sys, ondevice, ondevice.cli.main; heavy = [m for m in ('llama_cpp', 'mlx', 'coremltools', 'numpy', 'torch') "
             "if m in sys.modules]; print(heavy)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
@@ -119,33 +119,33 @@ parts = [
 
 def test_pull_assembles_verifies_and_detects_tampering(fake_catalog, capsys):
     write, data = fake_catalog
-    path = catalog.pull("fake", quiet=True)
-    assert path.read_bytes() == data and catalog.is_pulled(catalog.get("fake"))
-    assert catalog.resolve("fake") == path
+    path = fetch.pull("fake", quiet=True)
+    assert path.read_bytes() == data and fetch.is_pulled(catalog.get("fake"))
+    assert lookup.resolve("fake") == path
     # tamper: the stamp no longer matches, so the file is re-hashed, removed and fetched again
     raw = bytearray(path.read_bytes())
     raw[100] ^= 0xFF
     path.write_bytes(bytes(raw))
-    assert not catalog.is_pulled(catalog.get("fake"))
-    assert not catalog.verify_cached(catalog.get("fake"), quiet=True)
+    assert not fetch.is_pulled(catalog.get("fake"))
+    assert not fetch.verify_cached(catalog.get("fake"), quiet=True)
     assert not path.exists()
-    assert catalog.pull("fake", quiet=True).read_bytes() == data
+    assert fetch.pull("fake", quiet=True).read_bytes() == data
     # a catalog sha that does not match the download: fails, deletes, leaves nothing behind
     write(sha256="0" * 64)
     with pytest.raises(OndeviceError, match="does not match"):
-        catalog.pull("fake", force=True, quiet=True)
+        fetch.pull("fake", force=True, quiet=True)
     assert not path.exists() and not list(path.parent.glob("*.partial"))
 
 
 def test_pull_unknown_name_lists_catalog():
     with pytest.raises(OndeviceError, match="catalog names: .*smollm2-135m-instruct"):
-        catalog.pull("definitely-not-a-model")
+        fetch.pull("definitely-not-a-model")
 
 
 def test_real_default_model_is_pulled_and_verified(smollm2):
     entry = catalog.get("smollm2-135m-instruct")
     assert smollm2.stat().st_size == entry.size
-    assert catalog.verify_cached(entry)  # full sha256 re-hash
+    assert fetch.verify_cached(entry)  # full sha256 re-hash
     r = run_cli("pull", "smollm2-135m-instruct")
     assert r.returncode == 0 and r.stdout.strip() == str(smollm2)
 

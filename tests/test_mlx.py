@@ -137,7 +137,7 @@ def test_mlx_backend_errors(tmp_path):
 
 
 def test_info_reports_format_and_device(tiny_mlx, tiny_gguf):
-    from ondevice.info import describe
+    from ondevice.store.info import describe
 
     g = describe(tiny_gguf("llama", "q4_0"))
     assert g["format"] == "gguf" and g["arch"] == "llama" and g["quant"] == "Q4_0" and g["vocab_size"] == 512

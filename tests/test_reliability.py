@@ -642,7 +642,7 @@ def test_ctrl_c_in_chat_stops_the_answer_and_keeps_the_session(tiny_gguf, tmp_pa
                 time.sleep(0.02)
             return real(self, *a, **kw)
         LlamaBackend.eval = slow
-        from ondevice.cli import main
+        from ondevice.cli.main import main
         sys.argv = ["ondevice", *sys.argv[1:]]
         main()
     """)

@@ -21,7 +21,7 @@ def _cos(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 def test_iq4_nl_writes_iq4_nl_tensors_that_track_f16(tiny_gguf):
     """Random tiny weights quantize coarsely at 4 bits, so iq4_nl is judged beside q4_0 (same bits, same
     block size) and against a control that compares unrelated positions."""
-    from converters.gguf_writer import fallbacks, tensor_types
+    from converters.quant_types import fallbacks, tensor_types
     from ondevice.backends.llama import LlamaBackend
 
     path = tiny_gguf("qwen2", "iq4_nl")
@@ -90,15 +90,15 @@ def test_requantize_cli_prints_the_warning_and_quality(tiny_gguf, tmp_path):
 
 def test_pull_quant_makes_a_recorded_local_variant(tiny_gguf, tiny_catalog, monkeypatch):
     """A local variant is cached beside the published file, recorded with its sha256, never resolved as it."""
-    from converters.quantize import pull_variant
-    from ondevice import catalog
-    from ondevice.catalog import sha256_file
+    from converters.variants import pull_variant
+    from ondevice.store import catalog, lookup
+    from ondevice.store.fetch import sha256_file
 
     src = tiny_gguf("llama", "q8_0")
     try:
         entry = tiny_catalog(src, arch="llama", quant="Q8_0")
         with pytest.raises(OndeviceError, match="pull tiny --quant q4_0"):
-            catalog.resolve("tiny:q4_0")
+            lookup.resolve("tiny:q4_0")
         import converters.quantize as cq
 
         def interrupted(*a, **k):  # Ctrl-C while the variant's quality is measured
@@ -111,26 +111,26 @@ def test_pull_quant_makes_a_recorded_local_variant(tiny_gguf, tiny_catalog, monk
         # review: the variant used to be renamed into place before it was measured and recorded
         assert sorted(f.name for f in catalog.cached_path(entry).parent.iterdir()) == ["tiny.gguf", "tiny.gguf.verified"]
         path = pull_variant("tiny", "q4_0", quiet=True)
-        from ondevice.info import describe
+        from ondevice.store.info import describe
 
         assert describe(path)["verified"].startswith("local requantization of tiny.gguf (not the published file)")
         assert path.parent == catalog.cached_path(entry).parent and path != catalog.cached_path(entry)
         rec = json.loads(path.with_suffix(".json").read_text())
         assert rec["published"] is False and rec["source_sha256"] == entry.sha256 and rec["sha256"] == sha256_file(path)
         assert 0 < rec["quality"]["top1_agreement"] <= 1 and rec["quality"]["mean_kl"] > 0
-        assert catalog.resolve("tiny") == catalog.cached_path(entry)  # the name still means the published file
-        assert catalog.resolve("tiny:q4_0") == path
+        assert lookup.resolve("tiny") == catalog.cached_path(entry)  # the name still means the published file
+        assert lookup.resolve("tiny:q4_0") == path
         mtime = path.stat().st_mtime_ns
         assert pull_variant("tiny", "q4_0", quiet=True) == path and path.stat().st_mtime_ns == mtime  # cached
         path.write_bytes(path.read_bytes()[:-10])  # damaged: no longer resolves
         with pytest.raises(OndeviceError, match="no local q4_0 variant"):
-            catalog.resolve("tiny:q4_0")
+            lookup.resolve("tiny:q4_0")
     finally:
         catalog.catalog.cache_clear()
 
 
 def test_oracle_dp_on_hand_made_guesses():
-    from ondevice.oracle import oracle_time
+    from ondevice.bench.oracle import oracle_time
 
     flat = Costs({1: 1.0, 2: 1.1, 4: 1.3, 8: 1.7})
     # 6 tokens; at 0 a guess of 5 of which all are right: one pass of γ=5 then a plain one
@@ -146,7 +146,7 @@ def test_oracle_dp_on_hand_made_guesses():
 
 
 def test_oracle_replays_the_ngram_drafter():
-    from ondevice.oracle import guesses, oracle_speedup
+    from ondevice.bench.oracle import guesses, oracle_speedup
 
     prompt = [1, 2, 3] + list(range(100, 140)) + [5]
     answer = list(range(100, 140))  # the answer copies the prompt
@@ -173,7 +173,7 @@ def test_ngram_copy_survives_a_renamed_token():
 
 
 def test_advisor_recommends_the_fastest_format_within_the_quality_budget():
-    from ondevice.bench_formats import recommend
+    from converters.advisor import recommend
 
     rows = [
         {"format": "q4_k_m", "decode_tokens_per_second": 40.0, "edit_speedup": 1.3, "top1_agreement": 0.97, "mean_kl": 0.02},
@@ -198,7 +198,7 @@ def test_advisor_recommends_the_fastest_format_within_the_quality_budget():
 
 
 def test_bench_reports_the_oracle_next_to_the_realized_speedup(tiny_gguf):
-    from ondevice.bench import run_bench
+    from ondevice.bench.run import run_bench
 
     doc = run_bench(str(tiny_gguf("llama", "q8_0")), ngram=True, classes=["edit"], per_class=1, repeats=1,
                     max_tokens=24, gamma="auto", n_ctx=1024, threads=1)
@@ -210,7 +210,7 @@ def test_bench_reports_the_oracle_next_to_the_realized_speedup(tiny_gguf):
 
 
 def test_advisor_end_to_end_on_a_tiny_model(tiny_gguf, tmp_path, monkeypatch):
-    from ondevice.bench_formats import advise, plot
+    from converters.advisor import advise, plot
 
     monkeypatch.setenv("ONDEVICE_HOME", str(tmp_path))
     doc = advise(str(tiny_gguf("qwen2", "q8_0")), ["q8_0", "q4_0"], classes=["edit"], per_class=1, max_tokens=8,

@@ -15,12 +15,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from ondevice.bench.oracle import oracle_speedup
 from ondevice.costs import Costs, measure, speedup_bound
 from ondevice.errors import OndeviceError
-from ondevice.oracle import oracle_speedup
+from ondevice.params import GenerateRequest, gamma_value
 
 CLASSES = ("code", "edit", "summary", "chat")
-PROMPTS_DIR = Path(__file__).resolve().parent.parent / "scripts" / "prompts"
+PROMPTS_DIR = Path(__file__).resolve().parents[2] / "scripts" / "prompts"
 SCHEMA_VERSION = 1
 
 
@@ -66,7 +67,7 @@ def _record(mode, p, rep, gamma, stats) -> dict:
             "time_to_first_token": stats.time_to_first_token, "acceptance_rate": stats.acceptance_rate,
             "mean_accepted_per_forward": stats.mean_accepted_per_forward, "target_forwards": stats.target_forwards,
             "plain_steps": stats.plain_steps, "peak_rss_mb": peak_rss_mb(),
-            **(stats.bench_fields() if hasattr(stats, "bench_fields") else {})}  # a sharded target's collectives
+            **stats.bench_fields()}  # a sharded target's collectives
 
 
 def _timed(tokens) -> dict:
@@ -160,7 +161,7 @@ def run_bench(
     Returns:
         The JSON document described in the README (machine, runs, costs, summary).
     """
-    from ondevice.runtime import load
+    from ondevice.loader import load
 
     threads = threads or os.cpu_count() or 1
     gammas = _gammas(gamma)
@@ -198,7 +199,7 @@ def run_bench(
         for rep in range(repeats):
             for name, rt, g in modes:
                 rt.reset()
-                res = rt.generate(ids, max_tokens=max_tokens, temperature=temperature, seed=rep, gamma=g)
+                res = rt.generate(ids, GenerateRequest.of(max_tokens=max_tokens, temperature=temperature, seed=rep, gamma=g))
                 runs.append(_record(name, p, rep, g, res.stats))
                 if name == "plain":
                     plain_tokens = res.tokens
@@ -234,15 +235,8 @@ def _gammas(gamma: str) -> list:
         return [1, 2, 4, 8, "auto"]
     out = []
     for part in str(gamma).split(","):
-        part = part.strip()
-        if part == "auto":
-            out.append("auto")
-            continue
-        try:
-            g = int(part)
-        except ValueError:
-            raise OndeviceError(f"--gamma {gamma}: use numbers, 'auto' or 'sweep'") from None
-        if g < 1:
+        g = gamma_value(part.strip())
+        if g == 0:
             raise OndeviceError(f"--gamma {gamma}: speculative modes need gamma >= 1 (plain runs anyway)")
         out.append(g)
     return out

@@ -15,6 +15,7 @@ import threading
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
+from ondevice.params import GenerateRequest
 from ondevice.speculative import Chunk, Stats
 
 
@@ -129,8 +130,8 @@ class Engine:
     def running(self) -> int:
         return 1 if self._lock.locked() else 0
 
-    async def start(self, ids: Sequence[int], gen: dict) -> Job:
-        """Wait for the runtime (FIFO), then start generating ``ids`` with ``Runtime.stream(**gen)``.
+    async def start(self, ids: Sequence[int], req: GenerateRequest) -> Job:
+        """Wait for the runtime (FIFO), then start generating ``ids`` with ``Runtime.stream(ids, req)``.
 
         Raises:
             Busy: ``max_queue`` requests are already waiting.
@@ -149,7 +150,7 @@ class Engine:
         try:
             if self.closing:
                 raise Busy("the server is shutting down")
-            stream = self.rt.stream(list(ids), **gen)
+            stream = self.rt.stream(list(ids), req)
             self.current = Job(self, stream)
         except BaseException:
             self._lock.release()

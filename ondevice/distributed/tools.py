@@ -133,7 +133,7 @@ def drafter_placement(draft_path: str | Path, *, vocab_sizes=(512, 151936), gamm
     import numpy as np
 
     from ondevice.backends.mlx import MLXBackend
-    from ondevice.distributed import world
+    from ondevice.distributed.world import world
     from ondevice.drafters import ModelDrafter
     from ondevice.sampling import SamplingParams
 

@@ -12,7 +12,7 @@ import hmac
 
 from starlette.responses import JSONResponse, Response
 
-from ondevice.server_openai import ApiError
+from ondevice.server.openai_api import ApiError
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 

@@ -1,6 +1,6 @@
 """Model names beyond paths and the catalog: ``hf:``, ``ollama:``, ``lmstudio:`` and bare ``ORG/REPO``.
 
-``resolve(spec)`` is called by ``catalog.resolve`` (so every command and ``load`` accept these names):
+``resolve(spec)`` is called by ``lookup.resolve`` (so every command and ``load`` accept these names):
 
 - ``hf:ORG/REPO[@REV][:QUANT|:FILE.gguf]``: a Hugging Face repo, through ``huggingface_hub`` (its cache,
   resume, progress bars, ``HF_HUB_OFFLINE``, its token). The cache is tried first; only a name that is

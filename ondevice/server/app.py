@@ -2,9 +2,9 @@
 
 Routes: ``GET /`` (the chat page), ``GET /health``, ``GET /v1/models``, ``POST /v1/completions`` and
 ``POST /v1/chat/completions`` (whole or streamed as server-sent events). One ``Runtime`` serves every
-request in turn (``ondevice.server_engine``); the wire format lives in ``ondevice.server_openai``.
+request in turn (``ondevice.server.engine``); the wire format lives in ``ondevice.server.openai_api``.
 
-Security: the server binds 127.0.0.1 unless told otherwise (``ondevice.server_guard`` checks Host,
+Security: the server binds 127.0.0.1 unless told otherwise (``ondevice.server.guard`` checks Host,
 Origin and the API key before routing). Request bodies are limited to ``MAX_BODY`` bytes.
 """
 
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sys
 from importlib import resources
 from typing import Any
 
@@ -23,9 +22,10 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
 from ondevice.errors import OndeviceError
-from ondevice.server_engine import Busy, Engine
-from ondevice.server_guard import LOOPBACK, Guard
-from ondevice.server_openai import (
+from ondevice.params import GenerateRequest
+from ondevice.server.engine import Busy, Engine
+from ondevice.server.guard import Guard
+from ondevice.server.openai_api import (
     ApiError,
     Reply,
     chat_messages,
@@ -159,15 +159,15 @@ class Server:
             opts = body.get("stream_options") or {}
             with_usage = bool(isinstance(opts, dict) and opts.get("include_usage"))
             ids = await self._prompt_ids(body, chat)
-            gen = generation_args(body, len(ids), self.rt.n_ctx)
+            req = generation_args(body, len(ids), self.rt.n_ctx)
         except ApiError as e:
             return _error(e)
         except ClientDisconnect:  # the client left while sending its body: nobody to answer
             return Response(status_code=499)
         reply = Reply(chat, self.model_id)
         if stream:
-            return SSEResponse(self, ids, gen, reply, with_usage)
-        return await self._whole(request, ids, gen, reply)
+            return SSEResponse(self, ids, req, reply, with_usage)
+        return await self._whole(request, ids, req, reply)
 
     async def _prompt_ids(self, body: dict, chat: bool) -> list[int]:
         try:
@@ -189,19 +189,19 @@ class Server:
         check_context(len(ids), self.rt.n_ctx)
         return ids
 
-    async def start(self, ids: list[int], gen: dict):
+    async def start(self, ids: list[int], req: GenerateRequest):
         """Admit a job or raise ApiError (503 when the queue is full, 400 when the runtime refuses)."""
         try:
-            return await self.engine.start(ids, gen)
+            return await self.engine.start(ids, req)
         except Busy as e:
             raise ApiError(503, f"the server is busy: {e}; retry later", code="server_busy",
                            headers={"Retry-After": RETRY_AFTER}) from None
         except OndeviceError as e:
             raise ApiError(400, str(e)) from e
 
-    async def _whole(self, request: Request, ids: list[int], gen: dict, reply: Reply) -> Response:
+    async def _whole(self, request: Request, ids: list[int], req: GenerateRequest, reply: Reply) -> Response:
         watcher = asyncio.ensure_future(_disconnected(request.receive))
-        admit = asyncio.ensure_future(self.start(ids, gen))
+        admit = asyncio.ensure_future(self.start(ids, req))
         job = None
         try:
             await asyncio.wait({admit, watcher}, return_when=asyncio.FIRST_COMPLETED)
@@ -253,8 +253,8 @@ class SSEResponse:
     sends one ``data:`` event per chunk, ends with ``data: [DONE]``, and cancels the job as soon as the
     client disconnects."""
 
-    def __init__(self, server: Server, ids: list[int], gen: dict, reply: Reply, with_usage: bool) -> None:
-        self.server, self.ids, self.gen, self.reply, self.with_usage = server, ids, gen, reply, with_usage
+    def __init__(self, server: Server, ids: list[int], req: GenerateRequest, reply: Reply, with_usage: bool) -> None:
+        self.server, self.ids, self.req, self.reply, self.with_usage = server, ids, req, reply, with_usage
 
     async def __call__(self, scope, receive, send) -> None:
         watcher = asyncio.ensure_future(_disconnected(receive))
@@ -272,7 +272,7 @@ class SSEResponse:
 
     async def _run(self, scope, send) -> None:
         try:
-            job = await self.server.start(self.ids, self.gen)
+            job = await self.server.start(self.ids, self.req)
         except ApiError as e:
             await _error(e)(scope, None, send)
             return
@@ -303,119 +303,3 @@ class SSEResponse:
             await send({"type": "http.response.body", "body": b"".join(out) + b"data: [DONE]\n\n", "more_body": False})
         finally:
             job.cancel()
-
-
-def open_socket(host: str = "127.0.0.1", port: int = 8080):
-    """Bind the listening socket (before the model loads, so a busy port fails fast).
-
-    Returns:
-        A bound ``socket.socket`` to pass to ``serve(sock=...)``.
-    Raises:
-        OndeviceError: the address cannot be resolved or the port is in use.
-    """
-    import socket
-
-    try:
-        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    except socket.gaierror as e:
-        raise OndeviceError(f"--host {host}: cannot resolve this address ({e.strerror})") from None
-    sock = socket.socket(family, kind, proto)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind(addr)
-    except OSError as e:
-        sock.close()
-        raise OndeviceError(f"cannot listen on {host}:{port}: {e.strerror}; choose another --port or stop the "
-                            "program that holds it") from None
-    return sock
-
-
-def serve(runtime, model_id: str, *, host: str = "127.0.0.1", port: int = 8080, api_key: str | None = None,
-          max_queue: int = 16, cors_origins: list[str] | None = None, log_level: str = "warning", sock=None) -> None:
-    """Serve ``runtime`` until Ctrl-C (the caller closes the runtime afterwards).
-
-    Args:
-        runtime: a loaded ``Runtime``.
-        model_id: the model name clients use.
-        host, port: where to listen (127.0.0.1 by default; anything else prints a warning).
-        api_key: require ``Authorization: Bearer api_key`` on /v1 routes.
-        max_queue: requests that may wait behind the running one (more get 503).
-        cors_origins: browser origins allowed to call the API from other pages ("*" = any).
-        sock: a socket from ``open_socket(host, port)`` (bound here when None).
-    """
-    import uvicorn
-
-    sock = sock or open_socket(host, port)
-    port = sock.getsockname()[1]
-
-    loopback = host in LOOPBACK
-    if not loopback:
-        print(f"warning: serving on {host}:{port}: anyone who can reach this machine can use the model"
-              + ("" if api_key else " (no --api-key set)"), file=sys.stderr)
-    if cors_origins and "*" in cors_origins:
-        print("warning: --cors-origin '*': any web page you open can call this server", file=sys.stderr)
-    app = Server(runtime, model_id, api_key=api_key, max_queue=max_queue, cors_origins=cors_origins,
-                 loopback_only=loopback)
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=3,
-                            lifespan="off", server_header=False)
-
-    class _Uvicorn(uvicorn.Server):
-        def handle_exit(self, sig, frame) -> None:  # Ctrl-C: end the running generation now, not after a timeout
-            app.engine.close()
-            super().handle_exit(sig, frame)
-
-    server = _Uvicorn(config)
-    shown = f"[{host}]" if ":" in host else host
-    print(f"ondevice serve: {model_id} on http://{shown}:{port}/ (OpenAI API at /v1; Ctrl-C stops)", file=sys.stderr)
-    try:
-        server.run(sockets=[sock])
-    finally:
-        app.engine.close()
-
-
-def launch(model: str, *args: str, host: str = "127.0.0.1", api_key: str | None = None, timeout: float = 120.0,
-           stderr=None):
-    """Start ``ondevice serve MODEL ARGS`` in a subprocess on a free loopback port and wait until it answers.
-
-    Args:
-        model: the model argument of ``ondevice serve``.
-        args: further command-line options (e.g. "--n-ctx", "512").
-        host: the address to bind (passed as --host) and to poll.
-        api_key: passed through the ONDEVICE_API_KEY environment variable (not the command line).
-        timeout: seconds to wait for /health.
-        stderr: a file for the server's stderr (default: a temporary file, quoted if it fails to start).
-    Returns:
-        ``(process, base_url)``; terminate the process when done.
-    Raises:
-        OndeviceError: the server exited or did not answer in time (its stderr tail is in the message).
-    """
-    import os
-    import socket
-    import subprocess
-    import tempfile
-    import time
-    import urllib.request
-
-    with socket.socket() as s:
-        s.bind((host, 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, **({"ONDEVICE_API_KEY": api_key} if api_key else {})}
-    log = stderr if stderr is not None else tempfile.TemporaryFile()
-    proc = subprocess.Popen([sys.executable, "-m", "ondevice", "serve", model, "--host", host, "--port", str(port), *args],
-                            stdout=subprocess.DEVNULL, stderr=log, env=env)
-    url = f"http://{host}:{port}"
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            break
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return proc, url
-        except OSError:
-            time.sleep(0.1)
-    proc.kill()
-    proc.wait()
-    log.seek(0)
-    tail = " | ".join(log.read().decode("utf-8", "replace").strip().splitlines()[-3:])
-    raise OndeviceError(f"`ondevice serve {model}` did not start on port {port}: {tail or 'no output'}")

@@ -1,6 +1,6 @@
 """The OpenAI wire format: request validation → runtime arguments, and stats → response objects.
 
-Nothing here touches HTTP or threads; ``ondevice.server`` does. Every rejected request raises
+Nothing here touches HTTP or threads; ``ondevice.server.app`` does. Every rejected request raises
 ``ApiError`` with the status, OpenAI ``type`` and ``code``, and a one-line message naming the field.
 """
 
@@ -13,7 +13,7 @@ import uuid
 from typing import Any
 
 from ondevice.errors import OndeviceError
-from ondevice.params import DEFAULT_GAMMA, DEFAULTS
+from ondevice.params import DEFAULT_GAMMA, GenerateRequest
 from ondevice.speculative import Stats
 
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context": "length", "cancelled": "stop"}
@@ -76,8 +76,9 @@ def _unsupported(body: dict) -> None:
             raise ApiError(400, f"'{key}' is not supported by this server{hint}", param=key, code="unsupported_parameter")
 
 
-def generation_args(body: dict, n_prompt: int, n_ctx: int) -> dict:
-    """Validate the sampling fields of a request and return keyword arguments for ``Runtime.stream``.
+def generation_args(body: dict, n_prompt: int, n_ctx: int) -> GenerateRequest:
+    """Validate the generation fields of a request (OpenAI's ranges here, ondevice's own rules in
+    ``GenerateRequest``) and return the request ``Runtime.stream`` runs.
 
     Standard fields: max_tokens / max_completion_tokens, temperature, top_p, seed, stop. Extensions
     (as in llama-server): top_k, min_p, repetition_penalty, gamma. Unset fields take ondevice's defaults
@@ -92,9 +93,6 @@ def generation_args(body: dict, n_prompt: int, n_ctx: int) -> dict:
         stop = [stop]
     if stop is not None and (not isinstance(stop, list) or len(stop) > MAX_STOPS or not all(isinstance(s, str) for s in stop)):
         raise _bad("stop", f"must be a string or a list of at most {MAX_STOPS} strings")
-    gamma = body.get("gamma", DEFAULT_GAMMA)
-    if gamma != "auto" and (isinstance(gamma, bool) or not isinstance(gamma, int) or not 0 <= gamma <= 64):
-        raise _bad("gamma", "must be 'auto' or an integer in [0, 64] (0 = plain decoding)")
     pick = {
         "temperature": _number(body, "temperature", 0, 2),
         "top_p": _number(body, "top_p", 0, 1, lo_open=True),
@@ -103,15 +101,12 @@ def generation_args(body: dict, n_prompt: int, n_ctx: int) -> dict:
         "repetition_penalty": _number(body, "repetition_penalty", 0, 100, lo_open=True),
         "seed": _number(body, "seed", 0, 2**63 - 1, integer=True),
     }
-    gen: dict[str, Any] = {k: (getattr(DEFAULTS, k) if v is None else v) for k, v in pick.items()}
-    try:
-        dataclasses.replace(DEFAULTS, **gen)  # the runtime's own checks, before queueing
+    gen: dict[str, Any] = {k: v for k, v in pick.items() if v is not None}
+    try:  # the runtime's own checks, before queueing
+        return GenerateRequest.of(**gen, max_tokens=max_tokens if max_tokens is not None else max(1, n_ctx - n_prompt),
+                                  stop=stop or [], gamma=body.get("gamma", DEFAULT_GAMMA))
     except OndeviceError as e:
         raise ApiError(400, str(e), code="invalid_value") from e
-    gen["max_tokens"] = max_tokens if max_tokens is not None else max(1, n_ctx - n_prompt)
-    gen["stop"] = stop or []
-    gen["gamma"] = gamma
-    return gen
 
 
 def _text_of(content: Any, where: str) -> str:

@@ -5,7 +5,7 @@ into interleaved layouts with batched GEMM kernels, while K-quants, Q4_1 and Q5_
 batch through vec-dot. So the advisor requantizes the model into each format (into a temp dir, or
 reusing a local ``pull --quant`` variant) and measures, side by side in one run. A format may name the
 output projection's / token embedding's tensor type as ``pull`` does (``iq4_nl+out-iq4_nl``,
-``catalog.variant_tag``): llama.cpp gives the output Q6_K otherwise, a vec-dot type. It measures:
+``variants.variant_tag``): llama.cpp gives the output Q6_K otherwise, a vec-dot type. It measures:
 decode and prefill tok/s and the verify curve (interleaved rounds, medians), quality against the most
 precise source available (teacher-forced top-1 agreement and mean KL on held-back text), and the
 speculative speedup each yields on grounded edits (n-gram ``auto``; with a draft, the pair) next to
@@ -33,13 +33,13 @@ def parse_formats(formats: list[str]) -> dict[str, tuple[str, str | None, str | 
     """``--formats`` items → (format, output type, embedding type), keyed by the variant name as ``pull``
     spells it (``iq4_nl+out-iq4_nl``). Raises one line on an unknown format or tensor type."""
     from converters.quantize import FTYPES, check_tensor_types
-    from ondevice import catalog
+    from ondevice.store import variants
 
     if not formats:
         raise OndeviceError(f"--formats: choose from {', '.join(FORMATS)} (a type for the output tensor: FMT+out-TYPE)")
     out = {}
     for item in formats:
-        fmt, otype, etype = catalog.parse_variant_tag(item)
+        fmt, otype, etype = variants.parse_variant_tag(item)
         if fmt not in FORMATS:
             raise OndeviceError(f"--formats {item}: choose from {', '.join(FORMATS)} (a type for the output tensor: "
                                 "FMT+out-TYPE)")
@@ -47,7 +47,7 @@ def parse_formats(formats: list[str]) -> dict[str, tuple[str, str | None, str | 
             raise OndeviceError(f"--formats {item}: {fmt} is only read as published; llama.cpp's quantizer writes "
                                 f"{', '.join(q for q in FTYPES if q != 'f16')}")
         otype, etype = check_tensor_types(fmt, otype, etype)
-        out[catalog.variant_tag(fmt, otype, etype)] = (fmt, otype, etype)
+        out[variants.variant_tag(fmt, otype, etype)] = (fmt, otype, etype)
     return out
 
 
@@ -100,7 +100,7 @@ def _files(src: Path, name: str | None, formats: dict[str, tuple], tmp: Path, pr
     """variant name → (GGUF path, how it was made): the source itself, a cached local variant, or a fresh
     requantization (``formats``: ``parse_formats``)."""
     from converters.quantize import MAIN_TYPE, precision, requantize_file
-    from ondevice import catalog
+    from ondevice.store import catalog, variants
 
     prec = precision(src)
     main = max(prec["types"], key=prec["types"].get)
@@ -111,8 +111,8 @@ def _files(src: Path, name: str | None, formats: dict[str, tuple], tmp: Path, pr
             continue
         if name is not None:
             entry = catalog.get(name)
-            if catalog.variant_record(entry, tag) is not None:
-                out[tag] = (catalog.variant_path(entry, tag), "cached local variant")
+            if variants.variant_record(entry, tag) is not None:
+                out[tag] = (variants.variant_path(entry, tag), "cached local variant")
                 continue
         progress(f"requantizing {src.name} → {tag}")
         dst = tmp / f"{tag}.gguf"
@@ -139,17 +139,17 @@ def advise(model: str, formats: list[str], *, draft: str | None = None, referenc
     Returns:
         JSON document: per-format rows, the recommendation and why, the settings.
     """
-    from ondevice import catalog
     from ondevice.backends import open_backend
-    from ondevice.bench import machine, run_bench
+    from ondevice.bench.run import machine, run_bench
     from ondevice.costs import Costs, measure
+    from ondevice.store import catalog, lookup
 
     say = progress or (lambda s: None)
     parsed = parse_formats(formats)
     formats = list(parsed)  # one spelling per variant, as pull names it
-    src = catalog.resolve(model)
+    src = lookup.resolve(model)
     name = model if str(model) in catalog.catalog()[0] else None
-    ref = catalog.resolve(reference) if reference else src
+    ref = lookup.resolve(reference) if reference else src
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="ondevice-formats-", dir=catalog.home() if catalog.home().is_dir() else None) as d:
         files = _files(src, name, parsed, Path(d), say)
@@ -227,7 +227,7 @@ def table(doc: dict) -> None:
 
 def plot(doc: dict, out_dir: Path) -> Path:
     """speedup_vs_quality.png: effective tok/s on grounded edits against mean KL, one point per format."""
-    from ondevice.bench_tools import pyplot
+    from ondevice.bench.tools import pyplot
 
     plt = pyplot()
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -13,11 +13,11 @@ import json
 import os
 from pathlib import Path
 
-from ondevice import sources
 from ondevice.atomic import write_text
 from ondevice.backends import is_gguf_file
 from ondevice.errors import OndeviceError
-from ondevice.gguf_meta import read_header
+from ondevice.formats.gguf import read_header
+from ondevice.store import sources
 
 FACTS_VERSION = 1
 
@@ -92,7 +92,7 @@ def _dir_facts(path: Path) -> dict:
 
 
 def _cache_file() -> Path:
-    from ondevice import catalog
+    from ondevice.store import catalog
 
     return catalog.home() / "fingerprints.json"
 

@@ -36,7 +36,7 @@ def train(family: str, vocab_size: int = 512):
     """A ``tokenizers.Tokenizer`` of exactly ``vocab_size`` tokens, trained on the test corpus."""
     import json
 
-    from ondevice.testing import corpus
+    from ondevice.testing.corpus import corpus
 
     if family in SPM_SPECIALS:
         return _train_spm(family, vocab_size)
@@ -62,7 +62,7 @@ def _train_spm(family: str, vocab_size: int):
 
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-    from ondevice.testing import corpus
+    from ondevice.testing.corpus import corpus
 
     prefix = family == "llama-spm"
     sp = specials(family)
@@ -113,7 +113,7 @@ def train_sentencepiece_model(vocab_size: int = 512) -> bytes:
 
     import sentencepiece
 
-    from ondevice.testing import corpus
+    from ondevice.testing.corpus import corpus
 
     f = io.BytesIO()
     sentencepiece.SentencePieceTrainer.train(

@@ -11,7 +11,7 @@ def _mb(size) -> str:
 
 def show_local(json_out: bool, target: str | None = None) -> None:
     """Print every local model (HF cache, LM Studio, Ollama); with ``target``, also its candidate drafts."""
-    from ondevice import catalog, discovery, sources
+    from ondevice.store import discovery, lookup, sources
 
     models = discovery.local_models()
     doc: dict = {"stores": {"hf": str(sources.hf_cache_dir()), "lmstudio": [str(p) for p in sources.lmstudio_dirs()],
@@ -19,7 +19,7 @@ def show_local(json_out: bool, target: str | None = None) -> None:
     if target is not None:
         from ondevice.autodraft import candidates
 
-        path = catalog.resolve(target)
+        path = lookup.resolve(target)
         tf, rows = candidates(path, models)
         doc["target"] = {"name": target, "path": str(path), **tf}
         doc["drafts"] = rows
@@ -51,10 +51,10 @@ def show_candidates(target: str, rows: list[dict] | None = None, console=None) -
     from rich.table import Column, Table
 
     if rows is None:
-        from ondevice import catalog
         from ondevice.autodraft import candidates
+        from ondevice.store import lookup
 
-        _, rows = candidates(catalog.resolve(target))
+        _, rows = candidates(lookup.resolve(target))
     t = Table(Column("draft", overflow="fold"), "size", "of target", "verdict", title=f"candidate drafts for {target}")
     for r in rows:
         ratio = f"{r['size_ratio']:.2f}" if r.get("size_ratio") is not None else ""

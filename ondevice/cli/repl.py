@@ -8,6 +8,7 @@ from contextlib import contextmanager
 
 from ondevice.chat import ChatSession
 from ondevice.errors import OndeviceError
+from ondevice.params import GenerateRequest
 
 HELP = "/reset clears the history · /stats shows the last answer's statistics · /exit quits · Ctrl-C stops an answer"
 
@@ -43,13 +44,14 @@ def _lines(stdin):
             yield line
 
 
-def run_chat(runtime, *, system: str | None, show_draft: bool, show_stats: bool, gen: dict, title: str) -> None:
+def run_chat(runtime, *, system: str | None, show_draft: bool, show_stats: bool, request: GenerateRequest,
+             title: str) -> None:
     """Run the chat loop until /exit, EOF or (at the prompt) Ctrl-C."""
     from rich.console import Console
 
     out = Console(highlight=False, soft_wrap=True)
     err = Console(stderr=True, highlight=False, soft_wrap=True)
-    session = ChatSession(runtime, system=system, **gen)
+    session = ChatSession(runtime, system=system, request=request)
     interactive = sys.stdin.isatty()
     warned = False
     if interactive:

@@ -6,13 +6,13 @@ import json
 from collections import Counter
 from pathlib import Path
 
-from ondevice import catalog
 from ondevice.backends import detect_format
+from ondevice.store import lookup
 
 
 def describe(model: str | Path, device: str | None = None) -> dict:
     """Facts about a model path or catalog name (pulls a catalog model if needed)."""
-    path = catalog.resolve(model)
+    path = lookup.resolve(model)
     if path.is_dir() and (path / "target").is_dir() and (path / "draft").is_dir():
         from ondevice.errors import OndeviceError
 
@@ -21,7 +21,7 @@ def describe(model: str | Path, device: str | None = None) -> dict:
     fmt = detect_format(path)
     info: dict = {"path": str(path), "format": fmt, "size_bytes": _size(path)}
     if fmt == "gguf":
-        from ondevice.formats.gguf_reader import GGUFFile
+        from ondevice.formats.gguf import GGUFFile
 
         g = GGUFFile(path / "model.gguf" if path.is_dir() else path)
         types = Counter(t.tensor_type.name for t in g.reader.tensors)
@@ -76,7 +76,7 @@ def _verified(path: Path) -> str:
 
 
 def _variant(path: Path) -> str:
-    """A local requantization's record (``converters.quantize.pull_variant``), in one line."""
+    """A local requantization's record (``converters.variants.pull_variant``), in one line."""
     try:
         rec = json.loads(path.with_suffix(".json").read_text())
     except (OSError, ValueError):

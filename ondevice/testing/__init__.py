@@ -1,7 +1,7 @@
 """Tiny deterministic models for tests: random-weight HF checkpoints with a trained tokenizer.
 
 Architectures: llama, mistral, qwen2, qwen3 (q/k norms), gemma3_text (norm offset, sliding window,
-q/k norms, GELU); tokenizers: every family of ``ondevice.testing_tokenizers``. Every dimension is a
+q/k norms, GELU); tokenizers: every family of ``ondevice.testing.tokenizers``. Every dimension is a
 multiple of 256 (and of the MLX group size), so llama.cpp's K-quants and mlx-lm's quantizer really
 quantize every linear layer instead of silently falling back.
 """
@@ -9,10 +9,11 @@ quantize every linear layer instead of silently falling back.
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 
 import numpy as np
+
+from ondevice.testing.corpus import corpus  # noqa: F401  (re-exported: tests and benches use it)
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
@@ -24,42 +25,9 @@ DEFAULT_TOKENIZER = {"llama": "smollm", "mistral": "llama-spm", "qwen2": "qwen2"
 HF_CLASS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
             "qwen3": "Qwen3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 
-_WORDS = (
-    "the model draft target token verify accept reject sample speculative decode laptop memory cache "
-    "quantize weight layer attention head vector matrix python numpy return value function class import "
-    "from def for while if else print list dict string number zero one two three four five six seven "
-    "eight nine ten river mountain cloud apple orange green blue red fast slow small large kernel thread"
-).split()
-_CODE = [
-    "def add(a, b):\n    return a + b\n",
-    "for i in range(10):\n    print(i * 2)\n",
-    "class Cache:\n    def __init__(self, n):\n        self.n = n\n",
-    "import numpy as np\nx = np.zeros((4, 4))\n",
-    "if value is None:\n    raise ValueError('missing value')\n",
-]
-
-
-def corpus(n_lines: int = 3000, seed: int = 1234) -> list[str]:
-    """Deterministic mixed text: prose-like word salad, numbers, punctuation, code, unicode."""
-    rng = random.Random(seed)
-    lines = []
-    for i in range(n_lines):
-        words = [rng.choice(_WORDS) for _ in range(rng.randint(4, 14))]
-        if i % 5 == 0:
-            words.insert(rng.randrange(len(words)), str(rng.randint(0, 99999)))
-        line = " ".join(words)
-        line = line[0].upper() + line[1:] + rng.choice([".", "!", "?", ",", ";"])
-        if i % 7 == 0:
-            line = rng.choice(_CODE) + line
-        if i % 11 == 0:
-            line += " café naïve 東京 ∑ → ✓"
-        lines.append(line)
-    return lines
-
-
 def train_tokenizer(arch: str, vocab_size: int = 512, family: str | None = None):
     """Train the tokenizer of ``family`` (default: the architecture's own) with exactly ``vocab_size`` tokens."""
-    from ondevice.testing_tokenizers import train
+    from ondevice.testing.tokenizers import train
 
     return train(family or DEFAULT_TOKENIZER[arch], vocab_size)
 
@@ -205,14 +173,14 @@ def make_tiny_hf(
             is close to, but not equal to, the model with ``seed``.
         tokenizer_vocab: train the tokenizer to this size (default ``vocab_size``); the embedding
             keeps ``vocab_size`` rows, the converter pads the vocabulary (shape-true synthetic models).
-        tokenizer: a family of ``ondevice.testing_tokenizers.FAMILIES`` (default: the architecture's own);
+        tokenizer: a family of ``ondevice.testing.tokenizers.FAMILIES`` (default: the architecture's own);
             "spm-model" writes a SentencePiece tokenizer.model and no tokenizer.json.
     Returns:
         The checkpoint directory.
     """
     from safetensors.numpy import save_file
 
-    from ondevice.testing_tokenizers import special_ids, specials
+    from ondevice.testing.tokenizers import special_ids, specials
 
     if arch not in ARCHS:
         raise ValueError(f"unsupported tiny arch {arch!r}; one of {', '.join(ARCHS)}")
@@ -230,7 +198,7 @@ def make_tiny_hf(
               metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     if family == "spm-model":
-        from ondevice.testing_tokenizers import train_sentencepiece_model
+        from ondevice.testing.tokenizers import train_sentencepiece_model
 
         (out / "tokenizer.model").write_bytes(train_sentencepiece_model(tokenizer_vocab or vocab_size))
     else:

@@ -18,24 +18,21 @@ Ranks other than 0 never return from ``load``: they serve rank 0 until it exits.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
-import math
 import os
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
-from ondevice.backends.mlx import PREFILL_CHUNK
-from ondevice.backends.mlx_sharded import ShardedMLXBackend
-from ondevice.distributed import (
+from ondevice.distributed.mlx_backend import ShardedMLXBackend
+from ondevice.distributed.spmd import GuardedTarget, SyncedPolicy, _Stopped
+from ondevice.distributed.world import (
     OP_DONE,
     OP_FAILED,
     OP_GO,
     OP_IDLE,
-    OP_POLICY,
     OP_REQUEST,
     OP_STOP,
     DivergenceError,
@@ -45,121 +42,11 @@ from ondevice.distributed import (
     world,
 )
 from ondevice.errors import OndeviceError
+from ondevice.params import GenerateRequest
 from ondevice.runtime import Runtime
 from ondevice.speculative import Stats
 
 NORMAL_ENDS = ("eos", "stop", "length", "context")
-
-
-class _Stopped(Exception):
-    """Rank 0 ended the request early (cancel or close); this rank stops with it."""
-
-
-class GuardedTarget:
-    """The sharded backend as the loop sees it: every pass first checks that all ranks agree on its
-    tokens; on rank 0, calls made outside a request are replayed on the other ranks."""
-
-    def __init__(self, inner: ShardedMLXBackend, world: World, rid: int) -> None:
-        self.inner, self.world, self.rid = inner, world, rid
-        self.held: list[int] = []  # the ids the cache holds
-        self.symmetric = 0 if world.rank == 0 else 1  # >0: every rank is making this same call
-        self.passes = 0
-        self.forwards = 0
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    @property
-    def n_past(self) -> int:
-        return self.inner.n_past
-
-    def eval(self, tokens, logits="all"):
-        tokens = [int(t) for t in tokens]
-        if not self.symmetric:
-            with self.world.lock:
-                self.world.send({"op": "eval", "rid": self.rid, "tokens": tokens, "logits": logits})
-                self.symmetric += 1
-                try:
-                    return self.eval(tokens, logits)
-                finally:
-                    self.symmetric -= 1
-        rows = self.world.agree(fingerprint(self.held, tokens), OP_GO, "target pass")
-        if rows[0, 0] == OP_STOP:
-            raise _Stopped
-        if rows[0, 0] != OP_GO:
-            self.world.failed = True
-            raise DivergenceError(f"rank {self.world.rank}: expected a target pass, rank 0 sent op {rows[0, 0]}")
-        out = self.inner.eval(tokens, logits)
-        self.held = self.held + tokens
-        self.passes += 1
-        n = len(tokens)
-        self.forwards += (math.ceil((n - 1) / PREFILL_CHUNK) + 1) if logits == "last" and n > 1 else math.ceil(n / PREFILL_CHUNK)
-        return out
-
-    def rollback(self, n_past: int) -> None:
-        if not self.symmetric:
-            with self.world.lock:
-                self.world.send({"op": "rollback", "rid": self.rid, "n": int(n_past)})
-                self.inner.rollback(n_past)
-        else:
-            self.inner.rollback(n_past)
-        self.held = self.held[:n_past]
-
-    def close(self) -> None:
-        self.inner.close()
-
-
-def _f32(x: float) -> int:
-    return int(np.float32(x).view(np.uint32))
-
-
-class SyncedPolicy:
-    """Rank 0's adaptive policy on every rank: one collective per step carries its γ and its last step's
-    timings (the policy's only rank-dependent input), so every rank's policy state stays identical."""
-
-    def __init__(self, inner, world: World) -> None:
-        self.inner, self.world = inner, world
-        self._pending: tuple[int, float, float] | None = None
-        self.keep_drafting = inner.keep_drafting
-
-    @property
-    def max_gamma(self) -> int:
-        return self.inner.max_gamma
-
-    def observe_step(self, drafted: int, verify_seconds: float, draft_seconds: float) -> None:
-        self._pending = (drafted, verify_seconds, draft_seconds)  # applied before the next decision
-
-    def next_gamma(self, hint: int = 0, lag: int = 0) -> int:
-        w, obs = self.world, self._pending
-        self._pending = None
-        if w.rank == 0:
-            if obs is not None:  # rounded to float32 here too: that is what the other ranks receive
-                self.inner.observe_step(obs[0], float(np.float32(obs[1])), float(np.float32(obs[2])))
-            g = self.inner.next_gamma(hint, lag)
-            rows = w.exchange(OP_POLICY, 0, g, _f32(obs[1]) if obs else 0, _f32(obs[2]) if obs else 0)
-            if (rows[:, 0] != OP_POLICY).any():
-                w.failed = True
-                raise DivergenceError("ranks diverged: some rank was not choosing the next draft length with rank 0")
-            return g
-        rows = w.exchange(OP_POLICY)
-        if rows[0, 0] != OP_POLICY:
-            if rows[0, 0] == OP_STOP:
-                raise _Stopped
-            w.failed = True
-            raise DivergenceError(f"rank {w.rank}: expected rank 0's draft length, got op {rows[0, 0]}")
-        if obs is not None:
-            root = rows[0, 4:6].view(np.float32).astype(float)
-            self.inner.observe_step(obs[0], float(root[0]), float(root[1]))
-        self.inner.next_gamma(hint, lag)  # keeps the policy's own counters in step
-        return int(rows[0, 3])
-
-    def update(self, drafted: int, accepted: int, hint: int = 0, proposal=None, emitted=None) -> None:
-        # the whole guess and the emitted tokens are the same on every rank (same drafts, same decisions)
-        self.inner.update(drafted, accepted, hint, proposal, emitted)
-
-    def restart(self) -> None:
-        if hasattr(self.inner, "restart"):
-            self.inner.restart()
 
 
 @dataclass
@@ -202,10 +89,12 @@ class DistributedRuntime(Runtime):
                 raise OndeviceError("the ranks diverged or lost a peer earlier; restart the job")
             self.world.send({**msg, "rid": self.rid})
 
-    def stream(self, prompt, **kw):
-        if kw.get("seed") is None and self.world.rank == 0:  # one seed for every rank
-            kw["seed"] = int.from_bytes(os.urandom(4), "little")
-        stream = super().stream(prompt, **kw)
+    def stream(self, prompt, request: GenerateRequest | None = None, **options):
+        request = request if request is not None else GenerateRequest.of(**options)
+        if request.sampling.seed is None and self.world.rank == 0:  # one seed for every rank
+            seed = int.from_bytes(os.urandom(4), "little")
+            request = dataclasses.replace(request, sampling=dataclasses.replace(request.sampling, seed=seed))
+        stream = super().stream(prompt, request)
         stream._req.stats = DistStats(world_size=self.world.size, shard=self.target.inner.shard_mode)  # before it runs
         return stream
 
@@ -233,7 +122,7 @@ class DistributedRuntime(Runtime):
     def _costs(self):
         from ondevice.costs import Costs, measure
 
-        draft = getattr(self.drafter, "backend", None)
+        draft = self.drafter.backend if self.drafter is not None else None
         c0, f0 = self.world.collectives, self.target.forwards
         self._kv = []  # before the probe, as Runtime._costs does: an interrupted probe leaves nothing stale
         if self.drafter is not None:
@@ -249,20 +138,20 @@ class DistributedRuntime(Runtime):
         policy = super()._policy(gamma, stats)
         return SyncedPolicy(policy, self.world) if gamma == "auto" else policy
 
-    def _run(self, prompt, params, max_tokens, gamma, stop, out):
+    def _run(self, prompt, req: GenerateRequest, out):
         w, t = self.world, self.target
         if not isinstance(out.stats, DistStats):  # a replayed request (ranks > 0)
             out.stats = DistStats(world_size=w.size, shard=t.inner.shard_mode)
         stats = out.stats
         with w.lock:  # rank 0: one request at a time across all runtimes (the other ranks replay in order)
             self._request({"op": "stream", "prompt": prompt if isinstance(prompt, str) else [int(x) for x in prompt],
-                           "params": asdict(params), "max_tokens": max_tokens, "gamma": gamma, "stop": list(stop)})
+                           "request": req.to_dict()})
             c0, f0 = w.collectives, t.forwards
             self._probe = (0, 0)
             normal = False
             with self._symmetric():
                 try:
-                    yield from super()._run(prompt, params, max_tokens, gamma, stop, out)
+                    yield from super()._run(prompt, req, out)
                     normal = stats.stop_reason in NORMAL_ENDS
                 except _Stopped:
                     pass
@@ -317,13 +206,12 @@ def _open_sharded(w: World, shard: str, sync: LoadSync, path, *, n_ctx: int, thr
     return ShardedMLXBackend(path, world=w, mode=shard, n_ctx=n_ctx, device=device, checkpoint=sync.checkpoint)
 
 
-def _load_here(w: World, rid: int, args: dict) -> DistributedRuntime:
-    """Every rank: load the same runtime; a load error on any rank is raised on every rank."""
-    from ondevice import runtime
-
+def _load_here(w: World, rid: int, args: dict, build) -> DistributedRuntime:
+    """Every rank: load the same runtime with ``build`` (``ondevice.loader.build``); a load error on any rank is
+    raised on every rank."""
     sync = LoadSync(w)
     try:
-        rt = runtime._load(**args["kw"], open_target=functools.partial(_open_sharded, w, args["shard"], sync),
+        rt = build(**args["kw"], open_target=functools.partial(_open_sharded, w, args["shard"], sync),
                            runtime_class=functools.partial(DistributedRuntime, world=w, rid=rid))
     except OndeviceError as e:
         if not sync.failed:  # this rank failed first: tell the others at the checkpoint they are waiting in
@@ -342,12 +230,13 @@ def _load_here(w: World, rid: int, args: dict) -> DistributedRuntime:
 _NEXT_RID = [0]
 
 
-def load(model, draft=None, **kw) -> DistributedRuntime:
+def load(model, draft=None, *, build, **kw) -> DistributedRuntime:
     """``ondevice.load`` in an mlx.launch job: rank 0 returns the runtime; the other ranks serve it and
-    end the process when rank 0 exits (they never return)."""
+    end the process when rank 0 exits (they never return). ``build`` builds a runtime around a target opener
+    (``ondevice.loader.build``)."""
     w = world()
     if w.rank != 0:
-        serve(w)
+        serve(w, build)
     if str(draft) == "auto":
         raise OndeviceError("draft='auto' chooses by timing, which differs between machines; name the draft model "
                             "(or use --ngram) when the target is sharded")
@@ -356,10 +245,10 @@ def load(model, draft=None, **kw) -> DistributedRuntime:
             "shard": os.environ.get("ONDEVICE_SHARD", "auto")}
     with w.lock:
         w.send({"op": "load", "rid": _NEXT_RID[0], "args": args})
-        return _load_here(w, _NEXT_RID[0], args)
+        return _load_here(w, _NEXT_RID[0], args, build)
 
 
-def serve(w: World) -> None:
+def serve(w: World, build) -> None:
     """Ranks > 0: replay rank 0's requests until it exits (the heartbeat then ends this process)."""
     import signal
 
@@ -377,7 +266,7 @@ def serve(w: World) -> None:
             _wait_for_exit(w)
         msg = w.payload(nbytes=int(rows[0, 3]))
         try:
-            _dispatch(w, runtimes, msg)
+            _dispatch(w, runtimes, msg, build)
         except DivergenceError:
             _wait_for_exit(w)
         except OndeviceError:  # rank 0 raised it too (a load checkpoint printed this rank's own problems)
@@ -386,15 +275,14 @@ def serve(w: World) -> None:
             _die(f"rank {w.rank}: {type(e).__name__}: {e}", 1)
 
 
-def _dispatch(w: World, runtimes: dict, msg: dict) -> None:
+def _dispatch(w: World, runtimes: dict, msg: dict, build) -> None:
     op, rid = msg["op"], msg["rid"]
     if op == "load":
-        runtimes[rid] = _load_here(w, rid, msg["args"])
+        runtimes[rid] = _load_here(w, rid, msg["args"], build)
         return
     rt = runtimes[rid]
     if op == "stream":
-        for _ in Runtime.stream(rt, msg["prompt"], max_tokens=msg["max_tokens"], gamma=msg["gamma"], stop=msg["stop"],
-                                **msg["params"]):
+        for _ in Runtime.stream(rt, msg["prompt"], GenerateRequest.of(**msg["request"])):
             pass
     elif op == "reset":
         rt.reset()

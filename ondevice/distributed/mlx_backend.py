@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ondevice.backends.mlx import MLXBackend
-from ondevice.distributed import World, fingerprint
+from ondevice.distributed.world import World, fingerprint
 from ondevice.errors import OndeviceError
 
 SHARD_MODES = ("auto", "tensor", "pipeline")
@@ -57,10 +57,10 @@ class ShardedMLXBackend(MLXBackend):
 
     Args:
         path: an MLX model directory (the same on every machine).
-        world: the job (``ondevice.distributed.world()``).
+        world: the job (``ondevice.distributed.world.world()``).
         mode: 'auto' (mlx-lm's choice: tensor when offered), 'tensor' or 'pipeline'.
         checkpoint: called with a fingerprint of config.json and the mode once the plan is made, before
-            any weight moves (``ondevice.sharded.LoadSync``; default: the ranks must agree on it).
+            any weight moves (``ondevice.distributed.sharded.LoadSync``; default: the ranks must agree on it).
     """
 
     def __init__(self, path, *, world: World, mode: str = "auto", n_ctx: int = 4096, device: str | None = None,
