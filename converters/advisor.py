@@ -32,7 +32,7 @@ FORMATS = ("q8_0", "q4_0", "iq4_nl", "q4_k_m", "q4_1", "q5_0")  # what --formats
 def parse_formats(formats: list[str]) -> dict[str, tuple[str, str | None, str | None]]:
     """``--formats`` items → (format, output type, embedding type), keyed by the variant name as ``pull``
     spells it (``iq4_nl+out-iq4_nl``). Raises one line on an unknown format or tensor type."""
-    from converters.quantize import FTYPES, check_tensor_types
+    from converters.quant_types import FTYPES, check_tensor_types
     from ondevice.store import variants
 
     if not formats:
@@ -99,7 +99,8 @@ def _prefill_seconds(backend, n: int = 128) -> float:
 def _files(src: Path, name: str | None, formats: dict[str, tuple], tmp: Path, progress: Callable[[str], None]) -> dict:
     """variant name → (GGUF path, how it was made): the source itself, a cached local variant, or a fresh
     requantization (``formats``: ``parse_formats``)."""
-    from converters.quantize import MAIN_TYPE, precision, requantize_file
+    from converters.quant_types import MAIN_TYPE, precision
+    from converters.quantize import requantize_file
     from ondevice.store import catalog, variants
 
     prec = precision(src)
@@ -163,7 +164,8 @@ def advise(model: str, formats: list[str], *, draft: str | None = None, referenc
                 finally:
                     b.close()
         rows = []
-        from converters.quantize import precision, quality
+        from converters.quality import quality
+        from converters.quant_types import precision
 
         for fmt in formats:
             path, how = files[fmt]
