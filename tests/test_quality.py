@@ -209,7 +209,7 @@ def test_evaluate_end_to_end_on_a_tiny_model(tiny_gguf, tmp_path):
         assert set(m["classes"]) == set(CLASSES) and m["overall"]["n"] == len(CLASSES)
         assert 0 <= m["overall"]["ci95"][0] <= m["overall"]["ci95"][1] <= 1 and m["chat_template"]
         assert m["decode_tokens_per_second"] > 0 and m["wall_seconds"] > 0
-    a, b = doc["answers"].values()
+    a, b = (x["tasks"] for x in doc["answers"])
     assert [r["answer"] for r in a] == [r["answer"] for r in b]  # greedy: the same file answers the same
     table(doc)
     assert plot(doc, tmp_path).is_file()
@@ -224,3 +224,44 @@ def test_bench_quality_cli(tiny_gguf, tmp_path):
     assert r.returncode == 0, r.stderr
     doc = json.loads(out.read_text())
     assert len(doc["models"]) == 2 and "[1/4]" in r.stderr  # progress: one line per answer
+
+
+README_PROMPT = "Write a Python function that reverses a string."
+CHEAP_BYTES = 200_000_000  # as the `slow` marker: models over 200 MB are pulled only when asked for
+
+
+@pytest.fixture(scope="module")
+def default_chat_model():
+    """The default chat model (cli.DEFAULT_CHAT_MODEL): used when already in the cache (README command 1 pulls
+    it) or cheap to pull; else the test is skipped with the command that enables it."""
+    from ondevice import catalog
+    from ondevice.cli import DEFAULT_CHAT_MODEL
+
+    entry = catalog.get(DEFAULT_CHAT_MODEL)
+    if not catalog.is_pulled(entry) and entry.size > CHEAP_BYTES:
+        pytest.skip(f"the default chat model is not cached: `ondevice pull {DEFAULT_CHAT_MODEL}` "
+                    f"({entry.size / 1e6:.0f} MB; README command 1 pulls it) enables this test")
+    return DEFAULT_CHAT_MODEL, catalog.pull(DEFAULT_CHAT_MODEL, quiet=True)
+
+
+def test_default_chat_model_answers_the_readme_example_with_code_that_runs(default_chat_model):
+    """README command 1 (`echo "Write a Python function that reverses a string." | ondevice chat`), greedy, and at
+    the command's own sampling settings (temperature 0.8, 256 tokens) for fixed seeds: every answer's code is
+    executed in the sandbox against the reverse-string task's unit tests."""
+    import ondevice
+    from ondevice.params import DEFAULT_MAX_TOKENS, DEFAULTS
+
+    name, _ = default_chat_model
+    task = TASKS["code-reverse-string"]
+    assert task.prompt == README_PROMPT
+    r = subprocess.run([sys.executable, "-m", "ondevice", "chat", "--temperature", "0"], input=README_PROMPT + "\n",
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    v = check(task, r.stdout)
+    assert v.passed, (v.detail, r.stdout)
+    with ondevice.load(name, drafter="none") as rt:  # plain sampling: a fixed seed gives a fixed answer
+        for seed in range(3):
+            res = rt.chat([{"role": "user", "content": README_PROMPT}], max_tokens=DEFAULT_MAX_TOKENS,
+                          temperature=DEFAULTS.temperature, seed=seed)
+            v = check(task, res.text)
+            assert v.passed, (seed, v.detail, res.text)

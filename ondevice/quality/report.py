@@ -43,7 +43,8 @@ def plot(doc: dict, out_dir: Path) -> Path:
     for i, m in enumerate(doc["models"]):
         rows = [m["overall"] if c == "all" else m["classes"].get(c) for c in classes]
         ys = [r["pass_rate"] if r and r["n"] else 0.0 for r in rows]
-        err = [[y - (r["ci95"][0] if r else 0) for y, r in zip(ys, rows)], [(r["ci95"][1] if r else 0) - y for y, r in zip(ys, rows)]]
+        err = [[y - r["ci95"][0] if r else 0.0 for y, r in zip(ys, rows, strict=True)],
+               [r["ci95"][1] - y if r else 0.0 for y, r in zip(ys, rows, strict=True)]]
         ax.bar([j + i * w for j in range(len(classes))], ys, w, yerr=err, capsize=2, label=m["model"])
     ax.set_xticks([j + 0.4 - w / 2 for j in range(len(classes))], classes)
     ax.set_ylim(0, 1.05)

@@ -74,7 +74,8 @@ def evaluate(models: Sequence[str | Path], *, classes: list[str] | None = None, 
     Returns:
         JSON document: ``config``, ``machine``, ``models`` (one summary per model: per-class and overall pass
         rate with 95 % Wilson interval, pull / load / answer / check / wall seconds, decode tok/s, file size),
-        ``answers`` (per model and task: the reply, what was extracted, the verdict and why).
+        ``answers`` (one entry per model, in the same order: per task the reply, what was extracted, the
+        verdict and why).
     """
     import ondevice
     from ondevice import catalog
@@ -118,7 +119,7 @@ def evaluate(models: Sequence[str | Path], *, classes: list[str] | None = None, 
     finally:
         for run in runs:
             run.pop("rt").close()
-    summaries, answers = [], {}
+    summaries, answers = [], []
     for run in runs:
         rows = run.pop("rows")
         run["load_average"].append(_load_average())
@@ -127,7 +128,7 @@ def evaluate(models: Sequence[str | Path], *, classes: list[str] | None = None, 
         dec_t, dec_n = run.pop("decode_seconds"), run.pop("decode_tokens")
         summaries.append({**run, "classes": by_class, "overall": rate(rows), "wall_seconds": wall,
                           "decode_tokens_per_second": dec_n / dec_t if dec_t else None})
-        answers[run["model"]] = rows
+        answers.append({"model": run["model"], "tasks": rows})
     return {"machine": machine(),
             "config": {"models": [str(m) for m in models], "tasks": [t.id for t in tasks], "classes": classes,
                        "per_class": per_class, "seed": seed, "temperature": 0.0, "drafter": drafter, "n_ctx": n_ctx,
