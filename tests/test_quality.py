@@ -200,7 +200,8 @@ def test_wilson_interval_matches_scipy():
 
 def test_evaluate_end_to_end_on_a_tiny_model(tiny_gguf, tmp_path):
     from ondevice.quality import evaluate
-    from ondevice.quality.report import plot, table
+    from ondevice.quality.report import markdown, plot, table
+    from ondevice.quality.runner import rejudge
 
     model = str(tiny_gguf("qwen2", "q8_0"))
     doc = evaluate([model, model], per_class=1, threads=1)
@@ -213,7 +214,9 @@ def test_evaluate_end_to_end_on_a_tiny_model(tiny_gguf, tmp_path):
     assert [r["answer"] for r in a] == [r["answer"] for r in b]  # greedy: the same file answers the same
     table(doc)
     assert plot(doc, tmp_path).is_file()
-    json.dumps(doc)
+    assert markdown(doc).count("\n") == 2 + len(doc["models"])
+    again = rejudge(json.loads(json.dumps(doc)))  # the stored answers judged again give the same verdicts
+    assert [m["overall"] for m in again["models"]] == [m["overall"] for m in doc["models"]]
 
 
 def test_bench_quality_cli(tiny_gguf, tmp_path):

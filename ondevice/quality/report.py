@@ -31,6 +31,21 @@ def table(doc: dict) -> None:
     Console(stderr=True).print(t)
 
 
+def markdown(doc: dict) -> str:
+    """The table as GitHub markdown (for docs): the same columns as ``table``, plus pull / load / answer seconds."""
+    classes = [c for c in CLASSES if any(c in m["classes"] for m in doc["models"])]
+    head = ["model", *classes, "all", "decode tok/s", "MB", "pull s", "load s", "answer s", "check s", "wall s"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for m in doc["models"]:
+        tps = m["decode_tokens_per_second"]
+        cells = [f"`{m['model']}`", *(_cell(m["classes"].get(c)) for c in classes), f"**{_cell(m['overall'])}**",
+                 "" if tps is None else f"{tps:.1f}", f"{m['size_bytes'] / 1e6:.0f}",
+                 *(f"{m[k]:.1f}" for k in ("pull_seconds", "load_seconds", "answer_seconds", "check_seconds",
+                                           "wall_seconds"))]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def plot(doc: dict, out_dir: Path) -> Path:
     """quality_pass_rate.png: pass rate per class and model with 95 % Wilson intervals as error bars."""
     from ondevice.bench_tools import pyplot

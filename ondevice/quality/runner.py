@@ -135,3 +135,22 @@ def evaluate(models: Sequence[str | Path], *, classes: list[str] | None = None, 
                        "threads": threads, "timeout": timeout, "seconds": time.perf_counter() - t_start,
                        "order": "interleaved: each task is asked of every model in turn"},
             "models": summaries, "answers": answers}
+
+
+def rejudge(doc: dict, *, timeout: float = 10.0) -> dict:
+    """Check the answers stored in an ``evaluate`` document again (after a fix to a task's tests or to the
+    extractor) without asking the models again: greedy answers do not change. Returns a new document whose
+    verdicts and pass rates are recomputed (times, tok/s and the replies are kept) and ``config.rejudged``."""
+    from ondevice.quality.tasks import load_tasks
+
+    tasks = {t.id: t for t in load_tasks()}
+    out = {**doc, "config": {**doc["config"], "rejudged": True}, "models": [], "answers": []}
+    for m, a in zip(doc["models"], doc["answers"], strict=True):
+        rows = []
+        for r in a["tasks"]:
+            v = check(tasks[r["id"]], r["answer"], timeout=timeout)
+            rows.append({**r, "passed": v.passed, "detail": v.detail, "extracted": v.extracted})
+        classes = {c: rate([r for r in rows if r["class"] == c]) for c in CLASSES if any(r["class"] == c for r in rows)}
+        out["models"].append({**m, "classes": classes, "overall": rate(rows)})
+        out["answers"].append({**a, "tasks": rows})
+    return out
