@@ -135,6 +135,10 @@ def test_extractor_reads_fenced_and_unfenced_code():
     cut = "```python\ndef f(x):\n    return x\n\ndef g(y):\n    return (y +"
     assert extract_code(cut, "f") == "def f(x):\n    return x\n"
     assert extract_code("Just reverse it with slicing.", "f") is None
+    # HTML code tags, as Gemma 3 270M writes them (entities decoded); a one-line <code>name</code> is not a program
+    tags = "\n\n<code>def f(n):\n    return n &lt; 2\n</code>\n\nI'm not sure."
+    assert extract_code(tags, "f") == "def f(n):\n    return n < 2\n"
+    assert extract_code("Call <code>f</code> with a string.", "f") is None
 
 
 def test_sandbox_kills_an_infinite_loop_at_its_time_limit():

@@ -7,6 +7,7 @@ import re
 import unicodedata
 
 _FENCE = re.compile(r"^[ \t]*(```|~~~)[ \t]*([\w+#.-]*)[^\n]*\n(.*?)(?:^[ \t]*\1[ \t]*$|\Z)", re.M | re.S)
+_HTML = re.compile(r"<(code|pre)>\s*(.*?)(?:</\1>|\Z)", re.S | re.I)  # <code>...</code>, as some small models write
 _CODE_START = re.compile(r"^(def |class |import |from \S+ import |@|async def )")
 _NOT_PYTHON = {"bash", "sh", "shell", "console", "text", "plaintext", "output", "json", "javascript", "js", "java",
                "c", "cpp", "c++", "rust", "go", "ruby", "typescript", "ts", "html", "css", "sql"}
@@ -30,14 +31,18 @@ def _trim_to_compile(lines: list[str]) -> str | None:
 
 
 def code_blocks(text: str) -> list[tuple[str, str]]:
-    """Every fenced block (``` or ~~~) as (language tag, body); an unclosed last fence runs to the end."""
-    return [(m.group(2).lower(), m.group(3)) for m in _FENCE.finditer(text)]
+    """Every fenced block (``` or ~~~) as (language tag, body); an unclosed last fence runs to the end. Without
+    fences, ``<code>`` / ``<pre>`` blocks (HTML entities decoded), as (``""``, body)."""
+    import html
+
+    blocks = [(m.group(2).lower(), m.group(3)) for m in _FENCE.finditer(text)]
+    return blocks or [("", html.unescape(m.group(2))) for m in _HTML.finditer(text) if "\n" in m.group(2).strip()]
 
 
 def extract_code(text: str, entry: str | None = None) -> str | None:
     """The Python program in a model's answer, or None when it holds none.
 
-    Fenced blocks come first: the ones tagged as another language are skipped; the first block that parses
+    Fenced blocks (or ``<code>`` blocks of more than one line) come first: the ones tagged as another language are skipped; the first block that parses
     and defines ``entry`` wins (``entry`` None or "*": any function), else every block that parses joined in
     order (a helper in one block, the function in the next). Without fences, the answer is read from its first
     line that starts like Python (``def``, ``import``, ...), up to the longest part that still parses (the prose
