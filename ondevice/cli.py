@@ -241,7 +241,7 @@ def generate_cmd(
         sys.stdout.write("\n")
 
 
-DEFAULT_CHAT_MODEL = "smollm2-135m-instruct"
+DEFAULT_CHAT_MODEL = "qwen2.5-coder-0.5b-instruct"  # chosen by pass rate, speed and size: docs/quality.md
 
 
 @command("chat")
@@ -266,7 +266,7 @@ def chat_cmd(
     show_draft: Annotated[bool, typer.Option("--show-draft", help="Colour tokens that came from the draft.")] = False,
     stats: Annotated[bool, typer.Option("--stats", help="Print tok/s and acceptance after each answer.")] = False,
 ) -> None:
-    """Chat in the terminal (streaming). With no arguments: SmolLM2 with n-gram drafting. Piped stdin: one turn per line."""
+    """Chat in the terminal (streaming). With no arguments: Qwen2.5-Coder-0.5B-Instruct with n-gram drafting. Piped stdin: one turn per line."""
     from ondevice.repl import run_chat
     from ondevice.runtime import load
 

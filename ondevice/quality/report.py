@@ -53,7 +53,7 @@ def plot(doc: dict, out_dir: Path) -> Path:
     plt = pyplot()
     out_dir.mkdir(parents=True, exist_ok=True)
     classes = [c for c in CLASSES if any(c in m["classes"] for m in doc["models"])] + ["all"]
-    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(classes) * max(1, len(doc["models"])) / 2), 4))
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.35 * len(classes) * len(doc["models"]) + 2), 4))
     w = 0.8 / max(len(doc["models"]), 1)
     for i, m in enumerate(doc["models"]):
         rows = [m["overall"] if c == "all" else m["classes"].get(c) for c in classes]
@@ -64,7 +64,7 @@ def plot(doc: dict, out_dir: Path) -> Path:
     ax.set_xticks([j + 0.4 - w / 2 for j in range(len(classes))], classes)
     ax.set_ylim(0, 1.05)
     ax.set_ylabel("pass rate (95 % Wilson interval)")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
     path = out_dir / "quality_pass_rate.png"
     fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close("all")
