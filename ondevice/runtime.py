@@ -43,6 +43,7 @@ class Runtime:
         self._owner: int | None = None  # the thread whose request holds the slot
         self._current: Request | None = None
         self._closed = False
+        self._closing = False  # set first by close(): requests still waiting for the slot then refuse to run
         self._kv: list[int] = []  # a prefix of the ids whose K/V the target cache holds
         self.observer = None  # optional verify observer (benchmarks): see speculative.steps
         self.last_stats: Stats | None = None  # statistics of the last finished request
@@ -59,8 +60,10 @@ class Runtime:
         """Cancel any running stream, wait for it, then free native memory (both models).
 
         Idempotent. Every later call raises a clear ``OndeviceError``, also in threads that were
-        waiting for their turn when the runtime was closed.
+        waiting for their turn when the runtime was closed: they never run, and ``close()`` does not wait
+        for them.
         """
+        self._closing = True
         self.cancel()
         if not self._enter(None, closing=True):
             return
@@ -128,17 +131,31 @@ class Runtime:
         return Result(s.text, s.tokens, s.stats)
 
     def chat(self, messages: Sequence[dict], request: GenerateRequest | None = None, **options) -> Result:
-        """Render ``messages`` with the model's chat template, then ``generate``."""
+        """Render ``messages`` with the model's chat template, then ``generate``.
+
+        ``messages``: a non-empty list of {role, content}; content is a string, None (empty) or a list of
+        OpenAI text parts (joined), as the server accepts them.
+        """
+        if request is None:
+            request = GenerateRequest.of(**options)  # bad options fail before the template renders
+            options = {}
         return self.generate(self.render_chat(messages), request, **options)
 
     def render_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of ``messages`` rendered with the model's chat template (an untrusted template renders in
+        a worker process with a time, memory, output and recursion budget: ``ondevice.templates``).
+
+        Raises:
+            OndeviceError: bad messages, no template, or a template that fails or exceeds its budget.
+        """
         from ondevice.chat import render
 
         t = self.target
         with self._lock:
             self._check_open()
             bos = t.token_bytes(t.bos_id).decode("utf-8", "replace") if t.bos_id is not None else ""
-        text = render(t.chat_template, messages, add_generation_prompt=add_generation_prompt, bos_token=bos)
+        text = render(t.chat_template, messages, add_generation_prompt=add_generation_prompt, bos_token=bos,
+                      source=str(t.path))
         return self.tokenize(text, add_bos=not (bos and text.startswith(bos)))
 
     def reset(self) -> None:
@@ -196,11 +213,11 @@ class Runtime:
         thread left unfinished. Returns False (slot not taken) when closing a closed runtime."""
         self._supersede()
         self._slot.acquire()
-        if self._closed:
+        if self._closed or (self._closing and not closing):
             self._slot.release()
             if closing:
                 return False
-            self._check_open()
+            raise OndeviceError("this Runtime is closed; load() a new one")
         self._owner = threading.get_ident()
         self._current = req
         return True

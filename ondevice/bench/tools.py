@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from ondevice.errors import OndeviceError
+from ondevice.threads import default_threads
 
 _COLD = r"""
 import sys, time, json
@@ -53,7 +54,7 @@ def cold_start(model_path: Path, repeats: int = 5, threads: int | None = None) -
     """
     rows = []
     method = None
-    threads = threads or os.cpu_count() or 1
+    threads = threads or default_threads()
     for rep in range(repeats):
         for kind in ("ondevice", "llama_cpp"):
             for mmap in (True, False):

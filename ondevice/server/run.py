@@ -66,7 +66,10 @@ def serve(runtime, model_id: str, *, host: str = "127.0.0.1", port: int = 8080, 
 
     class _Uvicorn(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:  # Ctrl-C: end the running generation now, not after a timeout
+            from ondevice import templates
+
             app.engine.close()
+            templates.shutdown()  # a chat template rendering now fails at once
             super().handle_exit(sig, frame)
 
     server = _Uvicorn(config)

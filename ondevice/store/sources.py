@@ -268,6 +268,13 @@ def ollama_blob(manifest: Path, root: Path, name: str) -> Path:
     with open(blob, "rb") as f:
         if f.read(4) != b"GGUF":
             raise OndeviceError(f"{name}: blob {blob} is not a GGUF file; ondevice reads Ollama's GGUF models only")
+    if size < 0:  # no size to compare with: the file must at least hold the tensors its header lists
+        from ondevice.formats.gguf import check_tensor_data
+
+        try:
+            check_tensor_data(blob)
+        except OndeviceError as e:
+            raise OndeviceError(f"{name}: {e}; run `ollama pull {name.removeprefix('ollama:')}` again") from None
     return blob
 
 
