@@ -10,7 +10,7 @@ import numpy as np
 
 from ondevice import inputs
 from ondevice.backends.base import Backend
-from ondevice.costs import Costs
+from ondevice.costs import Costs, ProbeCancelled
 from ondevice.drafters import Drafter, _common_prefix
 from ondevice.errors import OndeviceError
 from ondevice.params import GenerateRequest
@@ -228,19 +228,20 @@ class Runtime:
         self._slot.release()
 
     # -- the loop --------------------------------------------------------------------------------
-    def _policy(self, gamma, stats: Stats):
-        """FixedGamma(γ), or the runtime's adaptive policy (measuring costs on first use)."""
+    def _policy(self, gamma, stats: Stats, cancelled=None):
+        """FixedGamma(γ), or the runtime's adaptive policy (measuring costs on first use; ``cancelled`` stops
+        that probe with ``ProbeCancelled``)."""
         if gamma != "auto":
             return FixedGamma(int(gamma))
         if self._adaptive is None:
             t0 = time.perf_counter()
             with self._lock:
-                costs = self._costs()
+                costs = self._costs(cancelled)
             self._adaptive = AdaptivePolicy(costs, self.drafter.name)
             stats.probe_seconds = time.perf_counter() - t0
         return self._adaptive
 
-    def _costs(self) -> Costs:
+    def _costs(self, cancelled=None) -> Costs:
         """Measured costs, cached on disk per model files, device and threads (a probe of a few seconds).
 
         The probe fills both caches with synthetic tokens: the bookkeeping is emptied first, and the
@@ -251,7 +252,7 @@ class Runtime:
         self._kv = []
         if self.drafter is not None:
             self.drafter.reset()
-        return cached_measure(self.target, self.drafter.backend if self.drafter is not None else None)
+        return cached_measure(self.target, self.drafter.backend if self.drafter is not None else None, cancelled)
 
     def _prefill(self, ids: list[int]) -> int:
         """Make the target cache hold ``ids[:-1]``, reusing the longest cached prefix. Returns tokens reused."""
@@ -275,7 +276,11 @@ class Runtime:
         stats.drafter = self.drafter.name if use_draft else "none"
         t_start = t_first = None
         try:
-            policy = self._policy(gamma, stats) if use_draft else FixedGamma(0)
+            try:
+                policy = self._policy(gamma, stats, out.cancel_event.is_set) if use_draft else FixedGamma(0)
+            except ProbeCancelled:  # cancelled (e.g. a server shutting down) while measuring costs
+                stats.stop_reason = "cancelled"
+                return
             t_start = time.perf_counter()
             context = list(ids)
             with self._lock:

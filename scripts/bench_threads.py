@@ -69,25 +69,34 @@ def main() -> None:
                           f"{s.tokens_per_second:6.1f} tok/s (load {load:.1f})", flush=True)
             finally:
                 _stop(procs)
+        _write(a, path, cores, counts, rows)  # after every round: an interrupted run keeps what it measured
     for rt in runtimes.values():
         rt.close()
+    print(json.dumps(_write(a, path, cores, counts, rows)["summary"], indent=2))
+
+
+def _write(a, path, cores: int, counts: list[int], rows: list[dict]) -> dict:
     summary: dict = {}
     for cond in ("idle", "busy"):
         cr = [x for x in rows if x["condition"] == cond]
-        med = {n: statistics.median(x["decode_tok_s"] for x in cr if x["threads"] == n) for n in counts}
-        default = statistics.median(x["decode_tok_s"] for x in cr if x["is_default"])
+        med = {n: statistics.median(v) for n in counts if (v := [x["decode_tok_s"] for x in cr if x["threads"] == n])}
+        dflt = [x["decode_tok_s"] for x in cr if x["is_default"]]
+        if not med or not dflt:
+            continue
         best = max(med.values())
-        summary[cond] = {"median_tok_s": med, "best_threads": max(med, key=med.get), "default_median_tok_s": default,
+        summary[cond] = {"median_tok_s": med, "best_threads": max(med, key=med.get),
+                         "default_median_tok_s": statistics.median(dflt),
                          "default_threads_chosen": sorted({x["threads"] for x in cr if x["is_default"]}),
-                         "default_to_best": default / best, "ratio_to_best": {n: v / best for n, v in med.items()}}
-    out = {"model": a.model, "path": str(path), "cores": cores, "machine": platform.platform(),
-           "python": platform.python_version(), "competitors": a.competitors, "max_tokens": a.max_tokens,
-           "rows": rows, "summary": summary,
+                         "default_to_best": statistics.median(dflt) / best,
+                         "ratio_to_best": {n: v / best for n, v in med.items()}}
+    out = {"model": a.model, "path": str(path), "cores": cores, "physical_cores": physical_cores(),
+           "machine": platform.platform(), "python": platform.python_version(), "competitors": a.competitors,
+           "max_tokens": a.max_tokens, "rows": rows, "summary": summary,
            "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    print(json.dumps(summary, indent=2))
     if a.out:
         with open(a.out, "w") as f:
             json.dump(out, f, indent=2)
+    return out
 
 
 if __name__ == "__main__":
