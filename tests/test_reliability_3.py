@@ -264,3 +264,42 @@ def _ignore(fn, *a, **kw):
         fn(*a, **kw)
     except Exception:  # noqa: BLE001 - the answer does not matter here
         pass
+
+
+# -- 4. the default thread count leaves the cores other processes use ---------------------------------------
+def test_default_threads_counts_free_physical_cores(monkeypatch):
+    from ondevice import threads
+
+    monkeypatch.setattr(threads, "usable_cpus", lambda: 8)
+    monkeypatch.setattr(threads, "physical_cores", lambda: 4)  # SMT: 8 logical CPUs on 4 cores
+    for busy, want in ((0.0, 4), (3.0, 4), (5.0, 3), (7.0, 1), (30.0, 1)):
+        monkeypatch.setattr(threads, "busy_cpus", lambda b=busy: b)
+        assert threads.default_threads() == want, (busy, want)
+    monkeypatch.setattr(threads, "usable_cpus", lambda: 2)
+    monkeypatch.setattr(threads, "physical_cores", lambda: 2)
+    monkeypatch.setattr(threads, "busy_cpus", lambda: 1.0)  # one CPU-bound process on a 2-core machine
+    assert threads.default_threads() == 1
+    monkeypatch.undo()
+    from ondevice.backends.llama import LlamaBackend
+
+    assert "default_threads" in LlamaBackend.__init__.__code__.co_names  # the backend's default is this one
+
+
+def test_coreml_progress_shows_life_during_the_long_step(tiny_hf, tmp_path, monkeypatch):
+    """coremltools' convert is most of the minute with the bar at 0/6: a spinner and the elapsed time show it works."""
+    pytest.importorskip("coremltools")
+    import rich.progress
+
+    from converters import convert
+
+    columns: list = []
+
+    class Recording(rich.progress.Progress):
+        def __init__(self, *cols, **kw):
+            columns.extend(cols)
+            super().__init__(*cols, **kw)
+
+    monkeypatch.setattr(rich.progress, "Progress", Recording)
+    convert(tiny_hf["llama"], to="coreml", out=tmp_path / "c", context=128, compress="int4", progress=False)
+    kinds = {type(c).__name__ for c in columns}
+    assert {"SpinnerColumn", "TimeElapsedColumn"} <= kinds, kinds
