@@ -216,6 +216,21 @@ def _render_one(req: dict) -> dict:
         return {"error": f"failed to render: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}"}
 
 
+def _watch_memory() -> None:
+    """Exit when resident memory passes ``MEMORY_BYTES`` (where RLIMIT_AS is not enforced, e.g. macOS); the
+    parent reports the death as running out of memory."""
+    try:
+        import resource
+    except ImportError:  # no resource module (Windows): the time and output budgets still hold
+        return
+
+    scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KiB on Linux
+    while True:
+        if resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale > MEMORY_BYTES:
+            os._exit(3)
+        time.sleep(0.02)
+
+
 def _serve() -> None:
     import signal
 
@@ -224,8 +239,9 @@ def _serve() -> None:
         import resource
 
         resource.setrlimit(resource.RLIMIT_AS, (MEMORY_BYTES, MEMORY_BYTES))
-    except (ImportError, ValueError, OSError):  # not enforced everywhere (macOS): time and output still are
+    except (ImportError, ValueError, OSError):  # not enforced everywhere (macOS): the watchdog below is
         pass
+    threading.Thread(target=_watch_memory, daemon=True).start()
     import jinja2.sandbox  # noqa: F401 - imported before the first request is timed
 
     sys.setrecursionlimit(RECURSION_LIMIT)
