@@ -9,9 +9,9 @@ import subprocess
 import sys
 import threading
 
-import ondevice
+from helpers import PROMPT
 
-PROMPT = "The model draft and the target verify"
+import ondevice
 
 
 def _chat(*args, input: bytes):

@@ -8,7 +8,7 @@ import sys
 
 import numpy as np
 import pytest
-from mlx_helpers import mlx_float32, mlx_logits
+from helpers import mlx_float32, mlx_logits
 
 from converters import convert
 from ondevice.backends.llama import LlamaBackend

@@ -13,13 +13,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import PROMPT
 
 mx = pytest.importorskip("mlx.core", reason="MLX is not installed (pip install 'ondevice[mlx]')")
 if not mx.distributed.is_available():
     pytest.skip("this MLX build has no distributed backend", allow_module_level=True)
 
 ROOT = Path(__file__).resolve().parent.parent
-PROMPT = "The model draft and the target verify"
 
 # One rank of a job: runs cfg["jobs"] in order; rank 0 prints one JSON line per job.
 WORKER = textwrap.dedent('''
@@ -145,7 +145,7 @@ def test_sharded_greedy_equals_single_process(tiny_hf, tiny_mlx, tmp_path, shard
 
 @pytest.mark.slow  # 2 × 500 requests over 2 ranks: ~5 min on the loaded 2-core box, ~1.5 min idle
 def test_sharded_sampling_matches_target_law(tiny_mlx, tmp_path):
-    from test_engine import _chisquare, exact_law
+    from helpers import chisquare, exact_law
 
     from ondevice import sampling
     from ondevice.backends.mlx import MLXBackend
@@ -164,8 +164,8 @@ def test_sharded_sampling_matches_target_law(tiny_mlx, tmp_path):
         assert rcs == [0, 0], err
         return {tuple(int(t) for t in k.split()): v for k, v in results[0]["counts"].items()}
 
-    assert _chisquare(counts(), law, n) > 1e-3
-    assert _chisquare(counts(plant="residual"), law, n) < 1e-4  # negative control: the test can fail
+    assert chisquare(counts(), law, n) > 1e-3
+    assert chisquare(counts(plant="residual"), law, n) < 1e-4  # negative control: the test can fail
 
 
 def test_divergence_guard_fires_on_rank_dependent_rng(tiny_mlx, tmp_path):

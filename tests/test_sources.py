@@ -559,7 +559,7 @@ def test_broken_files_in_the_stores_are_listed_with_a_reason(stores, models):
 
 
 def test_fast_gguf_header_reads_what_gguf_reads(models, tmp_path):
-    """gguf_meta (a struct walk of the header) gives gguf-py's token texts and scalars, and one-line errors."""
+    """read_header (a struct walk of the header) gives gguf-py's token texts and scalars, and one-line errors."""
     import gguf
 
     from ondevice.formats.gguf import read_header

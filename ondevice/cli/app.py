@@ -7,14 +7,17 @@ stays fast.
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import os
 import sys
+import typing
 from typing import Annotated
 
 import typer
 
 from ondevice import __version__
+from ondevice.params import DEFAULT_GAMMA, DEFAULT_MAX_TOKENS, DEFAULTS, GenerateRequest
 
 app = typer.Typer(
     name="ondevice",
@@ -115,6 +118,33 @@ DeviceOpt = Annotated[str | None, typer.Option("--device", help="gpu | cpu | mil
 DraftDeviceOpt = Annotated[str | None, typer.Option("--draft-device", help="gpu | cpu | mil for the draft (default: "
                                                      "--device; a Core ML draft stays on the Neural Engine).")]
 ThreadsOpt = Annotated[int | None, typer.Option("--threads", min=1, help="CPU threads (default: the physical cores not busy with other processes at load).")]
+
+
+# The options of one GenerateRequest: the API's names and defaults (ondevice.params), in --help order.
+REQUEST_OPTIONS = (
+    ("max_tokens", MaxTokOpt, DEFAULT_MAX_TOKENS), ("temperature", TempOpt, DEFAULTS.temperature),
+    ("top_k", TopKOpt, DEFAULTS.top_k), ("top_p", TopPOpt, DEFAULTS.top_p), ("min_p", MinPOpt, DEFAULTS.min_p),
+    ("repetition_penalty", RepOpt, DEFAULTS.repetition_penalty), ("seed", SeedOpt, DEFAULTS.seed),
+    ("gamma", GammaOpt, DEFAULT_GAMMA),
+)
+
+
+def request_options(fn):
+    """Give a command the generation options (``REQUEST_OPTIONS``), built into one ``GenerateRequest`` (validated
+    there, before any model loads) and passed to the command as its ``request`` argument."""
+    sig = inspect.signature(fn)
+    hints = typing.get_type_hints(fn, include_extras=True)  # this module's annotations are strings
+    own = [p.replace(annotation=hints[n]) for n, p in sig.parameters.items() if n != "request"]
+    added = [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, annotation=a, default=d) for n, a, d in REQUEST_OPTIONS]
+
+    @functools.wraps(fn)
+    def inner(*args, **kwargs):
+        options = {n: kwargs.pop(n) for n, _, _ in REQUEST_OPTIONS}
+        return fn(*args, request=GenerateRequest.of(**options), **kwargs)
+
+    inner.__signature__ = sig.replace(parameters=own + added, return_annotation=None)
+    inner.__annotations__ = {p.name: p.annotation for p in own + added}
+    return inner
 
 
 def _drafter(draft: str | None, ngram: bool, no_spec: bool) -> str | None:

@@ -54,17 +54,17 @@ def bench_cmd(
             doc["distributed_prediction"] = predict_link(doc["costs"], latency_ms=link_latency, world_size=world_size,
                                                          n_layers=SYNTHETIC[synthetic]["num_hidden_layers"])
     elif formats:
-        from converters import advisor as bench_formats
+        from converters import advisor
 
-        doc = bench_formats.advise(model, _csv(formats), draft=draft,
+        doc = advisor.advise(model, _csv(formats), draft=draft,
                                    reference=reference, classes=_csv(classes),
                                    per_class=per_class, repeats=repeats, max_tokens=max_tokens, threads=threads,
                                    progress=lambda m: typer.echo(m, err=True))
         if plot:
-            doc["plots"] = [str(bench_formats.plot(doc, plot))]
+            doc["plots"] = [str(advisor.plot(doc, plot))]
         if json_path:  # before the table: a display error must not lose a long measurement
             json_path.write_text(json.dumps(doc, indent=2, default=str))
-        bench_formats.table(doc)
+        advisor.table(doc)
     else:
         doc = bench.run_bench(model, draft, ngram=ngram, classes=_csv(classes),
                               max_tokens=max_tokens, repeats=repeats, gamma=gamma, anchors=anchors, per_class=per_class,

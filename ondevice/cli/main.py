@@ -15,64 +15,49 @@ from ondevice.cli.app import (
     DeviceOpt,
     DraftDeviceOpt,
     DraftOpt,
-    GammaOpt,
-    MaxTokOpt,
-    MinPOpt,
     NgramOpt,
     NoSpecOpt,
-    RepOpt,
-    SeedOpt,
-    TempOpt,
     ThreadsOpt,
-    TopKOpt,
-    TopPOpt,
     _csv,
     _drafter,
     _dump,
     _fail,
     app,
     command,
+    request_options,
 )
-from ondevice.params import DEFAULT_GAMMA, DEFAULT_MAX_TOKENS, DEFAULT_N_CTX, DEFAULTS, GenerateRequest
+from ondevice.params import DEFAULT_N_CTX, GenerateRequest
 
 
 @command("generate")
+@request_options
 def generate_cmd(
     model: Annotated[str, typer.Argument(help="Target model: path or catalog name.")],
     prompt: Annotated[str, typer.Option("--prompt", "-p", help="Prompt text.")],
     draft: DraftOpt = None,
     ngram: NgramOpt = False,
     no_spec: NoSpecOpt = False,
-    max_tokens: MaxTokOpt = DEFAULT_MAX_TOKENS,
-    temperature: TempOpt = DEFAULTS.temperature,
-    top_k: TopKOpt = DEFAULTS.top_k,
-    top_p: TopPOpt = DEFAULTS.top_p,
-    min_p: MinPOpt = DEFAULTS.min_p,
-    repetition_penalty: RepOpt = DEFAULTS.repetition_penalty,
-    seed: SeedOpt = DEFAULTS.seed,
-    gamma: GammaOpt = DEFAULT_GAMMA,
     n_ctx: CtxOpt = DEFAULT_N_CTX,
     threads: ThreadsOpt = None,
     device: DeviceOpt = None,
     draft_device: DraftDeviceOpt = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object: text, tokens, stats.")] = False,
+    request: GenerateRequest | None = None,
 ) -> None:
     """Generate a completion, speculatively when a draft or n-gram drafter is given."""
     import dataclasses
 
     from ondevice.loader import load
 
-    req = GenerateRequest.of(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                             repetition_penalty=repetition_penalty, seed=seed, gamma=gamma)
     with load(model, draft, drafter=_drafter(draft, ngram, no_spec), n_ctx=n_ctx, threads=threads, device=device,
               draft_device=draft_device) as rt:
         if json_out:
-            res = rt.generate(prompt, req)
+            res = rt.generate(prompt, request)
             doc = {"text": res.text, "tokens": res.tokens, "stats": dataclasses.asdict(res.stats)}
             return _dump({**doc, "draft_choice": rt.draft_choice} if rt.draft_choice else doc)
         if rt.draft_choice:
             typer.echo(f"draft: {rt.draft_choice['reason']}", err=True)
-        for chunk in rt.stream(prompt, req):
+        for chunk in rt.stream(prompt, request):
             sys.stdout.write(chunk.text)
             sys.stdout.flush()
         sys.stdout.write("\n")
@@ -82,41 +67,33 @@ DEFAULT_CHAT_MODEL = "smollm2-135m-instruct"
 
 
 @command("chat")
+@request_options
 def chat_cmd(
     model: Annotated[str, typer.Argument(help="Model: path or catalog name.")] = DEFAULT_CHAT_MODEL,
     draft: DraftOpt = None,
     ngram: NgramOpt = False,
     no_spec: NoSpecOpt = False,
     system: Annotated[str | None, typer.Option("--system", help="System prompt.")] = None,
-    max_tokens: MaxTokOpt = DEFAULT_MAX_TOKENS,
-    temperature: TempOpt = DEFAULTS.temperature,
-    top_k: TopKOpt = DEFAULTS.top_k,
-    top_p: TopPOpt = DEFAULTS.top_p,
-    min_p: MinPOpt = DEFAULTS.min_p,
-    repetition_penalty: RepOpt = DEFAULTS.repetition_penalty,
-    seed: SeedOpt = DEFAULTS.seed,
-    gamma: GammaOpt = DEFAULT_GAMMA,
     n_ctx: CtxOpt = DEFAULT_N_CTX,
     threads: ThreadsOpt = None,
     device: DeviceOpt = None,
     draft_device: DraftDeviceOpt = None,
     show_draft: Annotated[bool, typer.Option("--show-draft", help="Colour tokens that came from the draft.")] = False,
     stats: Annotated[bool, typer.Option("--stats", help="Print tok/s and acceptance after each answer.")] = False,
+    request: GenerateRequest | None = None,
 ) -> None:
     """Chat in the terminal (streaming). With no arguments: SmolLM2 with n-gram drafting. Piped stdin: one turn per line."""
     from ondevice.cli.repl import run_chat
     from ondevice.loader import load
 
     drafter = _drafter(draft, ngram, no_spec)
-    req = GenerateRequest.of(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                             repetition_penalty=repetition_penalty, seed=seed, gamma=gamma)
     with load(model, draft, drafter=drafter, n_ctx=n_ctx, threads=threads, device=device, draft_device=draft_device) as rt:
         name = rt.drafter.name if rt.drafter else "none"
         if rt.draft_choice:  # --draft auto: say what was chosen and why
             name += f" (auto: {rt.draft_choice['draft'] or 'ngram'})"
             if stats:
                 typer.echo(f"draft: {rt.draft_choice['reason']}", err=True)
-        code = run_chat(rt, system=system, show_draft=show_draft, show_stats=stats, request=req,
+        code = run_chat(rt, system=system, show_draft=show_draft, show_stats=stats, request=request,
                         title=f"ondevice chat · {model} · drafter {name}")
     if code:
         raise typer.Exit(code)

@@ -1,6 +1,6 @@
 """Models already on this machine (HF cache, LM Studio, Ollama) and their cheap facts.
 
-Facts come from GGUF headers (``gguf_meta``) and tokenizer files only (no weights are read): format, architecture,
+Facts come from GGUF headers (``ondevice.formats.gguf.read_header``) and tokenizer files only (no weights are read): format, architecture,
 quantization, size, vocabulary size and a vocabulary fingerprint (sha256 of the token texts in id
 order). They are cached in ``$ONDEVICE_HOME/fingerprints.json`` keyed by path, size and mtime, so a
 second listing reads no model file.
