@@ -49,7 +49,7 @@ def evict(path: Path) -> str:
 def cold_start(model_path: Path, repeats: int = 5, threads: int | None = None) -> dict:
     """Fresh process → first token, cold (evicted) and warm, mmap on/off, ours and raw llama-cpp-python.
 
-    Both runners get the same context (512) and the same threads (default: all cores), interleaved.
+    Both runners get the same context (512) and the same threads (default: ``ondevice.threads.default_threads``), interleaved.
     ``summary["ratio/…"]`` is ondevice ÷ raw for each condition (the target is ≤ 1.15).
     """
     rows = []
