@@ -9,7 +9,8 @@ output projection's / token embedding's tensor type as ``pull`` does (``iq4_nl+o
 decode and prefill tok/s and the verify curve (interleaved rounds, medians), quality against the most
 precise source available (teacher-forced top-1 agreement and mean KL on held-back text), and the
 speculative speedup each yields on grounded edits (n-gram ``auto``; with a draft, the pair) next to
-the n-gram oracle. It recommends the format with the most effective tok/s on grounded edits (decode
+the n-gram oracle, and the pass rate on the task set of ``ondevice.quality`` (does it still answer right).
+It recommends the format with the most effective tok/s on grounded edits (decode
 tok/s × n-gram speedup) among those within the quality budget, and says why.
 """
 
@@ -32,7 +33,7 @@ FORMATS = ("q8_0", "q4_0", "iq4_nl", "q4_k_m", "q4_1", "q5_0")  # what --formats
 def parse_formats(formats: list[str]) -> dict[str, tuple[str, str | None, str | None]]:
     """``--formats`` items → (format, output type, embedding type), keyed by the variant name as ``pull``
     spells it (``iq4_nl+out-iq4_nl``). Raises one line on an unknown format or tensor type."""
-    from converters.quantize import FTYPES, check_tensor_types
+    from converters.quant_types import FTYPES, check_tensor_types
     from ondevice.store import variants
 
     if not formats:
@@ -99,7 +100,8 @@ def _prefill_seconds(backend, n: int = 128) -> float:
 def _files(src: Path, name: str | None, formats: dict[str, tuple], tmp: Path, progress: Callable[[str], None]) -> dict:
     """variant name → (GGUF path, how it was made): the source itself, a cached local variant, or a fresh
     requantization (``formats``: ``parse_formats``)."""
-    from converters.quantize import MAIN_TYPE, precision, requantize_file
+    from converters.quant_types import MAIN_TYPE, precision
+    from converters.quantize import requantize_file
     from ondevice.store import catalog, variants
 
     prec = precision(src)
@@ -123,7 +125,8 @@ def _files(src: Path, name: str | None, formats: dict[str, tuple], tmp: Path, pr
 
 def advise(model: str, formats: list[str], *, draft: str | None = None, reference: str | None = None,
            classes=("edit",), per_class: int | None = 2, repeats: int = 1, max_tokens: int = 96, rounds: int = 3,
-           threads: int | None = None, progress: Callable[[str], None] | None = None) -> dict:
+           threads: int | None = None, progress: Callable[[str], None] | None = None,
+           tasks_per_class: int | None = None) -> dict:
     """Measure ``model`` requantized into each of ``formats``, side by side; recommend one.
 
     Args:
@@ -136,6 +139,8 @@ def advise(model: str, formats: list[str], *, draft: str | None = None, referenc
             requantizing, not the distance from the float model.
         classes, per_class, repeats, max_tokens: the speculative runs (``run_bench``).
         rounds: interleaved rounds of the cost measurement (medians are reported).
+        tasks_per_class: the task eval (``ondevice.quality``: pass rate next to top-1 / KL): at most this many
+            tasks of each class (None: all; 0: skip it).
     Returns:
         JSON document: per-format rows, the recommendation and why, the settings.
     """
@@ -163,7 +168,8 @@ def advise(model: str, formats: list[str], *, draft: str | None = None, referenc
                 finally:
                     b.close()
         rows = []
-        from converters.quantize import precision, quality
+        from converters.quality import quality
+        from converters.quant_types import precision
 
         for fmt in formats:
             path, how = files[fmt]
@@ -195,6 +201,14 @@ def advise(model: str, formats: list[str], *, draft: str | None = None, referenc
                                                                   "acceptance_rate", "plain_steps_share", "same_as_plain")}
                                for s in pair["summary"] if s["mode"] == "draft_auto"}
             rows.append(row)
+        if tasks_per_class != 0:  # what a user notices: does each format still answer right (side by side)
+            from ondevice.quality import evaluate
+
+            say("task eval: every format answers the quality tasks")
+            ev = evaluate([files[f][0] for f in formats], per_class=tasks_per_class, threads=threads)
+            for row, m in zip(rows, ev["models"], strict=True):
+                row["tasks"] = {k: m[k] for k in ("overall", "classes", "decode_tokens_per_second", "wall_seconds")}
+                row["pass_rate"] = m["overall"]["pass_rate"]
     pick, why = recommend(rows)
     ref_note = ("quality is measured against the source itself: the numbers are what requantizing costs relative "
                 "to it, not the distance from the float model" if ref == src else
@@ -211,18 +225,27 @@ def table(doc: dict) -> None:
     from rich.table import Table
 
     t = Table("format", "bpw", "decode tok/s", "prefill tok/s", "cost(4)", "cost(8)", "cost(16)", "top-1", "KL",
-              "n-gram × (edit)", "oracle", "pair ×", title=f"ondevice bench --formats · {Path(doc['config']['source']).name}")
+              "tasks ✓", "n-gram × (edit)", "oracle", "pair ×", title=f"ondevice bench --formats · {Path(doc['config']['source']).name}")
     for r in doc["formats"]:
         ng = (r.get("ngram") or {}).get("edit") or {}
         pair = (r.get("pair") or {}).get("edit") or {}
         f = lambda x, fmt: "" if x is None else format(x, fmt)  # noqa: E731
         t.add_row(r["format"], f(r["bits_per_weight"], ".2f"), f(r["decode_tokens_per_second"], ".1f"),
                   f(r["prefill_tokens_per_second"], ".0f"), *(f(r["verify_cost"][k], ".2f") for k in ("4", "8", "16")),
-                  f(r["top1_agreement"], ".1%"), f(r["mean_kl"], ".3f"), f(r.get("edit_speedup"), ".2f"),
+                  f(r["top1_agreement"], ".1%"), f(r["mean_kl"], ".3f"), _tasks_cell(r.get("tasks")),
+                  f(r.get("edit_speedup"), ".2f"),
                   f(ng.get("oracle_speedup"), ".2f"), f(pair.get("decode_speedup_vs_plain"), ".2f"))
     con = Console(stderr=True)
     con.print(t)
     con.print(f"recommended: {doc['recommendation']['why']}\n({doc['recommendation']['reference_note']})")
+
+
+def _tasks_cell(t: dict | None) -> str:
+    """passed/n and the pass rate with its 95 % Wilson interval, or blank when the task eval was skipped."""
+    if not t:
+        return ""
+    o = t["overall"]
+    return f"{o['passed']}/{o['n']} {o['pass_rate']:.0%} [{o['ci95'][0]:.0%}–{o['ci95'][1]:.0%}]"
 
 
 def plot(doc: dict, out_dir: Path) -> Path:

@@ -162,7 +162,7 @@ def test_wheel_ships_the_catalog(tmp_path):
     target = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(whl)], check=True,
                    capture_output=True)
-    code = "from ondevice import catalog; print(catalog._catalog_file()); print(len(catalog.names()))"
+    code = "from ondevice.store import catalog; print(catalog._catalog_file()); print(len(catalog.names()))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,
                          env={**os.environ, "PYTHONPATH": str(target)}, check=True).stdout.split()
     assert out[0].startswith(str(target)) and int(out[1]) >= 5

@@ -94,13 +94,14 @@ def test_advisor_end_to_end_on_a_tiny_model(tiny_gguf, tmp_path, monkeypatch):
 
     monkeypatch.setenv("ONDEVICE_HOME", str(tmp_path))
     doc = advise(str(tiny_gguf("qwen2", "q8_0")), ["q8_0", "q4_0"], classes=["edit"], per_class=1, max_tokens=8,
-                 rounds=1, threads=1)
+                 rounds=1, threads=1, tasks_per_class=1)
     rows = {r["format"]: r for r in doc["formats"]}
     assert rows["q8_0"]["made"] == "source" and rows["q8_0"]["top1_agreement"] == 1.0
     assert rows["q4_0"]["made"] == "requantized into a temp dir" and not list(tmp_path.glob("ondevice-formats-*"))
     for r in rows.values():
         assert r["decode_tokens_per_second"] > 0 and set(r["verify_cost"]) == {"2", "4", "8", "16"}
         assert r["ngram"]["edit"]["same_as_plain"] is True
+        assert r["tasks"]["overall"]["n"] == 4 and 0 <= r["pass_rate"] <= 1  # the task eval, one task per class
     assert doc["recommendation"]["format"] in rows and doc["recommendation"]["why"]
     assert plot(doc, tmp_path / "plots").is_file()
 

@@ -88,6 +88,23 @@ def test_the_cycle_finder_finds_a_planted_cycle():
     assert any({"ondevice.loader", "ondevice.runtime"} <= set(c) for c in _cycles(g))
 
 
+def test_every_internal_from_import_names_something_that_exists():
+    """``from ondevice.x import name`` inside a function is only checked when it runs: check them all here."""
+    missing = []
+    for m, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").startswith(PACKAGES):
+                try:
+                    mod = importlib.import_module(node.module)
+                except ImportError as e:
+                    if e.name and e.name.split(".")[0] in PACKAGES:
+                        missing.append(f"{m}:{node.lineno}: {node.module}")
+                    continue  # an optional heavy dependency (mlx, coremltools) missing here
+                missing += [f"{m}:{node.lineno}: {node.module}.{a.name}" for a in node.names
+                            if not hasattr(mod, a.name) and f"{node.module}.{a.name}" not in _modules()]
+    assert missing == []
+
+
 def test_only_the_cli_imports_converters():
     offenders = {m: sorted(d for d in deps if d.startswith("converters"))
                  for m, deps in _graph().items() if m.startswith("ondevice") and not m.startswith("ondevice.cli")}

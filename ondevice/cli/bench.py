@@ -34,12 +34,18 @@ def bench_cmd(
     plot: Annotated[Path | None, typer.Option("--plot", help="Write PNG plots into this directory.")] = None,
     link_latency: Annotated[float | None, typer.Option("--link-latency", help="With --synthetic: predict tok/s with the target sharded over --world-size machines on a link of this many ms per collective.")] = None,
     world_size: Annotated[int, typer.Option("--world-size", min=2, help="Machines for --link-latency.")] = 2,
+    quality: Annotated[bool, typer.Option("--quality", help="Task eval: MODEL[,MODEL...] answer the shipped tasks (code run in a sandbox, exact-match answers); pass rates side by side.")] = False,
 ) -> None:
     """Benchmark plain vs speculative decoding (and anchors) on the prompt suite; JSON + table + plots."""
     from ondevice.bench import run as bench
     from ondevice.bench import tools as bench_tools
     from ondevice.store import lookup
 
+    if quality:  # ondevice.quality: MODEL is a comma-separated list; --per-class / --json / --plot / --threads apply
+        from ondevice.quality.report import bench_quality
+
+        return bench_quality(_csv(model), json_path=json_path, plot_dir=plot, per_class=per_class, threads=threads,
+                             echo=typer.echo, progress=lambda m: typer.echo(m, err=True))
     if draft is None:
         pair = lookup.resolve_pair(model)
         if pair:

@@ -63,7 +63,7 @@ def generate_cmd(
         sys.stdout.write("\n")
 
 
-DEFAULT_CHAT_MODEL = "smollm2-135m-instruct"
+DEFAULT_CHAT_MODEL = "qwen2.5-coder-0.5b-instruct"  # chosen by pass rate, speed and size: docs/quality.md
 
 
 @command("chat")
@@ -82,7 +82,7 @@ def chat_cmd(
     stats: Annotated[bool, typer.Option("--stats", help="Print tok/s and acceptance after each answer.")] = False,
     request: GenerateRequest | None = None,
 ) -> None:
-    """Chat in the terminal (streaming). With no arguments: SmolLM2 with n-gram drafting. Piped stdin: one turn per line."""
+    """Chat in the terminal (streaming). With no arguments: Qwen2.5-Coder-0.5B-Instruct with n-gram drafting. Piped stdin: one turn per line."""
     from ondevice.cli.repl import run_chat
     from ondevice.loader import load
 
