@@ -236,7 +236,14 @@ def to_coreml(src: Path, out: Path, *, context: int = 512, compress: str = "int4
     except ImportError as e:
         raise OndeviceError("Core ML conversion needs coremltools: pip install 'ondevice[coreml]'") from e
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        SpinnerColumn,
+        TextColumn,
+        TimeElapsedColumn,
+    )
 
     t0 = time.perf_counter()
     cfg, weights, source_sha, write_tokenizer = open_source(Path(src))
@@ -245,8 +252,9 @@ def to_coreml(src: Path, out: Path, *, context: int = 512, compress: str = "int4
     if compress != "none" and cfg.hidden % BLOCK_SIZE:
         raise OndeviceError(f"{src}: hidden size {cfg.hidden} is not a multiple of {BLOCK_SIZE}; use --compress none")
     steps = [("decode", 1), ("prefill", chunk)]
-    bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), console=Console(stderr=True),
-                   disable=not progress, transient=True)
+    # a spinner and the elapsed time: one step (coremltools' convert) takes most of the minute
+    bar = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                   TimeElapsedColumn(), console=Console(stderr=True), disable=not progress, transient=True)
     task = bar.add_task("coreml", total=2 * len(steps) + 2)
     work = out / ".functions"
     work.mkdir()

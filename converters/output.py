@@ -16,9 +16,12 @@ from ondevice.errors import OndeviceError
 
 
 def check_out(out: Path) -> None:
-    """Refuse an existing non-empty ``out`` and an unwritable parent, before any work is done."""
+    """Refuse, before any work is done: an existing non-empty ``out``, an empty one that cannot be replaced at
+    the end (a mount point, a directory the OS will not move), and an unwritable parent."""
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise OndeviceError(f"{out}: already exists and is not empty; choose a new --out directory")
+    if out.is_dir():
+        _check_replaceable(out)
     parent = out.parent if str(out.parent) else Path(".")
     parent = parent.resolve()
     probe = parent
@@ -26,6 +29,20 @@ def check_out(out: Path) -> None:
         probe = probe.parent
     if not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK):
         raise OndeviceError(f"{out}: cannot write to {probe}; choose a writable --out directory")
+
+
+def _check_replaceable(out: Path) -> None:
+    """The output is written beside ``out`` and renamed onto it at the end: an existing empty ``out`` must be
+    one that can be removed. Probed now by moving it aside and back (the same rename the end does)."""
+    hint = f"choose a directory inside it (e.g. --out {out / 'model'}) or a new one"
+    if os.path.ismount(out):
+        raise OndeviceError(f"{out}: is a mount point, which cannot be replaced by the output; {hint}")
+    aside = out.parent / f".{out.name}.{secrets.token_hex(6)}.probe"
+    try:
+        os.rename(out, aside)
+    except OSError as e:
+        raise OndeviceError(f"{out}: cannot be replaced by the output ({e.strerror or e}); {hint}") from None
+    os.rename(aside, out)
 
 
 def _new_temp_dir(out: Path) -> Path:

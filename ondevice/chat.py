@@ -1,31 +1,52 @@
-"""Chat templates rendered in a jinja2 sandbox (a template cannot reach Python internals)."""
+"""Chat messages and templates: messages normalised as the OpenAI API sends them, rendered with the model's
+jinja template in a sandboxed worker with a time, memory, output and recursion budget
+(``ondevice.templates``: a template is untrusted input)."""
 
 from __future__ import annotations
 
-import datetime
 from collections.abc import Sequence
-from functools import lru_cache
+from typing import Any
 
 from ondevice.errors import OndeviceError
 from ondevice.params import GenerateRequest
 
 
-def _raise(message: str):
-    raise OndeviceError(f"chat template error: {message}")
+def message_text(content: Any, where: str = "message") -> str:
+    """A message's ``content`` as text: None → "", a string, or a list of text parts joined (OpenAI's forms).
+
+    Raises:
+        OndeviceError: a non-text part (image, audio) or another type.
+    """
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for p in content:
+            if not (isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)):
+                kind = p.get("type") if isinstance(p, dict) else type(p).__name__
+                raise OndeviceError(f"{where}: content part of type {kind!r} is not supported (text only)")
+            parts.append(p["text"])
+        return "".join(parts)
+    raise OndeviceError(f"{where}.content must be a string or a list of text parts, not {type(content).__name__}")
 
 
-@lru_cache(maxsize=8)
-def _compile(template: str):
-    from jinja2.exceptions import TemplateError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+def normalize_messages(messages: Sequence[dict]) -> list[dict]:
+    """``messages`` → a non-empty list of {role, content: str} (other keys kept; 'developer' → 'system').
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.globals["raise_exception"] = _raise
-    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
-    try:
-        return env.from_string(template)
-    except TemplateError as e:
-        raise OndeviceError(f"chat template does not compile: {e}") from e
+    Raises:
+        OndeviceError: not a non-empty list, a message without a 'role' string, or content that is not text.
+    """
+    if isinstance(messages, str | bytes | dict) or not isinstance(messages, Sequence) or not messages:
+        raise OndeviceError("messages must be a non-empty list of {'role', 'content'} dicts")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise OndeviceError(f"messages[{i}] must be a dict with a 'role' string (and 'content'), not {m!r:.80}")
+        role = "system" if m["role"] == "developer" else m["role"]
+        out.append({**m, "role": role, "content": message_text(m.get("content"), f"messages[{i}]")})
+    return out
 
 
 def render(
@@ -35,27 +56,25 @@ def render(
     add_generation_prompt: bool = True,
     bos_token: str = "",
     eos_token: str = "",
+    source: str = "this model",
 ) -> str:
-    """Render ``messages`` ([{role, content}]) with the model's jinja chat template.
+    """Render ``messages`` ([{role, content}]) with the model's jinja chat template, within a budget.
 
+    Args:
+        template: the jinja source from the model's metadata.
+        messages: the conversation (see ``normalize_messages`` for the accepted forms).
+        add_generation_prompt, bos_token, eos_token: template variables.
+        source: the model file, named in errors.
     Raises:
-        OndeviceError: no template, a template error, or a template that tries to escape the sandbox.
+        OndeviceError: no template, bad messages, or a template that fails, tries to escape the sandbox,
+            or exceeds its time, memory, output or recursion budget.
     """
-    from jinja2.exceptions import SecurityError, TemplateError
+    from ondevice import templates
 
     if not template:
-        raise OndeviceError("this model has no chat template in its metadata; use generate with a plain prompt")
-    for m in messages:
-        if not isinstance(m, dict) or "role" not in m or "content" not in m:
-            raise OndeviceError(f"chat message {m!r} needs 'role' and 'content'")
-    try:
-        return _compile(template).render(
-            messages=list(messages), add_generation_prompt=add_generation_prompt, bos_token=bos_token, eos_token=eos_token
-        )
-    except SecurityError as e:
-        raise OndeviceError(f"chat template rejected by the sandbox: {e}") from e
-    except TemplateError as e:
-        raise OndeviceError(f"chat template failed to render: {e}") from e
+        raise OndeviceError(f"{source} has no chat template in its metadata; use generate with a plain prompt")
+    return templates.render(template, normalize_messages(messages), source=source,
+                            add_generation_prompt=add_generation_prompt, bos_token=bos_token, eos_token=eos_token)
 
 
 class ChatSession:
@@ -78,23 +97,42 @@ class ChatSession:
         self.turns: list[tuple[str, str]] = []  # (user, assistant)
         self.dropped = 0  # turns dropped to fit the context
 
-    def messages(self, user: str | None = None) -> list[dict]:
+    def messages(self, user: str | None = None, *, history: bool = True) -> list[dict]:
+        """The conversation as chat messages: the system prompt, the kept turns (unless not ``history``) and
+        ``user``."""
         msgs = [{"role": "system", "content": self.system}] if self.system else []
-        for u, a in self.turns:
+        for u, a in self.turns if history else []:
             msgs += [{"role": "user", "content": u}, {"role": "assistant", "content": a}]
         if user is not None:
             msgs.append({"role": "user", "content": user})
         return msgs
 
     def prompt_ids(self, user: str) -> list[int]:
-        """Token ids for the next answer, dropping the oldest turns while the prompt would not fit."""
-        budget = self.rt.n_ctx - self.request.max_tokens
-        while True:
-            ids = self.rt.render_chat(self.messages(user))
-            if len(ids) <= budget or not self.turns:
-                return ids
+        """Token ids for the next answer, dropping the oldest turns while the prompt would not fit.
+
+        Raises:
+            OndeviceError: ``user`` does not fit the context even without history; the session (its earlier
+                turns) is left as it was, so the caller can report it and go on with the next turn.
+        """
+        n_ctx = self.rt.n_ctx
+        budget = n_ctx - self.request.max_tokens
+        ids = self.rt.render_chat(self.messages(user))
+        if len(ids) <= budget or not self.turns:
+            return self._check_fits(ids)
+        alone = self.rt.render_chat(self.messages(user, history=False))
+        if len(alone) >= n_ctx:
+            self._check_fits(alone)
+        while len(ids) > budget and self.turns:
             self.turns.pop(0)
             self.dropped += 1
+            ids = self.rt.render_chat(self.messages(user))
+        return self._check_fits(ids)
+
+    def _check_fits(self, ids: list[int]) -> list[int]:
+        if len(ids) >= self.rt.n_ctx:
+            raise OndeviceError(f"this message is too long: the prompt would be {len(ids)} tokens but the context "
+                                f"(n_ctx) is {self.rt.n_ctx}; shorten it or raise --n-ctx (the conversation is kept)")
+        return ids
 
     def ask(self, user: str):
         """Start the answer to ``user``; returns the ``Stream``. Call ``commit`` when it is done."""

@@ -141,13 +141,19 @@ def batch_width(target: Backend) -> int:
     return max(1, int(target.chunk))
 
 
+class ProbeCancelled(Exception):
+    """The probe was cancelled (``measure``'s ``cancelled`` returned True); nothing was measured or cached."""
+
+
 def measure(target: Backend, draft: Backend | None = None, *, ks=PROBE_KS, reps: int = 5,
-            context_tokens: int = PROBE_CONTEXT, attempts: int = 3) -> Costs:
+            context_tokens: int = PROBE_CONTEXT, attempts: int = 3, cancelled=None) -> Costs:
     """Time the target on k-token batches after a ``context_tokens`` prefix (and one draft token).
 
     The probe is sized to the contexts (``probe_shape``) and repeated (up to ``attempts`` times) while its
     curve is not ``plausible``; the last attempt is returned either way. Both caches are left empty whatever
     happens, an error or Ctrl-C included (callers forget their bookkeeping before calling, e.g. ``Runtime``).
+    ``cancelled`` (a callable) is asked between timed passes: when it returns True the probe stops with
+    ``ProbeCancelled`` (a request cancelled by a shutdown does not wait for a probe of seconds).
     """
     import statistics  # lazily: a cold start needs neither decimal nor fractions
 
@@ -164,6 +170,8 @@ def measure(target: Backend, draft: Backend | None = None, *, ks=PROBE_KS, reps:
             # then shifts the whole curve, not its shape.
             times: dict[int, list[float]] = {k: [] for k in ks}
             for _ in range(reps):
+                if cancelled is not None and cancelled():
+                    raise ProbeCancelled
                 for k in ks:
                     times[k].append(_time_eval(target, ids, ids[context_tokens : context_tokens + k], 1))
             c.target_seconds = {k: statistics.median(v) for k, v in times.items()}
@@ -208,7 +216,7 @@ def _read(path: Path) -> dict:
         return {}
 
 
-def cached_measure(target: Backend, draft: Backend | None = None) -> Costs:
+def cached_measure(target: Backend, draft: Backend | None = None, cancelled=None) -> Costs:
     """``measure``, cached in ``$ONDEVICE_HOME/costs.json`` per (model files, threads, device, probe shape);
     an implausible curve (a probe on a swamped machine) is neither cached nor read back."""
     from ondevice.store import catalog
@@ -221,7 +229,7 @@ def cached_measure(target: Backend, draft: Backend | None = None) -> Costs:
         cached = Costs({int(k): v for k, v in e["target_seconds"].items()}, e["draft_seconds"])
         if plausible(cached.target_seconds, batch_width(target)):
             return cached
-    c = measure(target, draft, reps=7)
+    c = measure(target, draft, reps=7, cancelled=cancelled)
     if not plausible(c.target_seconds, batch_width(target)):
         return c  # used for this process only (the policy refines it step by step); never cached
     cache = _read(path)  # re-read: another process may have added entries meanwhile

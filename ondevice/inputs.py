@@ -67,3 +67,19 @@ def integer(name: str, value, minimum: int, hint: str = "") -> int:
     if not ok or not math.isfinite(value) or int(value) != value or value < minimum:
         raise OndeviceError(f"{name}={value!r}: must be an integer >= {minimum}{hint}")
     return int(value)
+
+
+def why_missing(path) -> str:
+    """Why ``path`` cannot be opened, in words: "a symlink loop", "a broken link to X" or "no such file"."""
+    import errno
+    import os
+
+    try:
+        os.stat(path)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return "a symlink loop (its links lead back to themselves); fix or remove the link"
+        if os.path.islink(path):
+            return f"a broken link to {os.readlink(path)}"
+        return "no such file"
+    return "not a regular file"

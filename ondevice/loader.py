@@ -40,7 +40,7 @@ def load(
         drafter: "model" (needs a draft), "ngram" (prompt lookup) or "none" (plain decoding).
             Default: "model" when a draft is given, else "ngram".
         n_ctx: context length of the caches.
-        threads: CPU threads (default: all cores).
+        threads: CPU threads (default: the physical cores other processes leave free at load; see ``ondevice.threads``).
         device: 'gpu' | 'cpu' | None: where MLX runs (default Metal when available) and whether
             llama.cpp offloads layers; 'mil': a Core ML package runs in the MIL interpreter.
         mmap: memory-map GGUF weights (the default; False reads them into memory).

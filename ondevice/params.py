@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
+from numbers import Real
 from typing import Any
 
 from ondevice import inputs
@@ -69,6 +70,11 @@ class SamplingParams:
     def __post_init__(self) -> None:
         def bad(name: str, value: Any, rule: str) -> None:
             raise OndeviceError(f"invalid sampling parameter {name}={value!r}: {rule}")
+
+        for f in fields(self):  # a number of any kind (numpy scalars too), never a string or bool
+            v = getattr(self, f.name)
+            if not (v is None and f.name == "seed") and (isinstance(v, bool | str | bytes) or not isinstance(v, Real)):
+                bad(f.name, v, "must be a number" + (" or None" if f.name == "seed" else ""))
 
         if not math.isfinite(self.temperature) or self.temperature < 0:
             bad("temperature", self.temperature, "must be a finite number >= 0 (0 = greedy)")

@@ -10,7 +10,7 @@ import numpy as np
 
 from ondevice import inputs
 from ondevice.backends.base import Backend
-from ondevice.costs import Costs
+from ondevice.costs import Costs, ProbeCancelled
 from ondevice.drafters import Drafter, _common_prefix
 from ondevice.errors import OndeviceError
 from ondevice.params import GenerateRequest
@@ -43,6 +43,7 @@ class Runtime:
         self._owner: int | None = None  # the thread whose request holds the slot
         self._current: Request | None = None
         self._closed = False
+        self._closing = False  # set first by close(): requests still waiting for the slot then refuse to run
         self._kv: list[int] = []  # a prefix of the ids whose K/V the target cache holds
         self.observer = None  # optional verify observer (benchmarks): see speculative.steps
         self.last_stats: Stats | None = None  # statistics of the last finished request
@@ -59,8 +60,10 @@ class Runtime:
         """Cancel any running stream, wait for it, then free native memory (both models).
 
         Idempotent. Every later call raises a clear ``OndeviceError``, also in threads that were
-        waiting for their turn when the runtime was closed.
+        waiting for their turn when the runtime was closed: they never run, and ``close()`` does not wait
+        for them.
         """
+        self._closing = True
         self.cancel()
         if not self._enter(None, closing=True):
             return
@@ -128,17 +131,31 @@ class Runtime:
         return Result(s.text, s.tokens, s.stats)
 
     def chat(self, messages: Sequence[dict], request: GenerateRequest | None = None, **options) -> Result:
-        """Render ``messages`` with the model's chat template, then ``generate``."""
+        """Render ``messages`` with the model's chat template, then ``generate``.
+
+        ``messages``: a non-empty list of {role, content}; content is a string, None (empty) or a list of
+        OpenAI text parts (joined), as the server accepts them.
+        """
+        if request is None:
+            request = GenerateRequest.of(**options)  # bad options fail before the template renders
+            options = {}
         return self.generate(self.render_chat(messages), request, **options)
 
     def render_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of ``messages`` rendered with the model's chat template (an untrusted template renders in
+        a worker process with a time, memory, output and recursion budget: ``ondevice.templates``).
+
+        Raises:
+            OndeviceError: bad messages, no template, or a template that fails or exceeds its budget.
+        """
         from ondevice.chat import render
 
         t = self.target
         with self._lock:
             self._check_open()
             bos = t.token_bytes(t.bos_id).decode("utf-8", "replace") if t.bos_id is not None else ""
-        text = render(t.chat_template, messages, add_generation_prompt=add_generation_prompt, bos_token=bos)
+        text = render(t.chat_template, messages, add_generation_prompt=add_generation_prompt, bos_token=bos,
+                      source=str(t.path))
         return self.tokenize(text, add_bos=not (bos and text.startswith(bos)))
 
     def reset(self) -> None:
@@ -196,11 +213,11 @@ class Runtime:
         thread left unfinished. Returns False (slot not taken) when closing a closed runtime."""
         self._supersede()
         self._slot.acquire()
-        if self._closed:
+        if self._closed or (self._closing and not closing):
             self._slot.release()
             if closing:
                 return False
-            self._check_open()
+            raise OndeviceError("this Runtime is closed; load() a new one")
         self._owner = threading.get_ident()
         self._current = req
         return True
@@ -211,19 +228,20 @@ class Runtime:
         self._slot.release()
 
     # -- the loop --------------------------------------------------------------------------------
-    def _policy(self, gamma, stats: Stats):
-        """FixedGamma(γ), or the runtime's adaptive policy (measuring costs on first use)."""
+    def _policy(self, gamma, stats: Stats, cancelled=None):
+        """FixedGamma(γ), or the runtime's adaptive policy (measuring costs on first use; ``cancelled`` stops
+        that probe with ``ProbeCancelled``)."""
         if gamma != "auto":
             return FixedGamma(int(gamma))
         if self._adaptive is None:
             t0 = time.perf_counter()
             with self._lock:
-                costs = self._costs()
+                costs = self._costs(cancelled)
             self._adaptive = AdaptivePolicy(costs, self.drafter.name)
             stats.probe_seconds = time.perf_counter() - t0
         return self._adaptive
 
-    def _costs(self) -> Costs:
+    def _costs(self, cancelled=None) -> Costs:
         """Measured costs, cached on disk per model files, device and threads (a probe of a few seconds).
 
         The probe fills both caches with synthetic tokens: the bookkeeping is emptied first, and the
@@ -234,7 +252,7 @@ class Runtime:
         self._kv = []
         if self.drafter is not None:
             self.drafter.reset()
-        return cached_measure(self.target, self.drafter.backend if self.drafter is not None else None)
+        return cached_measure(self.target, self.drafter.backend if self.drafter is not None else None, cancelled)
 
     def _prefill(self, ids: list[int]) -> int:
         """Make the target cache hold ``ids[:-1]``, reusing the longest cached prefix. Returns tokens reused."""
@@ -258,7 +276,11 @@ class Runtime:
         stats.drafter = self.drafter.name if use_draft else "none"
         t_start = t_first = None
         try:
-            policy = self._policy(gamma, stats) if use_draft else FixedGamma(0)
+            try:
+                policy = self._policy(gamma, stats, out.cancel_event.is_set) if use_draft else FixedGamma(0)
+            except ProbeCancelled:  # cancelled (e.g. a server shutting down) while measuring costs
+                stats.stop_reason = "cancelled"
+                return
             t_start = time.perf_counter()
             context = list(ids)
             with self._lock:

@@ -203,7 +203,9 @@ class TextAssembler:
         return self._release(final=False)
 
     def flush(self) -> str:
-        self.text += self._dec.decode(b"", final=True)
+        """The end (EOS, a stop, a token limit, a cut): release the rest. An incomplete UTF-8 sequence left at
+        the end (a character cut in the middle by ``max_tokens``) is dropped, never shown as U+FFFD."""
+        self._dec.reset()
         return self._release(final=True)
 
     def _stop_prefix(self, s: str) -> int:

@@ -8,6 +8,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from skipcheck import (  # noqa: F401
+    pytest_collectreport,
+    pytest_runtest_logreport,
+    pytest_sessionfinish,
+    pytest_terminal_summary,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 

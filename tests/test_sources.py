@@ -420,6 +420,7 @@ def fake_hub(stores, models, monkeypatch):
     monkeypatch.setattr(huggingface_hub.HfApi, "list_repo_files", list_repo_files)
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", hf_hub_download)
     monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    monkeypatch.setattr("ondevice.store.network.check_reachable", lambda *a, **kw: None)  # the fake hub is reachable
     return {"calls": calls, "fail": fail, "hub": stores["hub"]}
 
 

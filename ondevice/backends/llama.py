@@ -23,6 +23,7 @@ import numpy as np
 from ondevice.backends.base import Backend, check_room
 from ondevice.errors import OndeviceError
 from ondevice.formats.gguf import check_gguf_file
+from ondevice.threads import default_threads
 
 _LOG_CB = None
 
@@ -50,7 +51,8 @@ class LlamaBackend(Backend):
     Args:
         path: the .gguf file.
         n_ctx: context length of the KV cache.
-        threads: CPU threads for decode and batches (default: all cores).
+        threads: CPU threads for decode and batches (default: ``ondevice.threads.default_threads``, the
+            physical cores other processes leave free when the model loads).
         n_batch: most tokens per llama_decode call.
         mmap, mlock: how the weights are loaded.
         device: 'cpu' keeps every layer on the CPU; 'gpu' offloads all; None is llama.cpp's default.
@@ -96,7 +98,7 @@ class LlamaBackend(Backend):
         self._vocab = llama_cpp.llama_model_get_vocab(self._model)
         self.vocab_size = int(llama_cpp.llama_vocab_n_tokens(self._vocab))
         self.n_swa = int(llama_cpp.llama_model_n_swa(self._model))
-        self.threads = int(threads or os.cpu_count() or 1)
+        self.threads = int(threads or default_threads())
         self.n_batch = int(n_batch)
         cp = llama_cpp.llama_context_default_params()
         cp.n_ctx = int(n_ctx)

@@ -19,6 +19,7 @@ from ondevice.bench.oracle import oracle_speedup
 from ondevice.costs import Costs, measure, speedup_bound
 from ondevice.errors import OndeviceError
 from ondevice.params import GenerateRequest, gamma_value
+from ondevice.threads import default_threads
 
 CLASSES = ("code", "edit", "summary", "chat")
 PROMPTS_DIR = Path(__file__).resolve().parents[2] / "scripts" / "prompts"
@@ -163,7 +164,7 @@ def run_bench(
     """
     from ondevice.loader import load
 
-    threads = threads or os.cpu_count() or 1
+    threads = threads or default_threads()
     gammas = _gammas(gamma)
     prompts = load_prompts(classes, prompts_dir, per_class)
     runtimes = {"plain": load(model, drafter="none", threads=threads, n_ctx=n_ctx)}

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from ondevice.errors import OndeviceError
+from ondevice.threads import default_threads
 
 _COLD = r"""
 import sys, time, json
@@ -48,12 +49,12 @@ def evict(path: Path) -> str:
 def cold_start(model_path: Path, repeats: int = 5, threads: int | None = None) -> dict:
     """Fresh process → first token, cold (evicted) and warm, mmap on/off, ours and raw llama-cpp-python.
 
-    Both runners get the same context (512) and the same threads (default: all cores), interleaved.
+    Both runners get the same context (512) and the same threads (default: ``ondevice.threads.default_threads``), interleaved.
     ``summary["ratio/…"]`` is ondevice ÷ raw for each condition (the target is ≤ 1.15).
     """
     rows = []
     method = None
-    threads = threads or os.cpu_count() or 1
+    threads = threads or default_threads()
     for rep in range(repeats):
         for kind in ("ondevice", "llama_cpp"):
             for mmap in (True, False):

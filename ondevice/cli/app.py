@@ -34,7 +34,7 @@ def _fail(message: str, code: int = 2) -> None:
     from rich.console import Console
     from rich.markup import escape
 
-    Console(stderr=True, highlight=False).print(f"[bold red]error:[/bold red] {escape(message)}", soft_wrap=True)
+    Console(stderr=True, highlight=False, emoji=False).print(f"[bold red]error:[/bold red] {escape(message)}", soft_wrap=True)
     raise typer.Exit(code)
 
 
@@ -117,7 +117,7 @@ DeviceOpt = Annotated[str | None, typer.Option("--device", help="gpu | cpu | mil
                                                 "mil runs a Core ML package's program in the MIL interpreter).")]
 DraftDeviceOpt = Annotated[str | None, typer.Option("--draft-device", help="gpu | cpu | mil for the draft (default: "
                                                      "--device; a Core ML draft stays on the Neural Engine).")]
-ThreadsOpt = Annotated[int | None, typer.Option("--threads", min=1, help="CPU threads (default: all cores).")]
+ThreadsOpt = Annotated[int | None, typer.Option("--threads", min=1, help="CPU threads (default: the physical cores not busy with other processes at load).")]
 
 
 # The options of one GenerateRequest: the API's names and defaults (ondevice.params), in --help order.

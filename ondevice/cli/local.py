@@ -9,6 +9,17 @@ def _mb(size) -> str:
     return f"{size / 1e6:.1f} MB" if size else ""
 
 
+def row(m: dict) -> list[str]:
+    """One model's cells (name, format, arch, quant, size, vocab, fingerprint); a model that cannot be read has
+    its error under its name, the other columns empty."""
+    from rich.markup import escape
+
+    if "error" in m:
+        return [f"{escape(m['name'])}\n[red]{escape(m['error'])}[/red]", "[red]error[/red]", "", "", "", "", ""]
+    return [escape(m["name"]), m["format"], str(m["arch"]), str(m["quant"]), _mb(m["size"]), str(m["vocab_size"]),
+            m["fingerprint"]]
+
+
 def show_local(json_out: bool, target: str | None = None) -> None:
     """Print every local model (HF cache, LM Studio, Ollama); with ``target``, also its candidate drafts."""
     from ondevice.store import discovery, lookup, sources
@@ -32,11 +43,7 @@ def show_local(json_out: bool, target: str | None = None) -> None:
     t = Table(Column("name", overflow="fold"), "format", "arch", "quant", "size", "vocab", "fingerprint",
               title="local models")
     for m in models:
-        if "error" in m:
-            t.add_row(m["name"], "[red]error[/red]", m["error"], "", "", "", "")
-        else:
-            t.add_row(m["name"], m["format"], str(m["arch"]), str(m["quant"]), _mb(m["size"]), str(m["vocab_size"]),
-                      m["fingerprint"])
+        t.add_row(*row(m))
     console = Console()
     console.print(t)
     console.print(f"[dim]looked in: HF cache {doc['stores']['hf']}; LM Studio {', '.join(doc['stores']['lmstudio'])}; "

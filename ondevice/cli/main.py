@@ -93,8 +93,10 @@ def chat_cmd(
             name += f" (auto: {rt.draft_choice['draft'] or 'ngram'})"
             if stats:
                 typer.echo(f"draft: {rt.draft_choice['reason']}", err=True)
-        run_chat(rt, system=system, show_draft=show_draft, show_stats=stats, request=request,
-                 title=f"ondevice chat · {model} · drafter {name}")
+        code = run_chat(rt, system=system, show_draft=show_draft, show_stats=stats, request=request,
+                        title=f"ondevice chat · {model} · drafter {name}")
+    if code:
+        raise typer.Exit(code)
 
 
 @command("serve")

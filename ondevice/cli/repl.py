@@ -10,7 +10,7 @@ from ondevice.chat import ChatSession
 from ondevice.errors import OndeviceError
 from ondevice.params import GenerateRequest
 
-HELP = "/reset clears the history · /stats shows the last answer's statistics · /exit quits · Ctrl-C stops an answer"
+HELP = "/help shows this · /reset clears the history · /stats shows the last answer's statistics · /exit quits · Ctrl-C stops an answer"
 
 
 @contextmanager
@@ -45,12 +45,19 @@ def _lines(stdin):
 
 
 def run_chat(runtime, *, system: str | None, show_draft: bool, show_stats: bool, request: GenerateRequest,
-             title: str) -> None:
-    """Run the chat loop until /exit, EOF or (at the prompt) Ctrl-C."""
-    from rich.console import Console
+             title: str) -> int:
+    """Run the chat loop until /exit, EOF or (at the prompt) Ctrl-C.
 
-    out = Console(highlight=False, soft_wrap=True)
-    err = Console(stderr=True, highlight=False, soft_wrap=True)
+    A turn that fails (too long for the context, a broken chat template) is reported in one line and the
+    session goes on with the next turn, its history kept. Returns the exit status: 0, or 1 when a turn of
+    piped input was refused.
+    """
+    from rich.console import Console
+    from rich.markup import escape
+
+    out = Console(highlight=False, soft_wrap=True, emoji=False)
+    err = Console(stderr=True, highlight=False, soft_wrap=True, emoji=False)
+    refused = 0
     session = ChatSession(runtime, system=system, request=request)
     interactive = sys.stdin.isatty()
     warned = False
@@ -70,6 +77,9 @@ def run_chat(runtime, *, system: str | None, show_draft: bool, show_stats: bool,
             line = next(lines, None)
             if line is None:
                 break
+        if line in ("/help", "/?"):
+            err.print(HELP)
+            continue
         if line in ("/exit", "/quit", "/bye"):
             break
         if line == "/reset":
@@ -83,7 +93,15 @@ def run_chat(runtime, *, system: str | None, show_draft: bool, show_stats: bool,
         if line.startswith("/") and " " not in line:
             err.print(f"[yellow]unknown command {line}[/yellow] · {HELP}")
             continue
-        stream = session.ask(line)
+        try:
+            stream = session.ask(line)
+        except OndeviceError as e:
+            err.print(f"[bold red]error:[/bold red] {escape(str(e).splitlines()[0])}")
+            refused += 1
+            continue
+        except KeyboardInterrupt:  # Ctrl-C while the prompt renders: stop this turn, not the chat
+            err.print("[dim](stopped)[/dim]")
+            continue
         if session.dropped and not warned:
             err.print("[yellow]the conversation outgrew the context: dropping the oldest turns (the system prompt stays)[/yellow]")
             warned = True
@@ -99,3 +117,4 @@ def run_chat(runtime, *, system: str | None, show_draft: bool, show_stats: bool,
         session.commit(line, "".join(answer))
         if show_stats:
             err.print(f"[dim]{_stats_line(stream.stats)}[/dim]")
+    return 1 if refused and not interactive else 0

@@ -119,7 +119,8 @@ class DistributedRuntime(Runtime):
                 self._request({"op": "close"})
             super().close()
 
-    def _costs(self):
+    def _costs(self, cancelled=None):
+        """The probe on every rank; never cancelled half-way (every rank must run the same passes)."""
         from ondevice.costs import Costs, measure
 
         draft = self.drafter.backend if self.drafter is not None else None
@@ -134,7 +135,7 @@ class DistributedRuntime(Runtime):
         self._probe = (self.world.collectives - c0, self.target.forwards - f0)  # left out of the request's stats
         return Costs({int(k): v for k, v in shared["t"].items()}, shared["d"])
 
-    def _policy(self, gamma, stats):
+    def _policy(self, gamma, stats, cancelled=None):
         policy = super()._policy(gamma, stats)
         return SyncedPolicy(policy, self.world) if gamma == "auto" else policy
 

@@ -81,7 +81,7 @@ def read_header(path: str | Path) -> tuple[dict, list[str] | None]:
         raise OndeviceError(f"{path}: {path.stat().st_size} bytes, too short for a GGUF header (an interrupted download?)")
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
         try:
-            return _parse(mm, path)
+            return _parse(mm, path)[:2]
         except struct.error:
             raise OndeviceError(f"{path}: GGUF header runs past the end of the file ({len(mm)} bytes; "
                                 "truncated, e.g. an interrupted download)") from None
@@ -89,7 +89,47 @@ def read_header(path: str | Path) -> tuple[dict, list[str] | None]:
             raise OndeviceError(f"{path}: corrupt GGUF header ({type(e).__name__}: {e})") from e
 
 
-def _parse(buf, path: Path) -> tuple[dict, list[str] | None]:
+def check_tensor_data(path: str | Path) -> None:
+    """Fail unless the file holds every tensor its header lists (a download truncated inside the tensor data
+    still has a readable header).
+
+    Raises:
+        OndeviceError: a corrupt header, or tensor data that runs past the end of the file.
+    """
+    import gguf
+
+    path = Path(path)
+    size = path.stat().st_size
+    read_header(path)  # the header's own errors first
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        meta, _, pos = _parse(mm, path)
+        end = "<" if struct.unpack_from("<I", mm, 4)[0] < 0x10000 else ">"
+        n_tensors = struct.unpack_from(end + "Q", mm, 8)[0]
+        extent = 0
+        try:
+            for _ in range(n_tensors):
+                n = struct.unpack_from(end + "Q", mm, pos)[0]
+                pos += 8 + n
+                n_dims = struct.unpack_from(end + "I", mm, pos)[0]
+                dims = struct.unpack_from(end + "Q" * n_dims, mm, pos + 4)
+                pos += 4 + 8 * n_dims
+                ttype, offset = struct.unpack_from(end + "IQ", mm, pos)
+                pos += 12
+                block, nbytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ttype)]
+                count = 1
+                for d in dims:
+                    count *= d
+                extent = max(extent, offset + count // block * nbytes)
+        except (struct.error, ValueError, KeyError) as e:
+            raise OndeviceError(f"{path}: corrupt or truncated GGUF tensor table ({type(e).__name__})") from None
+    align = int(meta.get("general.alignment", 32)) or 32
+    data = (pos + align - 1) // align * align
+    if data + extent > size:
+        raise OndeviceError(f"{path}: truncated: its tensor data ends at byte {data + extent} but the file has "
+                            f"{size} bytes (an interrupted download?); download it again")
+
+
+def _parse(buf, path: Path) -> tuple[dict, list[str] | None, int]:
     if bytes(buf[:4]) != b"GGUF":
         raise OndeviceError(f"{path}: not a GGUF file (no GGUF magic)")
     end = "<" if struct.unpack_from("<I", buf, 4)[0] < 0x10000 else ">"  # big-endian files exist, rarely
@@ -142,13 +182,16 @@ def _parse(buf, path: Path) -> tuple[dict, list[str] | None]:
             raise OndeviceError(f"{path}: GGUF key {key!r} has unknown value type {vtype}")
         if pos > len(buf):
             raise OndeviceError(f"{path}: GGUF header runs past the end of the file (truncated)")
-    return meta, tokens
+    return meta, tokens, pos
 
 
 def check_gguf_file(path: Path) -> None:
     """Fail with one line naming the file unless it starts like a GGUF."""
     if not path.is_file():
-        raise OndeviceError(f"{path}: no such model file")
+        from ondevice.inputs import why_missing
+
+        why = why_missing(path)
+        raise OndeviceError(f"{path}: {'no such model file' if why == 'no such file' else why}")
     with open(path, "rb") as f:
         head = f.read(8)
     if head[:4] != b"GGUF":

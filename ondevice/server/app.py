@@ -31,6 +31,7 @@ from ondevice.server.openai_api import (
     chat_messages,
     check_context,
     completion_prompt,
+    cut_short,
     generation_args,
 )
 
@@ -158,7 +159,7 @@ class Server:
                 raise ApiError(400, "'stream' must be true or false", param="stream")
             opts = body.get("stream_options") or {}
             with_usage = bool(isinstance(opts, dict) and opts.get("include_usage"))
-            ids = await self._prompt_ids(body, chat)
+            ids = await asyncio.to_thread(self._prompt_ids, body, chat)  # an untrusted template renders off the loop
             req = generation_args(body, len(ids), self.rt.n_ctx)
         except ApiError as e:
             return _error(e)
@@ -169,7 +170,9 @@ class Server:
             return SSEResponse(self, ids, req, reply, with_usage)
         return await self._whole(request, ids, req, reply)
 
-    async def _prompt_ids(self, body: dict, chat: bool) -> list[int]:
+    def _prompt_ids(self, body: dict, chat: bool) -> list[int]:
+        """The request's prompt as token ids (in a worker thread: tokenizing waits for the runtime's lock and a
+        chat template renders in its own budgeted process)."""
         try:
             if chat:
                 ids = self.rt.render_chat(chat_messages(body))
@@ -221,6 +224,9 @@ class Server:
                 await collect
                 return Response(status_code=499)
             collect.result()
+            cut = cut_short(job.stats)
+            if cut is not None:
+                return _error(cut)
             return JSONResponse(reply.whole("".join(text), job.stats))
         except ApiError as e:
             return _error(e)
@@ -296,6 +302,11 @@ class SSEResponse:
                     await send({"type": "http.response.body", "body": b"".join(out), "more_body": True})
                     out = []
                     piece = await anext(events, None)
+                cut = cut_short(job.stats)
+                if cut is not None:  # an error event and no [DONE]: the client must not keep this as complete
+                    await send({"type": "http.response.body", "body": b"".join(out) + _sse(cut.body()),
+                                "more_body": False})
+                    return
                 out += [_sse(o) for o in r.last(job.stats, u)]
             except Exception as e:  # noqa: BLE001 - after the headers: report in-band, as OpenAI does
                 msg = str(e) if isinstance(e, OndeviceError) else f"internal error: {type(e).__name__}: {e}"

@@ -16,7 +16,7 @@ from ondevice.errors import OndeviceError
 from ondevice.params import DEFAULT_GAMMA, GenerateRequest
 from ondevice.speculative import Stats
 
-FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context": "length", "cancelled": "stop"}
+FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}  # anything else was cut short
 MAX_STOPS = 16
 
 
@@ -110,20 +110,14 @@ def generation_args(body: dict, n_prompt: int, n_ctx: int) -> GenerateRequest:
 
 
 def _text_of(content: Any, where: str) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for p in content:
-            if not (isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)):
-                kind = p.get("type") if isinstance(p, dict) else type(p).__name__
-                raise ApiError(400, f"{where}: content part of type {kind!r} is not supported (text only)",
-                               param="messages", code="unsupported_value")
-            parts.append(p["text"])
-        return "".join(parts)
-    raise ApiError(400, f"{where}.content must be a string or a list of text parts", param="messages")
+    """``ondevice.chat.message_text`` (the one rule for contents), its errors as 400s."""
+    from ondevice.chat import message_text
+
+    try:
+        return message_text(content, where)
+    except OndeviceError as e:
+        code = "unsupported_value" if "not supported" in str(e) else None
+        raise ApiError(400, str(e), param="messages", code=code) from None
 
 
 def chat_messages(body: dict) -> list[dict]:
@@ -161,6 +155,17 @@ def check_context(n_prompt: int, n_ctx: int) -> None:
         raise ApiError(400, f"the prompt is {n_prompt} tokens but the context is {n_ctx} (--n-ctx); "
                        "shorten the prompt or restart the server with a larger --n-ctx", param="messages",
                        code="context_length_exceeded")
+
+
+def cut_short(s: Stats) -> ApiError | None:
+    """The error to answer instead of a finish_reason when generation did not end by itself (stop string, EOS,
+    token limit, full context) but was cut (the server shutting down, a failure): OpenAI clients must not store
+    a truncated answer as complete."""
+    if s.stop_reason in FINISH:
+        return None
+    why = "the server is shutting down" if s.stop_reason == "cancelled" else f"it ended by {s.stop_reason or 'error'}"
+    return ApiError(503, f"the answer was cut short after {s.tokens} tokens: {why}; retry the request",
+                    code="generation_interrupted")
 
 
 def timings(s: Stats) -> dict:

@@ -9,6 +9,8 @@ from ondevice.errors import OndeviceError
 from ondevice.server.app import Server
 from ondevice.server.guard import LOOPBACK
 
+GRACE_SECONDS = 30  # the longest a signal waits for the pass in progress before connections are dropped
+
 
 def open_socket(host: str = "127.0.0.1", port: int = 8080):
     """Bind the listening socket (before the model loads, so a busy port fails fast).
@@ -61,12 +63,17 @@ def serve(runtime, model_id: str, *, host: str = "127.0.0.1", port: int = 8080, 
         print("warning: --cors-origin '*': any web page you open can call this server", file=sys.stderr)
     app = Server(runtime, model_id, api_key=api_key, max_queue=max_queue, cors_origins=cors_origins,
                  loopback_only=loopback)
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=3,
+    # On a signal the running job is cancelled at once and ends after the native pass in progress (a long
+    # prefill on a busy machine can take seconds); only then is the connection closed. A second Ctrl-C forces.
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=GRACE_SECONDS,
                             lifespan="off", server_header=False)
 
     class _Uvicorn(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:  # Ctrl-C: end the running generation now, not after a timeout
+            from ondevice import templates
+
             app.engine.close()
+            templates.shutdown()  # a chat template rendering now fails at once
             super().handle_exit(sig, frame)
 
     server = _Uvicorn(config)

@@ -63,9 +63,10 @@ def _verified(path: Path) -> str:
         return _variant(path)
     if not v:
         return "no (not converted by ondevice, or before verification existed)"
-    if "check" in v:  # Core ML: the saved program run by the MIL interpreter
-        return (f"yes, {v['check']}: top-1 {v.get('top1')} (max rel. error {v.get('max_rel_err')}) "
-                f"over {v.get('tokens')} tokens")
+    if "check" in v:  # Core ML: the saved program run by the MIL interpreter, against its own weights only
+        return (f"program only, not against the source model: {v['check']}: top-1 {v.get('top1')} "
+                f"(max rel. error {v.get('max_rel_err')}) over {v.get('tokens')} tokens; agreement with the "
+                "source was not measured")
     if v.get("precision") == "requantized":
         q = v.get("source") or {}
         return (f"yes, in {v.get('runtime')}: loads, tokenizer identical; quality against {q.get('reference')} "

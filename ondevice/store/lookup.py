@@ -45,8 +45,10 @@ def resolve(spec: str | os.PathLike, *, auto_pull: bool = True) -> Path:
         if not auto_pull:
             raise OndeviceError(f"{name} is not in the cache; run `ondevice pull {name}`")
         return pull(name)
-    if path.suffix or os.sep in name:
-        raise OndeviceError(f"{spec}: no such file; pass an existing model path or one of: {', '.join(names())}")
+    if path.suffix or os.sep in name or path.is_symlink():
+        from ondevice.inputs import why_missing
+
+        raise OndeviceError(f"{spec}: {why_missing(path)}; pass an existing model path or one of: {', '.join(names())}")
     get(name)  # raises the unknown-name error listing the catalog
     raise AssertionError("unreachable")
 

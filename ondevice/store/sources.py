@@ -174,9 +174,13 @@ def _hf_cached(repo: str, revision: str | None) -> Path | None:
 
 def _hf_download(repo: str, revision: str | None, selector: str | None, name: str) -> Path:
     """Fetch what the name needs (one GGUF, or a safetensors repo's model files) into the HF cache."""
-    from huggingface_hub import HfApi, hf_hub_download, snapshot_download
+    from huggingface_hub import HfApi, constants, hf_hub_download, snapshot_download
+
+    from ondevice.store.network import check_reachable
 
     cache = hf_cache_dir()
+    check_reachable(constants.ENDPOINT, f"{name}: not in the Hugging Face cache at {cache}, and",
+                    "connect to the network, or set HF_HUB_OFFLINE=1 to use cached models only")
     files = HfApi().list_repo_files(repo, revision=revision)
     weights = [f for f in files if f.endswith(".safetensors")]
     if selector or not weights:
@@ -268,6 +272,13 @@ def ollama_blob(manifest: Path, root: Path, name: str) -> Path:
     with open(blob, "rb") as f:
         if f.read(4) != b"GGUF":
             raise OndeviceError(f"{name}: blob {blob} is not a GGUF file; ondevice reads Ollama's GGUF models only")
+    if size < 0:  # no size to compare with: the file must at least hold the tensors its header lists
+        from ondevice.formats.gguf import check_tensor_data
+
+        try:
+            check_tensor_data(blob)
+        except OndeviceError as e:
+            raise OndeviceError(f"{name}: {e}; run `ollama pull {name.removeprefix('ollama:')}` again") from None
     return blob
 
 

@@ -1,0 +1,258 @@
+"""Chat templates are untrusted input: they render in a separate worker process with a budget.
+
+A model file's jinja template can loop for hours (``range(100000)`` nested twice), build a string of
+terabytes (doubling it 40 times) or recurse without end. The jinja2 sandbox stops a template from
+reaching Python internals but not from spending time or memory, and a pure-Python loop in a thread
+cannot be stopped. So templates render in one long-lived worker process (started on first use, in its
+own session so a terminal's Ctrl-C does not reach it) with:
+
+- time: the caller waits at most ``RENDER_SECONDS`` (``ONDEVICE_TEMPLATE_SECONDS``) and then kills the
+  worker (the next render starts a fresh one);
+- memory: the worker's address space is capped (``RLIMIT_AS``, ``MEMORY_BYTES``) where the OS enforces it;
+- output: rendering stops beyond ``MAX_CHARS`` characters;
+- recursion: a low recursion limit, reported as such.
+
+Every failure is one ``OndeviceError`` naming the model file. The caller's thread only waits on a pipe,
+so an event loop stays free when it renders in an executor, and Ctrl-C (KeyboardInterrupt) while
+waiting kills the worker and propagates.
+
+Run as ``python -m ondevice.templates`` this module is the worker (JSON lines on stdin/stdout).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+
+from ondevice.errors import OndeviceError
+
+RENDER_SECONDS = float(os.environ.get("ONDEVICE_TEMPLATE_SECONDS", "5"))
+START_SECONDS = 60.0  # starting the worker (a Python start and jinja2's import) on a busy machine
+MAX_CHARS = 8 << 20  # characters of rendered prompt (far beyond any context window)
+MEMORY_BYTES = 1 << 30  # the worker's address space
+RECURSION_LIMIT = 1000
+
+
+class _Worker:
+    def __init__(self) -> None:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        self.proc = subprocess.Popen([sys.executable, "-m", "ondevice.templates"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env,
+                                     start_new_session=True)
+        self.ready = False
+
+    def kill(self) -> None:
+        try:
+            self.proc.kill()
+        except OSError:
+            pass
+        self.proc.wait()
+        for f in (self.proc.stdin, self.proc.stdout):
+            try:
+                f.close()
+            except OSError:
+                pass
+
+    def read(self, deadline: float) -> bytes | None:
+        """One line from the worker, or None when the deadline passed first (or it died)."""
+        import selectors
+
+        with selectors.DefaultSelector() as sel:
+            sel.register(self.proc.stdout, selectors.EVENT_READ)
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                if sel.select(timeout=min(left, 0.1)):
+                    line = self.proc.stdout.readline()
+                    return line or None
+
+
+_lock = threading.Lock()  # one render at a time per process (a render takes milliseconds)
+_worker: _Worker | None = None
+
+
+def _kill_worker() -> None:
+    global _worker
+    if _worker is not None:
+        _worker.kill()
+        _worker = None
+
+
+def shutdown() -> None:
+    """Kill the worker now (a render in progress fails at once with an OndeviceError). Safe to call any time."""
+    w = _worker
+    if w is not None:
+        try:
+            w.proc.kill()
+        except OSError:
+            pass
+
+
+atexit.register(shutdown)
+
+
+def render(template: str, messages: Sequence[dict], *, source: str, seconds: float | None = None, **variables) -> str:
+    """Render ``template`` with ``messages`` and ``variables`` in the worker, within the budget.
+
+    Args:
+        template: the jinja source (from the model file's metadata).
+        messages: [{role, content}] with string contents.
+        source: the model file, named in every error.
+        seconds: the time budget (default ``RENDER_SECONDS``).
+        variables: further template variables (add_generation_prompt, bos_token, eos_token).
+    Returns:
+        The rendered prompt.
+    Raises:
+        OndeviceError: the template does not compile, fails, is refused by the sandbox, or exceeds the
+            time, output, memory or recursion budget.
+    KeyboardInterrupt: propagates after the worker was killed.
+    """
+    global _worker
+    budget = RENDER_SECONDS if seconds is None else seconds
+    try:
+        request = json.dumps({"template": template, "messages": list(messages), "variables": variables}).encode()
+    except (TypeError, ValueError) as e:
+        raise OndeviceError(f"chat messages for {source} must hold only strings, numbers, lists and dicts: {e}") from None
+    request += b"\n"
+    with _lock:
+        pending = False  # a request was sent and its reply not read: the worker is busy with it
+        try:
+            if _worker is None or _worker.proc.poll() is not None:
+                _kill_worker()
+                _worker = _Worker()
+            w = _worker
+            if not w.ready:
+                hello = w.read(time.monotonic() + START_SECONDS)
+                if hello is None:
+                    _kill_worker()
+                    raise OndeviceError(f"{source}: could not start the chat template worker "
+                                        f"({sys.executable} -m ondevice.templates)")
+                w.ready = True
+            try:
+                pending = True
+                w.proc.stdin.write(request)
+                w.proc.stdin.flush()
+            except OSError:
+                _kill_worker()
+                raise OndeviceError(f"{source}: the chat template worker was stopped; try again") from None
+            line = w.read(time.monotonic() + budget)
+            pending = line is None
+            if line is None:
+                died = w.proc.poll() is not None
+                _kill_worker()
+                if died:
+                    raise OndeviceError(f"chat template of {source} was stopped: it ran out of memory "
+                                        f"(over {MEMORY_BYTES >> 20} MiB) or the worker was shut down")
+                raise OndeviceError(f"chat template of {source} took over {budget:g} s to render; the model "
+                                    "file's template is broken or hostile: use generate with a plain prompt")
+        except BaseException:  # Ctrl-C while waiting included: a worker still rendering is killed
+            if _worker is not None and (pending or not _worker.ready):
+                _kill_worker()
+            raise
+        reply = json.loads(line)
+        if "text" in reply:
+            return reply["text"]
+        raise OndeviceError(f"chat template of {source} {reply['error']}")
+
+
+# -- the worker process -----------------------------------------------------------------------------
+def _raise(message: str):
+    from jinja2.exceptions import TemplateError
+
+    raise TemplateError(f"raise_exception: {message}")
+
+
+_compiled: dict[str, object] = {}
+
+
+def _compile(template: str):
+    import datetime
+
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    t = _compiled.get(template)
+    if t is None:
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise
+        env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+        t = env.from_string(template)
+        if len(_compiled) > 8:
+            _compiled.clear()
+        _compiled[template] = t
+    return t
+
+
+def _render_one(req: dict) -> dict:
+    from jinja2.exceptions import SecurityError, TemplateError, TemplateSyntaxError
+
+    try:
+        t = _compile(req["template"])
+    except TemplateSyntaxError as e:
+        return {"error": f"does not compile: {e}"}
+    try:
+        out, n = [], 0
+        for piece in t.generate(messages=req["messages"], **req["variables"]):
+            n += len(piece)
+            if n > MAX_CHARS:
+                return {"error": f"renders over {MAX_CHARS >> 20} M characters; the template is broken or hostile"}
+            out.append(piece)
+        return {"text": "".join(out)}
+    except SecurityError as e:
+        return {"error": f"rejected by the sandbox: {e}"}
+    except TemplateError as e:
+        return {"error": f"failed to render: {e}"}
+    except RecursionError:
+        return {"error": "recurses too deeply; the template is broken or hostile"}
+    except MemoryError:
+        return {"error": f"needs over {MEMORY_BYTES >> 20} MiB of memory; the template is broken or hostile"}
+    except Exception as e:  # noqa: BLE001 - a template can raise anything from its filters and tests
+        return {"error": f"failed to render: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}"}
+
+
+def _watch_memory() -> None:
+    """Exit when resident memory passes ``MEMORY_BYTES`` (where RLIMIT_AS is not enforced, e.g. macOS); the
+    parent reports the death as running out of memory."""
+    try:
+        import resource
+    except ImportError:  # no resource module (Windows): the time and output budgets still hold
+        return
+
+    scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KiB on Linux
+    while True:
+        if resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale > MEMORY_BYTES:
+            os._exit(3)
+        time.sleep(0.02)
+
+
+def _serve() -> None:
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides; it kills this process when it must
+    try:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_AS, (MEMORY_BYTES, MEMORY_BYTES))
+    except (ImportError, ValueError, OSError):  # not enforced everywhere (macOS): the watchdog below is
+        pass
+    threading.Thread(target=_watch_memory, daemon=True).start()
+    import jinja2.sandbox  # noqa: F401 - imported before the first request is timed
+
+    sys.setrecursionlimit(RECURSION_LIMIT)
+    out = sys.stdout.buffer
+    out.write(b"{}\n")
+    out.flush()
+    for line in sys.stdin.buffer:
+        reply = _render_one(json.loads(line))
+        out.write(json.dumps(reply).encode() + b"\n")
+        out.flush()
+
+
+if __name__ == "__main__":
+    _serve()
