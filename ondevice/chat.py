@@ -93,7 +93,7 @@ class ChatSession:
     def __init__(self, runtime, system: str | None = None, request: GenerateRequest | None = None, **options) -> None:
         self.rt = runtime
         self.system = system
-        self.request = request if request is not None else GenerateRequest.of(**options)
+        self.request = GenerateRequest.resolve(request, options)
         self.turns: list[tuple[str, str]] = []  # (user, assistant)
         self.dropped = 0  # turns dropped to fit the context
 

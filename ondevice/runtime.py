@@ -104,12 +104,7 @@ class Runtime:
         Raises:
             OndeviceError: a bad argument (checked here, before anything runs) or a closed runtime.
         """
-        if request is None:
-            request = GenerateRequest.of(**options)
-        elif options:
-            raise OndeviceError(f"pass either a GenerateRequest or keyword options, not both ({', '.join(options)})")
-        elif not isinstance(request, GenerateRequest):
-            raise OndeviceError(f"request must be a GenerateRequest, not {type(request).__name__}")
+        request = GenerateRequest.resolve(request, options)
         self._supersede()
         ids = self._prompt_ids(prompt)
         return Stream(lambda out: self._run(ids, request, out), Request())
@@ -136,10 +131,8 @@ class Runtime:
         ``messages``: a non-empty list of {role, content}; content is a string, None (empty) or a list of
         OpenAI text parts (joined), as the server accepts them.
         """
-        if request is None:
-            request = GenerateRequest.of(**options)  # bad options fail before the template renders
-            options = {}
-        return self.generate(self.render_chat(messages), request, **options)
+        request = GenerateRequest.resolve(request, options)  # bad options fail before the template renders
+        return self.generate(self.render_chat(messages), request)
 
     def render_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> list[int]:
         """Token ids of ``messages`` rendered with the model's chat template (an untrusted template renders in
