@@ -52,11 +52,12 @@ def run_chat(runtime, *, system: str | None, show_draft: bool, show_stats: bool,
     session goes on with the next turn, its history kept. Returns the exit status: 0, or 1 when a turn of
     piped input was refused.
     """
-    from rich.console import Console
     from rich.markup import escape
 
-    out = Console(highlight=False, soft_wrap=True, emoji=False)
-    err = Console(stderr=True, highlight=False, soft_wrap=True, emoji=False)
+    from ondevice.cli.app import console
+
+    out = console(highlight=False, soft_wrap=True, emoji=False)
+    err = console(stderr=True, highlight=False, soft_wrap=True, emoji=False)
     refused = 0
     session = ChatSession(runtime, system=system, request=request)
     interactive = sys.stdin.isatty()
