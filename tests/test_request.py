@@ -69,3 +69,21 @@ def test_request_or_keywords_one_rule_on_every_entry_point(tiny_gguf):
             with pytest.raises(OndeviceError, match="must be a GenerateRequest"):
                 call()
         assert ChatSession(rt, max_tokens=3).request == GenerateRequest.of(max_tokens=3)
+
+
+def test_server_names_the_bad_field_and_refuses_unknown_roles():
+    """A bad γ is a 400 with ``param: gamma`` (was None); a message role OpenAI does not define (a typo such as
+    'assitant') is a 400 instead of reaching the chat template; the API keeps any role for custom templates."""
+    from ondevice.chat import normalize_messages
+    from ondevice.server.openai_api import ApiError, chat_messages, generation_args
+
+    with pytest.raises(ApiError) as e:
+        generation_args({"gamma": "x"}, 3, 64)
+    assert e.value.body()["error"]["param"] == "gamma"
+    with pytest.raises(ApiError) as e:
+        chat_messages({"messages": [{"role": "user", "content": "a"}, {"role": "assitant", "content": "b"}]})
+    err = e.value.body()["error"]
+    assert e.value.status == 400 and err["param"] == "messages" and "messages[1].role 'assitant'" in err["message"]
+    assert chat_messages({"messages": [{"role": "developer", "content": [{"type": "text", "text": "x"}]}]}) == \
+        [{"role": "system", "content": "x"}]
+    assert normalize_messages([{"role": "ipython", "content": "x"}])[0]["role"] == "ipython"
