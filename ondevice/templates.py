@@ -131,9 +131,11 @@ def render(template: str, messages: Sequence[dict], *, source: str, seconds: flo
             if not w.ready:
                 hello = w.read(time.monotonic() + START_SECONDS)
                 if hello is None:
+                    status = w.proc.poll()
                     _kill_worker()
+                    why = f"it exited with status {status}" if status is not None else f"no answer in {START_SECONDS:g} s"
                     raise OndeviceError(f"{source}: could not start the chat template worker "
-                                        f"({sys.executable} -m ondevice.templates)")
+                                        f"({sys.executable} -m ondevice.templates: {why})")
                 w.ready = True
             try:
                 pending = True
@@ -225,8 +227,15 @@ def _watch_memory() -> None:
         return
 
     scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KiB on Linux
+
+    def peak() -> int:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+
+    # Linux keeps the high-water mark across execve: a worker started by a process that had held a 1.6 GB
+    # model began "over the limit" and exited at once. Count only the growth past the mark it started with.
+    start = peak()
     while True:
-        if resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale > MEMORY_BYTES:
+        if peak() - start > MEMORY_BYTES:
             os._exit(3)
         time.sleep(0.02)
 
