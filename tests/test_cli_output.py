@@ -39,3 +39,21 @@ def test_chat_under_a_closed_pipe_exits_141_like_generate(smollm2):
     r = subprocess.run(["bash", "-c", cmd], capture_output=True, timeout=300)
     assert r.stdout.rstrip().endswith((b" rc=0", b" rc=141")), r.stdout  # was rc=1: a refused turn's status
     assert r.stderr == b"", r.stderr
+
+
+def test_generate_reads_a_piped_prompt(tiny_gguf):
+    """`echo TEXT | ondevice generate MODEL` (was: "Missing option '--prompt'") and `-p -` read stdin, exactly."""
+    import json
+
+    def gen(*args, stdin=None):
+        r = subprocess.run([sys.executable, "-m", "ondevice", "generate", str(tiny_gguf("llama")), "--max-tokens", "6",
+                            "--temperature", "0", "--no-spec", "--threads", "1", "--json", *args], input=stdin,
+                           capture_output=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout)["tokens"]
+
+    want = gen("-p", "Once upon a time\n")
+    assert gen(stdin=b"Once upon a time\n") == want and gen("-p", "-", stdin=b"Once upon a time\n") == want
+    r = subprocess.run([sys.executable, "-m", "ondevice", "generate", str(tiny_gguf("llama"))], input=b"\xff\xfe",
+                       capture_output=True, timeout=300)
+    assert r.returncode == 2 and b"not valid UTF-8" in r.stderr and b"Traceback" not in r.stderr

@@ -29,11 +29,27 @@ from ondevice.cli.app import (
 from ondevice.params import DEFAULT_N_CTX, GenerateRequest
 
 
+def _prompt_text(prompt: str | None) -> str:
+    """``-p TEXT`` as given; ``-p -`` or no ``-p`` with piped stdin: stdin (UTF-8, read before the model loads)."""
+    from ondevice.errors import OndeviceError
+
+    if prompt is not None and prompt != "-":
+        return prompt
+    if prompt is None and sys.stdin.isatty():
+        raise OndeviceError("no prompt: pass -p TEXT, or pipe it (echo TEXT | ondevice generate MODEL)")
+    data = sys.stdin.buffer.read()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise OndeviceError(f"stdin is not valid UTF-8 ({e.reason} at byte {e.start}); send UTF-8 text") from None
+
+
 @command("generate")
 @request_options
 def generate_cmd(
     model: Annotated[str, typer.Argument(help="Target model: path or catalog name.")],
-    prompt: Annotated[str, typer.Option("--prompt", "-p", help="Prompt text.")],
+    prompt: Annotated[str | None, typer.Option("--prompt", "-p", help="Prompt text; - or none with piped stdin: "
+                                               "read the prompt from stdin.")] = None,
     draft: DraftOpt = None,
     ngram: NgramOpt = False,
     no_spec: NoSpecOpt = False,
@@ -48,6 +64,8 @@ def generate_cmd(
     import dataclasses
 
     from ondevice.loader import load
+
+    prompt = _prompt_text(prompt)
 
     with load(model, draft, drafter=_drafter(draft, ngram, no_spec), n_ctx=n_ctx, threads=threads, device=device,
               draft_device=draft_device) as rt:
