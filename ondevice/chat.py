@@ -104,6 +104,9 @@ class ChatSession:
         self.rt = runtime
         self.system = system
         self.request = GenerateRequest.resolve(request, options)
+        from ondevice import templates
+
+        templates.warm()  # the first turn does not wait for the template worker to start
         self.turns: list[tuple[str, str]] = []  # (user, assistant)
         self.dropped = 0  # turns dropped to fit the context
 
