@@ -57,3 +57,18 @@ def test_generate_reads_a_piped_prompt(tiny_gguf):
     r = subprocess.run([sys.executable, "-m", "ondevice", "generate", str(tiny_gguf("llama"))], input=b"\xff\xfe",
                        capture_output=True, timeout=300)
     assert r.returncode == 2 and b"not valid UTF-8" in r.stderr and b"Traceback" not in r.stderr
+
+
+def test_an_answer_cut_by_the_context_says_so(tiny_gguf):
+    """generate printed a cut answer with nothing on stderr (asked for 50 tokens, got 3, exit 0, no word)."""
+    import ondevice
+
+    model = str(tiny_gguf("llama"))
+    with ondevice.load(model, drafter="none", threads=1, n_ctx=256) as rt:
+        n_ctx = rt.n_ctx
+        prompt = next("word " * k for k in range(n_ctx, 0, -1) if len(rt.tokenize("word " * k)) <= n_ctx - 3)
+        assert rt.generate(prompt, max_tokens=50, temperature=0).stats.stop_reason == "context"
+    r = subprocess.run([sys.executable, "-m", "ondevice", "generate", model, "-p", prompt, "--n-ctx", str(n_ctx),
+                        "--max-tokens", "50", "--temperature", "0", "--no-spec", "--threads", "1"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and f"end of the context, {n_ctx} tokens; raise --n-ctx" in r.stderr, r.stderr

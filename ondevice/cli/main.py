@@ -75,10 +75,15 @@ def generate_cmd(
             return _dump({**doc, "draft_choice": rt.draft_choice} if rt.draft_choice else doc)
         if rt.draft_choice:
             typer.echo(f"draft: {rt.draft_choice['reason']}", err=True)
-        for chunk in rt.stream(prompt, request):
+        stream = rt.stream(prompt, request)
+        for chunk in stream:
             sys.stdout.write(chunk.text)
             sys.stdout.flush()
         sys.stdout.write("\n")
+        from ondevice.cli.repl import context_note
+
+        if note := context_note(stream.stats, rt.n_ctx):
+            typer.echo(note, err=True)
 
 
 DEFAULT_CHAT_MODEL = "qwen2.5-coder-0.5b-instruct"  # chosen by pass rate, speed and size: docs/quality.md
