@@ -63,7 +63,7 @@ def serve(runtime, model_id: str, *, host: str = "127.0.0.1", port: int = 8080, 
         print("warning: --cors-origin '*': any web page you open can call this server", file=sys.stderr)
     app = Server(runtime, model_id, api_key=api_key, max_queue=max_queue, cors_origins=cors_origins,
                  loopback_only=loopback)
-    if getattr(runtime.target, "chat_template", None):
+    if runtime.target.chat_template:
         from ondevice import templates
 
         templates.warm()  # the first /v1/chat/completions does not wait for the template worker to start
