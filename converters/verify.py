@@ -4,19 +4,19 @@ Every ``ondevice convert`` ends here, before its output directory is renamed int
 
 1. the output is loaded by its own backend (llama.cpp for GGUF, mlx-lm for MLX);
 2. a multilingual probe (accents, CJK, emoji, digits, code, leading spaces, newlines) is tokenized by
-   the output and by the source tokenizer (the HF ``tokenizer.json``, or llama.cpp for a GGUF source):
-   the ids, and whether a BOS is added, must be identical;
-3. every written tensor, read back and dequantized, must be within its type's rounding of the source
-   tensor (``converters.written``: catches swapped, transposed or mis-permuted tensors at any precision);
-4. the probe ids are teacher-forced through the output and through the source model's own forward pass
-   (mlx-lm in float32 on the HF weights, or llama.cpp on a GGUF source): top-1 agreement and
-   max |Δlogit| / max |logit| are recorded, and for float (and lossless GGUF → MLX) outputs must meet
-   THRESHOLDS. Quantized outputs cannot match a float source to 2 %, so they must instead match mlx-lm
-   float32 run on their own written weights (names, layouts and hyperparameters without quantization noise).
+   the output and by the source tokenizer (transformers' and the ``tokenizers`` library's readings of
+   an HF source, ``converters.readings``; llama.cpp for a GGUF source): the output must follow one of
+   them, and the record says which, and where the readings differ;
+3. every written tensor, read back and dequantized one at a time, must be within its type's rounding of
+   the source tensor (``converters.written``: catches swapped, transposed or mis-permuted tensors);
+4. the probe ids are teacher-forced through the output in its runtime, through a numpy float32 pass on
+   its written weights and through the source's own forward pass (numpy float32 from the memory-mapped
+   HF weights, or llama.cpp on a GGUF source), all streamed layer by layer (``converters.check``):
+   top-1 agreement and max |Δlogit| / max |logit| are recorded and gated by THRESHOLDS.
 
 A failure raises ``OndeviceError`` (one line), so nothing is left behind. Hooks for other converters
-(Core ML): ``PROBE``, ``hf_probe_ids``, ``hf_reference_logits`` (the source's forward), ``compare`` and
-``check`` (a one-line error when the logits disagree).
+(Core ML): ``PROBE``, ``hf_probe_ids``, ``hf_reference_logits`` (mlx-lm's forward of the source),
+``compare`` and ``check`` (a one-line error when the logits disagree).
 """
 
 from __future__ import annotations
@@ -232,7 +232,7 @@ def record(directory: Path, result: dict) -> None:
 
 
 # -- one conversion -------------------------------------------------------------------------------
-def verify_conversion(src: Path, to: str, written: Path, summary: dict, out: Path) -> dict | None:
+def verify_conversion(src: Path, to: str, written: Path, summary: dict, out: Path, readings: dict | None = None) -> dict | None:
     """Verify ``written`` (a GGUF or MLX output of ``src``) in its runtime; record it in its manifest.json.
 
     Args:
@@ -241,8 +241,10 @@ def verify_conversion(src: Path, to: str, written: Path, summary: dict, out: Pat
         written: the directory just written (still temporary).
         summary: the converter's summary (``quant``, ``bits``, ``requantized_tensors``).
         out: the directory the user asked for, named in errors.
+        readings: an HF source's tokenizer readings (``converters.readings.hf_readings``; read here if None).
     Returns:
-        The verification record (also in ``written/manifest.json`` under "verify").
+        The verification record (also in ``written/manifest.json`` under "verify"), with ``check``: its
+        wall time and peak private memory (``converters.memwatch``).
     Raises:
         OndeviceError: one line naming ``out`` when the output does not load, tokenizes differently from
             the source, has a tensor that is not the source's, or computes differently.
@@ -255,65 +257,61 @@ def verify_conversion(src: Path, to: str, written: Path, summary: dict, out: Pat
                   "precision": summary.get("quant"), "passed": True, **check}
         record(written, result)
         return result
+    from converters.check import check_gguf_to_mlx, check_hf, timed
+
     if to == "gguf" and is_gguf_file(src):
-        result = _requantized(src, written / "model.gguf", summary, out)
-        record(written, result)
-        return result
-    fmt = "gguf" if to == "gguf" else "mlx"
-    path = written / "model.gguf" if fmt == "gguf" else written
-    level = precision(fmt, summary["quant"], summary.get("bits"))
-    side = _gguf_source(src, path, summary, out) if is_gguf_file(src) else _hf_source(src, fmt, path, level, out)
-    weights_record = side.pop("weights_record")
-    if side["level"] is None:
-        side["level"] = level
-    result = verify_output(fmt, path, where=out, **side)
-    result["weights"] = weights_record
+        result, cost = timed(_requantized, src, written / "model.gguf", summary, out)
+    else:
+        fmt = "gguf" if to == "gguf" else "mlx"
+        path = written / "model.gguf" if fmt == "gguf" else written
+        level = precision(fmt, summary["quant"], summary.get("bits"))
+        if is_gguf_file(src):
+            result, cost = timed(check_gguf_to_mlx, src, path, summary, out)
+        else:
+            if readings is None:
+                readings = source_readings(src)
+            result, cost = timed(check_hf, src, fmt, path, level, out, readings)
+            if result is None:  # an architecture the numpy decoder does not run (gemma3): mlx-lm float32
+                result, cost = timed(_mlx_lm_check, src, fmt, path, level, out)
+    result["check"] = cost
     record(written, result)
     return result
 
 
-def _hf_source(src: Path, fmt: str, path: Path, level: str, out: Path) -> dict:
-    """The HF side: its tokenizer, mlx-lm float32 on its weights, and the written tensors against its own."""
+def source_readings(src: Path) -> dict:
+    """An HF source's tokenizer readings (transformers and tokenizers), with its BOS facts."""
+    from converters.hf import open_checkpoint
+    from converters.readings import hf_readings
+    from converters.tokenizer import read_hf_vocab
+
+    ckpt = open_checkpoint(src)
+    vocab = read_hf_vocab(ckpt.path, ckpt.vocab_size, ckpt.config)
+    return hf_readings(ckpt.path, vocab.add_bos, vocab.bos_id)
+
+
+def _mlx_lm_check(src: Path, fmt: str, path: Path, level: str, out: Path) -> dict:
+    """The whole-model check (mlx-lm float32 on the source's and the written weights) for architectures the
+    numpy decoder does not run; its memory grows with the model (two float32 copies)."""
     from converters import written as w
     from converters.hf import open_checkpoint
+    from converters.lazy import hf_weights
     from converters.tokenizer import read_hf_vocab
 
     ckpt = open_checkpoint(src)
     vocab = read_hf_vocab(ckpt.path, ckpt.vocab_size, ckpt.config)
     tok = f"{vocab.model}/{vocab.pre}" if vocab.model == "gpt2" else f"{vocab.model} (SentencePiece)"
-    weights, bits = w.gguf_written(path, ckpt) if fmt == "gguf" else w.mlx_written(path)
+    lazy, bits = w.gguf_written(path, ckpt) if fmt == "gguf" else w.mlx_written(path)
+    tensors = w.TensorCheck(hf_weights(ckpt.path)[1], bits, out)
+    weights_record = tensors.finish(lazy)
+    weights = {k: lazy[k] for k in lazy}
     side = {"source_ids": hf_probe_ids(ckpt.path, vocab.add_bos, vocab.bos_id), "source_bos": vocab.add_bos,
             "reference": lambda ids: hf_reference_logits(ckpt.path, ids),
-            "reference_name": "mlx-lm float32 (source weights)", "written": None, "level": None,
+            "reference_name": "mlx-lm float32 (source weights)", "level": level,
             "what": f"{fmt.upper()} model (arch {ckpt.arch}, tokenizer {tok})",
-            "weights_record": w.weight_errors(weights, bits, ckpt.tensors(), out)}
-    if level == "quantized":
-        side["written"] = lambda ids: hf_reference_logits(ckpt.path, ids, weights)
-    return side
-
-
-def _gguf_source(src: Path, path: Path, summary: dict, out: Path) -> dict:
-    """The GGUF side (GGUF → MLX): llama.cpp's tokenizer and forward pass, the written tensors against the
-    GGUF's dequantized ones; requantized outputs are also judged on their own weights."""
-    from converters import written as w
-    from ondevice.formats.gguf_reader import GGUFFile, float_tensors
-
-    b = llama_backend(src, MAX_TOKENS)
-    try:
-        ids, bos = b.tokenize(PROBE, add_bos=True), bool(b.add_bos)
-    finally:
-        b.close()
-    g = GGUFFile(src)
-    weights, bits = w.mlx_written(path)
-    side = {"source_ids": ids, "source_bos": bos, "reference": lambda ids: gguf_reference_logits(src, ids),
-            "reference_name": "llama.cpp (source GGUF)", "written": None, "level": None,
-            "what": f"MLX model (arch {g.arch}, from GGUF)",
-            "weights_record": w.weight_errors(weights, bits, float_tensors(g), out)}
-    if summary.get("requantized_tensors"):  # not lossless: judge the MLX kernels on their own weights too
-        config = json.loads((path / "config.json").read_text())
-        side["level"] = "quantized"
-        side["written"] = lambda ids: mlx_float_logits(config, weights, ids)
-    return side
+            "written": (lambda ids: hf_reference_logits(ckpt.path, ids, weights)) if level == "quantized" else None}
+    result = verify_output(fmt, path, where=out, **side)
+    result["weights"] = weights_record
+    return result
 
 
 def _requantized(src: Path, path: Path, summary: dict, out: Path) -> dict:
