@@ -83,7 +83,7 @@ def convert(
             "output_type": output_type, "embedding_type": embedding_type}
     check_out(out)
     t0 = time.perf_counter()
-    readings = {p: _readings(p, tokenizer_check) for p in (src, draft) if p is not None}  # strict: refuse here
+    readings = {p: _readings(p, tokenizer_check, progress) for p in (src, draft) if p is not None}  # strict: refuse
     if draft is not None:
         from ondevice.formats.pairs import check_vocabs
 
@@ -115,7 +115,7 @@ def convert(
     return summary
 
 
-def _readings(src: Path, mode: str) -> dict | None:
+def _readings(src: Path, mode: str, loud: bool = True) -> dict | None:
     """An HF source's two tokenizer readings and what ``--tokenizer-check`` makes of them (strict: refuses
     here, before anything is written); None for a GGUF source (llama.cpp is its only reading)."""
     from converters.readings import check_readings
@@ -126,7 +126,13 @@ def _readings(src: Path, mode: str) -> dict | None:
     if src.suffix == ".gguf" or not src.is_dir():
         return None
     readings = source_readings(src)
-    return {"readings": readings, "report": check_readings(src, readings, mode)}
+    report = check_readings(src, readings, mode)
+    if report and loud:
+        import sys
+
+        print(f"warning: {src}: transformers and the tokenizers library disagree on {report['summary']}; "
+              "converting (--tokenizer-check warn), the summary says which reading the output follows", file=sys.stderr)
+    return {"readings": readings, "report": report}
 
 
 def _source(path: Path) -> Path:

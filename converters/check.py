@@ -28,6 +28,7 @@ import numpy as np
 from converters.verify import MAX_TOKENS, PROBE, check, compare, gguf_reference_logits, llama_backend
 from ondevice.errors import OndeviceError
 
+CHECK_TOKENS = 64  # teacher-forced positions of the probe (the tokenizer check covers all of it)
 MLX_CPU_TOKENS = 8  # positions MLX runs on a CPU (its quantized matmul costs seconds per token at 1B)
 NUMPY_ARCHS = ("llama", "mistral", "qwen2", "qwen3")  # the numpy decoder's graphs (others: mlx-lm float32)
 
@@ -129,9 +130,9 @@ def check_gguf_to_mlx(src: Path, path: Path, summary: dict, out: Path) -> dict:
     what = f"MLX model (arch {g.arch}, from GGUF)"
     body_src = src_ids[1:] if src_bos and src_ids[:1] == [bos_id] else src_ids
     readings = {"ids": {"llama.cpp": body_src}, "reference": "llama.cpp", "add_bos": src_bos, "agree": True}
-    body, bos, rt_logits, runtime = runtime_pass("mlx", path, src_ids[:MAX_TOKENS], where=out, what=what)
+    ids = src_ids[:CHECK_TOKENS]
+    body, bos, rt_logits, runtime = runtime_pass("mlx", path, ids, where=out, what=what)
     tok = tokenizer_record(body, bos, readings, out, what)
-    ids = src_ids[:MAX_TOKENS]
     written, bits = w.mlx_written(path)
     tensors = w.TensorCheck(w.gguf_source(g), bits, out)
     written.on_load = tensors
@@ -145,7 +146,7 @@ def check_gguf_to_mlx(src: Path, path: Path, summary: dict, out: Path) -> dict:
 
 def _ids(readings: dict, bos_id: int | None) -> list[int]:
     body = readings["ids"][readings["reference"]]
-    return (([bos_id] if readings["add_bos"] and bos_id is not None else []) + body)[:MAX_TOKENS]
+    return (([bos_id] if readings["add_bos"] and bos_id is not None else []) + body)[:CHECK_TOKENS]
 
 
 def _gate(fmt: str, level: str, out: Path, runtime: str, tok: dict, rt: np.ndarray, own: np.ndarray, ref: np.ndarray,

@@ -27,8 +27,11 @@ def _tokenizers_reading(src: Path, text: str) -> tuple[list[int], list[tuple[int
     return list(enc.ids), [tuple(o) for o in enc.offsets]
 
 
-def _transformers_reading(src: Path, text: str) -> tuple[list[int], list[tuple[int, int]]] | str:
-    """transformers' ids and offsets for ``text`` (no specials), or why there is no such reading."""
+def _transformers_reading(src: Path, text: str) -> tuple[list[int], list[tuple[int, int]], str] | str:
+    """transformers' ids, offsets and tokenizer class for ``text`` (no specials), or why there is no such
+    reading. The class matters: transformers 5 picks it from config.json's ``model_type`` (``qwen2`` →
+    ``Qwen2Tokenizer``) even under ``tokenizer_class: PreTrainedTokenizerFast``, and such a class rebuilds
+    the pipeline from the vocabulary and merges with its own pre-tokenizer, not tokenizer.json's."""
     try:
         from transformers import AutoTokenizer
     except ImportError:
@@ -42,7 +45,24 @@ def _transformers_reading(src: Path, text: str) -> tuple[list[int], list[tuple[i
         enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
     except Exception as e:  # a tokenizer transformers cannot load: no such reading (reported, not fatal)
         return f"transformers cannot load it ({type(e).__name__}: {str(e)[:120]})"
-    return list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
+    return list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]], type(tok).__name__
+
+
+def _pre_tokenizer_note(src: Path, cls: str) -> str | None:
+    """Why the readings differ, when transformers' class replaced tokenizer.json's pre-tokenizer."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    mine = json.loads((src / "tokenizer.json").read_text(encoding="utf-8")).get("pre_tokenizer")
+    try:
+        theirs = json.loads(AutoTokenizer.from_pretrained(str(src))._tokenizer.to_str()).get("pre_tokenizer")
+    except Exception:  # noqa: BLE001 - a note only
+        return None
+    if json.dumps(mine, sort_keys=True) != json.dumps(theirs, sort_keys=True):
+        return (f"transformers loads {cls}, which builds its own pre-tokenizer instead of tokenizer.json's "
+                f"({(mine or {}).get('type')} → {(theirs or {}).get('type')}); mlx-lm and HF users get transformers' reading")
+    return None
 
 
 def differences(text: str, a: tuple[list, list], b: tuple[list, list], limit: int = 8) -> list[dict]:
@@ -86,8 +106,11 @@ def hf_readings(src: Path, add_bos: bool, bos_id: int | None, text: str = PROBE)
         return {**rec, "ids": {"tokenizers": tk[0]}, "reference": "tokenizers", "agree": True, "differences": [],
                 "unavailable": {"transformers": tf}}
     agree = tf[0] == tk[0]
-    return {**rec, "ids": {"transformers": tf[0], "tokenizers": tk[0]}, "reference": "transformers", "agree": agree,
-            "differences": [] if agree else differences(text, tf, tk)}
+    rec.update(ids={"transformers": tf[0], "tokenizers": tk[0]}, reference="transformers", agree=agree,
+               differences=[] if agree else differences(text, tf[:2], tk), transformers_class=tf[2])
+    if not agree:
+        rec["why"] = _pre_tokenizer_note(src, tf[2])
+    return rec
 
 
 def describe(readings: dict) -> str:
@@ -96,7 +119,8 @@ def describe(readings: dict) -> str:
     shown = "; ".join(f"{d['text']!r}: transformers {d['transformers']} vs tokenizers {d['tokenizers']}"
                       for d in diffs[:3])
     more = f" (+{len(diffs) - 3} more)" if len(diffs) > 3 else ""
-    return f"{len(diffs)} string(s) of the probe: {shown}{more}"
+    why = f" [{readings['why']}]" if readings.get("why") else ""
+    return f"{len(diffs)} string(s) of the probe: {shown}{more}{why}"
 
 
 def check_readings(src: Path, readings: dict, mode: str) -> dict | None:
@@ -111,4 +135,8 @@ def check_readings(src: Path, readings: dict, mode: str) -> dict | None:
             f"{src / 'tokenizer.json'}: transformers and the tokenizers library read this tokenizer differently on "
             f"{describe(readings)}; nothing was written (--tokenizer-check warn converts and reports it)")
     return {"readings_agree": False, "reference": readings["reference"], "differences": readings["differences"],
-            "summary": describe(readings)}
+            "transformers_class": readings.get("transformers_class"), "why": readings.get("why"),
+            "summary": describe(readings),
+            "choice": "warn: converted; the output follows the reading named in verify.tokenizer.follows "
+                      "(MLX: transformers, as mlx-lm loads it; GGUF: tokenizers, as llama.cpp reproduces "
+                      "tokenizer.json); --tokenizer-check strict refuses instead"}

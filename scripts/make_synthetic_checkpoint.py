@@ -1,6 +1,6 @@
 """Write a shape-true random-weight llama-layout HF checkpoint of any size, with bounded memory.
 
-    python scripts/make_synthetic_checkpoint.py OUT_DIR [--params 0.75] [--tokenizer-vocab 4096]
+    python scripts/make_synthetic_checkpoint.py OUT_DIR [--params 0.75] [--tokenizer-vocab 512]
 
 The tokenizer (a real byte-level BPE trained by ``ondevice.testing``, SmolLM2's family) and
 tokenizer_config.json come from the tiny-model factory; the weights are f16 safetensors written one
@@ -80,7 +80,7 @@ def config_for(params_b: float, vocab: int = 32768) -> dict:
             "tie_word_embeddings": True, "torch_dtype": "float16"}
 
 
-def make(out: Path, params_b: float = 0.75, tokenizer_vocab: int = 4096, seed: int = 0, vocab: int = 32768) -> dict:
+def make(out: Path, params_b: float = 0.75, tokenizer_vocab: int = 512, seed: int = 0, vocab: int = 32768) -> dict:
     """Write the checkpoint into a new ``out``; returns its config plus ``n_params`` and ``f16_bytes``."""
     from ondevice.testing import make_tiny_hf
 
@@ -102,7 +102,7 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path)
     ap.add_argument("--params", type=float, default=0.75, help="billions of parameters (default 0.75)")
-    ap.add_argument("--tokenizer-vocab", type=int, default=4096)
+    ap.add_argument("--tokenizer-vocab", type=int, default=512)
     ap.add_argument("--vocab", type=int, default=32768, help="embedding rows (the token list is padded)")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()

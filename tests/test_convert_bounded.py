@@ -41,8 +41,8 @@ def test_convert_memory_does_not_grow_with_the_model(tmp_path, to, args):
     sys.path.insert(0, str(ROOT / "scripts"))
     from make_synthetic_checkpoint import make
 
-    big = make(tmp_path / "big", params_b=0.11, tokenizer_vocab=1024, vocab=8192)
-    small = make(tmp_path / "small", params_b=0.0, tokenizer_vocab=1024, vocab=8192)
+    big = make(tmp_path / "big", params_b=0.11, tokenizer_vocab=512, vocab=8192)
+    small = make(tmp_path / "small", params_b=0.0, tokenizer_vocab=512, vocab=8192)
     peak_small, _ = _peak_convert(tmp_path / "small", tmp_path / "small-out", "--to", to, *args)
     peak_big, summary = _peak_convert(tmp_path / "big", tmp_path / "big-out", "--to", to, *args)
     grew = peak_big - peak_small
@@ -52,3 +52,53 @@ def test_convert_memory_does_not_grow_with_the_model(tmp_path, to, args):
     assert check["seconds"] > 0 and 0 < check["peak_rss_bytes"] <= peak_big
     assert grew <= growth_allowed, (f"peak RssAnon grew by {grew / 1e6:.0f} MB for {big['f16_bytes'] / 1e6:.0f} MB of "
                                     f"f16 weights (small: {peak_small / 1e6:.0f} MB, big: {peak_big / 1e6:.0f} MB)")
+
+
+# -- tokenizer readings ---------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def two_readings(tmp_path_factory):
+    """A qwen2 checkpoint whose tokenizer.json is SmolLM2-style (Digits + GPT-2 ByteLevel regex) under a plain
+    ``PreTrainedTokenizerFast`` config: transformers 5 loads it as ``Qwen2Tokenizer`` (from config.json's
+    model_type), which rebuilds the pre-tokenizer with Qwen2's regex; the tokenizers library keeps the file's.
+    They split "\\n    return" differently, as the held-out checkpoint of issue 25 did."""
+    from ondevice.testing import make_tiny_hf
+
+    return make_tiny_hf(tmp_path_factory.mktemp("readings") / "qwen2-smollm", "qwen2", tokenizer="smollm")
+
+
+def test_readings_name_the_strings_that_differ(two_readings):
+    from converters.readings import hf_readings
+
+    r = hf_readings(two_readings, add_bos=False, bos_id=None)
+    assert r["reference"] == "transformers" and not r["agree"] and r["transformers_class"] == "Qwen2Tokenizer"
+    texts = [d["text"] for d in r["differences"]]
+    assert "\n   " in texts  # the probe's "\n    return": Qwen2's regex splits the newline off first
+    d = r["differences"][texts.index("\n   ")]
+    assert d["transformers"] != d["tokenizers"] and "Qwen2Tokenizer" in r["why"]
+
+
+@pytest.mark.parametrize("to,follows", [("mlx", "transformers"), ("gguf", "tokenizers")])
+def test_tokenizer_check_warn_converts_and_reports(two_readings, tmp_path, to, follows):
+    s = convert(two_readings, to=to, out=tmp_path / to, progress=False, **({"quant": "q8_0"} if to == "gguf" else {}))
+    assert s["verify"]["passed"] and (tmp_path / to).is_dir()
+    tok = s["verify"]["tokenizer"]
+    assert tok["follows"] == follows and tok["readings_agree"] is False and tok["differences"]
+    report = s["tokenizer_check"]
+    assert not report["readings_agree"] and "\\n   " in report["summary"] and "strict" in report["choice"]
+
+
+def test_tokenizer_check_strict_refuses_with_one_line_and_writes_nothing(two_readings, tmp_path):
+    out = tmp_path / "strict"
+    with pytest.raises(OndeviceError) as e:
+        convert(two_readings, to="mlx", out=out, progress=False, tokenizer_check="strict")
+    msg = str(e.value)
+    assert "\n" not in msg and "tokenizer.json" in msg and "nothing was written" in msg and "--tokenizer-check warn" in msg
+    assert not out.exists() and not list(tmp_path.glob(".strict*"))
+
+
+def test_tokenizer_check_strict_passes_agreeing_readings(tmp_path):
+    from ondevice.testing import make_tiny_hf
+
+    src = make_tiny_hf(tmp_path / "q", "qwen2")
+    s = convert(src, to="gguf", quant="q8_0", out=tmp_path / "o", progress=False, tokenizer_check="strict")
+    assert s["tokenizer_check"] is None and s["verify"]["tokenizer"]["readings_agree"] is True
