@@ -232,8 +232,14 @@ def open_source(src: Path) -> tuple[DecoderConfig, dict[str, np.ndarray], str, c
 
 
 def to_coreml(src: Path, out: Path, *, context: int = 512, compress: str = "int4",
-              compute_units: str = "CPU_AND_NE", progress: bool = True) -> dict:
-    """Write ``out/model.mlpackage`` (functions decode + prefill), tokenizer files and manifest.json."""
+              compute_units: str = "CPU_AND_NE", progress: bool = True, keep_blocks: bool = True) -> dict:
+    """Write ``out/model.mlpackage`` (functions decode + prefill), tokenizer files and manifest.json.
+
+    From a GGUF source, ``compress="int4"`` keeps llama.cpp's Q4_0 / Q4_1 / Q8_0 blocks as Core ML blockwise
+    weights and re-quantizes only the other types, naming them (``converters.coreml_blocks``);
+    ``keep_blocks=False`` re-quantizes everything to symmetric int4 instead (the earlier behaviour, kept for
+    measurements). A GGUF source's package is also checked against llama.cpp on held-out text
+    (``converters.coreml_source``)."""
     if compress not in COMPRESSIONS:
         raise OndeviceError(f"--compress {compress}: choose one of {', '.join(COMPRESSIONS)}")
     if compute_units not in COMPUTE_UNITS:
@@ -252,7 +258,7 @@ def to_coreml(src: Path, out: Path, *, context: int = 512, compress: str = "int4
     cfg, weights, source_sha, write_tokenizer = open_source(Path(src))
     weights = _as_fp16(weights)  # the graph's precision; halves the peak memory of the conversion
     blocks, block_report = None, None
-    if compress == "int4" and is_gguf_file(src):  # keep llama.cpp's blocks where Core ML can express them
+    if compress == "int4" and keep_blocks and is_gguf_file(src):  # keep llama.cpp's blocks where Core ML can
         from converters.coreml_blocks import gguf_blockwise
         from ondevice.formats.gguf_reader import GGUFFile
 

@@ -6,8 +6,8 @@ Core ML's iOS 18 op decompresses ``w = scale · (data − offset)`` with one sca
     Q4_0: w = d · (n − 8)  → data = n (uint4), scale = d, offset = 8 (uint4): bit for bit
     Q8_0: w = d · k        → data = k (int8),  scale = d, no offset:           bit for bit
     Q4_1: w = d · n + m    → data = n (uint4), scale = d, offset = −m/d (fp16): the same 4-bit codes and
-          scales; the offset is one fp16 rounding of −m/d (|error| ≤ 2⁻¹¹·|m/d|, a few thousandths of a
-          quantization step, measured per tensor and reported); a block with d = 0 (all weights m) gets
+          scales; −m/d and n − offset are fp16 numbers, so a weight moves by at most ~1 % of its
+          quantization step (measured per tensor and reported); a block with d = 0 (all weights m) gets
           scale = m, offset = −1.
 
 Every other type (K-quants, Q5_*, IQ4_NL, ...) is dequantized with ``gguf`` and re-quantized over the same

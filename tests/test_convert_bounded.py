@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from converters import convert
@@ -101,3 +102,45 @@ def test_tokenizer_check_strict_passes_agreeing_readings(tmp_path):
     src = make_tiny_hf(tmp_path / "q", "qwen2")
     s = convert(src, to="gguf", quant="q8_0", out=tmp_path / "o", progress=False, tokenizer_check="strict")
     assert s["tokenizer_check"] is None and s["verify"]["tokenizer"]["readings_agree"] is True
+
+
+# -- Core ML keeps GGUF blocks --------------------------------------------------------------------
+@pytest.mark.parametrize("ttype", ["Q4_0", "Q4_1", "Q8_0"])
+def test_gguf_blocks_become_core_ml_blockwise_without_rerounding(ttype):
+    import gguf
+
+    from converters.coreml_blocks import from_gguf_block
+
+    rng = np.random.default_rng(0)
+    w = (rng.standard_normal((64, 256)) * 0.05).astype(np.float32)
+    w[3, :32] = 0.125  # a constant block (Q4_1: d = 0)
+    qt = gguf.GGMLQuantizationType[ttype]
+    raw = gguf.quantize(w, qt)
+    want = gguf.dequantize(raw, qt).reshape(w.shape)
+    b = from_gguf_block(raw, ttype, *w.shape)
+    assert b.kept and b.bits == (8 if ttype == "Q8_0" else 4)
+    got = b.dense().astype(np.float32)
+    if ttype == "Q4_1":  # the offset −m/d and n − offset are fp16: ≤ ~1 % of a step
+        step = np.repeat(np.abs(b.scale.astype(np.float32)), 32, axis=1)
+        assert np.all(np.abs(got - want) <= 0.02 * step + 1e-6)
+    else:  # codes and scales as llama.cpp wrote them; Core ML's fp16 product is the only rounding
+        np.testing.assert_allclose(got, want.astype(np.float16).astype(np.float32), rtol=2e-3, atol=1e-7)
+
+
+@pytest.mark.parametrize("quant,gated", [("q8_0", True), ("q4_0", False)])
+def test_gguf_to_coreml_keeps_blocks_and_is_checked_against_the_source(tiny_hf, tmp_path, quant, gated):
+    """Q8_0 / Q4_0 tensors are kept as blocks; q4_0's Q6_K embedding is re-quantized (named, with its cost),
+    and the package is judged against llama.cpp on the source, through the MIL interpreter."""
+    convert(tiny_hf["llama"], to="gguf", quant=quant, out=tmp_path / "g", progress=False, verify=False)
+    s = convert(tmp_path / "g" / "model.gguf", to="coreml", out=tmp_path / "c", progress=False)
+    assert s["weights"] == "gguf-blocks"
+    blocks = s["blocks"]
+    assert blocks["kept"] == {quant.upper(): 14 if quant == "q4_0" else 15}
+    assert blocks["kept_max_rel_error"] < 1e-3
+    if quant == "q4_0":
+        [r] = blocks["requantized"]
+        assert r["tensor"] == "model.embed_tokens.weight" and r["from"] == "Q6_K" and 0 < r["rel_error"] < 0.02
+    src = s["verify"]["source"]
+    assert src["gated"] is gated and src["reference"].startswith("llama.cpp") and src["top1_agreement"] >= 0.8
+    manifest = json.loads((tmp_path / "c" / "manifest.json").read_text())
+    assert manifest["verified"]["source"] == src and manifest["blocks"] == blocks
