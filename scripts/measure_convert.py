@@ -10,7 +10,9 @@ a command that prints JSON on stdout (``ondevice convert --json``) has it kept b
 from __future__ import annotations
 
 import json
+import os
 import platform
+import resource
 import subprocess
 import sys
 import time
@@ -24,12 +26,16 @@ from converters.memwatch import MemoryWatch  # noqa: E402
 
 def measure(cmd: list[str]) -> dict:
     """Run ``cmd``; {"cmd", "returncode", "seconds", "peak_rss_anon_bytes", "json"?, "stderr_tail"?}."""
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
+    load0 = os.getloadavg()[0]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
     with MemoryWatch(proc.pid, tree=True, interval=0.005) as mw:
         out, err = proc.communicate()
+    cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)
     rec = {"cmd": " ".join(cmd), "returncode": proc.returncode, "seconds": round(time.perf_counter() - t0, 2),
-           "peak_rss_anon_bytes": mw.peak_rss_bytes}
+           "cpu_seconds": round(cpu, 2), "peak_rss_anon_bytes": mw.peak_rss_bytes,
+           "load_average_1min": [round(load0, 1), round(os.getloadavg()[0], 1)]}
     try:
         rec["json"] = json.loads(out)
     except ValueError:
@@ -48,7 +54,7 @@ def main(argv: list[str]) -> int:
         k = argv.index("--run", j) if "--run" in argv[j:] else len(argv)
         runs.append((name, argv[j:k]))
         i = k
-    doc = {"machine": {"platform": platform.platform(), "cpus": __import__("os").cpu_count()}, "runs": {}}
+    doc = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count()}, "runs": {}}
     for name, cmd in runs:
         doc["runs"][name] = measure(cmd)
         r = doc["runs"][name]
