@@ -115,8 +115,7 @@ def gguf_blockwise(g) -> tuple[dict[str, Blockwise], dict]:
         (HF name → Blockwise, report {"kept": {type: n}, "requantized": [{tensor, from, to, rel_error}],
         "kept_max_rel_error": largest error of a kept tensor against the GGUF's dequantized one}).
     """
-    import gguf
-
+    from converters.dequant import dequantize
     from ondevice.formats.gguf_reader import hf_name, llama_permuted_heads, unpermute_rows
 
     cfg = g.config()
@@ -129,7 +128,7 @@ def gguf_blockwise(g) -> tuple[dict[str, Blockwise], dict]:
             continue
         cols, rows = int(t.shape[0]), int(t.shape[1])
         name = hf_name(t.name, g.arch)
-        ref = np.asarray(gguf.dequantize(t.data, t.tensor_type), np.float32).reshape(rows, cols)
+        ref = dequantize(t.data, t.tensor_type).reshape(rows, cols)
         if cols % BLOCK:
             continue  # stays fp16 (the graph's const)
         if ttype in KEPT:

@@ -4,7 +4,7 @@ tensor is from the source's.
 A quantized output cannot match its float source's logits to 2 % (that is what quantizing means), so
 its verification splits in two checks that can each be tight:
 
-- every written tensor, dequantized (``gguf.dequantize`` / ``mx.dequantize``) and put back in HF
+- every written tensor, dequantized (ggml's own ``to_float``: ``converters.dequant``; ``mx.dequantize``) and put back in HF
   layout, is within its type's rounding error of the same source tensor (a swapped, transposed,
   unpermuted or offset tensor is off by ~100 %, quantization by a few %): ``TensorCheck``;
 - the runtime's logits match a float32 forward pass *on those written weights* (what the file says the
@@ -38,6 +38,7 @@ def gguf_written(path: Path, ckpt) -> tuple[LazyWeights, dict[str, int]]:
     import gguf
 
     from converters.archs import arch_of, from_gguf_layout, gguf_names
+    from converters.dequant import dequantize
 
     arch = arch_of(ckpt.config, ckpt.path / "config.json")
     inverse = {g: h for h, g in gguf_names(ckpt, arch).items()}
@@ -51,7 +52,7 @@ def gguf_written(path: Path, ckpt) -> tuple[LazyWeights, dict[str, int]]:
 
     def load(name: str) -> np.ndarray:
         t = tensors[name]
-        arr = np.asarray(gguf.dequantize(t.data, t.tensor_type), np.float32).reshape([int(d) for d in reversed(t.shape)])
+        arr = dequantize(t.data, t.tensor_type).reshape([int(d) for d in reversed(t.shape)])
         return from_gguf_layout(ckpt.config, arch, t.name, arr)
 
     return LazyWeights(list(tensors), load), bits
@@ -60,8 +61,7 @@ def gguf_written(path: Path, ckpt) -> tuple[LazyWeights, dict[str, int]]:
 def gguf_source(g) -> LazyWeights:
     """A GGUF source's tensors (``ondevice.formats.gguf_reader.GGUFFile``), lazily, dequantized to float32
     in HF names and layout (``float_tensors``, one at a time)."""
-    import gguf
-
+    from converters.dequant import dequantize
     from ondevice.formats.gguf_reader import hf_name, llama_permuted_heads, unpermute_rows
 
     cfg = g.config()
@@ -69,7 +69,7 @@ def gguf_source(g) -> LazyWeights:
 
     def load(name: str) -> np.ndarray:
         t = tensors[name]
-        arr = np.asarray(gguf.dequantize(t.data, t.tensor_type), np.float32).reshape([int(d) for d in reversed(t.shape)])
+        arr = dequantize(t.data, t.tensor_type).reshape([int(d) for d in reversed(t.shape)])
         heads = llama_permuted_heads(g, t.name, cfg)
         return unpermute_rows(arr, heads) if heads else arr
 

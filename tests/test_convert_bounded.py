@@ -144,3 +144,18 @@ def test_gguf_to_coreml_keeps_blocks_and_is_checked_against_the_source(tiny_hf, 
     assert src["gated"] is gated and src["reference"].startswith("llama.cpp") and src["top1_agreement"] >= 0.8
     manifest = json.loads((tmp_path / "c" / "manifest.json").read_text())
     assert manifest["verified"]["source"] == src and manifest["blocks"] == blocks
+
+
+def test_ggml_dequantize_equals_gguf(tiny_hf, tmp_path):
+    """The check dequantizes with ggml's own to_float; it must give gguf-py's floats exactly."""
+    import gguf
+
+    from converters.dequant import dequantize
+
+    convert(tiny_hf["llama"], to="gguf", quant="q4_k_m", out=tmp_path / "g", progress=False, verify=False)
+    types = set()
+    for t in gguf.GGUFReader(str(tmp_path / "g" / "model.gguf")).tensors:
+        want = np.asarray(gguf.dequantize(t.data, t.tensor_type), np.float32)
+        np.testing.assert_array_equal(dequantize(t.data, t.tensor_type).reshape(want.shape), want)
+        types.add(t.tensor_type.name)
+    assert {"Q4_K", "Q6_K", "F32"} <= types
