@@ -61,10 +61,12 @@ class MemoryWatch:
         self.seconds = 0.0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._pids, self._scanned = [self.pid], -1.0
 
     def sample(self) -> int:
-        pids = tree_pids(self.pid) if self.tree else [self.pid]
-        now = sum(rss_anon(p) for p in pids)
+        if self.tree and time.perf_counter() - self._scanned > 0.2:  # walking /proc is costly: 5 times a second
+            self._pids, self._scanned = tree_pids(self.pid), time.perf_counter()
+        now = sum(rss_anon(p) for p in self._pids)
         self.peak_rss_bytes = max(self.peak_rss_bytes, now)
         return now
 
