@@ -57,7 +57,7 @@ def convert(
     Returns:
         A JSON-able summary (sizes, seconds, bits per weight, tensor types, fallbacks) with, per output,
         ``verify``: what loading it in its runtime and comparing with the source found (``converters.verify``),
-        its ``check``: {seconds, peak_rss_bytes}; ``tokenizer_check``: the readings' disagreement, if any.
+        its ``cost``: {seconds, cpu_seconds, peak_rss_bytes}; ``tokenizer_check``: the readings' disagreement, if any.
     """
     from converters.output import atomic_dir, check_interrupted, check_out
     from converters.verify import verify_conversion

@@ -243,8 +243,8 @@ def verify_conversion(src: Path, to: str, written: Path, summary: dict, out: Pat
         out: the directory the user asked for, named in errors.
         readings: an HF source's tokenizer readings (``converters.readings.hf_readings``; read here if None).
     Returns:
-        The verification record (also in ``written/manifest.json`` under "verify"), with ``check``: its
-        wall time and peak private memory (``converters.memwatch``).
+        The verification record (also in ``written/manifest.json`` under "verify"), with ``cost``: its
+        wall time, CPU time and peak private memory (``converters.memwatch``).
     Raises:
         OndeviceError: one line naming ``out`` when the output does not load, tokenizes differently from
             the source, has a tensor that is not the source's, or computes differently.
@@ -273,7 +273,7 @@ def verify_conversion(src: Path, to: str, written: Path, summary: dict, out: Pat
             result, cost = timed(check_hf, src, fmt, path, level, out, readings)
             if result is None:  # an architecture the numpy decoder does not run (gemma3): mlx-lm float32
                 result, cost = timed(_mlx_lm_check, src, fmt, path, level, out)
-    result["check"] = cost
+    result["cost"] = cost
     record(written, result)
     return result
 

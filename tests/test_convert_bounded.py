@@ -48,7 +48,7 @@ def test_convert_memory_does_not_grow_with_the_model(tmp_path, to, args):
     grew = peak_big - peak_small
     growth_allowed = 0.5 * (big["f16_bytes"] - small["f16_bytes"])
     assert summary["verify"]["passed"]
-    check = summary["verify"]["check"]
+    check = summary["verify"]["cost"]
     assert check["seconds"] > 0 and 0 < check["peak_rss_bytes"] <= peak_big
     assert grew <= growth_allowed, (f"peak RssAnon grew by {grew / 1e6:.0f} MB for {big['f16_bytes'] / 1e6:.0f} MB of "
                                     f"f16 weights (small: {peak_small / 1e6:.0f} MB, big: {peak_big / 1e6:.0f} MB)")
