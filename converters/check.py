@@ -32,7 +32,7 @@ from ondevice.errors import OndeviceError
 
 CHECK_TOKENS = 64  # teacher-forced positions of the probe (the tokenizer check covers all of it)
 MLX_CPU_TOKENS = 8  # positions MLX runs on a CPU, for models up to MLX_CPU_MAX_BYTES
-MLX_CPU_MAX_BYTES = 64 << 20  # written weights; above, MLX's CPU kernels (no BLAS) take minutes per token
+MLX_CPU_MAX_BYTES = 16 << 20  # written weights; above, MLX's CPU kernels (no BLAS) take minutes per token
 NUMPY_ARCHS = ("llama", "mistral", "qwen2", "qwen3")  # the numpy decoder's graphs (others: mlx-lm float32)
 
 
