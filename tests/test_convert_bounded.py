@@ -35,9 +35,10 @@ def _peak_convert(src: Path, out: Path, *args: str) -> tuple[int, dict]:
 @pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="RssAnon is read from /proc (Linux)")
 @pytest.mark.parametrize("to,args", [("gguf", ("--quant", "q4_k_m")), ("mlx", ())], ids=["gguf", "mlx"])
 def test_convert_memory_does_not_grow_with_the_model(tmp_path, to, args):
-    """A ~0.11B-parameter checkpoint (226 MB of f16) and a 1-layer one (~27 MB) convert and verify; the
-    larger one's peak private memory (the whole process tree) exceeds the small one's by less than half
-    its f16 size. Holding the model in float32 once, as the old check did several times, is 2× it."""
+    """A 4-layer (113M parameters, 226 MB of f16) and a 1-layer (38M, 75 MB) synthetic checkpoint convert and
+    verify; the larger one's peak private memory (the whole process tree, RssAnon) exceeds the small one's by
+    less than 0.75× the difference of their f16 sizes. Holding the model once in f16 is 1×, in float32 2×;
+    the old check held ~5×."""
     sys.path.insert(0, str(ROOT / "scripts"))
     from make_synthetic_checkpoint import make
 
@@ -46,7 +47,7 @@ def test_convert_memory_does_not_grow_with_the_model(tmp_path, to, args):
     peak_small, _ = _peak_convert(tmp_path / "small", tmp_path / "small-out", "--to", to, *args)
     peak_big, summary = _peak_convert(tmp_path / "big", tmp_path / "big-out", "--to", to, *args)
     grew = peak_big - peak_small
-    growth_allowed = 0.5 * (big["f16_bytes"] - small["f16_bytes"])
+    growth_allowed = 0.75 * (big["f16_bytes"] - small["f16_bytes"])
     assert summary["verify"]["passed"]
     check = summary["verify"]["cost"]
     assert check["seconds"] > 0 and 0 < check["peak_rss_bytes"] <= peak_big
