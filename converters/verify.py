@@ -126,18 +126,6 @@ def hf_reference_logits(src: Path, ids: list[int], weights: dict[str, np.ndarray
     return out
 
 
-def mlx_float_logits(config: dict, weights: dict[str, np.ndarray], ids: list[int]) -> np.ndarray:
-    """mlx-lm's model for ``config`` (quantization dropped) in float32 with ``weights``: [n, vocab] logits."""
-    import mlx.core as mx
-    from mlx_lm.utils import _get_classes
-
-    cfg = {k: v for k, v in config.items() if k not in ("quantization", "quantization_config")}
-    model_class, args_class = _get_classes(cfg)
-    model = model_class(args_class.from_dict(cfg))
-    model.load_weights([(k, mx.array(v, dtype=mx.float32)) for k, v in weights.items()], strict=True)
-    return np.array(model(mx.array([ids]))[0].astype(mx.float32))
-
-
 def llama_backend(path: Path, n: int):
     """A llama.cpp backend with room for ``n`` probe tokens (one batch)."""
     from ondevice.backends.llama import LlamaBackend
