@@ -259,7 +259,7 @@ def test_ctrl_c_swallowed_by_a_llama_cpp_callback_keeps_nothing(tiny_hf, tmp_pat
         for _ in range(10_000):  # the handler runs here, inside the callback
             pass
 
-    real = tg.quantize
+    real = tg.llama_quantize
 
     def quantize(*a, **k):
         real(*a, **k)
@@ -268,12 +268,12 @@ def test_ctrl_c_swallowed_by_a_llama_cpp_callback_keeps_nothing(tiny_hf, tmp_pat
         qsort((ctypes.c_int * 2)(1, 2), 2, ctypes.sizeof(ctypes.c_int), cmp)
         swallowed.append(True)  # reached: the KeyboardInterrupt did not propagate (the defect's premise)
 
-    monkeypatch.setattr(tg, "quantize", quantize)
+    monkeypatch.setattr(tg, "llama_quantize", quantize)
     with pytest.raises(KeyboardInterrupt):
         convert(tiny_hf["llama"], to="gguf", out=tmp_path / "x", quant="q4_0", progress=False)
     assert swallowed, "the negative control: the interrupt must have been swallowed by the callback"
     assert not (tmp_path / "x").exists() and not list(tmp_path.glob(".*"))
-    monkeypatch.setattr(tg, "quantize", real)
+    monkeypatch.setattr(tg, "llama_quantize", real)
     s = convert(tiny_hf["llama"], to="gguf", out=tmp_path / "x", quant="q4_0", progress=False, verify=False)
     assert (tmp_path / "x" / "model.gguf").is_file() and s["quant"] == "q4_0"  # the next run works
 
