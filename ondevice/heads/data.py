@@ -71,6 +71,43 @@ def record_answer(backend, prompt_ids: list[int], max_new: int) -> Record:
     return Record(np.asarray(toks, np.int64), np.asarray(hid, np.float32), np.asarray(prompt_ids, np.int64))
 
 
+def record_text(backend, ids: list[int]) -> Record:
+    """Teacher-forced features of a text (one prefill with every row output): ``tokens`` are the text's,
+    not the target's own answer, but each row's hidden state (hence the teacher's distribution) is the
+    target's. Cheaper per token than decoding (a batch instead of one pass per token)."""
+    backend.rollback(0)
+    backend.eval(ids, logits="all")
+    H = np.stack([backend.hidden(i) for i in range(len(ids) - 1)])
+    return Record(np.asarray(ids, np.int64), H.astype(np.float32), np.asarray(ids[:1], np.int64), "text")
+
+
+def collect_text(rt, texts: list[str], work: Path, *, budget: int, chunk: int = 256,
+                 on_record: Callable[[int, int], None] | None = None) -> list[Record]:
+    """Teacher-forced records of ``texts`` cut into ``chunk``-token pieces until ``budget`` tokens (resumable)."""
+    backend = rt.target
+    backend.enable_hidden()
+    out: list[Record] = []
+    total, i = 0, 0
+    for text in texts:
+        ids = backend.tokenize(text, add_bos=False)
+        for s in range(0, len(ids) - 16, chunk):
+            if total >= budget:
+                return out
+            path = work / f"txt-{i:05d}.npz"
+            i += 1
+            if path.is_file():
+                rec = load_record(path)
+            else:
+                rec = record_text(backend, ids[s : s + chunk])
+                _save(path, rec)
+            out.append(rec)
+            total += len(rec.hidden)
+            if on_record is not None:
+                on_record(total, len(rec.hidden))
+    rt.reset()
+    return out
+
+
 def _save(path: Path, rec: Record) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)

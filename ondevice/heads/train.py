@@ -94,6 +94,8 @@ def train_heads(
     max_new: int = DEFAULTS["max_new"],
     threads: int | None = None,
     n_ctx: int = 1024,
+    texts: list[str] | None = None,
+    text_tokens: int = 0,
     quiet: bool = False,
 ) -> dict:
     """Train heads for ``model`` and store them.
@@ -107,6 +109,8 @@ def train_heads(
         epochs: passes over the data per head (the best epoch on held-out answers is kept).
         max_new: most tokens per recorded answer.
         threads, n_ctx: for the target while recording.
+        texts, text_tokens: optional extra training data: up to ``text_tokens`` tokens of these texts,
+            teacher-forced (the target's hidden states and distributions on text it did not write).
         quiet: no progress bars.
     Returns:
         A summary: path, wall seconds (recording / fitting), tokens, τ on held-out answers, the fit log.
@@ -125,6 +129,11 @@ def train_heads(
         task = bar.add_task("recording answers (tokens)", total=tokens)
         records = data.collect(rt, prompts, work / "records", budget=tokens, max_new=max_new,
                                on_record=lambda total, new: bar.update(task, completed=min(total, tokens)))
+        extra = []
+        if texts and text_tokens:
+            task = bar.add_task("teacher-forced text (tokens)", total=text_tokens)
+            extra = data.collect_text(rt, texts, work / "text", budget=text_tokens,
+                                      on_record=lambda total, new: bar.update(task, completed=min(total, text_tokens)))
         V = rt.target.vocab_size
     t_rec = time.perf_counter() - t0
     n_tok = int(sum(len(r.hidden) for r in records))
@@ -134,6 +143,7 @@ def train_heads(
     val_set = set(order[:n_val].tolist())
     train_recs = [r for i, r in enumerate(records) if i not in val_set]
     val_recs = [r for i, r in enumerate(records) if i in val_set]
+    train_recs += extra  # extra text trains, never judges (held-out answers are the target's own)
     vocab_ids = choose_vocab(train_recs, V, vocab)
     out_rows, emb_rows, arch = target_rows(path, vocab_ids)
     flat_tr, flat_va = fit.Flat.of(train_recs), fit.Flat.of(val_recs or train_recs[:1])
@@ -148,7 +158,8 @@ def train_heads(
                     np.concatenate([flat_tr.rec, flat_va.rec + len(train_recs)]))
     n_tr = len(flat_tr.H)
     t_ids, t_pr = fit.teacher(heads, flat.H)
-    key = hashlib.sha256(json.dumps([sha, n_tok, seed, K, rank, vocab, epochs, max_new]).encode()).hexdigest()[:12]
+    n_text = int(sum(len(r.hidden) for r in extra))
+    key = hashlib.sha256(json.dumps([sha, n_tok, n_text, seed, K, rank, vocab, epochs, max_new]).encode()).hexdigest()[:12]
     ckpt = work / f"fit-{key}.npz"
     done, state = 0, None
     if ckpt.is_file():  # resume: finished heads' weights, and the running head's optimiser state
@@ -189,7 +200,7 @@ def train_heads(
     tau_val = fit.offline_tau(hits, flat, np.unique(flat.rec[n_tr:])) if val_recs else None
     tau_train = fit.offline_tau(hits, flat, np.unique(flat.rec[:n_tr]))
     meta = {"target_sha256": sha, "target_file": path.name, "architecture": arch, "target_vocab_size": V,
-            "training_tokens": int(len(flat_tr.H)), "heldout_tokens": int(len(flat.H) - n_tr), "seed": seed,
+            "training_tokens": int(len(flat_tr.H)), "teacher_forced_text_tokens": n_text, "heldout_tokens": int(len(flat.H) - n_tr), "seed": seed,
             "epochs": epochs, "record_seconds": round(t_rec, 1), "fit_seconds": round(t_fit, 1),
             "tau_heldout_greedy_chain": tau_val, "tau_train_greedy_chain": tau_train, "log": log}
     dest = Path(out) / store.default_path(path).name if out is not None else store.default_path(path)
