@@ -63,7 +63,7 @@ def head_cost(path: Path, drafter_heads, recs: list[data.Record], reps: int = 30
         sampled = SamplingParams(temperature=0.7, top_p=0.9, top_k=0, min_p=0.0)
         rng = np.random.default_rng(0)
         tg, tp, ts = [], [], []
-        for i in range(reps):
+        for _ in range(reps):
             t0 = time.perf_counter()
             lg = b.eval([ctx[-1]], logits="all")[-1]
             t1 = time.perf_counter()
