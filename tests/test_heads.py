@@ -30,7 +30,7 @@ def trained(tiny_gguf, tmp_path_factory):
         mp.setenv("ONDEVICE_HOME", str(home))
         target = tiny_gguf("llama")
         t0 = time.perf_counter()
-        r = train_heads(target, tokens=800, epochs=3, K=3, rank=32, vocab=256, max_new=48, threads=1, n_ctx=512, quiet=True)
+        r = train_heads(target, tokens=2000, epochs=8, K=3, rank=64, vocab=512, max_new=64, threads=1, n_ctx=512, quiet=True)
         r["test_seconds"] = time.perf_counter() - t0
         yield target, Path(r["path"]), r, home
 
@@ -49,14 +49,14 @@ def test_train_heads_end_to_end(trained, home):
 
     meta = store.read_meta(path)
     assert meta["target_sha256"] == store.target_sha256(target) and meta["K"] == 3 and meta["architecture"] == "llama"
-    assert meta["training_tokens"] > 500 and meta["seed"] == 0 and meta["tau_heldout_greedy_chain"]["tau"] >= 1.0
+    assert meta["training_tokens"] > 1000 and meta["seed"] == 0 and meta["tau_heldout_greedy_chain"]["tau"] >= 1.0
     assert store.find(target) == path
 
 
 def test_heads_file_found_by_a_new_process(trained, home):
     target, path, _, _ = trained
     code = ("import ondevice\n"
-            f"with ondevice.load({str(target)!r}, draft='heads') as rt:\n"
+            f"with ondevice.load({str(target)!r}, draft='heads', threads=1) as rt:\n"
             "    r = rt.generate('def add(a, b):', max_tokens=8, temperature=0, gamma=3)\n"
             "    print(rt.drafter.name, r.stats.drafted)")
     env = {**os.environ, "ONDEVICE_HOME": str(home), "PYTHONPATH": str(ROOT)}
@@ -68,7 +68,7 @@ def test_heads_file_found_by_a_new_process(trained, home):
 
 def test_greedy_with_heads_equals_plain(trained, home):
     target = trained[0]
-    with ondevice.load(target, draft="heads") as spec, ondevice.load(target, drafter="none") as plain:
+    with ondevice.load(target, draft="heads", threads=1) as spec, ondevice.load(target, drafter="none", threads=1) as plain:
         drafted = 0
         for p in PROMPTS:
             a = spec.generate(p, max_tokens=40, temperature=0, gamma=3)
@@ -115,8 +115,8 @@ def test_sampled_with_heads_matches_target_law(trained, home, monkeypatch):
 
     target = trained[0]
     kw = dict(temperature=0.7, top_k=6, top_p=0.9, min_p=0.0)
-    n = 2500
-    with ondevice.load(target, draft="heads") as rt:
+    n = 4000
+    with ondevice.load(target, draft="heads", threads=1) as rt:  # 1 thread: 2 collapse on a loaded 2-core machine
         ids = rt.tokenize(PROMPTS[1])
         b = LlamaBackend(target, n_ctx=128, threads=1)
         try:
@@ -124,7 +124,7 @@ def test_sampled_with_heads_matches_target_law(trained, home, monkeypatch):
         finally:
             b.close()
         acc = rt.generate(ids, max_tokens=48, seed=1, gamma=3, **kw).stats
-        assert acc.drafted > 0 and 0.05 < acc.acceptance_rate < 0.98, acc.acceptance_rate
+        assert acc.drafted > 0 and 0.02 < acc.acceptance_rate < 0.98, acc.acceptance_rate  # both outcomes occur
         assert _chisquare(_counts(rt, ids, n, 3, **kw), law, n) > 1e-3
         monkeypatch.setattr(sampling, "residual", lambda p, q: p)  # the planted bug
         monkeypatch.setattr(sampling, "residual_sparse", lambda ids, pr, qv, V: pr)
