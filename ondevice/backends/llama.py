@@ -8,6 +8,11 @@ Nothing about the cache is remembered on the Python side: the position count is 
 (``llama_memory_seq_pos_max``) every time, so a Ctrl-C between a ``llama_decode`` and the next line
 cannot make the two disagree. Context length and batch size are read back from the context too
 (llama.cpp rounds the one and caps the other).
+
+Optional hidden states (``enable_hidden``): the same decode also returns the post-norm hidden state
+(llama.cpp's ``result_norm``, the LM head's input) of every output row, read with
+``llama_get_embeddings`` (pooling none); ``hidden(pos)`` gives the row of the last ``eval`` at an
+absolute position. Heads drafters read it (``ondevice.heads``), so drafting needs no extra target pass.
 """
 
 from __future__ import annotations
@@ -125,6 +130,9 @@ class LlamaBackend(Backend):
         self.chat_template = tmpl.decode("utf-8") if tmpl else None
         self._pieces: dict[int, bytes] = {}
         self._buf = ctypes.create_string_buffer(256)
+        self._hidden_on = False  # enable_hidden() was called
+        self._emb = False  # llama.cpp's embeddings flag right now
+        self._hidden: tuple[int, np.ndarray] | None = None  # (first position, rows) of the last eval
 
     def _check_open(self) -> None:
         if not self._ctx:
@@ -171,12 +179,53 @@ class LlamaBackend(Backend):
         self._check_open()
         return int(self._lib.llama_memory_seq_pos_max(self._mem, 0)) + 1
 
+    # -- hidden states (optional) ----------------------------------------------------------------
+    def enable_hidden(self) -> int:
+        """Keep the post-norm hidden state of every row each later ``eval`` outputs; returns its size.
+
+        llama.cpp outputs every row of a batch while embeddings are on, so an ``eval(..., "last")`` of
+        several tokens runs its first tokens with them off and the last token alone with them on.
+        """
+        self._check_open()
+        lib = self._lib
+        if lib.llama_pooling_type(self._ctx) != lib.LLAMA_POOLING_TYPE_NONE:
+            raise OndeviceError(f"{self.path.name}: this model pools its embeddings; it has no per-token hidden state for heads")
+        self._hidden_on = True
+        self._set_emb(True)
+        self.n_embd = int(lib.llama_model_n_embd_out(self._model))
+        return self.n_embd
+
+    def _set_emb(self, on: bool) -> None:
+        if self._emb != on:
+            self._lib.llama_set_embeddings(self._ctx, on)
+            self._emb = on
+
+    def hidden(self, pos: int) -> np.ndarray | None:
+        """[n_embd] float32 hidden state at absolute position ``pos`` from the last ``eval``, or None when
+        that eval did not output it or the cache no longer holds it (what it holds since is unchanged,
+        so the row is still the model's state for the cached prefix)."""
+        h = self._hidden
+        if h is None or not h[0] <= pos < h[0] + len(h[1]) or pos >= self.n_past:
+            return None
+        return h[1][pos - h[0]]
+
     def eval(self, tokens: Sequence[int], logits: Literal["all", "last"] = "all") -> np.ndarray:
+        if not self._hidden_on or logits == "all" or len(tokens) < 2:
+            return self._eval(tokens, logits)
+        self._set_emb(False)  # "last" with hidden states on: the prefix without embeddings, then the last token
+        try:
+            self._eval(tokens[:-1], "last")
+        finally:
+            self._set_emb(True)
+        return self._eval(tokens[-1:], "all")
+
+    def _eval(self, tokens: Sequence[int], logits: Literal["all", "last"] = "all") -> np.ndarray:
         n = len(tokens)
         n_past = self.n_past
         check_room(n_past, n, self.n_ctx, self.path)
         lib, b = self._lib, self._batch
-        rows = []
+        rows, hid, pos0 = [], [], n_past
+        self._hidden = None
         for start in range(0, n, self.n_batch):
             chunk = tokens[start : start + self.n_batch]
             last_chunk = start + self.n_batch >= n
@@ -196,6 +245,11 @@ class LlamaBackend(Backend):
             if n_out:
                 ptr = lib.llama_get_logits(self._ctx)
                 rows.append(np.ctypeslib.as_array(ptr, shape=(n_out, self.vocab_size)).copy())
+            if self._emb:  # llama.cpp output every row of this chunk
+                ptr = lib.llama_get_embeddings(self._ctx)
+                hid.append(np.ctypeslib.as_array(ptr, shape=(m, self.n_embd)).copy())
+        if hid:
+            self._hidden = (pos0, hid[0] if len(hid) == 1 else np.concatenate(hid))
         return rows[0] if len(rows) == 1 else np.concatenate(rows)
 
     def rollback(self, n_past: int) -> None:
