@@ -90,10 +90,12 @@ class ModelDrafter:
         self._cached = list(context)
         return logits
 
-    def propose(self, context, gamma, params, rng, keep_drafting=None):
+    def propose(self, context, gamma, params, rng, keep_drafting=None, constraint=None):
         """Sample up to ``gamma`` tokens; ``keep_drafting(confidences)`` may stop early (confidence =
         the draft's probability of each token it drew). Greedy drafting is deterministic: q is None
-        (one-hot at each token)."""
+        (one-hot at each token). With a ``constraint`` (``ondevice.constrain``) every row is masked
+        before it is processed, so q is the constrained law and every draft is allowed; the matcher
+        is walked along the draft and left where it started."""
         if gamma <= 0:
             return [], np.zeros((0, self.target_vocab))
         if len(context) + gamma > self.backend.n_ctx:
@@ -103,18 +105,29 @@ class ModelDrafter:
         hist = list(context)
         logits = self._sync(context)
         tokens, rows, confs = [], [], []
-        for i in range(gamma):
-            ids, pr = probs_sparse(logits, params, hist, self.vocab_limit)  # q: pr at ids, 0 elsewhere
-            t = sample_sparse(ids, pr, rng)
-            tokens.append(t)
-            rows.append((ids, pr))
-            confs.append(float(pr[np.flatnonzero(ids == t)[0]]))
-            hist.append(t)
-            if i + 1 < gamma and keep_drafting is not None and not keep_drafting(confs):
-                break
-            if i + 1 < gamma:
-                logits = self.backend.eval([t], logits="last")[-1]
-                self._cached.append(t)
+        mark = constraint.checkpoint() if constraint is not None else 0
+        try:
+            for i in range(gamma):
+                if constraint is not None:
+                    logits = constraint.mask_row(logits)
+                ids, pr = probs_sparse(logits, params, hist, self.vocab_limit)  # q: pr at ids, 0 elsewhere
+                t = sample_sparse(ids, pr, rng)
+                tokens.append(t)
+                rows.append((ids, pr))
+                confs.append(float(pr[np.flatnonzero(ids == t)[0]]))
+                hist.append(t)
+                if constraint is not None:
+                    if t in constraint.eos_ids:
+                        break  # nothing follows an end of generation
+                    constraint.advance([t])
+                if i + 1 < gamma and keep_drafting is not None and not keep_drafting(confs):
+                    break
+                if i + 1 < gamma:
+                    logits = self.backend.eval([t], logits="last")[-1]
+                    self._cached.append(t)
+        finally:
+            if constraint is not None:
+                constraint.restore(mark)
         if params.greedy:
             return tokens, None
         q = np.zeros((len(rows), self.target_vocab))  # [γ', target V]: ids past the target's width are cut

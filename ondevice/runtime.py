@@ -14,6 +14,7 @@ from ondevice.backends import Backend, open_backend
 from ondevice.costs import Costs
 from ondevice.drafters import Drafter, ModelDrafter, NgramDrafter, _common_prefix
 from ondevice.errors import OndeviceError
+from ondevice.logprobs import MAX_TOP_LOGPROBS
 from ondevice.params import DEFAULT_GAMMA, DEFAULT_MAX_TOKENS, DEFAULT_N_CTX, DEFAULTS, SamplingParams
 from ondevice.policy import AdaptivePolicy, FixedGamma
 from ondevice.speculative import Chunk, Result, Stats, TextAssembler, step_chunks, steps
@@ -188,6 +189,10 @@ class Runtime:
         seed: int | None = DEFAULTS.seed,
         gamma: int | str = DEFAULT_GAMMA,
         stop: Sequence[str] | str | None = None,
+        response_format: dict | None = None,
+        grammar: str | None = None,
+        logprobs: bool = False,
+        top_logprobs: int = 0,
     ) -> Stream:
         """Generate, yielding ``Chunk(text, tokens, from_draft)`` as target passes complete.
 
@@ -198,6 +203,13 @@ class Runtime:
             gamma: "auto" (the cost-aware policy: plain steps wherever speculation would not pay)
                 or a fixed number of tokens drafted per target pass (0 = plain decoding).
             stop: strings that end generation (not included in the text).
+            response_format: constrain the output (see ``ondevice.constrain.grammar_text``):
+                {"type": "json_object"}, {"type": "json_schema", "json_schema": {"schema": {...}}},
+                {"type": "regex", "regex": "..."}; exact under speculation (p and q are both masked).
+            grammar: constrain the output to a Lark or GBNF grammar instead.
+            logprobs: attach ``TokenLogprob`` to each chunk's tokens (``Chunk.logprobs``, ``Result.logprobs``),
+                from the target's processed row: the same with or without drafting (``ondevice.logprobs``).
+            top_logprobs: alternatives per token (0-20; implies ``logprobs``).
         Returns:
             A ``Stream``: iterate it for chunks; ``.cancel()`` stops it; ``.stats`` when finished.
             A stream dropped unfinished ends at once; a new request from the thread that left a
@@ -211,9 +223,27 @@ class Runtime:
         if gamma != "auto":
             gamma = inputs.integer("gamma", gamma, 0, " or 'auto' (0 = plain decoding)")
         stops = inputs.stop_strings(stop)
+        top_logprobs = inputs.integer("top_logprobs", top_logprobs, 0, f" (at most {MAX_TOP_LOGPROBS})")
+        if top_logprobs > MAX_TOP_LOGPROBS:
+            raise OndeviceError(f"top_logprobs={top_logprobs}: at most {MAX_TOP_LOGPROBS}")
+        n_lp = top_logprobs if (logprobs or top_logprobs) else None
         self._supersede()
         ids = self._prompt_ids(prompt)
-        return Stream(lambda req: self._run(ids, params, max_tokens, gamma, stops, req), Request())
+        constraint = self._constraint(response_format, grammar)
+        extra = {k: v for k, v in (("constraint", constraint), ("n_logprobs", n_lp)) if v is not None}
+        if extra and type(self)._run is not Runtime._run:
+            raise OndeviceError(f"{', '.join(extra)}: not supported by a sharded target yet; load the model on one rank")
+        return Stream(lambda req: self._run(ids, params, max_tokens, gamma, stops, req, **extra), Request())
+
+    def _constraint(self, response_format, grammar):
+        """The request's compiled ``Constraint`` (None when unconstrained); compile errors raise here."""
+        if response_format is None and grammar is None:
+            return None
+        from ondevice.constrain import Constraint
+
+        with self._lock:
+            self._check_open()
+            return Constraint.build(self.target, response_format, grammar)
 
     def astream(self, prompt: str | Sequence[int], **kwargs) -> AsyncStream:
         """``stream`` for asyncio: ``async for chunk in rt.astream(prompt, ...)``.
@@ -229,7 +259,7 @@ class Runtime:
         s = self.stream(prompt, **kwargs)
         for _ in s:
             pass
-        return Result(s.text, s.tokens, s.stats)
+        return Result(s.text, s.tokens, s.stats, s.logprobs)
 
     def chat(self, messages: Sequence[dict], **kwargs) -> Result:
         """Render ``messages`` with the model's chat template, then ``generate``."""
@@ -350,7 +380,8 @@ class Runtime:
         self._kv = list(ids[:-1])
         return keep
 
-    def _run(self, ids: list[int], params: SamplingParams, max_tokens: int, gamma, stop: list[str], out: Request):
+    def _run(self, ids: list[int], params: SamplingParams, max_tokens: int, gamma, stop: list[str], out: Request,
+             constraint=None, n_logprobs: int | None = None):
         """The generator behind a ``Stream``: takes the slot at the first chunk, releases it when it ends."""
         t = self.target
         self._enter(out)
@@ -369,7 +400,10 @@ class Runtime:
             rng = np.random.default_rng(params.seed)
             text = TextAssembler(t.token_bytes, stop)
             drafter = self.drafter if use_draft else None
-            it = steps(t, drafter, context, params, policy, rng, self.observer, n_ctx=self.n_ctx)
+            it = steps(t, drafter, context, params, policy, rng, self.observer, n_ctx=self.n_ctx, constraint=constraint,
+                       logprobs=n_logprobs)
+            if n_logprobs is not None:
+                out.logprobs = []
             while True:
                 with self._lock:  # native state is touched only here; user code never runs under it
                     step = next(it, None)
@@ -387,6 +421,8 @@ class Runtime:
                 if stats.target_forwards == 1:
                     stats.prompt_seconds = time.perf_counter() - t_start
                 chunks = step_chunks(step, t.is_eog, text, stats, max_tokens)
+                if not stats.stop_reason and constraint is not None and constraint.is_done():
+                    stats.stop_reason = "eos"  # only an end of generation may follow: no pass is spent on it
                 if stats.stop_reason or out.cancel_event.is_set():
                     tail = text.flush()
                     if tail:
@@ -396,6 +432,8 @@ class Runtime:
                             chunks.append(Chunk(tail, [], []))
                 for c in chunks:
                     out.tokens.extend(c.tokens)
+                    if c.logprobs is not None:
+                        out.logprobs.extend(c.logprobs)
                     out.text += c.text
                     if c.tokens and t_first is None:
                         t_first = time.perf_counter()
