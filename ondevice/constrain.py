@@ -18,6 +18,7 @@ rows a model drafter masked are not computed again when the target's rows are ma
 from __future__ import annotations
 
 import json
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -27,7 +28,8 @@ from ondevice.errors import OndeviceError
 
 # JSON with fixed separators: a free-whitespace grammar lets a small model emit blank lines forever.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-_TOKENIZERS: dict[tuple[str, int], Any] = {}  # (model path, vocab size) → llguidance.LLTokenizer
+# backend → llguidance.LLTokenizer; dies with its backend (the tokenizer calls the backend's tokenize)
+_TOKENIZERS: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
 
 def grammar_text(response_format: Mapping | None = None, grammar: str | None = None) -> str | None:
@@ -108,24 +110,23 @@ class _Vocab:
             raise OndeviceError(f"{backend.path}: the model has no end-of-generation token; constrained output needs one")
         self.eos_token_id = self.eos_ids[0]
         self.bos_token_id = backend.bos_id
-        self._tokenize = backend.tokenize
+        self._backend = weakref.ref(backend)  # a strong one would keep the cache entry alive forever
 
     def __call__(self, text: str) -> list[int]:
         if not isinstance(text, str):
             raise TypeError("text only")
-        return self._tokenize(text, add_bos=False, special=False)
+        return self._backend().tokenize(text, add_bos=False, special=False)
 
 
 def tokenizer_for(backend):
-    """The llguidance tokenizer of ``backend``'s vocabulary (built once per model file, ~1 s for 150k tokens)."""
+    """The llguidance tokenizer of ``backend``'s vocabulary (built once per open backend: ~0.7 s for 49k tokens)."""
     import llguidance
 
-    key = (str(backend.path), int(backend.vocab_size))
-    tok = _TOKENIZERS.get(key)
+    tok = _TOKENIZERS.get(backend)
     if tok is None:
         vocab = _Vocab(backend)
         tok = llguidance.LLTokenizer(llguidance.TokenizerWrapper(vocab), n_vocab=len(vocab.tokens), eos_token=vocab.eos_ids)
-        _TOKENIZERS[key] = tok
+        _TOKENIZERS[backend] = tok
     return tok
 
 
