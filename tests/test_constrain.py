@@ -71,8 +71,11 @@ def test_greedy_speculative_equals_plain_constrained(tiny_gguf, name):
     for res in runs:
         assert res.tokens == ref.tokens and res.text == ref.text
         assert res.logprobs == ref.logprobs  # the same rows, whichever pass computed them
-    assert len(ref.logprobs) == len(ref.tokens) and all(len(lp.top) == 5 for lp in ref.logprobs)
-    assert any(r.stats.drafted > r.stats.accepted > 0 for r in runs)  # drafts both kept and rejected
+    assert len(ref.logprobs) == len(ref.tokens) and all(1 <= len(lp.top) <= 5 for lp in ref.logprobs)
+    assert any(len(lp.top) == 5 for lp in ref.logprobs)  # forced bytes allow one token; free text many
+    assert any(r.stats.accepted > 0 for r in runs)
+    if name == "required_fields":  # free text inside the string: drafts both kept and rejected
+        assert any(r.stats.drafted > r.stats.accepted > 0 for r in runs)
 
 
 def test_sampled_logprobs_are_the_sampling_law(tiny_gguf):
