@@ -34,8 +34,11 @@ def render(
     add_generation_prompt: bool = True,
     bos_token: str = "",
     eos_token: str = "",
+    tools: Sequence[dict] | None = None,
 ) -> str:
     """Render ``messages`` ([{role, content}]) with the model's jinja chat template.
+
+    ``tools`` (OpenAI's function list) is handed to the template as ``tools``, as llama.cpp's --jinja does.
 
     Raises:
         OndeviceError: no template, a template error, or a template that tries to escape the sandbox.
@@ -49,7 +52,8 @@ def render(
             raise OndeviceError(f"chat message {m!r} needs 'role' and 'content'")
     try:
         return _compile(template).render(
-            messages=list(messages), add_generation_prompt=add_generation_prompt, bos_token=bos_token, eos_token=eos_token
+            messages=list(messages), add_generation_prompt=add_generation_prompt, bos_token=bos_token, eos_token=eos_token,
+            **({"tools": list(tools)} if tools else {}),
         )
     except SecurityError as e:
         raise OndeviceError(f"chat template rejected by the sandbox: {e}") from e

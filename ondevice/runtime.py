@@ -265,14 +265,15 @@ class Runtime:
         """Render ``messages`` with the model's chat template, then ``generate``."""
         return self.generate(self.render_chat(messages), **kwargs)
 
-    def render_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> list[int]:
+    def render_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True, tools: Sequence[dict] | None = None) -> list[int]:
+        """``messages`` (and OpenAI ``tools``, if any) rendered with the model's chat template, tokenized."""
         from ondevice.chat import render
 
         t = self.target
         with self._lock:
             self._check_open()
             bos = t.token_bytes(t.bos_id).decode("utf-8", "replace") if t.bos_id is not None else ""
-        text = render(t.chat_template, messages, add_generation_prompt=add_generation_prompt, bos_token=bos)
+        text = render(t.chat_template, messages, add_generation_prompt=add_generation_prompt, bos_token=bos, tools=tools)
         return self.tokenize(text, add_bos=not (bos and text.startswith(bos)))
 
     def reset(self) -> None:
