@@ -33,6 +33,15 @@ from ondevice.server_openai import (
     completion_prompt,
     generation_args,
 )
+from ondevice.server_structured import (
+    Structured,
+    ToolStream,
+    chat_logprobs,
+    completion_logprobs,
+    structured_args,
+    tool_call_deltas,
+)
+from ondevice.tools import parse_calls, template_messages
 
 MAX_BODY = 4 << 20  # bytes; a full 32k-token conversation is well under 1 MiB of JSON
 RETRY_AFTER = "1"
@@ -158,21 +167,22 @@ class Server:
                 raise ApiError(400, "'stream' must be true or false", param="stream")
             opts = body.get("stream_options") or {}
             with_usage = bool(isinstance(opts, dict) and opts.get("include_usage"))
-            ids = await self._prompt_ids(body, chat)
-            gen = generation_args(body, len(ids), self.rt.n_ctx)
+            st = structured_args(body, chat, self.rt.target.chat_template)
+            ids = await self._prompt_ids(body, chat, st.tools)
+            gen = {**generation_args(body, len(ids), self.rt.n_ctx), **st.run}
         except ApiError as e:
             return _error(e)
         except ClientDisconnect:  # the client left while sending its body: nobody to answer
             return Response(status_code=499)
         reply = Reply(chat, self.model_id)
         if stream:
-            return SSEResponse(self, ids, gen, reply, with_usage)
-        return await self._whole(request, ids, gen, reply)
+            return SSEResponse(self, ids, gen, reply, with_usage, st)
+        return await self._whole(request, ids, gen, reply, st)
 
-    async def _prompt_ids(self, body: dict, chat: bool) -> list[int]:
+    async def _prompt_ids(self, body: dict, chat: bool, tools: list | None = None) -> list[int]:
         try:
             if chat:
-                ids = self.rt.render_chat(chat_messages(body))
+                ids = self.rt.render_chat(template_messages(chat_messages(body)), tools=tools)
             else:
                 p = completion_prompt(body)
                 ids = self.rt.tokenize(p) if isinstance(p, str) else p
@@ -199,7 +209,7 @@ class Server:
         except OndeviceError as e:
             raise ApiError(400, str(e)) from e
 
-    async def _whole(self, request: Request, ids: list[int], gen: dict, reply: Reply) -> Response:
+    async def _whole(self, request: Request, ids: list[int], gen: dict, reply: Reply, st: Structured) -> Response:
         watcher = asyncio.ensure_future(_disconnected(request.receive))
         admit = asyncio.ensure_future(self.start(ids, gen))
         job = None
@@ -213,15 +223,20 @@ class Server:
                     pass
                 return Response(status_code=499)
             job = admit.result()
-            text = []
-            collect = asyncio.ensure_future(_collect(job, text))
+            text, lps = [], []
+            collect = asyncio.ensure_future(_collect(job, text, lps))
             await asyncio.wait({collect, watcher}, return_when=asyncio.FIRST_COMPLETED)
             if not collect.done():
                 job.cancel()
                 await collect
                 return Response(status_code=499)
             collect.result()
-            return JSONResponse(reply.whole("".join(text), job.stats))
+            answer, calls = "".join(text), None
+            if st.tools:
+                answer, calls = parse_calls(answer, st.tool_format, st.tools)
+            tb = self.rt.target.token_bytes
+            lp = (chat_logprobs(lps, tb) if reply.chat else completion_logprobs(lps, tb)) if st.logprobs else None
+            return JSONResponse(reply.whole(answer, job.stats, lp, calls or None))
         except ApiError as e:
             return _error(e)
         except OndeviceError as e:
@@ -239,9 +254,10 @@ async def _disconnected(receive) -> None:
         pass
 
 
-async def _collect(job, text: list[str]) -> None:
+async def _collect(job, text: list[str], lps: list) -> None:
     async for piece in job.events():
         text.append(piece.chunk.text)
+        lps.extend(piece.chunk.logprobs or [])
 
 
 def _sse(obj: dict) -> bytes:
@@ -253,8 +269,9 @@ class SSEResponse:
     sends one ``data:`` event per chunk, ends with ``data: [DONE]``, and cancels the job as soon as the
     client disconnects."""
 
-    def __init__(self, server: Server, ids: list[int], gen: dict, reply: Reply, with_usage: bool) -> None:
+    def __init__(self, server: Server, ids: list[int], gen: dict, reply: Reply, with_usage: bool, st: Structured) -> None:
         self.server, self.ids, self.gen, self.reply, self.with_usage = server, ids, gen, reply, with_usage
+        self.st = st
 
     async def __call__(self, scope, receive, send) -> None:
         watcher = asyncio.ensure_future(_disconnected(receive))
@@ -286,17 +303,29 @@ class SSEResponse:
             await send({"type": "http.response.start", "status": 200, "headers": [
                 (b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
                 (b"x-accel-buffering", b"no")]})
-            r, u = self.reply, self.with_usage
+            r, u, st = self.reply, self.with_usage, self.st
             opening = r.first(u)
             out = [_sse(opening)] if opening else []
+            tb, offset = self.server.rt.target.token_bytes, 0
+            ts = ToolStream(st.tool_format, st.tools, "grammar" in st.run) if st.tools else None
+            calls: list = []
             try:
                 while piece is not None:
                     c = piece.chunk
-                    out.append(_sse(r.piece(c.text, c.from_draft, piece.drafted, piece.accepted, u)))
+                    lp = None
+                    if st.logprobs:
+                        lp = chat_logprobs(c.logprobs or [], tb) if r.chat else completion_logprobs(c.logprobs or [], tb, offset)
+                        offset += len(c.text)
+                    text = ts.feed(c.text) if ts else c.text
+                    out.append(_sse(r.piece(text, c.from_draft, piece.drafted, piece.accepted, u, lp)))
                     await send({"type": "http.response.body", "body": b"".join(out), "more_body": True})
                     out = []
                     piece = await anext(events, None)
-                out += [_sse(o) for o in r.last(job.stats, u)]
+                if ts:
+                    tail, calls = ts.finish()
+                    if tail or calls:
+                        out.append(_sse(r.piece(tail, [], 0, 0, u, tool_calls=tool_call_deltas(calls) or None)))
+                out += [_sse(o) for o in r.last(job.stats, u, bool(calls))]
             except Exception as e:  # noqa: BLE001 - after the headers: report in-band, as OpenAI does
                 msg = str(e) if isinstance(e, OndeviceError) else f"internal error: {type(e).__name__}: {e}"
                 out.append(_sse(ApiError(500, (msg.splitlines() or [""])[0], code="internal_error").body()))
