@@ -45,7 +45,7 @@ def _rf(schema):
 @pytest.mark.parametrize("name", list(SCHEMAS))
 def test_answers_parse_and_validate(tiny_gguf, name):
     schema = SCHEMAS[name]
-    with ondevice.load(tiny_gguf("qwen2"), drafter="ngram") as rt:
+    with ondevice.load(tiny_gguf("qwen2"), drafter="ngram", threads=1) as rt:
         for kw in (dict(temperature=0, gamma=0), dict(temperature=1.0, seed=3, gamma=4), dict(temperature=0.7, seed=5)):
             res = rt.generate(PROMPT, response_format=_rf(schema), max_tokens=120, **kw)
             assert res.stats.stop_reason == "eos", (kw, res.text)
@@ -60,13 +60,13 @@ def test_greedy_speculative_equals_plain_constrained(tiny_gguf, name):
     """Token for token, with logprobs (and their top alternatives) identical: n-gram and a target+draft pair."""
     target, draft = tiny_gguf("qwen2"), tiny_gguf("qwen2_draft")
     kw = dict(response_format=_rf(SCHEMAS[name]), max_tokens=80, temperature=0, top_logprobs=5)
-    with ondevice.load(target, drafter="none") as rt:
+    with ondevice.load(target, drafter="none", threads=1) as rt:
         ref = rt.generate(PROMPT, gamma=0, **kw)
     assert ref.stats.stop_reason == "eos"
     runs = []
-    with ondevice.load(target, draft) as rt:
+    with ondevice.load(target, draft, threads=1) as rt:
         runs += [rt.generate(PROMPT, gamma=g, **kw) for g in (1, 3, 5)]
-    with ondevice.load(target, drafter="ngram") as rt:
+    with ondevice.load(target, drafter="ngram", threads=1) as rt:
         runs += [rt.generate(PROMPT, gamma=g, **kw) for g in (2, 6)]
     for res in runs:
         assert res.tokens == ref.tokens and res.text == ref.text
@@ -82,10 +82,10 @@ def test_sampled_logprobs_are_the_sampling_law(tiny_gguf):
     """logprob of each emitted token = log of the (constrained) p it was drawn from, with and without drafts."""
     target, draft = tiny_gguf("qwen2"), tiny_gguf("qwen2_draft")
     kw = dict(response_format=_rf(SCHEMAS["nested"]), max_tokens=60, temperature=0.8, top_k=8, seed=11, logprobs=True)
-    with ondevice.load(target, draft) as rt:
+    with ondevice.load(target, draft, threads=1) as rt:
         spec = rt.generate(PROMPT, gamma=3, **kw)
         ids = rt.tokenize(PROMPT)
-    b = LlamaBackend(target, n_ctx=256)
+    b = LlamaBackend(target, n_ctx=256, threads=1)
     try:
         c = Constraint.build(b, _rf(SCHEMAS["nested"]))
         params = sampling.SamplingParams(temperature=0.8, top_k=8)
@@ -102,7 +102,7 @@ def test_sampled_logprobs_are_the_sampling_law(tiny_gguf):
 
 def _constrained_law(path, ids, params, response_format, depth):
     """Exact law of the first ``depth`` tokens (shorter where the answer ends) under the constraint."""
-    b = LlamaBackend(path, n_ctx=256)
+    b = LlamaBackend(path, n_ctx=256, threads=1)
     c = Constraint.build(b, response_format)
     b.eval(ids[:-1])
     base = b.n_past
@@ -164,7 +164,7 @@ def test_sampled_constrained_law_is_exact(tiny_gguf, monkeypatch):
     the exact constrained target law. Planted control: q reported without the mask fails."""
     target, draft = tiny_gguf("qwen2"), tiny_gguf("qwen2_draft")
     rf, temperature, top_k, n = {"type": "regex", "regex": REGEX}, 1.0, 6, 2500
-    with ondevice.load(target, draft) as rt:
+    with ondevice.load(target, draft, threads=1) as rt:
         ids = rt.tokenize(PROMPT)
         params = sampling.SamplingParams(temperature=temperature, top_k=top_k, top_p=1.0, min_p=0.0)
         law = _constrained_law(target, ids, params, rf, depth=4)
@@ -181,7 +181,7 @@ def test_sampled_constrained_law_is_exact(tiny_gguf, monkeypatch):
 
 
 def test_grammar_regex_and_errors(tiny_gguf):
-    with ondevice.load(tiny_gguf("qwen2"), drafter="ngram") as rt:
+    with ondevice.load(tiny_gguf("qwen2"), drafter="ngram", threads=1) as rt:
         for seed in range(4):
             res = rt.generate(PROMPT, grammar='root ::= "yes" | "no" | "maybe later"', temperature=1.0, seed=seed)
             assert res.text in ("yes", "no", "maybe later") and res.stats.stop_reason == "eos"
@@ -197,7 +197,7 @@ def test_grammar_regex_and_errors(tiny_gguf):
 
 
 def test_eos_only_where_the_constraint_accepts(tiny_gguf):
-    b = LlamaBackend(tiny_gguf("qwen2"), n_ctx=64)
+    b = LlamaBackend(tiny_gguf("qwen2"), n_ctx=64, threads=1)
     try:
         c = Constraint(tokenizer_for(b), Constraint.__module__ and __import__("llguidance").LLMatcher.grammar_from_regex("ab|abc"))
         eos = c.eos_ids

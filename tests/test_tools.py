@@ -80,7 +80,7 @@ def test_qwen_template_renders_tools_and_calls():
 
 @pytest.mark.parametrize("fmt", ["hermes", "json"])
 def test_required_and_named_calls_validate(tiny_gguf, fmt):
-    with ondevice.load(tiny_gguf("qwen2"), drafter="ngram") as rt:
+    with ondevice.load(tiny_gguf("qwen2"), drafter="ngram", threads=1) as rt:
         for choice, seed in (("required", 1), ("required", 2), ("get_time", 3), ("get_weather", 4)):
             res = rt.generate("Call a tool:", grammar=T.call_grammar(TOOLS, choice, fmt), temperature=1.0, seed=seed,
                               max_tokens=120)
