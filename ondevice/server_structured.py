@@ -138,23 +138,18 @@ class ToolStream:
         self.text += piece
         if self.constrained:
             return ""
-        end = T.held_back(self.text, self.fmt) if self.fmt == "hermes" else len(self.text)
-        if self.fmt == "json" and self.text.lstrip().startswith("{"):
-            end = 0  # a bare-JSON call may be under way: hold everything
-        end = max(end, self.sent)
+        end = max(T.held_back(self.text, self.fmt), self.sent)
         out, self.sent = self.text[self.sent : end], end
         return out
 
     def finish(self) -> tuple[str, list[dict]]:
         """(content not yet sent, the tool calls found in the whole answer)."""
-        content, calls = T.parse_calls(self.text, self.fmt, self.tools)
-        if not calls:
-            rest, self.sent = self.text[self.sent :], len(self.text)
-            return rest, []
-        if self.fmt == "hermes":
-            i = self.text.find(T.HERMES_OPEN)
-            return (self.text[self.sent : i] if i > self.sent else ""), calls
-        return "", calls
+        before, calls, after = T.split_calls(self.text, self.fmt, self.tools)
+        if self.constrained:
+            return "", calls
+        tail = (before[self.sent :] + after) if calls else self.text[self.sent :]
+        self.sent = len(self.text)
+        return tail, calls
 
 
 def tool_call_deltas(calls: Sequence[dict]) -> list[dict]:

@@ -126,11 +126,33 @@ def _call(obj: Any, names: set[str]) -> dict | None:
             "function": {"name": obj["name"], "arguments": json.dumps(args, ensure_ascii=False)}}
 
 
-def parse_calls(text: str, fmt: str, tools: Sequence[dict]) -> tuple[str | None, list[dict]]:
-    """Split a model's answer into (content, OpenAI ``tool_calls``); calls to unknown functions stay content.
+def _bare_calls(text: str, names: set[str]) -> tuple[int, list[dict]] | None:
+    """(where they start, the calls) when ``text`` ends with one or more whitespace-separated call objects."""
+    dec = json.JSONDecoder()
+    for start in [i for i, ch in enumerate(text) if ch == "{" and (i == 0 or text[i - 1] in "\n")]:
+        calls, i = [], start
+        try:
+            while i < len(text):
+                obj, i = dec.raw_decode(text, i)
+                call = _call(obj, names)
+                if call is None:
+                    break
+                calls.append(call)
+                while i < len(text) and text[i].isspace():
+                    i += 1
+        except json.JSONDecodeError:
+            continue
+        if calls and i >= len(text):
+            return start, calls
+    return None
 
-    Returns:
-        (the text outside the calls, stripped, or None when empty; the calls, in order).
+
+def split_calls(text: str, fmt: str, tools: Sequence[dict]) -> tuple[str, list[dict], str]:
+    """(text before the calls, the calls, text after them); no calls: (text, [], "").
+
+    Hermes blocks are found by their tags; a template whose tags are special tokens (Qwen2.5's ``<tool_call>``
+    is one, and special tokens render as nothing) leaves bare call objects at the end of the answer, which
+    are recognised as well, as are bare objects for the 'json' format. Calls to unknown functions stay text.
     """
     names = {t["function"]["name"] for t in tools}
     if fmt == "hermes":
@@ -143,25 +165,37 @@ def parse_calls(text: str, fmt: str, tools: Sequence[dict]) -> tuple[str | None,
             if call is not None:
                 calls.append(call)
                 spans.append(m.span())
-        rest = text
-        for a, b in reversed(spans):
-            rest = rest[:a] + rest[b:]
-        return (rest.strip() or None), calls
-    try:
-        call = _call(json.loads(text), names)
-    except json.JSONDecodeError:
-        call = None
-    return (None, [call]) if call is not None else ((text.strip() or None), [])
+        if calls:
+            return text[: spans[0][0]], calls, "".join(text[b : a2] for (_, b), (a2, _) in zip(spans, [*spans[1:], (len(text), 0)], strict=True))
+    found = _bare_calls(text, names)
+    if found is None:
+        return text, [], ""
+    return text[: found[0]], found[1], ""
+
+
+def parse_calls(text: str, fmt: str, tools: Sequence[dict]) -> tuple[str | None, list[dict]]:
+    """Split a model's answer into (content, OpenAI ``tool_calls``); see ``split_calls``.
+
+    Returns:
+        (the text outside the calls, stripped, or None when empty; the calls, in order).
+    """
+    before, calls, after = split_calls(text, fmt, tools)
+    return ((before + after).strip() or None), calls
 
 
 def held_back(text: str, fmt: str) -> int:
-    """Where streamed content must stop: the start of a (possibly still partial) ``<tool_call>`` in ``text``."""
-    if fmt != "hermes":
-        return len(text)
+    """Where streamed content must stop: the start of what may be a tool call (a ``<tool_call>`` tag, even a
+    partial one, or a ``{`` opening a line, as a call whose tags are special tokens shows)."""
+    ends = [len(text)]
     i = text.find(HERMES_OPEN)
-    if i >= 0:
-        return i
-    for k in range(min(len(HERMES_OPEN) - 1, len(text)), 0, -1):
-        if text.endswith(HERMES_OPEN[:k]):
-            return len(text) - k
-    return len(text)
+    if fmt == "hermes" and i >= 0:
+        ends.append(i)
+    if fmt == "hermes":
+        for k in range(min(len(HERMES_OPEN) - 1, len(text)), 0, -1):
+            if text.endswith(HERMES_OPEN[:k]):
+                ends.append(len(text) - k)
+                break
+    j = 0 if text.startswith("{") else text.find("\n{")
+    if j >= 0:
+        ends.append(j + (0 if text.startswith("{") else 1))
+    return min(ends)

@@ -38,12 +38,18 @@ def test_parse_hermes_calls_and_content():
     assert T.parse_calls(bad, "hermes", TOOLS) == (bad, [])
     assert T.parse_calls("plain answer", "hermes", TOOLS) == ("plain answer", [])
     assert T.parse_calls('{"name": "get_time", "arguments": {"zone": 3}}', "json", TOOLS)[1][0]["function"]["name"] == "get_time"
+    # Qwen2.5's <tool_call> tags are special tokens, which render as nothing: bare call objects end the answer
+    content, calls = T.parse_calls('Sure.\n{"name": "get_time", "arguments": {"zone": 1}}\n\n'
+                                   '{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "C"}}\n', "hermes", TOOLS)
+    assert content == "Sure." and [c["function"]["name"] for c in calls] == ["get_time", "get_weather"]
+    assert T.parse_calls('a {"x": 1}', "hermes", TOOLS) == ('a {"x": 1}', [])
 
 
 def test_held_back_stops_before_a_call():
     assert T.held_back("Sure <tool", "hermes") == 5
     assert T.held_back("Sure <tool_call>\n{", "hermes") == 5
     assert T.held_back("Sure", "hermes") == 4 and T.held_back("a <tool", "json") == 7
+    assert T.held_back('Sure.\n{"na', "hermes") == 6 and T.held_back('{"a', "json") == 0
 
 
 def test_choice_and_checks():
@@ -90,3 +96,19 @@ def test_required_and_named_calls_validate(tiny_gguf, fmt):
             name = calls[0]["function"]["name"]
             assert choice in ("required", name)
             jsonschema.validate(json.loads(calls[0]["function"]["arguments"]), _params(name))
+
+
+@pytest.mark.slow
+def test_auto_parses_qwen_calls():
+    """tool_choice 'auto' on the real Qwen2.5-Coder-0.5B: its own call (tags are special tokens) is parsed."""
+    from ondevice import catalog
+
+    if not catalog.is_pulled(catalog.get("qwen2.5-coder-0.5b-instruct")):
+        pytest.skip("qwen2.5-coder-0.5b-instruct is not pulled")
+    with ondevice.load("qwen2.5-coder-0.5b-instruct", drafter="ngram", threads=1, n_ctx=1024) as rt:
+        fmt = T.call_format(rt.target.chat_template)
+        ids = rt.render_chat([{"role": "user", "content": "What is the weather in Paris, in Celsius?"}], tools=TOOLS)
+        res = rt.generate(ids, temperature=0, max_tokens=60, gamma=4)
+    content, calls = T.parse_calls(res.text, fmt, TOOLS)
+    assert fmt == "hermes" and len(calls) == 1 and calls[0]["function"]["name"] == "get_weather"
+    jsonschema.validate(json.loads(calls[0]["function"]["arguments"]), _params("get_weather"))
