@@ -15,7 +15,7 @@ import pytest
 import ondevice
 from ondevice import drafters, sampling
 from ondevice.backends.llama import LlamaBackend
-from ondevice.constrain import Constraint, tokenizer_for
+from ondevice.constrain import Constraint, grammar_text, tokenizer_for
 from ondevice.errors import OndeviceError
 from tests.test_engine import _chisquare
 
@@ -199,7 +199,7 @@ def test_grammar_regex_and_errors(tiny_gguf):
 def test_eos_only_where_the_constraint_accepts(tiny_gguf):
     b = LlamaBackend(tiny_gguf("qwen2"), n_ctx=64, threads=1)
     try:
-        c = Constraint(tokenizer_for(b), Constraint.__module__ and __import__("llguidance").LLMatcher.grammar_from_regex("ab|abc"))
+        c = Constraint(tokenizer_for(b), grammar_text({"type": "regex", "regex": "ab|abc"}))
         eos = c.eos_ids
         assert not c.allowed()[eos].any()
         c.advance(b.tokenize("ab", add_bos=False, special=False)[:1])
