@@ -41,7 +41,7 @@ def convert(
         allow_requantize: GGUF → GGUF from an already quantized file (stacks two quantizations; the quality
             cost against the source is measured and reported).
         output_type, embedding_type: GGUF: a ggml tensor type (q4_0, iq4_nl, q8_0, q6_k, ...) for the output
-            projection / token embedding instead of llama.cpp's choice (``converters.quantize.TENSOR_TYPES``).
+            projection / token embedding instead of llama.cpp's choice (``converters.quant_types.TENSOR_TYPES``).
         bits, group_size: MLX quantization.
         context, compress, compute_units: Core ML: cache slots (fixed at conversion), int4 | palettize4 | none,
             the compute units recorded in the package (CPU_AND_NE: Neural Engine).
@@ -56,19 +56,19 @@ def convert(
     """
     from converters.output import atomic_dir, check_interrupted, check_out
     from converters.verify import verify_conversion
-    from ondevice import catalog
+    from ondevice.store import lookup
 
-    src, out = _source(catalog.resolve(src)), Path(out)  # a catalog name is accepted wherever a path is
-    draft = _source(catalog.resolve(draft)) if draft is not None else None
+    src, out = _source(lookup.resolve(src)), Path(out)  # a catalog name is accepted wherever a path is
+    draft = _source(lookup.resolve(draft)) if draft is not None else None
     if to not in FORMATS:
         raise OndeviceError(f"--to {to}: unknown format; choose one of {', '.join(FORMATS)}")
     if to == "gguf":
-        from converters.gguf_writer import QUANTS
+        from converters.quant_types import FTYPES
 
         quant = quant.lower()  # Q4_K_M as llama.cpp and file names spell it is the same format
-        if quant not in QUANTS:
-            raise OndeviceError(f"--quant {quant}: unknown; choose one of {', '.join(QUANTS)}")
-        from converters.quantize import check_tensor_types
+        if quant not in FTYPES:
+            raise OndeviceError(f"--quant {quant}: unknown; choose one of {', '.join(FTYPES)}")
+        from converters.quant_types import check_tensor_types
 
         output_type, embedding_type = check_tensor_types(quant, output_type, embedding_type)
     elif output_type or embedding_type:

@@ -173,7 +173,7 @@ def gguf_tensors(ckpt, arch: Arch) -> Iterator[tuple[str, np.ndarray]]:
 
 def from_gguf_layout(config: dict, arch: Arch, gguf_name: str, t: np.ndarray) -> np.ndarray:
     """Inverse of the quirks ``gguf_tensors`` applies: llama.cpp's layout → HF's, for one tensor."""
-    from ondevice.formats.gguf_reader import unpermute_rows
+    from ondevice.formats.gguf import unpermute_rows
 
     heads = _heads(config, gguf_name) if arch.permute_qk else None
     if heads:

@@ -193,8 +193,8 @@ def open_source(src: Path) -> tuple[DecoderConfig, dict[str, np.ndarray], str, c
     """An HF checkpoint dir or a GGUF file → (config, float32 HF-named weights, sha256, tokenizer writer)."""
     if is_gguf_file(src):
         from converters.tokenizer import write_hf_tokenizer
-        from ondevice.catalog import sha256_file
-        from ondevice.formats.gguf_reader import GGUFFile, float_tensors
+        from ondevice.formats.gguf import GGUFFile, float_tensors
+        from ondevice.store.fetch import sha256_file
 
         g = GGUFFile(src)
         g.require_supported()

@@ -1,4 +1,4 @@
-"""Writing GGUF from an HF checkpoint with ``gguf``, then quantizing with llama.cpp's own quantizer."""
+"""Writing an f16 GGUF from an HF checkpoint with ``gguf`` (``converters.quantize`` quantizes it)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,7 @@ import numpy as np
 
 from converters.archs import arch_of, gguf_tensors, write_hparams
 from converters.hf import HFCheckpoint
-from converters.quantize import FTYPES
 from converters.tokenizer import Vocab
-
-QUANTS = FTYPES  # --quant name → llama_ftype (llama.h); f16 is written directly by gguf
 
 
 def write_gguf(
@@ -65,33 +62,3 @@ def write_vocab(w, vocab: Vocab) -> None:
     w.add_add_eos_token(vocab.add_eos)
     if vocab.chat_template:
         w.add_chat_template(vocab.chat_template)
-
-
-def quantize(src: Path, dst: Path, quant: str, threads: int = 0, **types: str | None) -> None:
-    """Quantize GGUF ``src`` to ``dst`` with llama.cpp's ``llama_model_quantize`` (``types``: output_type,
-    embedding_type, as ``converters.quantize.llama_quantize`` takes them)."""
-    from converters.quantize import llama_quantize
-
-    llama_quantize(src, dst, quant, threads=threads, **types)
-
-
-def tensor_types(path: Path) -> dict[str, str]:
-    """GGUF tensor name → type name (e.g. ``Q4_K``)."""
-    import gguf
-
-    reader = gguf.GGUFReader(str(path))
-    return {t.name: t.tensor_type.name for t in reader.tensors}
-
-
-# Types llama.cpp's own mixture uses on purpose for each --quant (q4_k_m puts Q6_K on the output and on
-# some attn_v/ffn_down; every ftype but f16/q8_0 gives the output matrix Q6_K).
-INTENDED = {"f16": {"F16"}, "q8_0": {"Q8_0"}, "q4_0": {"Q4_0", "Q6_K"}, "iq4_nl": {"IQ4_NL", "Q5_K", "Q6_K"},
-            "q4_k_m": {"Q4_K", "Q5_K", "Q6_K"}}
-
-
-def fallbacks(types: dict[str, str], quant: str, asked: set[str] = frozenset()) -> dict[str, str]:
-    """2-D weight tensors that fell back to a type outside the quant's intended mixture (llama.cpp does
-    this when a row length is not a multiple of the block size, e.g. Q5_0 instead of Q4_K); ``asked``: the
-    types given to the output / embedding tensors on purpose (upper case), never counted as fallbacks."""
-    ok = INTENDED[quant] | {"F32"} | set(asked)
-    return {n: t for n, t in types.items() if t not in ok and not n.endswith(".bias")}

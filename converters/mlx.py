@@ -121,7 +121,7 @@ def gguf_to_mlx(src: Path, out: Path, *, bits: int = 4, group_size: int = 64, pr
 
     from converters.gguf_blocks import to_mlx_affine
     from converters.tokenizer import write_hf_tokenizer
-    from ondevice.formats.gguf_reader import GGUFFile, hf_name, llama_permuted_heads, unpermute_rows
+    from ondevice.formats.gguf import GGUFFile, hf_name, llama_permuted_heads, unpermute_rows
 
     t0 = time.perf_counter()
     g = GGUFFile(src)
@@ -190,6 +190,6 @@ def gguf_to_mlx(src: Path, out: Path, *, bits: int = 4, group_size: int = 64, pr
 
 
 def _sha256(path: Path) -> str:
-    from ondevice.catalog import sha256_file
+    from ondevice.store.fetch import sha256_file
 
     return sha256_file(path)

@@ -296,7 +296,7 @@ def _gguf_source(src: Path, path: Path, summary: dict, out: Path) -> dict:
     """The GGUF side (GGUF → MLX): llama.cpp's tokenizer and forward pass, the written tensors against the
     GGUF's dequantized ones; requantized outputs are also judged on their own weights."""
     from converters import written as w
-    from ondevice.formats.gguf_reader import GGUFFile, float_tensors
+    from ondevice.formats.gguf import GGUFFile, float_tensors
 
     b = llama_backend(src, MAX_TOKENS)
     try:
@@ -318,7 +318,7 @@ def _gguf_source(src: Path, path: Path, summary: dict, out: Path) -> dict:
 
 def _requantized(src: Path, path: Path, summary: dict, out: Path) -> dict:
     """GGUF → GGUF (llama.cpp's quantizer): the output loads in llama.cpp and tokenizes the probe as the source
-    does. Its logits were already compared with the source's by ``converters.quantize.quality`` (top-1, KL),
+    does. Its logits were already compared with the source's by ``converters.quality.quality`` (top-1, KL),
     which is recorded, not gated: a requantization loses quality by design, and the user chose how much."""
     t0 = time.perf_counter()
     ids = {}

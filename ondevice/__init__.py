@@ -13,6 +13,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Chunk",
+    "GenerateRequest",
     "OndeviceError",
     "Result",
     "Runtime",
@@ -23,19 +24,21 @@ __all__ = [
 ]
 
 _LAZY = {
-    "load": "ondevice.runtime",
+    "load": "ondevice.loader",
     "Runtime": "ondevice.runtime",
     "Result": "ondevice.speculative",
     "Chunk": "ondevice.speculative",
     "Stats": "ondevice.speculative",
     "SamplingParams": "ondevice.params",
+    "GenerateRequest": "ondevice.params",
     "OndeviceError": "ondevice.errors",
 }
 
 if TYPE_CHECKING:  # pragma: no cover
     from ondevice.errors import OndeviceError
-    from ondevice.params import SamplingParams
-    from ondevice.runtime import Runtime, load
+    from ondevice.loader import load
+    from ondevice.params import GenerateRequest, SamplingParams
+    from ondevice.runtime import Runtime
     from ondevice.speculative import Chunk, Result, Stats
 
 

@@ -1,3 +1,3 @@
-from ondevice.cli import main
+from ondevice.cli.main import main
 
 main()

@@ -15,8 +15,8 @@ import sys
 import time
 from pathlib import Path
 
-from ondevice import discovery
 from ondevice.errors import OndeviceError
+from ondevice.store import discovery
 
 MAX_SIZE_RATIO = 0.5  # a draft at most half the target's size
 MAX_MEASURED = 3  # candidates timed against the target (smallest first)

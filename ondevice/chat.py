@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from functools import lru_cache
 
 from ondevice.errors import OndeviceError
+from ondevice.params import GenerateRequest
 
 
 def _raise(message: str):
@@ -70,13 +71,14 @@ class ChatSession:
     Args:
         runtime: a loaded ``Runtime``.
         system: optional system prompt (always kept).
-        gen: keyword arguments for ``Runtime.stream`` (max_tokens, temperature, ...).
+        request: the ``GenerateRequest`` every answer is made with, or none and its options as keywords
+            (max_tokens, temperature, ... as ``Runtime.stream`` takes them).
     """
 
-    def __init__(self, runtime, system: str | None = None, **gen) -> None:
+    def __init__(self, runtime, system: str | None = None, request: GenerateRequest | None = None, **options) -> None:
         self.rt = runtime
         self.system = system
-        self.gen = gen
+        self.request = request if request is not None else GenerateRequest.of(**options)
         self.turns: list[tuple[str, str]] = []  # (user, assistant)
         self.dropped = 0  # turns dropped to fit the context
 
@@ -90,7 +92,7 @@ class ChatSession:
 
     def prompt_ids(self, user: str) -> list[int]:
         """Token ids for the next answer, dropping the oldest turns while the prompt would not fit."""
-        budget = self.rt.n_ctx - int(self.gen.get("max_tokens", 256))
+        budget = self.rt.n_ctx - self.request.max_tokens
         while True:
             ids = self.rt.render_chat(self.messages(user))
             if len(ids) <= budget or not self.turns:
@@ -100,7 +102,7 @@ class ChatSession:
 
     def ask(self, user: str):
         """Start the answer to ``user``; returns the ``Stream``. Call ``commit`` when it is done."""
-        return self.rt.stream(self.prompt_ids(user), **self.gen)
+        return self.rt.stream(self.prompt_ids(user), self.request)
 
     def commit(self, user: str, answer: str) -> None:
         self.turns.append((user, answer))

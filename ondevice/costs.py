@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ondevice.atomic import write_text
-from ondevice.backends import Backend
+from ondevice.backends.base import Backend
 
 PROBE_KS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 33)  # verify batch sizes the probe times (33: n-gram γ = 32)
 PROBE_CONTEXT = 64  # prefix tokens before the timed batches
@@ -138,7 +138,7 @@ def plausible(target_seconds: dict[int, float], width: int = 1) -> bool:
 
 def batch_width(target: Backend) -> int:
     """The prefill chunk of a fixed-shape backend (Core ML, MIL: ``StaticCacheBackend``), else 1."""
-    return max(1, int(getattr(target, "chunk", 1)))
+    return max(1, int(target.chunk))
 
 
 def measure(target: Backend, draft: Backend | None = None, *, ks=PROBE_KS, reps: int = 5,
@@ -198,7 +198,7 @@ def _key(b: Backend) -> str:
     """Model file (path, size, mtime), backend, threads and the device it really runs on."""
     p = Path(b.path)
     st = p.stat() if p.is_file() else (p / "config.json").stat()
-    return f"{type(b).__name__}:{p.resolve()}:{st.st_size}:{st.st_mtime_ns}:{getattr(b, 'threads', '')}:{getattr(b, 'device', '')}"
+    return f"{type(b).__name__}:{p.resolve()}:{st.st_size}:{st.st_mtime_ns}:{b.threads or ''}:{b.device or ''}"
 
 
 def _read(path: Path) -> dict:
@@ -211,7 +211,7 @@ def _read(path: Path) -> dict:
 def cached_measure(target: Backend, draft: Backend | None = None) -> Costs:
     """``measure``, cached in ``$ONDEVICE_HOME/costs.json`` per (model files, threads, device, probe shape);
     an implausible curve (a probe on a swamped machine) is neither cached nor read back."""
-    from ondevice import catalog
+    from ondevice.store import catalog
 
     ks, ctx = probe_shape(target, draft)
     key = _key(target) + ("|" + _key(draft) if draft is not None else "") + f"|probe {ctx}+{max(ks)}"

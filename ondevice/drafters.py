@@ -6,30 +6,58 @@ deterministic (q is one-hot at each token), which the loop expands lazily.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from ondevice.backends import Backend
+from ondevice.backends.base import Backend
 from ondevice.sampling import SamplingParams, probs_sparse, sample_sparse
 
 
-@runtime_checkable
-class Drafter(Protocol):
-    name: str
+class Drafter:
+    """The drafter contract; every member the loop, the runtime and the policy use, with defaults.
+
+    Attributes:
+        name: "model", "ngram", ... (in ``Stats.drafter`` and the cost model).
+        cheap: proposing costs nothing, so the loop asks for the longest guess every step and the policy
+            keeps a prefix of it (judged by ``hint``); an expensive drafter is asked for exactly γ tokens.
+        backend: the draft model's backend, when there is one (its cost is measured; its context bounds the
+            runtime's).
+    """
+
+    name: str = "drafter"
+    cheap: bool = False
+    backend: Backend | None = None
+
+    @property
+    def hint(self) -> int | tuple:
+        """What the policy judges the last guess by (0: nothing)."""
+        return 0
+
+    def lag(self, context: Sequence[int]) -> int:
+        """Tokens of ``context`` the drafter must evaluate before it can draft (charged to a drafting step)."""
+        return 0
 
     def propose(
-        self, context: Sequence[int], gamma: int, params: SamplingParams, rng: np.random.Generator
+        self, context: Sequence[int], gamma: int, params: SamplingParams, rng: np.random.Generator,
+        keep_drafting: Callable[[list[float]], bool] | None = None, constraint=None,
     ) -> tuple[list[int], np.ndarray | None]:
-        """Guess up to ``gamma`` tokens that follow ``context`` (the whole sequence so far)."""
-        ...
+        """Guess up to ``gamma`` tokens that follow ``context`` (the whole sequence so far).
+
+        Args:
+            keep_drafting: asked after each drafted token with the draft's probabilities so far; False stops.
+            constraint: the request's ``ondevice.constrain.Constraint`` (None: unconstrained); an expensive
+                drafter draws from (and reports) the masked q; a cheap drafter's guess is cut by the loop.
+        Returns:
+            (tokens[γ'], q[γ', target V] or None for a deterministic drafter), γ' ≤ γ.
+        """
+        raise NotImplementedError
 
     def reset(self) -> None:
         """Forget any cached state."""
-        ...
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Free what the drafter holds (a draft model)."""
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -40,7 +68,7 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return i
 
 
-class ModelDrafter:
+class ModelDrafter(Drafter):
     """Drafts by sampling from a smaller model's processed distribution (any ``Backend``).
 
     The draft cache is kept in step with the context by rolling back to the longest common prefix
@@ -145,7 +173,7 @@ class ModelDrafter:
         self.backend.close()
 
 
-class NgramDrafter:
+class NgramDrafter(Drafter):
     """Prompt lookup: find the latest earlier occurrence of the context's suffix and copy what followed.
 
     Tries suffix lengths from ``max_ngram`` down to ``min_ngram``; the longest match wins, the most
@@ -196,7 +224,7 @@ class NgramDrafter:
         """What the policy judges the last guess by: (match length, copying from the prompt)."""
         return self.last_match_len, self.last_from_prompt
 
-    def propose(self, context, gamma, params, rng):
+    def propose(self, context, gamma, params, rng, keep_drafting=None, constraint=None):
         self.last_match_len, self.last_from_prompt = 0, False
         n = len(context)
         if gamma <= 0 or n < 2:
@@ -244,9 +272,3 @@ class NgramDrafter:
         while k < limit and k < a and ctx[a - 1 - k] == ctx[b - 1 - k]:
             k += 1
         return k
-
-    def reset(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
-
-import numpy as np
 
 from ondevice.errors import OndeviceError
 
@@ -24,6 +23,8 @@ def check_text(text: str, what: str) -> None:
 
 def token_ids(prompt: Sequence, vocab_size: int, bos_id: int | None) -> list[int]:
     """Validate a prompt given as token ids: a non-empty sequence of integers inside the vocabulary."""
+    import numpy as np
+
     if isinstance(prompt, (bytes, bytearray)):
         raise OndeviceError("prompt is bytes: decode it to a str, or pass a list of token ids")
     try:
@@ -62,7 +63,7 @@ def stop_strings(stop) -> list[str]:
 
 def integer(name: str, value, minimum: int, hint: str = "") -> int:
     """An integer option (an integral float such as 8.0 is accepted) that is at least ``minimum``."""
-    ok = not isinstance(value, (bool, str, bytes)) and isinstance(value, (int, float, np.integer, np.floating))
+    ok = not isinstance(value, (bool, str, bytes)) and isinstance(value, numbers.Real)  # numpy scalars too
     if not ok or not math.isfinite(value) or int(value) != value or value < minimum:
         raise OndeviceError(f"{name}={value!r}: must be an integer >= {minimum}{hint}")
     return int(value)

@@ -19,8 +19,6 @@ import numpy as np
 
 from ondevice.sampling import REPETITION_WINDOW, SamplingParams, probs_sparse
 
-MAX_TOP_LOGPROBS = 20  # OpenAI's limit
-
 
 @dataclass
 class TokenLogprob:

@@ -1,19 +1,46 @@
 """Generation parameters: every default is defined here once and reused by API and CLI.
 
-This module imports nothing heavy so the CLI can build its options from it at start-up.
+``SamplingParams`` says how logits become a distribution; ``GenerateRequest`` is one whole request (sampling,
+token limit, γ, stop strings), built once by the CLI, the REPL, the server or the bench, validated in its
+constructor, and passed down unchanged to the loop. This module imports nothing heavy so the CLI can build
+its options from it at start-up.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from ondevice import inputs
 from ondevice.errors import OndeviceError
 
 DEFAULT_MAX_TOKENS = 256
 DEFAULT_GAMMA = "auto"  # the cost-aware policy; an integer fixes γ (0 = plain decoding)
 DEFAULT_N_CTX = 4096
+MAX_GAMMA = 64  # drafts one target pass may verify
+
+
+def gamma_value(value: Any) -> int | str:
+    """The one rule for γ: "auto", or an integer in [0, MAX_GAMMA] (0 = plain decoding); an integer written as
+    text (a command-line value) is read as one.
+
+    Raises:
+        OndeviceError: anything else, in one line.
+    """
+    if value == "auto":
+        return "auto"
+    rule = f"gamma={value!r}: must be 'auto' or an integer in [0, {MAX_GAMMA}] (0 = plain decoding)"
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    try:
+        g = inputs.integer("gamma", value, 0)
+    except OndeviceError:
+        raise OndeviceError(rule) from None
+    if g > MAX_GAMMA:
+        raise OndeviceError(rule)
+    return g
 
 
 @dataclass(frozen=True)
@@ -68,3 +95,63 @@ class SamplingParams:
 
 
 DEFAULTS = SamplingParams()
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """One generation request, validated on construction and passed down unchanged.
+
+    Args:
+        sampling: how each position's logits become a distribution (``SamplingParams``).
+        max_tokens: most tokens to generate (>= 1).
+        gamma: "auto" (the cost-aware policy) or tokens drafted per target pass (0 = plain decoding); see
+            ``gamma_value``.
+        stop: strings that end generation (not included in the text); a string or a sequence of strings.
+        response_format: a constraint on the output ({"type": "json_object" | "json_schema" | "regex" |
+            "text", ...}; see ``ondevice.constrain.grammar_text``), compiled when the request starts.
+        grammar: a Lark or GBNF grammar the output must follow (instead of ``response_format``).
+        logprobs: attach each token's log probability (``ondevice.logprobs``).
+        top_logprobs: alternatives per token (0-20; implies ``logprobs``).
+    """
+
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    gamma: int | str = DEFAULT_GAMMA
+    stop: Sequence[str] | str | None = ()
+    response_format: dict | None = None
+    grammar: str | None = None
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.sampling, SamplingParams):
+            raise OndeviceError(f"sampling={self.sampling!r}: pass a SamplingParams")
+        object.__setattr__(self, "max_tokens", inputs.integer("max_tokens", self.max_tokens, 1))
+        object.__setattr__(self, "gamma", gamma_value(self.gamma))
+        object.__setattr__(self, "stop", tuple(inputs.stop_strings(self.stop)))
+        top = inputs.integer("top_logprobs", self.top_logprobs, 0, f" (at most {MAX_TOP_LOGPROBS})")
+        if top > MAX_TOP_LOGPROBS:
+            raise OndeviceError(f"top_logprobs={top}: at most {MAX_TOP_LOGPROBS}")
+        object.__setattr__(self, "top_logprobs", top)
+        if self.response_format is not None and self.grammar is not None:
+            raise OndeviceError("give either response_format or grammar, not both")
+
+    @classmethod
+    def of(cls, **options: Any) -> GenerateRequest:
+        """Build from flat keyword options, as ``Runtime.stream`` and the CLI take them (temperature, top_k,
+        top_p, min_p, repetition_penalty, seed, max_tokens, gamma, stop); an unknown name is an error."""
+        sampling_names = {f.name for f in fields(SamplingParams)}
+        own = {f.name for f in fields(cls)} - {"sampling"}
+        unknown = set(options) - sampling_names - own
+        if unknown:
+            raise OndeviceError(f"unknown generation option(s) {', '.join(sorted(unknown))}; "
+                                f"known: {', '.join(sorted(sampling_names | own))}")
+        sampling = SamplingParams(**{k: v for k, v in options.items() if k in sampling_names})
+        return cls(sampling=sampling, **{k: v for k, v in options.items() if k in own})
+
+    def to_dict(self) -> dict[str, Any]:
+        """Flat options (``of``'s inverse): for JSON and for replaying the request on other ranks."""
+        d = asdict(self)
+        return {**d.pop("sampling"), **d, "stop": list(self.stop)}
+

@@ -28,23 +28,37 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from ondevice.costs import Costs
 
 
-class Policy(Protocol):
-    max_gamma: int
+class Policy:
+    """The contract of a γ policy; every member the loop calls, with the default a simple policy wants.
+
+    Attributes:
+        max_gamma: the most drafts one step may ask for (a cheap drafter proposes up to this many).
+    """
+
+    max_gamma: int = 0
 
     def next_gamma(self, hint: int | tuple = 0, lag: int = 0) -> int:
         """γ for the next step (``hint``: the drafter's ``hint``, e.g. the n-gram (match length, copying from
         the prompt); ``lag``: how far the draft cache is behind)."""
-        ...
+        raise NotImplementedError
 
     def update(self, drafted: int, accepted: int, hint: int = 0, proposal: Sequence[int] | None = None,
                emitted: Sequence[int] | None = None) -> None:
         """Learn from a verified step (a cheap drafter also passes its whole ``proposal`` and the ``emitted`` tokens)."""
-        ...
+
+    def keep_drafting(self, confidences: list[float]) -> bool:
+        """While a model drafter drafts: draft one more token after these (the draft's own probabilities)?"""
+        return True
+
+    def observe_step(self, drafted: int, verify_seconds: float, draft_seconds: float) -> None:
+        """A decoding step's measured timings (the prompt's pass excluded)."""
+
+    def restart(self) -> None:
+        """A new request starts: forget what only concerned the previous one's tokens."""
 
 
 @dataclass
@@ -193,7 +207,7 @@ def expected_gain(alphas: list[float], gamma: int, c: float, costs: Costs, extra
     return expected_tokens(alphas, gamma) - 1.0 - risk * (step_cost(gamma, c, costs, extra) - 1.0)
 
 
-class FixedGamma:
+class FixedGamma(Policy):
     """Always the same γ (``gamma=N``)."""
 
     def __init__(self, gamma: int) -> None:
@@ -202,11 +216,8 @@ class FixedGamma:
     def next_gamma(self, hint: int = 0, lag: int = 0) -> int:
         return self.gamma
 
-    def update(self, drafted: int, accepted: int, hint: int = 0, proposal=None, emitted=None) -> None:
-        pass
 
-
-class AdaptivePolicy:
+class AdaptivePolicy(Policy):
     """γ per step from the cost model and running acceptance estimates (``gamma="auto"``).
 
     For a model drafter one estimate is kept per draft position. For n-gram drafts the estimates are

@@ -1,115 +1,22 @@
-"""``load()`` and ``Runtime``: the public API (generate / stream / chat), locking and cancel."""
+"""``Runtime``: the public API of a loaded model (generate / stream / chat), locking and cancel."""
 
 from __future__ import annotations
 
 import threading
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
 import numpy as np
 
-from ondevice import catalog, inputs
-from ondevice.backends import Backend, open_backend
+from ondevice import inputs
+from ondevice.backends.base import Backend
 from ondevice.costs import Costs
-from ondevice.drafters import Drafter, ModelDrafter, NgramDrafter, _common_prefix
+from ondevice.drafters import Drafter, _common_prefix
 from ondevice.errors import OndeviceError
-from ondevice.logprobs import MAX_TOP_LOGPROBS
-from ondevice.params import DEFAULT_GAMMA, DEFAULT_MAX_TOKENS, DEFAULT_N_CTX, DEFAULTS, SamplingParams
+from ondevice.params import GenerateRequest
 from ondevice.policy import AdaptivePolicy, FixedGamma
 from ondevice.speculative import Chunk, Result, Stats, TextAssembler, step_chunks, steps
 from ondevice.streams import AsyncStream, Request, Stream
-
-DRAFTERS = ("model", "ngram", "none")
-
-
-def load(
-    model: str | Path,
-    draft: str | Path | None = None,
-    *,
-    drafter: str | None = None,
-    n_ctx: int = DEFAULT_N_CTX,
-    threads: int | None = None,
-    device: str | None = None,
-    mmap: bool = True,
-    draft_device: str | None = None,
-) -> Runtime:
-    """Load a target model (and optionally a draft) for speculative generation.
-
-    Args:
-        model: target: a GGUF path, a converted model directory, a catalog model name, or a catalog
-            pair name (which also sets the draft).
-        draft: draft model (same forms), "auto" (the local model the cost model expects to be fastest,
-            else n-gram drafting; see ``Runtime.draft_choice``), or None.
-        drafter: "model" (needs a draft), "ngram" (prompt lookup) or "none" (plain decoding).
-            Default: "model" when a draft is given, else "ngram".
-        n_ctx: context length of the caches.
-        threads: CPU threads (default: all cores).
-        device: 'gpu' | 'cpu' | None: where MLX runs (default Metal when available) and whether
-            llama.cpp offloads layers; 'mil': a Core ML package runs in the MIL interpreter.
-        mmap: memory-map GGUF weights (the default; False reads them into memory).
-        draft_device: where the draft runs: 'gpu' | 'cpu' | 'mil' (a Core ML draft in the MIL interpreter) |
-            None (the target's ``device``; a Core ML draft then stays on CPU_AND_NE).
-    Returns:
-        A ``Runtime``; use it as a context manager or call ``close()``. In an ``mlx.launch`` job with
-        several ranks the target is sharded over them (see ``ondevice.sharded``).
-    """
-    from ondevice import distributed
-
-    if distributed.active():
-        from ondevice import sharded
-
-        return sharded.load(model, draft, drafter=drafter, n_ctx=n_ctx, threads=threads, device=device, mmap=mmap,
-                            draft_device=draft_device)
-    return _load(model, draft, drafter=drafter, n_ctx=n_ctx, threads=threads, device=device, mmap=mmap,
-                 draft_device=draft_device)
-
-
-def _load(model, draft, *, drafter, n_ctx, threads, device, mmap, draft_device=None, open_target=open_backend,
-          runtime_class=None) -> Runtime:
-    """``load`` with the target's opener and the runtime class as parameters (a sharded target swaps both)."""
-    t0 = time.perf_counter()
-    if draft is None and drafter in (None, "model"):
-        pair = catalog.resolve_pair(str(model))
-        if pair:
-            model, draft = pair
-    kind = drafter or ("model" if draft is not None else "ngram")
-    if kind not in DRAFTERS:
-        raise OndeviceError(f"drafter={kind!r}: choose one of {', '.join(DRAFTERS)}")
-    if kind == "model" and draft is None:
-        raise OndeviceError("drafter='model' needs a draft model: pass draft=PATH (or --draft)")
-    if kind != "model" and draft is not None:
-        raise OndeviceError(f"a draft model was given but drafter={kind!r} would not use it; drop one of them")
-    target = open_target(catalog.resolve(model), n_ctx=n_ctx, threads=threads, device=device, mmap=mmap)
-    drafter_obj: Drafter | None = None
-    vocab_limit = target.vocab_size
-    draft_backend, draft_choice = None, None
-    try:
-        if kind == "model" and str(draft) == "auto":  # a local draft the cost model picks, or n-gram (#17)
-            from ondevice.autodraft import choose_draft
-
-            draft_backend, draft_choice = choose_draft(target, n_ctx=n_ctx, threads=threads, device=device, mmap=mmap)
-            kind = draft_choice["drafter"]
-        if kind == "model":
-            from ondevice.formats.pairs import check_vocabs
-
-            if draft_backend is None:
-                draft_backend = open_backend(catalog.resolve(draft), n_ctx=n_ctx, threads=threads, mmap=mmap,
-                                             device=draft_device or device, keep_ne=draft_device is None and device != "mil")
-            try:
-                vocab_limit = check_vocabs(target.vocab_tokens(), draft_backend.vocab_tokens(), target.path, draft_backend.path)
-            except BaseException:
-                draft_backend.close()
-                raise
-            drafter_obj = ModelDrafter(draft_backend, vocab_limit, target.vocab_size)
-        elif kind == "ngram":
-            drafter_obj = NgramDrafter()
-    except BaseException:
-        target.close()
-        raise
-    rt = (runtime_class or Runtime)(target, drafter_obj, vocab_limit=vocab_limit, load_seconds=time.perf_counter() - t0)
-    rt.draft_choice = draft_choice  # draft="auto": what was chosen and why (None otherwise)
-    return rt
 
 
 class Runtime:
@@ -128,7 +35,7 @@ class Runtime:
         self.drafter = drafter
         self.vocab_limit = vocab_limit
         self.load_seconds = load_seconds
-        draft_backend = getattr(drafter, "backend", None)
+        draft_backend = drafter.backend if drafter is not None else None
         # Both caches must hold every position: a pair agrees on the smaller context.
         self.n_ctx = min(target.n_ctx, draft_backend.n_ctx) if draft_backend is not None else target.n_ctx
         self._lock = threading.RLock()  # guards native state; user code runs under it only as an observer
@@ -176,40 +83,19 @@ class Runtime:
             self._check_open()
             return self.target.tokenize(text, add_bos=add_bos, special=True)
 
-    def stream(
-        self,
-        prompt: str | Sequence[int],
-        *,
-        max_tokens: int = DEFAULT_MAX_TOKENS,
-        temperature: float = DEFAULTS.temperature,
-        top_k: int = DEFAULTS.top_k,
-        top_p: float = DEFAULTS.top_p,
-        min_p: float = DEFAULTS.min_p,
-        repetition_penalty: float = DEFAULTS.repetition_penalty,
-        seed: int | None = DEFAULTS.seed,
-        gamma: int | str = DEFAULT_GAMMA,
-        stop: Sequence[str] | str | None = None,
-        response_format: dict | None = None,
-        grammar: str | None = None,
-        logprobs: bool = False,
-        top_logprobs: int = 0,
-    ) -> Stream:
+    def stream(self, prompt: str | Sequence[int], request: GenerateRequest | None = None, **options) -> Stream:
         """Generate, yielding ``Chunk(text, tokens, from_draft)`` as target passes complete.
 
         Args:
             prompt: text (tokenized like create_completion) or token ids.
-            max_tokens: most tokens to generate.
-            temperature, top_k, top_p, min_p, repetition_penalty, seed: see ``SamplingParams``.
-            gamma: "auto" (the cost-aware policy: plain steps wherever speculation would not pay)
-                or a fixed number of tokens drafted per target pass (0 = plain decoding).
-            stop: strings that end generation (not included in the text).
-            response_format: constrain the output (see ``ondevice.constrain.grammar_text``):
-                {"type": "json_object"}, {"type": "json_schema", "json_schema": {"schema": {...}}},
-                {"type": "regex", "regex": "..."}; exact under speculation (p and q are both masked).
-            grammar: constrain the output to a Lark or GBNF grammar instead.
-            logprobs: attach ``TokenLogprob`` to each chunk's tokens (``Chunk.logprobs``, ``Result.logprobs``),
-                from the target's processed row: the same with or without drafting (``ondevice.logprobs``).
-            top_logprobs: alternatives per token (0-20; implies ``logprobs``).
+            request: a ``GenerateRequest`` (sampling, max_tokens, gamma, stop, response_format, grammar,
+                logprobs, top_logprobs), or none and the same options as keywords: ``max_tokens`` (default
+                256), ``temperature``, ``top_k``, ``top_p``, ``min_p``, ``repetition_penalty``, ``seed`` (see
+                ``SamplingParams``), ``gamma`` ("auto", the cost-aware policy: plain steps wherever speculation
+                would not pay, or a fixed number of tokens drafted per target pass, 0 = plain decoding),
+                ``stop`` (strings that end generation, not included in the text), ``response_format`` /
+                ``grammar`` (a constraint, exact under speculation: ``ondevice.constrain``) and ``logprobs`` /
+                ``top_logprobs`` (``Chunk.logprobs``, ``Result.logprobs``: ``ondevice.logprobs``).
         Returns:
             A ``Stream``: iterate it for chunks; ``.cancel()`` stops it; ``.stats`` when finished.
             A stream dropped unfinished ends at once; a new request from the thread that left a
@@ -217,23 +103,20 @@ class Runtime:
         Raises:
             OndeviceError: a bad argument (checked here, before anything runs) or a closed runtime.
         """
-        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                                repetition_penalty=repetition_penalty, seed=seed)
-        max_tokens = inputs.integer("max_tokens", max_tokens, 1)
-        if gamma != "auto":
-            gamma = inputs.integer("gamma", gamma, 0, " or 'auto' (0 = plain decoding)")
-        stops = inputs.stop_strings(stop)
-        top_logprobs = inputs.integer("top_logprobs", top_logprobs, 0, f" (at most {MAX_TOP_LOGPROBS})")
-        if top_logprobs > MAX_TOP_LOGPROBS:
-            raise OndeviceError(f"top_logprobs={top_logprobs}: at most {MAX_TOP_LOGPROBS}")
-        n_lp = top_logprobs if (logprobs or top_logprobs) else None
+        if request is None:
+            request = GenerateRequest.of(**options)
+        elif options:
+            raise OndeviceError(f"pass either a GenerateRequest or keyword options, not both ({', '.join(options)})")
+        elif not isinstance(request, GenerateRequest):
+            raise OndeviceError(f"request must be a GenerateRequest, not {type(request).__name__}")
         self._supersede()
         ids = self._prompt_ids(prompt)
-        constraint = self._constraint(response_format, grammar)
+        constraint = self._constraint(request.response_format, request.grammar)
+        n_lp = request.top_logprobs if (request.logprobs or request.top_logprobs) else None
         extra = {k: v for k, v in (("constraint", constraint), ("n_logprobs", n_lp)) if v is not None}
         if extra and type(self)._run is not Runtime._run:
             raise OndeviceError(f"{', '.join(extra)}: not supported by a sharded target yet; load the model on one rank")
-        return Stream(lambda req: self._run(ids, params, max_tokens, gamma, stops, req, **extra), Request())
+        return Stream(lambda out: self._run(ids, request, out, **extra), Request())
 
     def _constraint(self, response_format, grammar):
         """The request's compiled ``Constraint`` (None when unconstrained); compile errors raise here."""
@@ -245,25 +128,25 @@ class Runtime:
             self._check_open()
             return Constraint.build(self.target, response_format, grammar)
 
-    def astream(self, prompt: str | Sequence[int], **kwargs) -> AsyncStream:
+    def astream(self, prompt: str | Sequence[int], request: GenerateRequest | None = None, **options) -> AsyncStream:
         """``stream`` for asyncio: ``async for chunk in rt.astream(prompt, ...)``.
 
         Takes the same arguments as ``stream``. The model runs on a worker thread, one pass per chunk
         asked for; leaving the ``async for`` early ends the request at once, and ``Runtime.last_stats``
         then holds its statistics.
         """
-        return AsyncStream(self.stream(prompt, **kwargs))
+        return AsyncStream(self.stream(prompt, request, **options))
 
-    def generate(self, prompt: str | Sequence[int], **kwargs) -> Result:
+    def generate(self, prompt: str | Sequence[int], request: GenerateRequest | None = None, **options) -> Result:
         """Generate to completion. Takes the same arguments as ``stream``; returns ``Result``."""
-        s = self.stream(prompt, **kwargs)
+        s = self.stream(prompt, request, **options)
         for _ in s:
             pass
         return Result(s.text, s.tokens, s.stats, s.logprobs)
 
-    def chat(self, messages: Sequence[dict], **kwargs) -> Result:
+    def chat(self, messages: Sequence[dict], request: GenerateRequest | None = None, **options) -> Result:
         """Render ``messages`` with the model's chat template, then ``generate``."""
-        return self.generate(self.render_chat(messages), **kwargs)
+        return self.generate(self.render_chat(messages), request, **options)
 
     def render_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True, tools: Sequence[dict] | None = None) -> list[int]:
         """``messages`` (and OpenAI ``tools``, if any) rendered with the model's chat template, tokenized."""
@@ -369,7 +252,7 @@ class Runtime:
         self._kv = []
         if self.drafter is not None:
             self.drafter.reset()
-        return cached_measure(self.target, getattr(self.drafter, "backend", None))
+        return cached_measure(self.target, self.drafter.backend if self.drafter is not None else None)
 
     def _prefill(self, ids: list[int]) -> int:
         """Make the target cache hold ``ids[:-1]``, reusing the longest cached prefix. Returns tokens reused."""
@@ -381,10 +264,10 @@ class Runtime:
         self._kv = list(ids[:-1])
         return keep
 
-    def _run(self, ids: list[int], params: SamplingParams, max_tokens: int, gamma, stop: list[str], out: Request,
-             constraint=None, n_logprobs: int | None = None):
+    def _run(self, ids: list[int], req: GenerateRequest, out: Request, constraint=None, n_logprobs: int | None = None):
         """The generator behind a ``Stream``: takes the slot at the first chunk, releases it when it ends."""
         t = self.target
+        params, gamma, max_tokens = req.sampling, req.gamma, req.max_tokens
         self._enter(out)
         stats = out.stats
         stats.load_seconds = self.load_seconds
@@ -399,7 +282,7 @@ class Runtime:
             with self._lock:
                 stats.prompt_eval_tokens = len(ids) - self._prefill(ids)
             rng = np.random.default_rng(params.seed)
-            text = TextAssembler(t.token_bytes, stop)
+            text = TextAssembler(t.token_bytes, req.stop)
             drafter = self.drafter if use_draft else None
             it = steps(t, drafter, context, params, policy, rng, self.observer, n_ctx=self.n_ctx, constraint=constraint,
                        logprobs=n_logprobs)
@@ -417,7 +300,7 @@ class Runtime:
                         yield Chunk(tail, [], [])
                     break
                 stats.add(step)
-                if hasattr(policy, "observe_step") and stats.target_forwards > 1:  # the first pass holds the prompt
+                if stats.target_forwards > 1:  # the first pass holds the prompt
                     policy.observe_step(step.drafted, step.verify_seconds, step.draft_seconds)
                 if stats.target_forwards == 1:
                     stats.prompt_seconds = time.perf_counter() - t_start

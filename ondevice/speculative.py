@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ondevice.backends import Backend
+from ondevice.backends.base import Backend
 from ondevice.constrain import Constraint
 from ondevice.drafters import Drafter
 from ondevice.logprobs import token_logprobs
@@ -90,6 +90,10 @@ class Stats:
             self.accept_counts.append(0)
         self.accept_counts[step.accepted] += 1
 
+    def bench_fields(self) -> dict:
+        """Extra fields a benchmark row reports (a sharded target's collectives: ``DistStats``)."""
+        return {}
+
     def finish(self, t_start: float, t_first: float | None, t_end: float) -> None:
         self.total_seconds = t_end - t_start
         self.acceptance_rate = self.accepted / self.drafted if self.drafted else 0.0
@@ -154,8 +158,7 @@ def steps(
     """
     V = target.vocab_size
     n_ctx = target.n_ctx if n_ctx is None else min(n_ctx, target.n_ctx)
-    if hasattr(policy, "restart"):
-        policy.restart()  # guesses about an earlier request's tokens are not judged against this one's
+    policy.restart()  # guesses about an earlier request's tokens are not judged against this one's
     while True:
         base = len(context) - 1  # the target cache holds context[:-1]
         if base + 1 > n_ctx:
@@ -168,19 +171,18 @@ def steps(
         hint = 0
         if drafter is None:
             g = 0
-        elif getattr(drafter, "cheap", False):
+        elif drafter.cheap:
             proposal, q = drafter.propose(context, min(policy.max_gamma, room), params, rng)
             if constraint is not None and proposal:  # a guess the constraint refuses is cut, never proposed
                 proposal = proposal[: constraint.valid_prefix(proposal)]
-            hint = getattr(drafter, "hint", 0)
+            hint = drafter.hint
             g = min(policy.next_gamma(hint), room) if proposal else 0
             draft = proposal[:g]
         else:
-            lag = drafter.lag(context) if hasattr(drafter, "lag") else 0
-            g = max(0, min(policy.next_gamma(0, lag), room))
+            g = max(0, min(policy.next_gamma(0, drafter.lag(context)), room))
             if g > 0:
-                extra = {} if constraint is None else {"constraint": constraint}  # q from masked logits
-                draft, q = drafter.propose(context, g, params, rng, keep_drafting=getattr(policy, "keep_drafting", None), **extra)
+                draft, q = drafter.propose(context, g, params, rng, keep_drafting=policy.keep_drafting,
+                                           constraint=constraint)  # q from masked logits
         t1 = time.perf_counter()
         logits = target.eval([context[-1], *draft])  # [len(draft)+1, V]
         if constraint is not None:  # row i: the matcher state after draft[:i]

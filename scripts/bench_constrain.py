@@ -142,10 +142,10 @@ class Outlines:
 
 
 def bench_model(name: str, reps: int) -> dict:
-    from ondevice import catalog
     from ondevice.backends.llama import LlamaBackend
+    from ondevice.store.lookup import resolve
 
-    backend = LlamaBackend(catalog.resolve(name), n_ctx=256)
+    backend = LlamaBackend(resolve(name), n_ctx=256)
     try:
         vocab = _vocab(backend)
         libs = [LLG(backend), Outlines(backend, vocab)]

@@ -19,7 +19,7 @@ import time
 import numpy as np
 
 import ondevice
-from ondevice import catalog
+from ondevice.store import lookup
 
 PROMPTS = {
     "code": "<|im_start|>user\nWrite a Python function `is_prime(n)` with a docstring.<|im_end|>\n<|im_start|>assistant\n",
@@ -59,8 +59,8 @@ def main() -> None:
 
     import llama_cpp
 
-    target = catalog.resolve(a.target)
-    draft = catalog.resolve(a.draft)
+    target = lookup.resolve(a.target)
+    draft = lookup.resolve(a.draft)
     th = a.threads
     raw = llama_cpp.Llama(str(target), n_ctx=4096, n_threads=th, n_threads_batch=th, n_batch=512, verbose=False)
     plain = ondevice.load(target, drafter="none", threads=th)

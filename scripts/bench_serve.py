@@ -18,9 +18,9 @@ import time
 
 import httpx
 
-from ondevice.bench import CLASSES, load_prompts, machine
-from ondevice.runtime import load
-from ondevice.server import launch
+from ondevice.bench.run import CLASSES, load_prompts, machine
+from ondevice.loader import load
+from ondevice.server.run import launch
 
 
 def _server(client: httpx.Client, url: str, model: str, msgs: list, gen: dict, stream: bool) -> tuple[str, int, float]:

@@ -22,9 +22,10 @@ from pathlib import Path
 
 import numpy as np
 
-from ondevice import catalog, sampling
+from ondevice import sampling
 from ondevice.backends import open_backend
 from ondevice.sampling import SamplingParams, verify_logits
+from ondevice.store import lookup
 
 TEXT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n    if n < 2:\n        return n\n' * 3
 
@@ -50,7 +51,7 @@ def main() -> None:
     ap.add_argument("--penalty", type=float, default=1.0, help="repetition penalty")
     a = ap.parse_args()
     base = _baseline(a.baseline_ref)
-    b = open_backend(catalog.resolve(a.model), n_ctx=512, threads=a.threads)
+    b = open_backend(lookup.resolve(a.model), n_ctx=512, threads=a.threads)
     ids = b.tokenize(TEXT)[:64]
     b.eval(ids[:-1])
     t0 = time.perf_counter()

@@ -68,15 +68,15 @@ def main() -> int:
         print(f"macos_check: needs macOS 15 or later (this is {sys.platform} {platform.mac_ver()[0]})", file=sys.stderr)
         return 2
     from converters import convert
-    from ondevice import catalog
     from ondevice.backends.coreml import CoreMLBackend
     from ondevice.backends.mil import MILBackend
+    from ondevice.store import lookup
 
     report: dict = {"model": args.model, "macos": platform.mac_ver()[0], "machine": platform.machine(),
                     "compress": args.compress, "context": args.context}
     if not (args.work / "manifest.json").is_file():
         t = time.perf_counter()
-        summary = convert(catalog.resolve(args.model), to="coreml", out=args.work, context=args.context,
+        summary = convert(lookup.resolve(args.model), to="coreml", out=args.work, context=args.context,
                           compress=args.compress)
         report["convert"] = {"seconds": round(time.perf_counter() - t, 1), "size_bytes": summary["size_bytes"],
                              "interpreter_check": summary["verified"]}

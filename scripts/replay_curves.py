@@ -20,8 +20,8 @@ import argparse
 import copy
 import json
 
+from ondevice.bench.oracle import guesses, oracle_time, replay_policy
 from ondevice.costs import Costs
-from ondevice.oracle import guesses, oracle_time, replay_policy
 from ondevice.policy import AdaptivePolicy
 
 IDLE_QWEN_IQ4NL = "qwen-iq4_nl-2t=2:1.85,4:2.77,8:5.25,12:6.88,16:6.82,24:10.62,32:12.49"

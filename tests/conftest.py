@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def _fingerprint() -> str:
     """Tiny models are cached on disk, keyed by the code that makes them, so edits rebuild them."""
     h = hashlib.sha256()
-    for f in sorted([ROOT / "ondevice" / "testing.py", ROOT / "ondevice" / "testing_tokenizers.py", Path(__file__),
+    for f in sorted([*(ROOT / "ondevice" / "testing").glob("*.py"), Path(__file__),
                      *(ROOT / "converters").glob("*.py"), *(ROOT / "ondevice" / "formats").glob("*.py")]):
         h.update(f.read_bytes())
     return h.hexdigest()[:12]
@@ -100,9 +100,9 @@ def tiny_coreml(tiny_hf):
 @pytest.fixture(scope="session")
 def smollm2() -> Path:
     """The real default model (98 MB), pulled through the catalog once and cached."""
-    from ondevice import catalog
+    from ondevice.store import fetch
 
-    return catalog.pull("smollm2-135m-instruct", quiet=True)
+    return fetch.pull("smollm2-135m-instruct", quiet=True)
 
 
 @pytest.fixture(scope="session")
@@ -127,8 +127,8 @@ def tiny_catalog(tmp_path, monkeypatch):
     """name → a catalog entry whose published file is ``src`` (copied into the cache, as if pulled)."""
     import shutil
 
-    from ondevice import catalog
-    from ondevice.catalog import sha256_file
+    from ondevice.store import catalog
+    from ondevice.store.fetch import sha256_file
 
     monkeypatch.setenv("ONDEVICE_HOME", str(tmp_path / "home"))
 

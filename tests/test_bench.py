@@ -8,7 +8,7 @@ import sys
 
 import jsonschema
 
-from ondevice.bench import SCHEMA
+from ondevice.bench.run import SCHEMA
 
 
 def test_bench_json_follows_schema(tiny_gguf, tmp_path):
@@ -46,7 +46,7 @@ def test_bench_mlx_anchors(tiny_mlx, tmp_path):
 
 
 def test_bench_synthetic_costs_and_predictions(tmp_path):
-    from ondevice.bench_tools import synthetic_costs
+    from converters.synthetic import synthetic_costs
 
     doc = synthetic_costs("tiny", draft_config="tiny", cache_dir=tmp_path)
     assert set(doc["costs"]["verify_cost"]) == {str(k) for k in range(1, 17)}

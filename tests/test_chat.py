@@ -9,9 +9,11 @@ import subprocess
 import sys
 import threading
 
+from helpers import PROMPT
+
 import ondevice
 
-PROMPT = "The model draft and the target verify"
+SMOL = "smollm2-135m-instruct"  # the fast tiny model, named: these tests need a real chat model, not a good one
 
 
 def _chat(*args, input: bytes):
@@ -19,7 +21,7 @@ def _chat(*args, input: bytes):
 
 
 def test_piped_chat_on_default_model_reuses_prefix(smollm2):
-    r = _chat("--stats", "--max-tokens", "24", "--temperature", "0",
+    r = _chat(SMOL, "--stats", "--max-tokens", "24", "--temperature", "0",
               input=b"Hello! Who are you?\nWhat is 2 + 2?\nName a colour.\n")
     assert r.returncode == 0, r.stderr.decode()
     err = r.stderr.decode()
@@ -32,7 +34,7 @@ def test_piped_chat_on_default_model_reuses_prefix(smollm2):
 
 
 def test_chat_commands_and_show_draft(smollm2):
-    r = _chat("--show-draft", "--max-tokens", "16", "--temperature", "0", input=b"Hi\n/stats\n/reset\nHi\n/exit\nnever asked\n")
+    r = _chat(SMOL, "--show-draft", "--max-tokens", "16", "--temperature", "0", input=b"Hi\n/stats\n/reset\nHi\n/exit\nnever asked\n")
     assert r.returncode == 0
     assert "tokens/pass" in r.stderr.decode() and "history cleared" in r.stderr.decode()
 
@@ -49,7 +51,7 @@ def test_chat_errors_are_one_line(tmp_path, tiny_hf, smollm2):
     bad = tmp_path / "corrupt.gguf"
     bad.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\x01" * 300)
     _one_line(_chat(str(bad), input=b"hi\n"), "corrupt.gguf")
-    _one_line(_chat("--max-tokens", "4", input=b"hello\n\xff\xfe broken\n"), "not valid UTF-8")
+    _one_line(_chat(SMOL, "--max-tokens", "4", input=b"hello\n\xff\xfe broken\n"), "not valid UTF-8")
     # a chat template that reaches for Python internals is stopped by the sandbox
     import shutil
 

@@ -17,7 +17,7 @@ from ondevice import drafters, sampling
 from ondevice.backends.llama import LlamaBackend
 from ondevice.constrain import Constraint, grammar_text, tokenizer_for
 from ondevice.errors import OndeviceError
-from tests.test_engine import _chisquare
+from tests.helpers import chisquare as _chisquare
 
 PROMPT = "The model draft and the target verify"
 SCHEMAS = {

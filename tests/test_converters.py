@@ -8,7 +8,7 @@ import sys
 
 import numpy as np
 import pytest
-from mlx_helpers import mlx_float32, mlx_logits
+from helpers import mlx_float32, mlx_logits
 
 from converters import convert
 from ondevice.backends.llama import LlamaBackend
@@ -74,7 +74,7 @@ def test_gguf_to_mlx_is_lossless_for_q8_0_and_q4_0(tiny_gguf, tmp_path):
     import gguf
     import mlx.core as mx
 
-    from ondevice.formats.gguf_reader import unpermute_rows
+    from ondevice.formats.gguf import unpermute_rows
 
     for quant in ("q8_0", "q4_0"):
         src = tiny_gguf("llama", quant)
@@ -181,7 +181,7 @@ def test_interrupted_conversion_leaves_nothing(tiny_hf, tmp_path, monkeypatch):
     def boom(*a, **k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(tg, "quantize", boom)
+    monkeypatch.setattr(tg, "llama_quantize", boom)
     with pytest.raises(KeyboardInterrupt):
         convert(tiny_hf["llama"], to="gguf", out=tmp_path / "x", quant="q4_0", progress=False)
     assert not (tmp_path / "x").exists() and not list(tmp_path.glob(".*"))
@@ -282,7 +282,7 @@ def test_info_reports_each_kind_of_verification(tiny_hf, tiny_gguf, tmp_path):
     """Review: `ondevice info` said "verified: no" for a Core ML package the MIL interpreter had checked, and
     "top-1 0.375 (max rel. error None)" as a pass for a requantized GGUF whose quality is recorded, not gated;
     convert()'s JSON said "verify": null for Core ML."""
-    from ondevice.info import describe
+    from ondevice.store.info import describe
 
     c = convert(tiny_hf["llama"], to="coreml", out=tmp_path / "c", compress="none", context=32, progress=False)
     assert c["verify"]["runtime"].startswith("MIL interpreter") and c["verify"]["top1"] >= 0.9

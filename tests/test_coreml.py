@@ -10,7 +10,7 @@ import sys
 
 import numpy as np
 import pytest
-from mlx_helpers import mlx_float32, mlx_logits
+from helpers import PROMPT, mlx_float32, mlx_logits
 
 import ondevice
 from converters.coreml import describe_package, open_source
@@ -25,7 +25,6 @@ from ondevice.formats.mil import MILError, MILProgram
 from ondevice.formats.mil_check import check_package, read_config
 from ondevice.runtime import Runtime
 
-PROMPT = "The model draft and the target verify"
 CTX = 128
 
 

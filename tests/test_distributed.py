@@ -13,13 +13,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import PROMPT
 
 mx = pytest.importorskip("mlx.core", reason="MLX is not installed (pip install 'ondevice[mlx]')")
 if not mx.distributed.is_available():
     pytest.skip("this MLX build has no distributed backend", allow_module_level=True)
 
 ROOT = Path(__file__).resolve().parent.parent
-PROMPT = "The model draft and the target verify"
 
 # One rank of a job: runs cfg["jobs"] in order; rank 0 prints one JSON line per job.
 WORKER = textwrap.dedent('''
@@ -145,7 +145,7 @@ def test_sharded_greedy_equals_single_process(tiny_hf, tiny_mlx, tmp_path, shard
 
 @pytest.mark.slow  # 2 × 500 requests over 2 ranks: ~5 min on the loaded 2-core box, ~1.5 min idle
 def test_sharded_sampling_matches_target_law(tiny_mlx, tmp_path):
-    from test_engine import _chisquare, exact_law
+    from helpers import chisquare, exact_law
 
     from ondevice import sampling
     from ondevice.backends.mlx import MLXBackend
@@ -164,8 +164,8 @@ def test_sharded_sampling_matches_target_law(tiny_mlx, tmp_path):
         assert rcs == [0, 0], err
         return {tuple(int(t) for t in k.split()): v for k, v in results[0]["counts"].items()}
 
-    assert _chisquare(counts(), law, n) > 1e-3
-    assert _chisquare(counts(plant="residual"), law, n) < 1e-4  # negative control: the test can fail
+    assert chisquare(counts(), law, n) > 1e-3
+    assert chisquare(counts(plant="residual"), law, n) < 1e-4  # negative control: the test can fail
 
 
 def test_divergence_guard_fires_on_rank_dependent_rng(tiny_mlx, tmp_path):
@@ -232,7 +232,7 @@ def test_mlx_launch_cli_json_is_one_document(tiny_mlx, tmp_path):
 
 
 def test_launch_writes_a_hostfile_and_runs_mlx_launch(tmp_path):
-    from ondevice.dist_tools import hostfile
+    from ondevice.distributed.tools import hostfile
 
     doc = hostfile(["127.0.0.1", "localhost"])
     assert doc == {"backend": "ring", "hosts": [{"ssh": "127.0.0.1", "ips": ["127.0.0.1"]},
@@ -251,7 +251,7 @@ def test_launch_writes_a_hostfile_and_runs_mlx_launch(tmp_path):
 
 
 def test_link_latency_prediction_favours_speculation_as_latency_grows():
-    from ondevice.dist_tools import predict_link
+    from ondevice.distributed.tools import predict_link
 
     costs = {"target_seconds": {"1": 0.010, "2": 0.011, "4": 0.013, "8": 0.018}, "draft_seconds": 0.001}
     low, high = (predict_link(costs, latency_ms=ms, world_size=2, n_layers=24) for ms in (0.01, 1.0))
@@ -262,8 +262,8 @@ def test_link_latency_prediction_favours_speculation_as_latency_grows():
 
 
 def test_bench_summary_reads_what_sharded_stats_record():
-    from ondevice.dist_tools import bench_summary
-    from ondevice.sharded import DistStats
+    from ondevice.distributed.sharded import DistStats
+    from ondevice.distributed.tools import bench_summary
 
     def run(mode, forwards, coll):
         s = DistStats(tokens=10, target_forwards=forwards, world_size=2, shard="tensor", collectives_per_token=coll,
@@ -318,7 +318,7 @@ def test_serve_under_mlx_launch_answers_with_sharded_stats(tiny_mlx):
 def test_plan_sharding_names_what_mlx_lm_offers(tmp_path):
     from types import SimpleNamespace
 
-    from ondevice.backends.mlx_sharded import plan_sharding
+    from ondevice.distributed.mlx_backend import plan_sharding
     from ondevice.errors import OndeviceError
 
     cfg = {"model_type": "llama", "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 512}

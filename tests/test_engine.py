@@ -6,28 +6,12 @@ import itertools
 
 import numpy as np
 import pytest
-from scipy import stats as sps
+from helpers import PROMPT, batch_invariant, chisquare, exact_joint_law, sampled_counts
 
 import ondevice
 from ondevice import sampling
 from ondevice.backends.llama import LlamaBackend
 from ondevice.errors import OndeviceError
-
-PROMPT = "The model draft and the target verify"
-
-
-def batch_invariant(path, k: int = 6) -> bool:
-    """k tokens in one batch give, bit for bit, the logits of k single decodes."""
-    b = LlamaBackend(path, n_ctx=256)
-    try:
-        ids = b.tokenize(PROMPT)
-        b.eval(ids[:2])
-        batched = b.eval(ids[2 : 2 + k])
-        b.rollback(2)
-        singles = np.concatenate([b.eval([t]) for t in ids[2 : 2 + k]])
-        return bool(np.array_equal(batched, singles))
-    finally:
-        b.close()
 
 
 @pytest.mark.parametrize("name,quant", [("llama", "q8_0"), ("qwen2", "q8_0"), ("llama", "q4_0")])
@@ -88,64 +72,6 @@ def test_draft_equal_to_target_accepts_every_draft(tiny_gguf):
         assert s.mean_accepted_per_forward == gamma + 1
 
 
-def exact_law(backend, ids, params, depth=3):
-    """Exact target law of the next ``depth`` tokens, enumerating every sequence with nonzero mass,
-    evaluated with ``backend`` (which is left empty)."""
-    backend.rollback(0)
-    backend.eval(ids[:-1])
-    base = backend.n_past
-    law = {}
-
-    def walk(prefix, mass):
-        backend.rollback(base + len(prefix))
-        ctx = ids + list(prefix)
-        p = sampling.probs(backend.eval([ctx[-1]])[0], params, ctx)
-        for t in np.flatnonzero(p):
-            if len(prefix) + 1 == depth:
-                law[(*prefix, int(t))] = mass * p[t]
-            else:
-                walk((*prefix, int(t)), mass * p[t])
-
-    walk((), 1.0)
-    backend.rollback(0)
-    return law
-
-
-def _exact_joint_law(path, ids, params, depth=3):
-    b = LlamaBackend(path, n_ctx=256)
-    try:
-        return exact_law(b, ids, params, depth)
-    finally:
-        b.close()
-
-
-def _chisquare(counts: dict, law: dict, n: int) -> float:
-    """Goodness of fit; cells with expected count < 5 are pooled into one."""
-    obs, exp, pool_o, pool_e = [], [], 0.0, 0.0
-    for seq, pr in law.items():
-        e = n * pr
-        if e >= 5:
-            obs.append(counts.get(seq, 0))
-            exp.append(e)
-        else:
-            pool_o += counts.get(seq, 0)
-            pool_e += e
-    pool_o += sum(c for s, c in counts.items() if s not in law)  # impossible sequences land here
-    obs.append(pool_o)
-    exp.append(max(pool_e, 1e-9))
-    return float(sps.chisquare(obs, np.array(exp) * sum(obs) / sum(exp)).pvalue)
-
-
-def _sampled_counts(rt, ids, n, temperature, top_k, gamma):
-    counts = {}
-    for seed in range(n):
-        res = rt.generate(ids, max_tokens=3, temperature=temperature, top_k=top_k, top_p=1.0, min_p=0.0,
-                          seed=seed, gamma=gamma)
-        key = tuple(res.tokens)
-        counts[key] = counts.get(key, 0) + 1
-    return counts
-
-
 @pytest.mark.parametrize("temperature", [0.7, 1.0])
 def test_sampled_speculative_matches_target_law(tiny_gguf, temperature, monkeypatch):
     """Joint law of the first 3 tokens, speculative (draft != target) vs the exact target law.
@@ -158,17 +84,17 @@ def test_sampled_speculative_matches_target_law(tiny_gguf, temperature, monkeypa
     with ondevice.load(target, draft) as rt:
         ids = rt.tokenize(PROMPT)
         params = sampling.SamplingParams(temperature=temperature, top_k=top_k, top_p=1.0, min_p=0.0)
-        law = _exact_joint_law(target, ids, params)
+        law = exact_joint_law(target, ids, params)
         assert abs(sum(law.values()) - 1) < 1e-9
-        counts = _sampled_counts(rt, ids, n, temperature, top_k, gamma=2)
+        counts = sampled_counts(rt, ids, n, temperature, top_k, gamma=2)
         acc = rt.generate(ids, max_tokens=32, temperature=temperature, top_k=top_k, top_p=1.0, min_p=0.0,
                           seed=1, gamma=2).stats.acceptance_rate
         assert 0.2 < acc < 0.95, acc  # drafts are both accepted and rejected: the test exercises both
-        assert _chisquare(counts, law, n) > 1e-3
+        assert chisquare(counts, law, n) > 1e-3
         monkeypatch.setattr(sampling, "residual", lambda p, q: p)  # the planted bug
         monkeypatch.setattr(sampling, "residual_sparse", lambda ids, pr, qv, V: pr)  # the loop's sparse form
-        bug = _sampled_counts(rt, ids, n, temperature, top_k, gamma=2)
-        assert _chisquare(bug, law, n) < 1e-4
+        bug = sampled_counts(rt, ids, n, temperature, top_k, gamma=2)
+        assert chisquare(bug, law, n) < 1e-4
 
 
 def test_plain_sampling_matches_target_law(tiny_gguf):
@@ -176,9 +102,9 @@ def test_plain_sampling_matches_target_law(tiny_gguf):
     with ondevice.load(target, drafter="none") as rt:
         ids = rt.tokenize(PROMPT)
         params = sampling.SamplingParams(temperature=1.0, top_k=6, top_p=1.0, min_p=0.0)
-        law = _exact_joint_law(target, ids, params)
-        counts = _sampled_counts(rt, ids, 2000, 1.0, 6, gamma=0)
-    assert _chisquare(counts, law, 2000) > 1e-3
+        law = exact_joint_law(target, ids, params)
+        counts = sampled_counts(rt, ids, 2000, 1.0, 6, gamma=0)
+    assert chisquare(counts, law, 2000) > 1e-3
 
 
 def test_stream_chunks_add_up_and_stop_strings(tiny_gguf):

@@ -5,14 +5,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ondevice import catalog
 from ondevice.backends.llama import LlamaBackend
+from ondevice.store import fetch
 
 pytestmark = pytest.mark.slow
 
 
 def test_rollback_across_the_sliding_window_is_exact():
-    path = catalog.pull("gemma3-270m", quiet=True)
+    path = fetch.pull("gemma3-270m", quiet=True)
     b = LlamaBackend(path, n_ctx=2048)
     assert b.n_swa > 0
     w = b.n_swa

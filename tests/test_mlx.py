@@ -4,27 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers import PROMPT, batch_invariant, chisquare, exact_law
 
 import ondevice
 from ondevice.errors import OndeviceError
 
 mx = pytest.importorskip("mlx.core", reason="MLX is not installed (pip install 'ondevice[mlx]')")
-
-PROMPT = "The model draft and the target verify"
-
-
-def _mlx_batch_invariant(path, k=6) -> bool:
-    from ondevice.backends.mlx import MLXBackend
-
-    b = MLXBackend(path, n_ctx=256, device="cpu")
-    ids = b.tokenize(PROMPT)
-    b.eval(ids[:2])
-    batched = b.eval(ids[2 : 2 + k])
-    b.rollback(2)
-    singles = np.concatenate([b.eval([t]) for t in ids[2 : 2 + k]])
-    b.close()
-    return bool(np.array_equal(batched, singles))
-
 
 def test_mlx_rollback_parity(tiny_mlx):
     from ondevice.backends.mlx import MLXBackend
@@ -62,7 +47,7 @@ def test_mlx_tokenizer_and_vocab_match_gguf(tiny_mlx, tiny_gguf):
 def test_cross_backend_greedy_equality(tiny_mlx, tiny_gguf, pair):
     t_kind, d_kind = pair.split("+")
     target = tiny_mlx("llama") if t_kind == "mlx" else tiny_gguf("llama", "q8_0")
-    if t_kind == "mlx" and not _mlx_batch_invariant(target):
+    if t_kind == "mlx" and not batch_invariant(target, kind="mlx"):
         pytest.skip("MLX CPU logits depend on batch size here; greedy equality is not asserted")
     with ondevice.load(target, drafter="none", device="cpu") as rt:
         ref = rt.generate(PROMPT, max_tokens=40, temperature=0)
@@ -78,7 +63,6 @@ def test_cross_backend_greedy_equality(tiny_mlx, tiny_gguf, pair):
 
 
 def test_statistical_exactness_on_mlx_target(tiny_mlx, monkeypatch):
-    from test_engine import _chisquare, exact_law
 
     from ondevice import sampling
 
@@ -97,10 +81,10 @@ def test_statistical_exactness_on_mlx_target(tiny_mlx, monkeypatch):
                 c[key] = c.get(key, 0) + 1
             return c
 
-        assert _chisquare(counts(), law, n) > 1e-3
+        assert chisquare(counts(), law, n) > 1e-3
         monkeypatch.setattr(sampling, "residual", lambda p, q: p)
         monkeypatch.setattr(sampling, "residual_sparse", lambda ids, pr, qv, V: pr)  # the loop's sparse form
-        assert _chisquare(counts(), law, n) < 1e-4
+        assert chisquare(counts(), law, n) < 1e-4
 
 
 def test_rotating_cache_rolls_back_exactly_or_refuses(tiny_mlx):
@@ -137,7 +121,7 @@ def test_mlx_backend_errors(tmp_path):
 
 
 def test_info_reports_format_and_device(tiny_mlx, tiny_gguf):
-    from ondevice.info import describe
+    from ondevice.store.info import describe
 
     g = describe(tiny_gguf("llama", "q4_0"))
     assert g["format"] == "gguf" and g["arch"] == "llama" and g["quant"] == "Q4_0" and g["vocab_size"] == 512

@@ -6,12 +6,11 @@ import json
 
 import numpy as np
 import pytest
+from helpers import PROMPT
 
 import ondevice
 from ondevice.costs import Costs, speedup_bound
 from ondevice.policy import RISK, AdaptivePolicy, expected_rate
-
-PROMPT = "The model draft and the target verify"
 
 
 def curve(per_token: float, c_seconds: float = 0.0, base: float = 1.0) -> Costs:
@@ -133,7 +132,7 @@ def test_greedy_equality_with_policy_on(tiny_gguf):
 
 
 def test_sampled_law_with_policy_on(tiny_gguf, monkeypatch):
-    from test_engine import _chisquare, _exact_joint_law
+    from helpers import chisquare, exact_joint_law
 
     from ondevice import sampling
 
@@ -142,7 +141,7 @@ def test_sampled_law_with_policy_on(tiny_gguf, monkeypatch):
     with _forced_policy(ondevice.load(target, draft)) as rt:
         ids = rt.tokenize(PROMPT)
         params = sampling.SamplingParams(temperature=1.0, top_k=6, top_p=1.0, min_p=0.0)
-        law = _exact_joint_law(target, ids, params)
+        law = exact_joint_law(target, ids, params)
 
         def counts():
             c = {}
@@ -152,17 +151,17 @@ def test_sampled_law_with_policy_on(tiny_gguf, monkeypatch):
                 c[key] = c.get(key, 0) + 1
             return c
 
-        assert _chisquare(counts(), law, n) > 1e-3
+        assert chisquare(counts(), law, n) > 1e-3
         assert rt.last_stats.drafted > 0
         monkeypatch.setattr(sampling, "residual", lambda p, q: p)
         monkeypatch.setattr(sampling, "residual_sparse", lambda ids, pr, qv, V: pr)  # the loop's sparse form
-        assert _chisquare(counts(), law, n) < 1e-4
+        assert chisquare(counts(), law, n) < 1e-4
 
 
 def test_sampled_law_with_ngram_drafts(tiny_gguf, monkeypatch):
     """n-gram drafts are one-hot q: a guess x is kept with chance p(x), else the residual p − δ_x is
     sampled. The whole loop (drafter, policy, sparse verification) keeps the target's law."""
-    from test_engine import _chisquare, _exact_joint_law
+    from helpers import chisquare, exact_joint_law
 
     from ondevice import sampling
 
@@ -183,7 +182,7 @@ def test_sampled_law_with_ngram_drafts(tiny_gguf, monkeypatch):
         params = sampling.SamplingParams(temperature=1.0, top_k=6, top_p=1.0, min_p=0.0)
         eog = rt.target.is_eog
         law: dict = {}
-        for seq, pr in _exact_joint_law(target, ids, params).items():  # an answer ends at its first EOS
+        for seq, pr in exact_joint_law(target, ids, params).items():  # an answer ends at its first EOS
             end = next((i for i, t in enumerate(seq) if eog(t)), None)
             key = seq if end is None else (*seq[:end], "eos")
             law[key] = law.get(key, 0.0) + pr
@@ -199,11 +198,11 @@ def test_sampled_law_with_ngram_drafts(tiny_gguf, monkeypatch):
             return c, drafted, accepted
 
         c, drafted, accepted = counts()
-        assert _chisquare(c, law, n) > 1e-3
+        assert chisquare(c, law, n) > 1e-3
         assert drafted > n and 0 < accepted < drafted  # drafts were made, kept and rejected
         monkeypatch.setattr(sampling, "residual", lambda p, q: p)
         monkeypatch.setattr(sampling, "residual_sparse", lambda ids, pr, qv, V: pr)  # a rejected guess stays possible
-        assert _chisquare(counts()[0], law, n) < 1e-4
+        assert chisquare(counts()[0], law, n) < 1e-4
 
 
 def test_auto_is_default_and_reports_gamma_histogram(tiny_gguf, tmp_path, monkeypatch):

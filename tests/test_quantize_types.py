@@ -92,28 +92,29 @@ def test_a_bad_tensor_type_is_one_line_and_leaves_nothing(tiny_gguf, tmp_path):
 def test_pull_output_type_variant_is_its_own_name(tiny_gguf, tiny_catalog):
     """NAME:FMT+out-TYPE resolves to its own recorded file, never to (or from) the plain NAME:FMT; made from
     the cached plain variant when that gives the same bytes."""
-    from converters.quantize import _copy_source, llama_quantize, pull_variant
-    from ondevice import catalog
+    from converters.quantize import llama_quantize
+    from converters.variants import _copy_source, pull_variant
+    from ondevice.store import catalog, lookup
 
     published = tiny_gguf("qwen2", "q4_k_m")  # output.weight Q6_K, as in the published Qwen files
     entry = tiny_catalog(published)
     with pytest.raises(OndeviceError, match="pull tiny --quant iq4_nl --output-type iq4_nl"):
-        catalog.resolve("tiny:iq4_nl+out-iq4_nl")
+        lookup.resolve("tiny:iq4_nl+out-iq4_nl")
     with pytest.raises(OndeviceError, match=r"--output-type bogus: unknown tensor type"):
         pull_variant("tiny", "iq4_nl", output_type="bogus", quiet=True)
     assert [f.name for f in catalog.cached_path(entry).parent.iterdir()] == ["tiny.gguf"]  # refused before any work
     plain = pull_variant("tiny", "iq4_nl", quiet=True)
     path = pull_variant("tiny", "iq4_nl", output_type="iq4_nl", quiet=True)
     assert path.name == "tiny.local-iq4_nl+out-iq4_nl.gguf" and path != plain
-    assert catalog.resolve("tiny:iq4_nl+out-iq4_nl") == path == catalog.resolve("tiny:IQ4_NL+OUT-IQ4_NL")
+    assert lookup.resolve("tiny:iq4_nl+out-iq4_nl") == path == lookup.resolve("tiny:IQ4_NL+OUT-IQ4_NL")
     assert pull_variant("tiny", "IQ4_NL", output_type="IQ4_NL", quiet=True) == path  # spelt as llama.cpp does
-    assert catalog.resolve("tiny:iq4_nl") == plain and catalog.resolve("tiny") == catalog.cached_path(entry)
+    assert lookup.resolve("tiny:iq4_nl") == plain and lookup.resolve("tiny") == catalog.cached_path(entry)
     assert _types(path)["output.weight"] == "IQ4_NL" and _types(plain)["output.weight"] == "Q6_K"
     rec = json.loads(path.with_suffix(".json").read_text())
     assert rec["variant"] == "tiny:iq4_nl+out-iq4_nl" and rec["output_type"] == "iq4_nl" and rec["published"] is False
     assert rec["source_sha256"] == entry.sha256 and rec["quantized_from"] == plain.name
     assert 0 < rec["quality"]["top1_agreement"] <= 1 and rec["quality"]["mean_kl"] > 0
-    assert "tiny:iq4_nl+out-iq4_nl" in {r["name"] for r in catalog.listing()}
+    assert "tiny:iq4_nl+out-iq4_nl" in {r["name"] for r in lookup.listing()}
     # made from the plain variant, it is byte for byte what quantizing the published file gives
     direct = path.with_name("direct.gguf")
     llama_quantize(published, direct, "iq4_nl", allow_requantize=True, output_type="iq4_nl")
@@ -129,11 +130,11 @@ def test_pull_output_type_variant_is_its_own_name(tiny_gguf, tiny_catalog):
     llama_quantize(via, b, "iq4_nl", allow_requantize=True, output_type="q4_0")
     assert a.read_bytes() != b.read_bytes()  # the shortcut would have stacked Q6_K under the asked Q4_0
     with pytest.raises(OndeviceError, match="FMT, FMT\\+out-TYPE"):
-        catalog.resolve("tiny:iq4_nl+output-q4_0")
+        lookup.resolve("tiny:iq4_nl+output-q4_0")
 
 
 def test_advisor_takes_output_type_variants(tiny_gguf, tmp_path, monkeypatch):
-    from ondevice.bench_formats import advise, parse_formats
+    from converters.advisor import advise, parse_formats
 
     assert parse_formats(["q4_0", "IQ4_NL+out-Q4_0"]) == {"q4_0": ("q4_0", None, None),
                                                          "iq4_nl+out-q4_0": ("iq4_nl", "q4_0", None)}
@@ -153,10 +154,10 @@ def test_advisor_takes_output_type_variants(tiny_gguf, tmp_path, monkeypatch):
 def test_a_variant_tag_that_is_no_name_is_a_one_line_error(tag):
     """A tag becomes part of the variant's file name: one with a path separator made ``resolve`` raise a bare
     ValueError from pathlib ("Invalid name") instead of saying what a variant name looks like."""
-    from ondevice import catalog
+    from ondevice.store import lookup, variants
 
     with pytest.raises(OndeviceError):
-        catalog.parse_variant_tag(tag)
+        variants.parse_variant_tag(tag)
     if tag:
         with pytest.raises(OndeviceError):
-            catalog.resolve(f"smollm2-135m-instruct:{tag}", auto_pull=False)
+            lookup.resolve(f"smollm2-135m-instruct:{tag}", auto_pull=False)

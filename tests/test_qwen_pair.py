@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 import ondevice
-from ondevice import catalog
 from ondevice.backends.llama import LlamaBackend
+from ondevice.store import fetch
 
 pytestmark = pytest.mark.slow
 
@@ -28,8 +28,8 @@ def _batch_delta(path, k: int = 5) -> float:
 
 
 def test_greedy_speculative_vs_plain_on_k_quants():
-    target = catalog.pull("qwen2.5-coder-1.5b-instruct", quiet=True)
-    draft = catalog.pull("qwen2.5-coder-0.5b-instruct", quiet=True)
+    target = fetch.pull("qwen2.5-coder-1.5b-instruct", quiet=True)
+    draft = fetch.pull("qwen2.5-coder-0.5b-instruct", quiet=True)
     delta = _batch_delta(target)
     print(f"Qwen2.5-Coder-1.5B Q4_K_M: max |Δ| batch vs single = {delta:.3f}")
     with ondevice.load(target, drafter="none") as rt:

@@ -24,11 +24,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import PROMPT
 
 import ondevice
 from ondevice.errors import OndeviceError
 
-PROMPT = "The model draft and the target verify"
 TESTS = Path(__file__).resolve().parent
 ROOT = Path(ondevice.__file__).resolve().parent.parent  # the code under test (subprocesses import it too)
 
@@ -400,7 +400,7 @@ def _pair_with_small_draft(target_path, draft_path, mask_target: bool = False):
 
 
 def test_09_a_draft_with_a_smaller_vocabulary_keeps_the_target_law(tiny_gguf):
-    from test_engine import _chisquare, _exact_joint_law, _sampled_counts
+    from helpers import chisquare, exact_joint_law, sampled_counts
 
     from ondevice import sampling
 
@@ -409,18 +409,18 @@ def test_09_a_draft_with_a_smaller_vocabulary_keeps_the_target_law(tiny_gguf):
     params = sampling.SamplingParams(temperature=temperature, top_k=top_k, top_p=1.0, min_p=0.0)
     with _pair_with_small_draft(target, draft) as rt:
         ids = rt.tokenize(PROMPT)
-        law = _exact_joint_law(target, ids, params)
+        law = exact_joint_law(target, ids, params)
         beyond = sum(p for seq, p in law.items() if max(seq) >= LIMIT)
         assert 0.2 < beyond < 0.95, beyond  # the target really puts mass where the draft cannot go
-        counts = _sampled_counts(rt, ids, n, temperature, top_k, gamma=2)
+        counts = sampled_counts(rt, ids, n, temperature, top_k, gamma=2)
         assert rt.generate(ids, max_tokens=24, temperature=temperature, top_k=top_k, top_p=1.0, min_p=0.0,
                            seed=3, gamma=2).stats.accepted > 0
-        assert _chisquare(counts, law, n) > 1e-3
+        assert chisquare(counts, law, n) > 1e-3
         greedy = rt.generate(ids, max_tokens=24, temperature=0, gamma=3).tokens
     with ondevice.load(target, drafter="none", threads=1) as plain:
         assert greedy == plain.generate(ids, max_tokens=24, temperature=0, gamma=0).tokens
     with _pair_with_small_draft(target, draft, mask_target=True) as bug:  # negative control
-        assert _chisquare(_sampled_counts(bug, ids, 300, temperature, top_k, gamma=2), law, 300) < 1e-4
+        assert chisquare(sampled_counts(bug, ids, 300, temperature, top_k, gamma=2), law, 300) < 1e-4
 
 
 # -- 10. stop strings ---------------------------------------------------------------------------------
@@ -642,7 +642,7 @@ def test_ctrl_c_in_chat_stops_the_answer_and_keeps_the_session(tiny_gguf, tmp_pa
                 time.sleep(0.02)
             return real(self, *a, **kw)
         LlamaBackend.eval = slow
-        from ondevice.cli import main
+        from ondevice.cli.main import main
         sys.argv = ["ondevice", *sys.argv[1:]]
         main()
     """)

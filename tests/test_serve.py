@@ -28,7 +28,7 @@ HOLD_PROMPT = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16,"  # keeps 
 
 @pytest.fixture(scope="module")
 def server(smollm2):
-    from ondevice.server import launch
+    from ondevice.server.run import launch
 
     proc, url = launch(str(smollm2), "--n-ctx", str(N_CTX), "--max-queue", str(QUEUE), "--threads", THREADS,
                        api_key=KEY)
@@ -39,7 +39,7 @@ def server(smollm2):
 
 @pytest.fixture(scope="module")
 def direct(smollm2):
-    from ondevice.runtime import load
+    from ondevice.loader import load
 
     with load(smollm2, n_ctx=N_CTX, threads=int(THREADS)) as rt:
         yield rt
@@ -187,7 +187,7 @@ def test_client_leaving_mid_body_is_quiet():
     """A client that drops the connection while sending its body gets no answer and raises nothing."""
     import asyncio
 
-    from ondevice.server import Server
+    from ondevice.server.app import Server
 
     app = Server(None, "m")  # the body is read before the runtime is touched
     incoming = [{"type": "http.request", "body": b'{"mod', "more_body": True}, {"type": "http.disconnect"}]
@@ -333,7 +333,7 @@ def test_models_and_health(server, client, model_id):
 def test_non_loopback_host_warns_and_cors_is_opt_in(smollm2, tmp_path):
     """Any address but loopback needs the explicit --host, prints a warning, and drops the Host-name check;
     --cors-origin lets exactly that origin call the API (its errors readable too), no other."""
-    from ondevice.server import launch
+    from ondevice.server.run import launch
 
     log = tmp_path / "stderr.txt"
     app = "http://app.example"
@@ -487,8 +487,8 @@ def test_cli_errors_are_one_line(tmp_path):
 
 def test_model_drafter_through_the_server(tiny_gguf):
     """A target + draft pair (tiny random models): the server's greedy answer and draft statistics are the runtime's."""
-    from ondevice.runtime import load
-    from ondevice.server import launch
+    from ondevice.loader import load
+    from ondevice.server.run import launch
 
     target, draft = tiny_gguf("llama"), tiny_gguf("llama_draft")
     kw = dict(temperature=0, max_tokens=32, gamma=3)

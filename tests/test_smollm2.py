@@ -14,7 +14,7 @@ CODE_EDIT = (
 
 
 def test_smollm2_is_batch_invariant(smollm2):
-    from test_engine import batch_invariant
+    from helpers import batch_invariant
 
     assert batch_invariant(smollm2, k=8)
 
@@ -94,11 +94,11 @@ def test_smollm2_gguf_to_mlx_tokenizes_identically_and_agrees(smollm2, tmp_path)
     m.close()
 
     # the converted model as an MLX target: greedy n-gram speculation == greedy plain, where MLX is batch-invariant
-    from test_mlx import _mlx_batch_invariant
+    from helpers import batch_invariant
 
     import ondevice
 
-    if not _mlx_batch_invariant(tmp_path / "smol"):
+    if not batch_invariant(tmp_path / "smol", kind="mlx"):
         pytest.skip("MLX CPU logits of SmolLM2 depend on batch size here; greedy equality not asserted")
     prompt = "The capital of France is Paris. The capital of France is"
     with ondevice.load(tmp_path / "smol", drafter="none", device="cpu") as rt:

@@ -23,9 +23,10 @@ import pytest
 from conftest import TINY_CACHE, _converted
 
 import ondevice
-from ondevice import autodraft, catalog, discovery, sources
+from ondevice import autodraft
 from ondevice.costs import Costs
 from ondevice.errors import OndeviceError
+from ondevice.store import catalog, discovery, fetch, lookup, sources
 
 REV = "0123456789abcdef0123456789abcdef01234567"
 
@@ -248,7 +249,7 @@ def test_one_line_errors(stores, models, monkeypatch):
         ("lmstudio:q8_0", "is ambiguous"),
     ]:
         with pytest.raises(OndeviceError) as e:
-            catalog.resolve(name)
+            lookup.resolve(name)
         assert message in str(e.value) and "\n" not in str(e.value), (name, str(e.value))
     # a broken store entry is listed with its error, the rest still work
     rows = {r["name"]: r for r in discovery.local_models()}
@@ -432,7 +433,7 @@ def test_download_gguf_by_quant(fake_hub, capsys):
     assert kw == {"revision": None, "cache_dir": hub}  # token and progress bars: huggingface_hub's own defaults
     assert "downloading hf:tiny/remote-GGUF:Q8_0 (tiny-remote-Q8_0.gguf) into" in capsys.readouterr().err
     assert sources.resolve("hf:tiny/remote-GGUF:Q8_0") == path and len(fake_hub["calls"]) == 2  # cached: no network
-    assert catalog.pull("hf:tiny/remote-GGUF:Q8_0") == path  # `ondevice pull hf:…` takes the same path
+    assert fetch.pull("hf:tiny/remote-GGUF:Q8_0") == path  # `ondevice pull hf:…` takes the same path
     # another quant of a partly cached repo is fetched; a revision is passed through
     assert sources.resolve("hf:tiny/remote-GGUF@v1:F16").name == "tiny-remote-F16.gguf"
     assert fake_hub["calls"][-1][1:] == (("tiny/remote-GGUF", "tiny-remote-F16.gguf"), {"revision": "v1", "cache_dir": hub})
@@ -451,7 +452,7 @@ def test_dangling_link_in_the_hf_cache_is_downloaded_again(fake_hub, monkeypatch
     path.resolve().unlink()
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(OndeviceError, match=r"hf:tiny/remote-GGUF:Q8_0: .*tiny-remote-Q8_0.gguf is a broken link"):
-        catalog.resolve("hf:tiny/remote-GGUF:Q8_0")
+        lookup.resolve("hf:tiny/remote-GGUF:Q8_0")
 
 
 def test_download_split_gguf_and_safetensors_repo(fake_hub):
@@ -558,10 +559,10 @@ def test_broken_files_in_the_stores_are_listed_with_a_reason(stores, models):
 
 
 def test_fast_gguf_header_reads_what_gguf_reads(models, tmp_path):
-    """gguf_meta (a struct walk of the header) gives gguf-py's token texts and scalars, and one-line errors."""
+    """read_header (a struct walk of the header) gives gguf-py's token texts and scalars, and one-line errors."""
     import gguf
 
-    from ondevice.gguf_meta import read_header
+    from ondevice.formats.gguf import read_header
 
     for name in ("target", "target_f16", "qwen2", "swapped"):
         meta, texts = read_header(models[name])
@@ -582,9 +583,9 @@ def test_fast_gguf_header_reads_what_gguf_reads(models, tmp_path):
 def test_auto_draft_on_the_real_qwen_pair(tmp_path, monkeypatch):
     """Qwen2.5-Coder 1.5B in LM Studio's layout, its 0.5B in Ollama's, SmolLM2 as a decoy (another vocabulary):
     the 0.5B is the only candidate, and the choice agrees with the speedup its measured costs predict."""
-    target = catalog.pull("qwen2.5-coder-1.5b-instruct", quiet=True)
-    draft = catalog.pull("qwen2.5-coder-0.5b-instruct", quiet=True)
-    decoy = catalog.pull("smollm2-135m-instruct", quiet=True)
+    target = fetch.pull("qwen2.5-coder-1.5b-instruct", quiet=True)
+    draft = fetch.pull("qwen2.5-coder-0.5b-instruct", quiet=True)
+    decoy = fetch.pull("smollm2-135m-instruct", quiet=True)
     lms = tmp_path / "lms"
     for rel, src in {"Qwen/Qwen2.5-Coder-1.5B-Instruct-GGUF/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf": target,
                      "HuggingFaceTB/SmolLM2-135M-Instruct-GGUF/SmolLM2-135M-Instruct-Q4_1.gguf": decoy}.items():

@@ -65,12 +65,13 @@ def test_choice_and_checks():
 
 def test_qwen_template_renders_tools_and_calls():
     """The Qwen2.5 family's own template (read from the catalog model's GGUF header) gets tools and past calls."""
-    from ondevice import catalog
     from ondevice.chat import render
-    from ondevice.gguf_meta import read_header
+    from ondevice.formats.gguf import read_header
+    from ondevice.store import catalog
+    from ondevice.store.fetch import is_pulled
 
     entry = catalog.get("qwen2.5-coder-0.5b-instruct")
-    if not catalog.is_pulled(entry):
+    if not is_pulled(entry):
         pytest.skip("qwen2.5-coder-0.5b-instruct is not pulled (ondevice pull qwen2.5-coder-0.5b-instruct)")
     tmpl = read_header(catalog.cached_path(entry))[0]["tokenizer.chat_template"]
     assert T.call_format(tmpl) == "hermes"
@@ -101,9 +102,10 @@ def test_required_and_named_calls_validate(tiny_gguf, fmt):
 @pytest.mark.slow
 def test_auto_parses_qwen_calls():
     """tool_choice 'auto' on the real Qwen2.5-Coder-0.5B: its own call (tags are special tokens) is parsed."""
-    from ondevice import catalog
+    from ondevice.store import catalog
+    from ondevice.store.fetch import is_pulled
 
-    if not catalog.is_pulled(catalog.get("qwen2.5-coder-0.5b-instruct")):
+    if not is_pulled(catalog.get("qwen2.5-coder-0.5b-instruct")):
         pytest.skip("qwen2.5-coder-0.5b-instruct is not pulled")
     with ondevice.load("qwen2.5-coder-0.5b-instruct", drafter="ngram", threads=1, n_ctx=1024) as rt:
         fmt = T.call_format(rt.target.chat_template)

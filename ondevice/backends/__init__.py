@@ -1,4 +1,4 @@
-"""The ``Backend`` protocol and ``open_backend``: one runtime per model format.
+"""``open_backend``: one runtime per model format (the contract: ``ondevice.backends.base.Backend``).
 
 A backend owns one model and its KV cache. It returns logits and never samples. Heavy libraries
 (llama_cpp, mlx, coremltools) are imported only inside the backend modules, on first use.
@@ -6,79 +6,12 @@ A backend owns one model and its KV cache. It returns logits and never samples. 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from pathlib import Path
-from typing import Literal, Protocol, runtime_checkable
 
-import numpy as np
-
+from ondevice.backends.base import Backend
 from ondevice.errors import OndeviceError
 
-
-@runtime_checkable
-class Backend(Protocol):
-    """One model with a KV cache, fed token ids, returning logits.
-
-    Attributes:
-        path: the model file or directory.
-        vocab_size: rows of the output layer (logits width).
-        n_ctx: the context length the cache was created with.
-        add_bos / bos_id: whether a prompt starts with BOS, and which id.
-        chat_template: the model's jinja chat template, if any.
-    """
-
-    path: Path
-    vocab_size: int
-    n_ctx: int
-    add_bos: bool
-    bos_id: int | None
-    chat_template: str | None
-
-    @property
-    def n_past(self) -> int:
-        """Tokens currently in the KV cache."""
-        ...
-
-    def is_eog(self, token: int) -> bool:
-        """Does ``token`` end generation (EOS, EOT, or any other end-of-generation id)?"""
-        ...
-
-    def tokenize(self, text: str, *, add_bos: bool = True, special: bool = True) -> list[int]:
-        """Text → ids (BOS only if ``add_bos`` and the model asks for it; special tokens parsed if ``special``)."""
-        ...
-
-    def token_bytes(self, token: int) -> bytes:
-        """The bytes one token stands for (special tokens render as their text)."""
-        ...
-
-    def vocab_tokens(self) -> list[str]:
-        """Every token's text, in id order (for pair checks)."""
-        ...
-
-    def eval(self, tokens: Sequence[int], logits: Literal["all", "last"] = "all") -> np.ndarray:
-        """Append ``tokens`` to the cache in one batch.
-
-        Returns:
-            [n, vocab_size] float32 logits, row i scoring the token after tokens[i]
-            ([1, vocab_size] for ``logits="last"``).
-        """
-        ...
-
-    def rollback(self, n_past: int) -> None:
-        """Drop cached positions >= n_past; raise when that cannot be done exactly."""
-        ...
-
-    def close(self) -> None: ...
-
-
-def check_room(n_past: int, n: int, n_ctx: int, path: Path) -> None:
-    """Refuse to evaluate ``n`` more tokens when the cache cannot hold them."""
-    if n == 0:
-        raise ValueError("eval needs at least one token")
-    if n_past + n > n_ctx:
-        raise OndeviceError(
-            f"context overflow: {n_past + n} tokens exceed n_ctx={n_ctx} of {Path(path).name}; raise n_ctx or shorten the prompt"
-        )
+__all__ = ["Backend", "DEVICES", "detect_format", "is_gguf_file", "open_backend"]
 
 
 def is_gguf_file(path: Path) -> bool:

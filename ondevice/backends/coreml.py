@@ -75,7 +75,7 @@ def compiled_path(package: Path) -> Path:
     """
     import coremltools as ct
 
-    from ondevice.catalog import home
+    from ondevice.store.catalog import home
 
     dest = home() / "coreml" / package_digest(package) / "model.mlmodelc"
     if dest.is_dir():

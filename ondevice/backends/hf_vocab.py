@@ -6,6 +6,7 @@ import json
 from collections.abc import Iterable
 from pathlib import Path
 
+from ondevice.backends.base import Backend
 from ondevice.errors import OndeviceError
 
 
@@ -22,7 +23,7 @@ def _byte_decoder() -> dict[str, int]:
     return {chr(c): b for b, c in zip(bs, cs, strict=True)}
 
 
-class HFVocab:
+class HFVocab(Backend):
     """Mixin: tokenize, token_bytes, vocab_tokens, is_eog; needs ``vocab_size`` set by the backend."""
 
     vocab_size: int

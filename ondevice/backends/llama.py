@@ -20,8 +20,9 @@ from typing import Literal
 
 import numpy as np
 
-from ondevice.backends import check_room
+from ondevice.backends.base import Backend, check_room
 from ondevice.errors import OndeviceError
+from ondevice.formats.gguf import check_gguf_file
 
 _LOG_CB = None
 
@@ -43,19 +44,7 @@ def init_llama(debug: bool = False) -> None:
         llama_cpp.llama_log_set(_LOG_CB, ctypes.c_void_p(0))
 
 
-def check_gguf_file(path: Path) -> None:
-    """Fail with one line naming the file unless it starts like a GGUF."""
-    if not path.is_file():
-        raise OndeviceError(f"{path}: no such model file")
-    with open(path, "rb") as f:
-        head = f.read(8)
-    if head[:4] != b"GGUF":
-        raise OndeviceError(f"{path}: not a GGUF file (bad magic {head[:4]!r}); re-download or reconvert it")
-    if len(head) < 8 or int.from_bytes(head[4:8], "little") not in (2, 3):
-        raise OndeviceError(f"{path}: unsupported or corrupt GGUF header; re-download or reconvert it")
-
-
-class LlamaBackend:
+class LlamaBackend(Backend):
     """A GGUF model and its KV cache in llama.cpp (see ``ondevice.backends.Backend``).
 
     Args:

@@ -17,7 +17,7 @@ from typing import Literal
 
 import numpy as np
 
-from ondevice.backends import check_room
+from ondevice.backends.base import check_room
 from ondevice.backends.hf_vocab import HFVocab
 from ondevice.errors import OndeviceError
 
@@ -66,7 +66,7 @@ class MLXBackend(HFVocab):
         self._init_vocab(self.tokenizer._tokenizer, self.tokenizer.eos_token_ids or [])  # the HF fast tokenizer
 
     def _load_model(self):
-        """(model, tokenizer) from mlx-lm (``ondevice.sharded`` overrides this to split the model over ranks)."""
+        """(model, tokenizer) from mlx-lm (``ondevice.distributed.sharded`` overrides this to split the model over ranks)."""
         from mlx_lm.utils import load
 
         return load(str(self.path))

@@ -16,7 +16,7 @@ from typing import Literal
 
 import numpy as np
 
-from ondevice.backends import check_room
+from ondevice.backends.base import check_room
 from ondevice.backends.hf_vocab import HFVocab, load_tokenizer
 from ondevice.errors import OndeviceError
 

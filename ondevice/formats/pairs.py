@@ -44,7 +44,7 @@ def check_vocabs(target: list[str], draft: list[str], target_name: str | Path, d
 
 def gguf_tokens(path: Path) -> list[str]:
     """The token texts of a GGUF file, in id order."""
-    from ondevice.formats.gguf_reader import GGUFFile
+    from ondevice.formats.gguf import GGUFFile
 
     reader = GGUFFile(path).reader  # a truncated or corrupt file: one line naming it
     field = reader.fields.get("tokenizer.ggml.tokens")

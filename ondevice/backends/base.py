@@ -1,0 +1,88 @@
+"""The backend contract: one model with a KV cache, fed token ids, returning logits (never sampling).
+
+Implementations (``llama``, ``mlx``, ``coreml``, ``mil``, ``static``, the sharded MLX target) subclass
+``Backend``; every member a caller uses is declared here, with a default where one makes sense.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+
+from ondevice.errors import OndeviceError
+
+
+class Backend:
+    """One model with a KV cache, fed token ids, returning logits.
+
+    Attributes:
+        path: the model file or directory.
+        vocab_size: rows of the output layer (logits width).
+        n_ctx: the context length the cache was created with.
+        add_bos / bos_id: whether a prompt starts with BOS, and which id.
+        chat_template: the model's jinja chat template, if any.
+        chunk: tokens a pass is padded to (a fixed-shape Core ML / MIL prefill runs any batch up to it as one);
+            1 for backends whose cost grows with every token.
+        threads, device: what the backend runs with (part of the key of its measured costs).
+    """
+
+    path: Path
+    vocab_size: int
+    n_ctx: int
+    add_bos: bool
+    bos_id: int | None
+    chat_template: str | None
+    chunk: int = 1
+    threads: int | None = None
+    device: str | None = None
+
+    @property
+    def n_past(self) -> int:
+        """Tokens currently in the KV cache."""
+        raise NotImplementedError
+
+    def is_eog(self, token: int) -> bool:
+        """Does ``token`` end generation (EOS, EOT, or any other end-of-generation id)?"""
+        raise NotImplementedError
+
+    def tokenize(self, text: str, *, add_bos: bool = True, special: bool = True) -> list[int]:
+        """Text → ids (BOS only if ``add_bos`` and the model asks for it; special tokens parsed if ``special``)."""
+        raise NotImplementedError
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes one token stands for (special tokens render as their text)."""
+        raise NotImplementedError
+
+    def vocab_tokens(self) -> list[str]:
+        """Every token's text, in id order (for pair checks)."""
+        raise NotImplementedError
+
+    def eval(self, tokens: Sequence[int], logits: Literal["all", "last"] = "all") -> np.ndarray:
+        """Append ``tokens`` to the cache in one batch.
+
+        Returns:
+            [n, vocab_size] float32 logits, row i scoring the token after tokens[i]
+            ([1, vocab_size] for ``logits="last"``).
+        """
+        raise NotImplementedError
+
+    def rollback(self, n_past: int) -> None:
+        """Drop cached positions >= n_past; raise when that cannot be done exactly."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Free native memory; idempotent."""
+        raise NotImplementedError
+
+
+def check_room(n_past: int, n: int, n_ctx: int, path: Path) -> None:
+    """Refuse to evaluate ``n`` more tokens when the cache cannot hold them."""
+    if n == 0:
+        raise ValueError("eval needs at least one token")
+    if n_past + n > n_ctx:
+        raise OndeviceError(
+            f"context overflow: {n_past + n} tokens exceed n_ctx={n_ctx} of {Path(path).name}; raise n_ctx or shorten the prompt"
+        )

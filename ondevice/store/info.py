@@ -1,0 +1,120 @@
+"""``ondevice info``: what a model is (format, arch, quant, vocab, device) without loading weights."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+from ondevice.backends import detect_format
+from ondevice.store import lookup
+
+
+def describe(model: str | Path, device: str | None = None) -> dict:
+    """Facts about a model path or catalog name (pulls a catalog model if needed)."""
+    path = lookup.resolve(model)
+    if path.is_dir() and (path / "target").is_dir() and (path / "draft").is_dir():
+        from ondevice.errors import OndeviceError
+
+        raise OndeviceError(f"{path}: a converted pair (target/ and draft/); describe each: "
+                            f"`ondevice info {path / 'target'}` and `ondevice info {path / 'draft'}`")
+    fmt = detect_format(path)
+    info: dict = {"path": str(path), "format": fmt, "size_bytes": _size(path)}
+    if fmt == "gguf":
+        from ondevice.formats.gguf import GGUFFile
+
+        g = GGUFFile(path / "model.gguf" if path.is_dir() else path)
+        types = Counter(t.tensor_type.name for t in g.reader.tensors)
+        info.update(arch=g.arch, quant=_file_type(g), tensor_types=dict(types), vocab_size=len(g.tokens),
+                    tokenizer=g.get("tokenizer.ggml.model"), pre_tokenizer=g.get("tokenizer.ggml.pre"),
+                    context_length=g.get(f"{g.arch}.context_length"), sliding_window=g.get(f"{g.arch}.attention.sliding_window"),
+                    chat_template=g.get("tokenizer.chat_template") is not None, device="cpu (llama.cpp)")
+    elif fmt == "mlx":
+        cfg = json.loads((path / "config.json").read_text())
+        q = cfg.get("quantization") or {}
+        info.update(arch=cfg.get("model_type"), quant=f"affine{q['bits']}g{q['group_size']}" if q else "float",
+                    vocab_size=cfg.get("vocab_size"), context_length=cfg.get("max_position_embeddings"),
+                    sliding_window=cfg.get("sliding_window"), device=_mlx_device(device))
+    else:
+        from ondevice.backends.coreml import package_dir, read_manifest
+        from ondevice.formats.coreml_package import describe_package
+
+        directory, package = package_dir(path)
+        m = read_manifest(directory)
+        desc = describe_package(package)
+        info.update(arch=m.get("arch"), quant=m.get("quant"), vocab_size=m.get("vocab_size"), context_length=m["context"],
+                    prefill_chunk=m.get("prefill_chunk"), functions=sorted(desc["functions"]),
+                    weights=desc["functions"][desc["default_function"]]["weights"],
+                    device=f"Core ML {m.get('compute_units', '')} (prediction on macOS 15+ only)")
+    info["verified"] = _verified(path)
+    return info
+
+
+def _verified(path: Path) -> str:
+    """What the converter's verification found, in one line: ``manifest.json`` beside a converted model, or the
+    record of a local requantization (``ondevice pull NAME --quant FMT``) beside the variant."""
+    manifest = (path if path.is_dir() else path.parent) / "manifest.json"
+    try:
+        m = json.loads(manifest.read_text())
+        v = m.get("verify") or m.get("verified")  # "verified": Core ML packages written before "verify" held it
+    except (OSError, ValueError, AttributeError):
+        v = None
+    if not v and path.is_file():
+        return _variant(path)
+    if not v:
+        return "no (not converted by ondevice, or before verification existed)"
+    if "check" in v:  # Core ML: the saved program run by the MIL interpreter
+        return (f"yes, {v['check']}: top-1 {v.get('top1')} (max rel. error {v.get('max_rel_err')}) "
+                f"over {v.get('tokens')} tokens")
+    if v.get("precision") == "requantized":
+        q = v.get("source") or {}
+        return (f"yes, in {v.get('runtime')}: loads, tokenizer identical; quality against {q.get('reference')} "
+                f"(recorded, not gated): {_quality(q)}")
+    gate = v.get("written") or v.get("source") or {}
+    return (f"yes, in {v.get('runtime')}: tokenizer identical, top-1 {gate.get('top1_agreement')} "
+            f"(max rel. error {gate.get('max_rel_error')}) against {gate.get('reference')}")
+
+
+def _variant(path: Path) -> str:
+    """A local requantization's record (``converters.variants.pull_variant``), in one line."""
+    try:
+        rec = json.loads(path.with_suffix(".json").read_text())
+    except (OSError, ValueError):
+        rec = None
+    if not isinstance(rec, dict) or rec.get("published") is not False or rec.get("size") != path.stat().st_size:
+        return "no (not converted by ondevice, or before verification existed)"
+    return (f"local requantization of {rec.get('source_file')} (not the published file), quality against it "
+            f"(recorded, not gated): {_quality(rec.get('quality') or {})}")
+
+
+def _quality(q: dict) -> str:
+    if q.get("top1_agreement") is None:
+        return "not measured"
+    return f"top-1 {q['top1_agreement']:.1%}, mean KL {q.get('mean_kl')} nats over {q.get('tokens')} tokens"
+
+
+def _size(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def _file_type(g) -> str:
+    import gguf
+
+    ft = g.get("general.file_type")
+    try:
+        return gguf.LlamaFileType(int(ft)).name.removeprefix("MOSTLY_") if ft is not None else "unknown"
+    except ValueError:
+        return str(ft)
+
+
+def _mlx_device(device: str | None) -> str:
+    try:
+        import mlx.core as mx
+    except ImportError:
+        return "unavailable (pip install 'ondevice[mlx]')"
+    gpu = mx.metal.is_available() if hasattr(mx, "metal") else False
+    if device == "cpu" or not gpu:
+        return "cpu (MLX)"
+    return "gpu (MLX, Metal)"

@@ -1,0 +1,111 @@
+"""What several test modules share: the prompt, bit-exactness and batch-invariance checks, the exact law of a
+model's next tokens and the chi-square test of sampled output against it, and mlx-lm as an independent
+reference for the converters."""
+
+from __future__ import annotations
+
+import numpy as np
+from scipy import stats as sps
+
+from ondevice import sampling
+
+PROMPT = "The model draft and the target verify"
+
+
+def batch_invariant(path, k: int = 6, kind: str = "gguf") -> bool:
+    """k tokens in one batch give, bit for bit, the logits of k single decodes (``kind``: gguf | mlx)."""
+    if kind == "gguf":
+        from ondevice.backends.llama import LlamaBackend
+
+        b = LlamaBackend(path, n_ctx=256)
+    else:
+        from ondevice.backends.mlx import MLXBackend
+
+        b = MLXBackend(path, n_ctx=256, device="cpu")
+    try:
+        ids = b.tokenize(PROMPT)
+        b.eval(ids[:2])
+        batched = b.eval(ids[2 : 2 + k])
+        b.rollback(2)
+        singles = np.concatenate([b.eval([t]) for t in ids[2 : 2 + k]])
+        return bool(np.array_equal(batched, singles))
+    finally:
+        b.close()
+
+
+def exact_law(backend, ids, params, depth=3):
+    """Exact target law of the next ``depth`` tokens, enumerating every sequence with nonzero mass,
+    evaluated with ``backend`` (which is left empty)."""
+    backend.rollback(0)
+    backend.eval(ids[:-1])
+    base = backend.n_past
+    law = {}
+
+    def walk(prefix, mass):
+        backend.rollback(base + len(prefix))
+        ctx = ids + list(prefix)
+        p = sampling.probs(backend.eval([ctx[-1]])[0], params, ctx)
+        for t in np.flatnonzero(p):
+            if len(prefix) + 1 == depth:
+                law[(*prefix, int(t))] = mass * p[t]
+            else:
+                walk((*prefix, int(t)), mass * p[t])
+
+    walk((), 1.0)
+    backend.rollback(0)
+    return law
+
+
+def exact_joint_law(path, ids, params, depth=3):
+    from ondevice.backends.llama import LlamaBackend
+
+    b = LlamaBackend(path, n_ctx=256)
+    try:
+        return exact_law(b, ids, params, depth)
+    finally:
+        b.close()
+
+
+def chisquare(counts: dict, law: dict, n: int) -> float:
+    """Goodness of fit; cells with expected count < 5 are pooled into one."""
+    obs, exp, pool_o, pool_e = [], [], 0.0, 0.0
+    for seq, pr in law.items():
+        e = n * pr
+        if e >= 5:
+            obs.append(counts.get(seq, 0))
+            exp.append(e)
+        else:
+            pool_o += counts.get(seq, 0)
+            pool_e += e
+    pool_o += sum(c for s, c in counts.items() if s not in law)  # impossible sequences land here
+    obs.append(pool_o)
+    exp.append(max(pool_e, 1e-9))
+    return float(sps.chisquare(obs, np.array(exp) * sum(obs) / sum(exp)).pvalue)
+
+
+def sampled_counts(rt, ids, n, temperature, top_k, gamma):
+    counts = {}
+    for seed in range(n):
+        res = rt.generate(ids, max_tokens=3, temperature=temperature, top_k=top_k, top_p=1.0, min_p=0.0,
+                          seed=seed, gamma=gamma)
+        key = tuple(res.tokens)
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def mlx_float32(hf_dir):
+    """mlx-lm's model for an HF checkpoint directory, cast to float32, and its tokenizer."""
+    import mlx.core as mx
+    from mlx.utils import tree_map
+    from mlx_lm import load
+
+    model, tok = load(str(hf_dir))
+    model.update(tree_map(lambda x: x.astype(mx.float32), model.parameters()))
+    return model, tok
+
+
+def mlx_logits(model, ids) -> np.ndarray:
+    """[len(ids), vocab] float32 logits of one fresh pass."""
+    import mlx.core as mx
+
+    return np.array(model(mx.array([ids]))[0].astype(mx.float32))
