@@ -24,7 +24,7 @@ MSGS = [{"role": "user", "content": "The model draft and the target verify"}]
 @pytest.fixture(scope="module", params=["ngram", "pair"])
 def served(request, tiny_gguf):
     """(client, model id, direct runtime, γ) for a server with n-gram drafting or a target + draft pair."""
-    from ondevice.runtime import load
+    from ondevice.loader import load
     from ondevice.server.run import launch
 
     target = str(tiny_gguf("qwen2"))
