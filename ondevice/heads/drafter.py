@@ -37,6 +37,7 @@ class HeadsDrafter(Drafter):
     """
 
     name = "heads"
+    follows_constraints = False  # its rows are not masked yet: the runtime refuses a constrained request up front
     cheap = False  # the policy asks for exactly γ tokens (at most K come back)
 
     def __init__(self, target, heads: Heads, meta: dict | None = None) -> None:
@@ -71,7 +72,7 @@ class HeadsDrafter(Drafter):
 
     def propose(
         self, context: Sequence[int], gamma: int, params: SamplingParams, rng: np.random.Generator,
-        keep_drafting: Callable[[list[float]], bool] | None = None,
+        keep_drafting: Callable[[list[float]], bool] | None = None, constraint=None,
     ) -> tuple[list[int], np.ndarray | None]:
         """Draft up to min(γ, K) tokens after ``context`` (its last token is pending, the rest cached).
 
