@@ -25,7 +25,7 @@ MSGS = [{"role": "user", "content": "The model draft and the target verify"}]
 def served(request, tiny_gguf):
     """(client, model id, direct runtime, γ) for a server with n-gram drafting or a target + draft pair."""
     from ondevice.loader import load
-    from ondevice.server.app.run import launch
+    from ondevice.server.run import launch
 
     target = str(tiny_gguf("qwen2"))
     args = ["--n-ctx", "512", "--threads", "1"]

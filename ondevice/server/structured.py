@@ -16,7 +16,7 @@ from ondevice import tools as T
 from ondevice.errors import OndeviceError
 from ondevice.logprobs import TokenLogprob
 from ondevice.params import MAX_TOP_LOGPROBS
-from ondevice.server.app.openai_api import ApiError
+from ondevice.server.openai_api import ApiError
 
 
 @dataclass
