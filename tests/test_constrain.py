@@ -11,13 +11,13 @@ import json
 import jsonschema
 import numpy as np
 import pytest
+from helpers import chisquare
 
 import ondevice
 from ondevice import drafters, sampling
 from ondevice.backends.llama import LlamaBackend
 from ondevice.constrain import Constraint, grammar_text, tokenizer_for
 from ondevice.errors import OndeviceError
-from tests.helpers import chisquare as _chisquare
 
 PROMPT = "The model draft and the target verify"
 SCHEMAS = {
@@ -171,13 +171,13 @@ def test_sampled_constrained_law_is_exact(tiny_gguf, monkeypatch):
         assert abs(sum(law.values()) - 1) < 1e-9 and len(law) > 4
         counts = _counts(rt, ids, n, rf, temperature, top_k, gamma=2)
         s = rt.last_stats
-        assert _chisquare(counts, law, n) > 1e-3
+        assert chisquare(counts, law, n) > 1e-3
         acc = rt.generate(ids, max_tokens=4, temperature=temperature, top_k=top_k, top_p=1.0, min_p=0.0, seed=1,
                           gamma=3, response_format=rf).stats
         assert s.drafted > 0 and acc.drafted >= 0
         monkeypatch.setattr(drafters.ModelDrafter, "propose", _unmasked_q_propose)
         bug = _counts(rt, ids, n, rf, temperature, top_k, gamma=2)
-        assert _chisquare(bug, law, n) < 1e-4
+        assert chisquare(bug, law, n) < 1e-4
 
 
 def test_grammar_regex_and_errors(tiny_gguf):
