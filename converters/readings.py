@@ -12,6 +12,7 @@ converts and reports the strings that differ and which reading the output follow
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from converters.probe import PROBE
@@ -32,6 +33,7 @@ def _transformers_reading(src: Path, text: str) -> tuple[list[int], list[tuple[i
     reading. The class matters: transformers 5 picks it from config.json's ``model_type`` (``qwen2`` →
     ``Qwen2Tokenizer``) even under ``tokenizer_class: PreTrainedTokenizerFast``, and such a class rebuilds
     the pipeline from the vocabulary and merges with its own pre-tokenizer, not tokenizer.json's."""
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # its import-time advice would be a second stderr line
     try:
         from transformers import AutoTokenizer
     except ImportError:

@@ -11,7 +11,7 @@ import json
 import jsonschema
 import numpy as np
 import pytest
-from helpers import chisquare
+from helpers import PROMPT, chisquare
 
 import ondevice
 from ondevice import drafters, sampling
@@ -19,7 +19,6 @@ from ondevice.backends.llama import LlamaBackend
 from ondevice.constrain import Constraint, grammar_text, tokenizer_for
 from ondevice.errors import OndeviceError
 
-PROMPT = "The model draft and the target verify"
 SCHEMAS = {
     "required_fields": {"type": "object", "additionalProperties": False, "required": ["name", "age"],
                         "properties": {"name": {"type": "string", "maxLength": 12},
