@@ -282,6 +282,7 @@ class TreeStep(Step):
     """A ``Step`` of tree speculation: ``drafted`` counts tree nodes; ``mode`` says how it was verified."""
 
     nodes: int = 0
+    path: list[int] = field(default_factory=list)  # the accepted nodes (indices in the tree, root excluded)
     mode: str = "tree"  # "tree", or "chain: <why the backend cannot verify a tree>"
 
 
@@ -333,4 +334,4 @@ def tree_steps(target, proposer, context: list[int], params: SamplingParams, rng
         context.extend(emitted)
         t2 = time.perf_counter()
         yield TreeStep(emitted, [True] * len(acc) + [False], len(tree) - 1, len(tree) - 1, len(acc), t1 - t0,
-                       t2 - t1, nodes=len(tree), mode="tree" if why is None else f"chain: {why}")
+                       t2 - t1, nodes=len(tree), path=list(acc), mode="tree" if why is None else f"chain: {why}")
