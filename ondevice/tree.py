@@ -37,7 +37,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ondevice.sampling import SamplingParams, _window, probs_sparse, residual_sparse, sample_sparse, verify_logits
+from ondevice.sampling import (
+    SamplingParams,
+    _window,
+    probs_sparse,
+    residual_sparse,
+    sample_sparse,
+    verify_logits,
+)
 from ondevice.speculative import Step
 
 __all__ = ["Tree", "verify_tree", "tree_rows", "walk_tree", "ngram_paths", "TreeNgram", "tree_from_topk", "tree_support",

@@ -350,7 +350,7 @@ class LlamaBackend(Backend):
         lib, mem = self._lib, self._mem
         base, parents, first = self._tree
         path = list(path)
-        if path and (path[0] != 0 or any(parents[b] != a for a, b in zip(path, path[1:]))):
+        if path and (path[0] != 0 or any(parents[b] != a for a, b in zip(path[:-1], path[1:], strict=True))):
             raise ValueError(f"{path} is not a path from the root of the last tree")
         s = first[path[-1]] if path else 0
         self._tree = None

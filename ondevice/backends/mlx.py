@@ -172,7 +172,7 @@ class MLXBackend(HFVocab):
         mx = self._mx
         base, parents = tree
         path = list(path)
-        if path and (path[0] != 0 or any(parents[b] != a for a, b in zip(path, path[1:]))):
+        if path and (path[0] != 0 or any(parents[b] != a for a, b in zip(path[:-1], path[1:], strict=True))):
             raise ValueError(f"{path} is not a path from the root of the last tree")
         self._tree = None
         idx = mx.array([base + i for i in path], dtype=mx.int32)
