@@ -122,6 +122,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--per-class", type=int, default=3)
     ap.add_argument("--nodes", type=int, default=8)
+    ap.add_argument("--depths", default="3,4,6", help="tree depths to run (each with --nodes nodes)")
     ap.add_argument("--cost-only", action="store_true", help="measure the cost curve only (no τ runs)")
     a = ap.parse_args()
     path = catalog.resolve(a.model)
@@ -133,9 +134,8 @@ def main() -> None:
         b.close()
         print(json.dumps(report, indent=1))
         return
-    configs = {"plain": ("plain", 0, 0, 0), "chain3": ("chain", 3, 0, 0),
-               "chain8": ("chain", 8, 0, 0), f"tree{a.nodes}_depth3": ("tree", 0, a.nodes, 3),
-               f"tree{a.nodes}_depth4": ("tree", 0, a.nodes, 4)}
+    configs = {"plain": ("plain", 0, 0, 0), **{f"chain{g}": ("chain", g, 0, 0) for g in (3, 4, 8)},
+               **{f"tree{a.nodes}_depth{d}": ("tree", 0, a.nodes, int(d)) for d in a.depths.split(",")}}
     rows = []
     for cls in ("code", "chat", "edit", "summary"):
         lines = (PROMPTS / f"{cls}.jsonl").read_text().splitlines()[: a.per_class]
