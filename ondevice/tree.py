@@ -278,10 +278,12 @@ def tree_from_topk(root: int, topk: Sequence[Sequence[int]], choices: Sequence[S
 # -- the loop ------------------------------------------------------------------------------------
 def tree_support(backend) -> str | None:
     """None when ``backend`` can verify a tree in one pass, else why not (the loop then verifies a chain)."""
+    why = getattr(backend, "tree_unsupported", None)
+    if callable(why) and why():
+        return why()
     if not callable(getattr(backend, "eval_tree", None)) or not callable(getattr(backend, "keep_path", None)):
         return f"{type(backend).__name__} has no tree pass (eval_tree/keep_path): verifying the first branch as a chain"
-    why = getattr(backend, "tree_unsupported", None)
-    return why() if callable(why) else None
+    return None
 
 
 @dataclass

@@ -22,13 +22,13 @@ from pathlib import Path
 
 import numpy as np
 
-from ondevice import catalog
 from ondevice.backends import open_backend
 from ondevice.chat import render
 from ondevice.drafters import NgramDrafter
 from ondevice.policy import FixedGamma
 from ondevice.sampling import SamplingParams
 from ondevice.speculative import steps
+from ondevice.store import lookup
 from ondevice.tree import Tree, TreeNgram, tree_steps
 
 PROMPTS = Path(__file__).resolve().parent / "prompts"
@@ -125,7 +125,7 @@ def main() -> None:
     ap.add_argument("--depths", default="3,4,6", help="tree depths to run (each with --nodes nodes)")
     ap.add_argument("--cost-only", action="store_true", help="measure the cost curve only (no τ runs)")
     a = ap.parse_args()
-    path = catalog.resolve(a.model)
+    path = lookup.resolve(a.model)
     b = open_backend(path, n_ctx=2048, threads=a.threads)
     report = {"model": a.model, "file": Path(path).name, "threads": a.threads, "machine": platform.machine(),
               "cost": costs(b, [2, 4, 8, 16], a.repeats)}

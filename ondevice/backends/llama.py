@@ -282,6 +282,9 @@ class LlamaBackend(Backend):
             )
 
     # -- trees -----------------------------------------------------------------------------------
+    def tree_unsupported(self) -> str | None:
+        return None
+
     def eval_tree(self, tokens: Sequence[int], parents: Sequence[int]) -> np.ndarray:
         """Evaluate a token tree after the cache's positions in one ``llama_decode``.
 
