@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ondevice.backends.base import Backend
 from ondevice.sampling import (
     SamplingParams,
     _window,
@@ -276,14 +277,9 @@ def tree_from_topk(root: int, topk: Sequence[Sequence[int]], choices: Sequence[S
 
 
 # -- the loop ------------------------------------------------------------------------------------
-def tree_support(backend) -> str | None:
+def tree_support(backend: Backend) -> str | None:
     """None when ``backend`` can verify a tree in one pass, else why not (the loop then verifies a chain)."""
-    why = getattr(backend, "tree_unsupported", None)
-    if callable(why) and why():
-        return why()
-    if not callable(getattr(backend, "eval_tree", None)) or not callable(getattr(backend, "keep_path", None)):
-        return f"{type(backend).__name__} has no tree pass (eval_tree/keep_path): verifying the first branch as a chain"
-    return None
+    return backend.tree_unsupported()
 
 
 @dataclass
@@ -295,15 +291,16 @@ class TreeStep(Step):
     mode: str = "tree"  # "tree", or "chain: <why the backend cannot verify a tree>"
 
 
-def tree_steps(target, proposer, context: list[int], params: SamplingParams, rng: np.random.Generator,
+def tree_steps(target: Backend, proposer, context: list[int], params: SamplingParams, rng: np.random.Generator,
                *, max_nodes: int = 8, n_ctx: int | None = None) -> Iterator[TreeStep]:
     """Propose a tree → verify it in one target pass → keep the accepted branch, forever.
 
     Same invariant as ``speculative.steps``: the target's cache holds ``context[:-1]`` between steps.
 
     Args:
-        target: a backend; with ``eval_tree``/``keep_path`` the whole tree is one pass, else the tree's
-            first branch is verified as a chain (``TreeStep.mode`` gives the reason; the law is exact either way).
+        target: a backend; when ``tree_unsupported()`` is None the whole tree is one pass (``eval_tree`` /
+            ``keep_path``), else the tree's first branch is verified as a chain (``TreeStep.mode`` gives the
+            reason; the law is exact either way).
         proposer: ``propose_tree(context, max_nodes, params, rng) -> Tree | None`` (None = a plain step).
         context: the whole sequence so far; extended in place with every emitted token.
         max_nodes: drafted nodes per step at most.

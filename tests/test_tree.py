@@ -10,6 +10,7 @@ from scipy import stats as sps
 
 from ondevice import sampling
 from ondevice import tree as T
+from ondevice.backends.base import Backend
 from ondevice.policy import FixedGamma
 from ondevice.speculative import steps
 
@@ -161,7 +162,7 @@ def test_greedy_tree_speculation_equals_greedy_plain(backend_of):
         b.close()
 
 
-class ChainOnly:
+class ChainOnly(Backend):
     """A backend without a tree pass: the loop must verify the tree's first branch as a chain."""
 
     def __init__(self, b):
