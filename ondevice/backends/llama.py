@@ -26,6 +26,7 @@ from typing import Literal
 import numpy as np
 
 from ondevice.backends.base import Backend, check_room
+from ondevice.backends.llama_tree import TREE_SEQS, LlamaTree
 from ondevice.errors import OndeviceError
 from ondevice.formats.gguf import check_gguf_file
 from ondevice.threads import default_threads
@@ -50,7 +51,7 @@ def init_llama(debug: bool = False) -> None:
         llama_cpp.llama_log_set(_LOG_CB, ctypes.c_void_p(0))
 
 
-class LlamaBackend(Backend):
+class LlamaBackend(LlamaTree, Backend):
     """A GGUF model and its KV cache in llama.cpp (see ``ondevice.backends.Backend``).
 
     Args:
@@ -108,7 +109,10 @@ class LlamaBackend(Backend):
         cp = llama_cpp.llama_context_default_params()
         cp.n_ctx = int(n_ctx)
         cp.n_batch = cp.n_ubatch = self.n_batch
-        cp.n_seq_max = 1
+        # Sequence ids for tree verification (``eval_tree``): one per leaf, all in one unified KV buffer
+        # (kv_unified=False would split n_ctx between the sequences). Chains use sequence 0 only.
+        cp.n_seq_max = TREE_SEQS
+        cp.kv_unified = True
         cp.n_threads = cp.n_threads_batch = self.threads
         cp.no_perf = True
         # A full-size SWA cache keeps every position, so rolling back across the window is exact.
@@ -123,6 +127,9 @@ class LlamaBackend(Backend):
         self.n_batch = max(1, min(int(llama_cpp.llama_n_batch(self._ctx)), self.n_batch))
         self._mem = llama_cpp.llama_get_memory(self._ctx)
         self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
+        self.n_seq_max = int(llama_cpp.llama_n_seq_max(self._ctx))
+        self._tree_batch = None  # allocated by the first eval_tree (a token may carry n_seq_max ids)
+        self._tree: tuple[int, list[int], list[int]] | None = None  # (base, parents, each node's first sequence id)
         self.add_bos = bool(llama_cpp.llama_vocab_get_add_bos(self._vocab))
         bos = int(llama_cpp.llama_vocab_bos(self._vocab))
         self.bos_id = bos if bos >= 0 else None
@@ -279,6 +286,9 @@ class LlamaBackend(Backend):
         if self._batch is not None:
             lib.llama_batch_free(self._batch)
             self._batch = None
+        if getattr(self, "_tree_batch", None) is not None:
+            lib.llama_batch_free(self._tree_batch)
+            self._tree_batch = None
         if self._ctx:
             lib.llama_free(self._ctx)
             self._ctx = None
