@@ -20,6 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ondevice.bench.tools import emit_json
+
 FLAT = {"type": "object", "additionalProperties": False, "required": ["name", "age", "email", "active"],
         "properties": {"name": {"type": "string"}, "age": {"type": "integer", "minimum": 0, "maximum": 150},
                        "email": {"type": "string"}, "active": {"type": "boolean"}}}
@@ -201,12 +203,7 @@ def main() -> None:
                                                                 "drafters and targets may be MLX / Core ML / n-gram"},
         "models": [bench_model(m, a.reps) for m in a.models],
     }
-    text = json.dumps(doc, indent=2)
-    print(text)
-    if a.out:
-        from ondevice.atomic import write_text
-
-        write_text(a.out, text + "\n")
+    emit_json(doc, a.out)
 
 
 if __name__ == "__main__":

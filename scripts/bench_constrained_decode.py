@@ -21,6 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_constrain import ENUMS, FLAT, NESTED  # noqa: E402
 
+from ondevice.bench.tools import emit_json
+
 EXAMPLES = {
     "flat_record": (FLAT, {"name": "Ada Lovelace", "age": 36, "email": "ada@example.org", "active": True},
                     "Now the record for Alan Turing, aged 41, email alan@example.org, not active."),
@@ -95,12 +97,7 @@ def main() -> None:
            "model": a.model, "gamma": gamma, "reps": a.reps, "max_tokens": a.max_tokens,
            "machine": {"cpu_count": __import__("os").cpu_count(), "platform": platform.platform()},
            "schemas": rows}
-    text = json.dumps(doc, indent=2)
-    print(text)
-    if a.out:
-        from ondevice.atomic import write_text
-
-        write_text(a.out, text + "\n")
+    emit_json(doc, a.out)
 
 
 if __name__ == "__main__":

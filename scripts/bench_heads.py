@@ -14,12 +14,12 @@ machine's load cancels). ``--live N`` runs N held-out prompts per class through 
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
 import numpy as np
 
+from ondevice.bench.tools import emit_json
 from ondevice.drafters import NgramDrafter
 from ondevice.heads import data, fit, store
 from ondevice.heads.drafter import HeadsDrafter
@@ -139,10 +139,7 @@ def main() -> None:
         h = data.load_prompts()["heldout"]
         prompts = [(c, h[c][i]) for c in sorted(h) for i in range(a.live)]
         res["live"] = live(path, heads_file, prompts, a.live_tokens, a.gamma)
-    text = json.dumps(res, indent=1)
-    print(text)
-    if a.json:
-        Path(a.json).write_text(text + "\n")
+    emit_json(res, a.json, indent=1)
 
 
 if __name__ == "__main__":

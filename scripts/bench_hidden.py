@@ -10,13 +10,12 @@ the same cache positions; the medians over rounds and their ratio (on ÷ off) ar
 from __future__ import annotations
 
 import argparse
-import json
 import time
-from pathlib import Path
 
 import numpy as np
 
 from ondevice.backends.llama import LlamaBackend
+from ondevice.bench.tools import emit_json
 from ondevice.store import lookup
 
 PROMPT = "Write a Python function that checks whether a string is a palindrome, with a docstring and tests."
@@ -66,10 +65,7 @@ def main() -> None:
                       "per_round_ratio": [round(x / y, 3) for x, y in zip(v["on"], v["off"], strict=True)]}
     finally:
         b.close()
-    text = json.dumps(out, indent=1)
-    print(text)
-    if a.json:
-        Path(a.json).write_text(text + "\n")
+    emit_json(out, a.json, indent=1)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from scipy import stats as sps
+from helpers import chisquare, exact_law
 
 from ondevice import sampling
 from ondevice import tree as T
@@ -222,37 +222,6 @@ class SampledTree:
         return T.Tree(tokens, parents, qs)
 
 
-def _exact_law(b, ids, params, depth=3):
-    law = {}
-
-    def walk(prefix, mass):
-        b.rollback(0)
-        ctx = ids + list(prefix)
-        p = sampling.probs(b.eval(ctx)[-1], params, ctx)
-        for t in np.flatnonzero(p):
-            if len(prefix) + 1 == depth:
-                law[(*prefix, int(t))] = mass * p[t]
-            else:
-                walk((*prefix, int(t)), mass * p[t])
-
-    walk((), 1.0)
-    return law
-
-
-def _pvalue(counts, law, n):
-    obs, exp, po, pe = [], [], 0, 0.0
-    for k, pr in law.items():
-        if n * pr >= 5:
-            obs.append(counts.get(k, 0))
-            exp.append(n * pr)
-        else:
-            po, pe = po + counts.get(k, 0), pe + n * pr
-    po += sum(c for k, c in counts.items() if k not in law)
-    obs.append(po)
-    exp.append(max(pe, 1e-9))
-    return float(sps.chisquare(obs, np.array(exp) * sum(obs) / sum(exp)).pvalue)
-
-
 def _sampled(b, ids, proposer, params, n):
     counts, acc, tried = {}, 0, 0
     b.rollback(0)
@@ -268,16 +237,16 @@ def test_sampled_tree_matches_the_target_law_and_a_planted_bug_fails(tiny_gguf, 
     try:
         ids = target.tokenize("The model draft and the target verify")
         params = sampling.SamplingParams(temperature=0.7, top_k=8, top_p=0.9, min_p=0.0)
-        law = _exact_law(target, ids, params)
+        law = exact_law(target, ids, params)
         assert abs(sum(law.values()) - 1) < 1e-9
         n = 800  # the planted bug gives p ~ 1e-50 at n = 600; the exact rule p ~ 0.5
         proposer = SampledTree(draft, params)
         counts, acc = _sampled(target, ids, proposer, params, n)
         assert 0.3 < acc < 2.0, acc  # drafts are both accepted and rejected
-        assert _pvalue(counts, law, n) > 1e-3
+        assert chisquare(counts, law, n) > 1e-3
         monkeypatch.setattr(T, "residual_sparse", lambda ids, pr, qv, V: pr)  # the planted bug: p not reduced by q
         bug, _ = _sampled(target, ids, proposer, params, n)
-        assert _pvalue(bug, law, n) < 1e-4
+        assert chisquare(bug, law, n) < 1e-4
     finally:
         target.close()
         draft.close()

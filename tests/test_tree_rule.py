@@ -7,7 +7,7 @@ import itertools
 
 import numpy as np
 import pytest
-from scipy import stats as sps
+from helpers import chisquare
 
 from ondevice import tree as T
 from ondevice.sampling import SamplingParams, probs_sparse, verify_logits
@@ -211,26 +211,12 @@ def _sampled_counts(shape, params, n, seed, residual=None):
     return counts
 
 
-def _pvalue(counts, law, n):
-    obs, exp, po, pe = [], [], 0, 0.0
-    for k, pr in law.items():
-        if n * pr >= 5:
-            obs.append(counts.get(k, 0))
-            exp.append(n * pr)
-        else:
-            po, pe = po + counts.get(k, 0), pe + n * pr
-    po += sum(c for k, c in counts.items() if k not in law)
-    obs.append(po)
-    exp.append(max(pe, 1e-9))
-    return float(sps.chisquare(obs, np.array(exp) * sum(obs) / sum(exp)).pvalue)
-
-
 def test_sampled_tree_output_passes_chi_square_and_a_planted_bug_fails():
     params, shape, n = PARAMS["t07_top_p"], SHAPES["mixed"], 6000
     law = extend_law({(): 1.0}, params, 3)
-    assert _pvalue(_sampled_counts(shape, params, n, seed=0), law, n) > 1e-3
+    assert chisquare(_sampled_counts(shape, params, n, seed=0), law, n) > 1e-3
     bug = _sampled_counts(shape, params, n, seed=0, residual=lambda ids, pr, qv, V: pr)
-    assert _pvalue(bug, law, n) < 1e-4
+    assert chisquare(bug, law, n) < 1e-4
 
 
 def test_ngram_paths_and_the_trie():
