@@ -30,6 +30,7 @@ def convert(
     embedding_type: str | None = None,
     progress: bool = True,
     verify: bool = True,
+    tokenizer_check: str = "warn",
 ) -> dict:
     """Convert ``src`` (and optionally a ``draft``) into a new directory ``out``.
 
@@ -49,10 +50,14 @@ def convert(
         progress: show rich progress bars.
         verify: load each output in its runtime and compare it with the source before keeping it (the
             default, and what the CLI always does). Only random-weight timing models (``bench --synthetic``)
-            skip it: their outputs mean nothing, and the check would cost two float32 copies of the model.
+            skip it: their outputs mean nothing.
+        tokenizer_check: "warn" | "strict": when transformers and the tokenizers library read an HF source's
+            tokenizer differently (``converters.readings``), strict refuses before anything is written;
+            warn converts and reports the strings that differ and which reading the output follows.
     Returns:
         A JSON-able summary (sizes, seconds, bits per weight, tensor types, fallbacks) with, per output,
-        ``verify``: what loading it in its runtime and comparing with the source found (``converters.verify``).
+        ``verify``: what loading it in its runtime and comparing with the source found (``converters.verify``),
+        its ``cost``: {seconds, cpu_seconds, peak_rss_bytes}; ``tokenizer_check``: the readings' disagreement, if any.
     """
     from converters.output import atomic_dir, check_interrupted, check_out
     from converters.verify import verify_conversion
@@ -78,6 +83,7 @@ def convert(
             "output_type": output_type, "embedding_type": embedding_type}
     check_out(out)
     t0 = time.perf_counter()
+    readings = {p: _readings(p, tokenizer_check, progress) for p in (src, draft) if p is not None}  # strict: refuse
     if draft is not None:
         from ondevice.formats.pairs import check_vocabs
 
@@ -90,18 +96,43 @@ def convert(
             }
             check_interrupted()  # a Ctrl-C swallowed by a llama.cpp callback stops here, not after verifying
             if verify:
-                summary["target"]["verify"] = verify_conversion(src, to, tmp / "target", summary["target"], out / "target")
-                summary["draft"]["verify"] = verify_conversion(Path(draft), to, tmp / "draft", summary["draft"], out / "draft")
+                for key, path in (("target", src), ("draft", Path(draft))):
+                    r = readings[path]
+                    summary[key]["verify"] = verify_conversion(path, to, tmp / key, summary[key], out / key,
+                                                               r and r["readings"])
+                    summary[key]["tokenizer_check"] = r and r["report"]
         summary["out"] = str(out)
     else:
         with atomic_dir(out) as tmp:
             summary = _convert_one(src, to, tmp, **opts)
             check_interrupted()  # a Ctrl-C swallowed by a llama.cpp callback stops here, not after verifying
             if verify:
-                summary["verify"] = verify_conversion(src, to, tmp, summary, out)
+                r = readings[src]
+                summary["verify"] = verify_conversion(src, to, tmp, summary, out, r and r["readings"])
+                summary["tokenizer_check"] = r and r["report"]
         summary["out"] = str(out)
     summary["seconds"] = round(time.perf_counter() - t0, 3)
     return summary
+
+
+def _readings(src: Path, mode: str, loud: bool = True) -> dict | None:
+    """An HF source's two tokenizer readings and what ``--tokenizer-check`` makes of them (strict: refuses
+    here, before anything is written); None for a GGUF source (llama.cpp is its only reading)."""
+    from converters.readings import check_readings
+    from converters.verify import source_readings
+
+    if mode not in ("warn", "strict"):
+        raise OndeviceError(f"--tokenizer-check {mode}: choose warn or strict")
+    if src.suffix == ".gguf" or not src.is_dir():
+        return None
+    readings = source_readings(src)
+    report = check_readings(src, readings, mode)
+    if report and loud:
+        import sys
+
+        print(f"warning: {src}: transformers and the tokenizers library disagree on {report['summary']}; "
+              "converting (--tokenizer-check warn), the summary says which reading the output follows", file=sys.stderr)
+    return {"readings": readings, "report": report}
 
 
 def _source(path: Path) -> Path:

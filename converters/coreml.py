@@ -38,20 +38,29 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 class MILOps:
     """MIL-builder primitives for ``forward``: fp16 throughout, the KV cache in Core ML states."""
 
-    def __init__(self, cfg: DecoderConfig, context: int, s: int, states: dict, names: dict[int, str] | None = None) -> None:
+    def __init__(self, cfg: DecoderConfig, context: int, s: int, states: dict, names: dict[int, str] | None = None,
+                 blocks: dict | None = None) -> None:
         from coremltools.converters.mil import Builder as mb
 
         self.mb, self.cfg, self.context, self.s, self.states = mb, cfg, context, s, states
         cos, sin = cfg.rope_tables(context)
         self.cos, self.sin = cos.astype(np.float16), sin.astype(np.float16)
-        self.names, self.consts = names or {}, {}
+        self.names, self.consts, self.blocks = names or {}, {}, blocks or {}
 
     def _c(self, a):
         """Python / numpy constants and weights → fp16 (the graph's type). A weight becomes one const named
-        after it (``weight_const_name``), so the saved program's weights can be told apart by name."""
+        after it (``weight_const_name``), so the saved program's weights can be told apart by name; a weight
+        with GGUF blocks (``converters.coreml_blocks``) becomes one ``constexpr_blockwise_shift_scale``."""
         if isinstance(a, np.ndarray) and id(a) in self.names:
             if id(a) not in self.consts:
-                self.consts[id(a)] = self.mb.const(val=np.asarray(a, dtype=np.float16), name=weight_const_name(self.names[id(a)]))
+                name = self.names[id(a)]
+                if name in self.blocks:
+                    data, scale, offset = self.blocks[name].mil_value()
+                    kw = {} if offset is None else {"offset": offset}
+                    self.consts[id(a)] = self.mb.constexpr_blockwise_shift_scale(
+                        data=data, scale=scale, name=weight_const_name(name), **kw)
+                else:
+                    self.consts[id(a)] = self.mb.const(val=np.asarray(a, dtype=np.float16), name=weight_const_name(name))
             return self.consts[id(a)]
         return np.asarray(a, dtype=np.float16) if isinstance(a, (float, int, np.ndarray)) else a
 
@@ -140,8 +149,9 @@ class MILOps:
         return mb.reshape(x=y, shape=[1, self.s, self.cfg.vocab_size], name="logits")
 
 
-def build_program(cfg: DecoderConfig, weights: dict[str, np.ndarray], context: int, s: int):
-    """A one-function MIL program ('main') for ``s`` tokens per call over a ``context``-slot cache."""
+def build_program(cfg: DecoderConfig, weights: dict[str, np.ndarray], context: int, s: int, blocks: dict | None = None):
+    """A one-function MIL program ('main') for ``s`` tokens per call over a ``context``-slot cache
+    (``blocks``: HF name → ``converters.coreml_blocks.Blockwise`` for weights kept as blocks)."""
     import coremltools as ct
     from coremltools.converters.mil import Builder as mb
     from coremltools.converters.mil.mil import Function, Program, types
@@ -153,7 +163,7 @@ def build_program(cfg: DecoderConfig, weights: dict[str, np.ndarray], context: i
         specs[f"v_cache_{i}"] = mb.StateTensorSpec(shape, dtype=types.fp16)
     with Function(specs, opset_version=ct.target.iOS18) as func:
         names = {id(a): name for name, a in weights.items() if not (name == "lm_head.weight" and cfg.tie_embeddings)}
-        ops = MILOps(cfg, context, s, {k: v for k, v in func.inputs.items() if "_cache_" in k}, names)
+        ops = MILOps(cfg, context, s, {k: v for k, v in func.inputs.items() if "_cache_" in k}, names, blocks)
         func.set_outputs([forward(ops, cfg, weights, func.inputs["input_ids"], func.inputs["position"])])
     prog = Program()
     prog.add_function("main", func)
@@ -222,8 +232,14 @@ def open_source(src: Path) -> tuple[DecoderConfig, dict[str, np.ndarray], str, c
 
 
 def to_coreml(src: Path, out: Path, *, context: int = 512, compress: str = "int4",
-              compute_units: str = "CPU_AND_NE", progress: bool = True) -> dict:
-    """Write ``out/model.mlpackage`` (functions decode + prefill), tokenizer files and manifest.json."""
+              compute_units: str = "CPU_AND_NE", progress: bool = True, keep_blocks: bool = True) -> dict:
+    """Write ``out/model.mlpackage`` (functions decode + prefill), tokenizer files and manifest.json.
+
+    From a GGUF source, ``compress="int4"`` keeps llama.cpp's Q4_0 / Q4_1 / Q8_0 blocks as Core ML blockwise
+    weights and re-quantizes only the other types, naming them (``converters.coreml_blocks``);
+    ``keep_blocks=False`` re-quantizes everything to symmetric int4 instead (the earlier behaviour, kept for
+    measurements). A GGUF source's package is also checked against llama.cpp on held-out text
+    (``converters.coreml_source``)."""
     if compress not in COMPRESSIONS:
         raise OndeviceError(f"--compress {compress}: choose one of {', '.join(COMPRESSIONS)}")
     if compute_units not in COMPUTE_UNITS:
@@ -248,6 +264,12 @@ def to_coreml(src: Path, out: Path, *, context: int = 512, compress: str = "int4
     t0 = time.perf_counter()
     cfg, weights, source_sha, write_tokenizer = open_source(Path(src))
     weights = _as_fp16(weights)  # the graph's precision; halves the peak memory of the conversion
+    blocks, block_report = None, None
+    if compress == "int4" and keep_blocks and is_gguf_file(src):  # keep llama.cpp's blocks where Core ML can
+        from converters.coreml_blocks import gguf_blockwise
+        from ondevice.formats.gguf import GGUFFile
+
+        blocks, block_report = gguf_blockwise(GGUFFile(src))
     chunk = min(PREFILL_CHUNK, context)
     if compress != "none" and cfg.hidden % BLOCK_SIZE:
         raise OndeviceError(f"{src}: hidden size {cfg.hidden} is not a multiple of {BLOCK_SIZE}; use --compress none")
@@ -262,12 +284,12 @@ def to_coreml(src: Path, out: Path, *, context: int = 512, compress: str = "int4
         for name, s in steps:
             bar.update(task, description=f"coreml: build {name} (S={s})")
             with quiet():
-                model = ct.convert(build_program(cfg, weights, context, s), convert_to="mlprogram",
+                model = ct.convert(build_program(cfg, weights, context, s, blocks), convert_to="mlprogram",
                                    minimum_deployment_target=ct.target.iOS18, compute_precision=ct.precision.FLOAT16,
                                    compute_units=getattr(ct.ComputeUnit, compute_units), skip_model_load=True)
             bar.update(task, advance=1, description=f"coreml: compress {name} ({compress})")
             with quiet():
-                model = _compress(model, compress)
+                model = _compress(model, "none" if blocks is not None else compress)
                 model.save(str(work / f"{name}.mlpackage"))
             del model
             bar.update(task, advance=1)
@@ -290,6 +312,16 @@ def to_coreml(src: Path, out: Path, *, context: int = 512, compress: str = "int4
     meta = {"format": "coreml", "quant": compress, "arch": cfg.arch, "context": context, "prefill_chunk": chunk,
             "compute_units": compute_units, "functions": [n for n, _ in steps], "n_layers": cfg.n_layers,
             "vocab_size": cfg.vocab_size}
-    write_manifest(out, {"source": str(Path(src).resolve()), "source_sha256": source_sha, "verified": verified, **meta})
+    if block_report is not None:  # --compress int4 from a GGUF: its own blocks, kept (converters.coreml_blocks)
+        meta["weights"] = "gguf-blocks"
+        meta["blocks"] = block_report
+    manifest = {"source": str(Path(src).resolve()), "source_sha256": source_sha, "verified": verified, **meta}
+    write_manifest(out, manifest)
+    if is_gguf_file(src):  # "verified" means agreement with the source: llama.cpp on held-out text
+        from converters.coreml_source import source_agreement
+
+        with quiet():
+            verified["source"] = source_agreement(out, Path(src), lossless=blocks is not None and not block_report["requantized"])
+        write_manifest(out, manifest)
     return {**meta, "verified": verified, "path": "model.mlpackage", "size_bytes": size, "n_params": n_params,
             "bits_per_weight": round(size * 8 / n_params, 3), "seconds": round(time.perf_counter() - t0, 3)}

@@ -10,19 +10,29 @@ import numpy as np
 from converters.archs import arch_of, gguf_tensors, write_hparams
 from converters.hf import HFCheckpoint
 from converters.tokenizer import Vocab
+from ondevice.errors import OndeviceError
 
 
 def write_gguf(
     ckpt: HFCheckpoint, vocab: Vocab, out: Path, *, on_tensor: Callable[[str], None] | None = None
 ) -> dict[str, int]:
-    """Write ``ckpt`` as an F16 GGUF (norms and biases F32) at ``out``.
+    """Write ``ckpt`` as an F16 GGUF (norms and biases F32) at ``out``, one tensor at a time.
+
+    The header (every tensor's name, shape and type) is written from the safetensors headers first; then
+    each tensor is read, converted and written before the next is read, so memory stays at one tensor
+    whatever the model's size (``gguf.GGUFWriter.add_tensor`` would hold them all until the end).
 
     Returns:
         Parameter count per GGUF tensor name.
     """
     import gguf
 
+    from converters.archs import gguf_names
+    from converters.lazy import SafetensorsMap
+
     arch = arch_of(ckpt.config, ckpt.path / "config.json")
+    names = gguf_names(ckpt, arch)
+    shapes = SafetensorsMap(ckpt.files)
     w = gguf.GGUFWriter(str(out), gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH[arch.gguf_arch]])
     try:
         w.add_name(ckpt.config.get("_name_or_path") or ckpt.path.name)
@@ -30,15 +40,24 @@ def write_gguf(
         w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
         write_vocab(w, vocab)
         counts: dict[str, int] = {}
-        for name, t in gguf_tensors(ckpt, arch):
-            t = t.astype(np.float16) if t.ndim >= 2 else t  # llama.cpp wants 1-D tensors in F32
-            w.add_tensor(name, np.ascontiguousarray(t))
-            counts[name] = int(t.size)
-            if on_tensor:
-                on_tensor(name)
+        order = []
+        for hf in ckpt.tensor_names():
+            if hf not in names:
+                continue
+            shape = shapes.shape(hf)
+            dtype = np.dtype(np.float16 if len(shape) >= 2 else np.float32)  # llama.cpp wants 1-D tensors in F32
+            w.add_tensor_info(names[hf], shape, dtype, int(np.prod(shape)) * dtype.itemsize)
+            order.append((names[hf], dtype))
+            counts[names[hf]] = int(np.prod(shape))
         w.write_header_to_file()
         w.write_kv_data_to_file()
-        w.write_tensors_to_file()
+        w.write_ti_data_to_file()
+        for (want, dtype), (name, t) in zip(order, gguf_tensors(ckpt, arch), strict=True):
+            if name != want:
+                raise OndeviceError(f"{ckpt.path}: tensor {name} came out of order (expected {want})")
+            w.write_tensor_data(np.ascontiguousarray(t, dtype=dtype))
+            if on_tensor:
+                on_tensor(name)
     finally:
         w.close()
     return counts

@@ -29,6 +29,7 @@ class HFCheckpoint:
     config: dict
     files: list[Path]
     _index: dict[str, Path] = field(default_factory=dict)
+    _map: object = None  # converters.lazy.SafetensorsMap, opened on first use
 
     @property
     def arch(self) -> str:
@@ -46,11 +47,12 @@ class HFCheckpoint:
         return list(self._index)
 
     def tensor(self, name: str) -> np.ndarray:
-        """Load one tensor as a numpy array (bf16 is widened to float32)."""
-        from safetensors import safe_open
+        """Read one tensor from the memory-mapped file as a new float32 array (bf16 widened exactly)."""
+        if self._map is None:
+            from converters.lazy import SafetensorsMap
 
-        with safe_open(str(self._index[name]), framework="numpy") as f:
-            return f.get_tensor(name)
+            self._map = SafetensorsMap(self.files)
+        return self._map.float32(name)
 
     def tensors(self) -> Iterator[tuple[str, np.ndarray]]:
         for name in self._index:

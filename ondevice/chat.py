@@ -67,6 +67,7 @@ def render(
     bos_token: str = "",
     eos_token: str = "",
     source: str = "this model",
+    tools: Sequence[dict] | None = None,
 ) -> str:
     """Render ``messages`` ([{role, content}]) with the model's jinja chat template, within a budget.
 
@@ -75,6 +76,7 @@ def render(
         messages: the conversation (see ``normalize_messages`` for the accepted forms).
         add_generation_prompt, bos_token, eos_token: template variables.
         source: the model file, named in errors.
+        tools: OpenAI's function list, handed to the template as ``tools`` (as llama.cpp's --jinja does).
     Raises:
         OndeviceError: no template, bad messages, or a template that fails, tries to escape the sandbox,
             or exceeds its time, memory, output or recursion budget.
@@ -84,7 +86,8 @@ def render(
     if not template:
         raise OndeviceError(f"{source} has no chat template in its metadata; use generate with a plain prompt")
     return templates.render(template, normalize_messages(messages), source=source,
-                            add_generation_prompt=add_generation_prompt, bos_token=bos_token, eos_token=eos_token)
+                            add_generation_prompt=add_generation_prompt, bos_token=bos_token, eos_token=eos_token,
+                            **({"tools": list(tools)} if tools else {}))
 
 
 class ChatSession:

@@ -28,6 +28,7 @@ class Drafter:
     name: str = "drafter"
     cheap: bool = False
     backend: Backend | None = None
+    follows_constraints: bool = True  # ``propose(..., constraint=)`` masks its q / cuts its guess (``ondevice.constrain``)
 
     @property
     def hint(self) -> int | tuple:
@@ -40,12 +41,14 @@ class Drafter:
 
     def propose(
         self, context: Sequence[int], gamma: int, params: SamplingParams, rng: np.random.Generator,
-        keep_drafting: Callable[[list[float]], bool] | None = None,
+        keep_drafting: Callable[[list[float]], bool] | None = None, constraint=None,
     ) -> tuple[list[int], np.ndarray | None]:
         """Guess up to ``gamma`` tokens that follow ``context`` (the whole sequence so far).
 
         Args:
             keep_drafting: asked after each drafted token with the draft's probabilities so far; False stops.
+            constraint: the request's ``ondevice.constrain.Constraint`` (None: unconstrained); an expensive
+                drafter draws from (and reports) the masked q; a cheap drafter's guess is cut by the loop.
         Returns:
             (tokens[γ'], q[γ', target V] or None for a deterministic drafter), γ' ≤ γ.
         """
@@ -116,10 +119,12 @@ class ModelDrafter(Drafter):
         self._cached = list(context)
         return logits
 
-    def propose(self, context, gamma, params, rng, keep_drafting=None):
+    def propose(self, context, gamma, params, rng, keep_drafting=None, constraint=None):
         """Sample up to ``gamma`` tokens; ``keep_drafting(confidences)`` may stop early (confidence =
         the draft's probability of each token it drew). Greedy drafting is deterministic: q is None
-        (one-hot at each token)."""
+        (one-hot at each token). With a ``constraint`` (``ondevice.constrain``) every row is masked
+        before it is processed, so q is the constrained law and every draft is allowed; the matcher
+        is walked along the draft and left where it started."""
         if gamma <= 0:
             return [], np.zeros((0, self.target_vocab))
         if len(context) + gamma > self.backend.n_ctx:
@@ -129,18 +134,29 @@ class ModelDrafter(Drafter):
         hist = list(context)
         logits = self._sync(context)
         tokens, rows, confs = [], [], []
-        for i in range(gamma):
-            ids, pr = probs_sparse(logits, params, hist, self.vocab_limit)  # q: pr at ids, 0 elsewhere
-            t = sample_sparse(ids, pr, rng)
-            tokens.append(t)
-            rows.append((ids, pr))
-            confs.append(float(pr[np.flatnonzero(ids == t)[0]]))
-            hist.append(t)
-            if i + 1 < gamma and keep_drafting is not None and not keep_drafting(confs):
-                break
-            if i + 1 < gamma:
-                logits = self.backend.eval([t], logits="last")[-1]
-                self._cached.append(t)
+        mark = constraint.checkpoint() if constraint is not None else 0
+        try:
+            for i in range(gamma):
+                if constraint is not None:
+                    logits = constraint.mask_row(logits)
+                ids, pr = probs_sparse(logits, params, hist, self.vocab_limit)  # q: pr at ids, 0 elsewhere
+                t = sample_sparse(ids, pr, rng)
+                tokens.append(t)
+                rows.append((ids, pr))
+                confs.append(float(pr[np.flatnonzero(ids == t)[0]]))
+                hist.append(t)
+                if constraint is not None:
+                    if t in constraint.eos_ids:
+                        break  # nothing follows an end of generation
+                    constraint.advance([t])
+                if i + 1 < gamma and keep_drafting is not None and not keep_drafting(confs):
+                    break
+                if i + 1 < gamma:
+                    logits = self.backend.eval([t], logits="last")[-1]
+                    self._cached.append(t)
+        finally:
+            if constraint is not None:
+                constraint.restore(mark)
         if params.greedy:
             return tokens, None
         q = np.zeros((len(rows), self.target_vocab))  # [γ', target V]: ids past the target's width are cut
@@ -209,7 +225,7 @@ class NgramDrafter(Drafter):
         """What the policy judges the last guess by: (match length, copying from the prompt)."""
         return self.last_match_len, self.last_from_prompt
 
-    def propose(self, context, gamma, params, rng, keep_drafting=None):
+    def propose(self, context, gamma, params, rng, keep_drafting=None, constraint=None):
         self.last_match_len, self.last_from_prompt = 0, False
         n = len(context)
         if gamma <= 0 or n < 2:

@@ -16,7 +16,7 @@ from ondevice.params import DEFAULT_N_CTX
 from ondevice.runtime import Runtime
 from ondevice.store import lookup
 
-DRAFTERS = ("model", "ngram", "none")
+DRAFTERS = ("model", "ngram", "heads", "none")
 
 
 def load(
@@ -36,8 +36,9 @@ def load(
         model: target: a GGUF path, a converted model directory, a catalog model name, or a catalog
             pair name (which also sets the draft).
         draft: draft model (same forms), "auto" (the local model the cost model expects to be fastest,
-            else n-gram drafting; see ``Runtime.draft_choice``), or None.
-        drafter: "model" (needs a draft), "ngram" (prompt lookup) or "none" (plain decoding).
+            else n-gram drafting; see ``Runtime.draft_choice``), "heads" (the heads trained for this
+            target by ``ondevice train-heads``; or a path to a ``.heads.safetensors`` file), or None.
+        drafter: "model" (needs a draft), "ngram" (prompt lookup), "heads" or "none" (plain decoding).
             Default: "model" when a draft is given, else "ngram".
         n_ctx: context length of the caches.
         threads: CPU threads (default: the physical cores other processes leave free at load; see ``ondevice.threads``).
@@ -65,6 +66,10 @@ def build(model, draft, *, drafter, n_ctx, threads, device, mmap, draft_device=N
           runtime_class=None) -> Runtime:
     """``load`` with the target's opener and the runtime class as parameters (a sharded target swaps both)."""
     t0 = time.perf_counter()
+    heads_file = None
+    if draft is not None and drafter in (None, "model", "heads") and (str(draft) == "heads" or str(draft).endswith(".heads.safetensors")):
+        heads_file = None if str(draft) == "heads" else draft
+        draft, drafter = None, "heads"
     if draft is None and drafter in (None, "model"):
         pair = lookup.resolve_pair(str(model))
         if pair:
@@ -100,6 +105,10 @@ def build(model, draft, *, drafter, n_ctx, threads, device, mmap, draft_device=N
             drafter_obj = ModelDrafter(draft_backend, vocab_limit, target.vocab_size)
         elif kind == "ngram":
             drafter_obj = NgramDrafter()
+        elif kind == "heads":  # reads the target's hidden states: no second model, no extra pass
+            from ondevice.heads.drafter import HeadsDrafter
+
+            drafter_obj = HeadsDrafter.for_target(target, heads_file)
     except BaseException:
         target.close()
         raise

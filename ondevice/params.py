@@ -101,6 +101,7 @@ class SamplingParams:
 
 
 DEFAULTS = SamplingParams()
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit
 
 
 @dataclass(frozen=True)
@@ -113,12 +114,21 @@ class GenerateRequest:
         gamma: "auto" (the cost-aware policy) or tokens drafted per target pass (0 = plain decoding); see
             ``gamma_value``.
         stop: strings that end generation (not included in the text); a string or a sequence of strings.
+        response_format: a constraint on the output ({"type": "json_object" | "json_schema" | "regex" |
+            "text", ...}; see ``ondevice.constrain.grammar_text``), compiled when the request starts.
+        grammar: a Lark or GBNF grammar the output must follow (instead of ``response_format``).
+        logprobs: attach each token's log probability (``ondevice.logprobs``).
+        top_logprobs: alternatives per token (0-20; implies ``logprobs``).
     """
 
     sampling: SamplingParams = field(default_factory=SamplingParams)
     max_tokens: int = DEFAULT_MAX_TOKENS
     gamma: int | str = DEFAULT_GAMMA
     stop: Sequence[str] | str | None = ()
+    response_format: dict | None = None
+    grammar: str | None = None
+    logprobs: bool = False
+    top_logprobs: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.sampling, SamplingParams):
@@ -126,6 +136,12 @@ class GenerateRequest:
         object.__setattr__(self, "max_tokens", inputs.integer("max_tokens", self.max_tokens, 1))
         object.__setattr__(self, "gamma", gamma_value(self.gamma))
         object.__setattr__(self, "stop", tuple(inputs.stop_strings(self.stop)))
+        top = inputs.integer("top_logprobs", self.top_logprobs, 0, f" (at most {MAX_TOP_LOGPROBS})")
+        if top > MAX_TOP_LOGPROBS:
+            raise OndeviceError(f"top_logprobs={top}: at most {MAX_TOP_LOGPROBS}")
+        object.__setattr__(self, "top_logprobs", top)
+        if self.response_format is not None and self.grammar is not None:
+            raise OndeviceError("give either response_format or grammar, not both")
 
     @classmethod
     def of(cls, **options: Any) -> GenerateRequest:

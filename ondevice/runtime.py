@@ -29,6 +29,7 @@ class Runtime:
     """
 
     draft_choice: dict | None = None  # set by load(draft="auto"): what was chosen and why
+    constraints_and_logprobs = True  # a sharded runtime does not replay them on its other ranks yet
 
     def __init__(self, target: Backend, drafter: Drafter | None, *, vocab_limit: int, load_seconds: float = 0.0) -> None:
         self.target = target
@@ -91,12 +92,14 @@ class Runtime:
 
         Args:
             prompt: text (tokenized like create_completion) or token ids.
-            request: a ``GenerateRequest`` (sampling, max_tokens, gamma, stop), or none and the same
-                options as keywords: ``max_tokens`` (default 256), ``temperature``, ``top_k``, ``top_p``,
-                ``min_p``, ``repetition_penalty``, ``seed`` (see ``SamplingParams``), ``gamma`` ("auto", the
-                cost-aware policy: plain steps wherever speculation would not pay, or a fixed number of
-                tokens drafted per target pass, 0 = plain decoding) and ``stop`` (strings that end
-                generation, not included in the text).
+            request: a ``GenerateRequest`` (sampling, max_tokens, gamma, stop, response_format, grammar,
+                logprobs, top_logprobs), or none and the same options as keywords: ``max_tokens`` (default
+                256), ``temperature``, ``top_k``, ``top_p``, ``min_p``, ``repetition_penalty``, ``seed`` (see
+                ``SamplingParams``), ``gamma`` ("auto", the cost-aware policy: plain steps wherever speculation
+                would not pay, or a fixed number of tokens drafted per target pass, 0 = plain decoding),
+                ``stop`` (strings that end generation, not included in the text), ``response_format`` /
+                ``grammar`` (a constraint, exact under speculation: ``ondevice.constrain``) and ``logprobs`` /
+                ``top_logprobs`` (``Chunk.logprobs``, ``Result.logprobs``: ``ondevice.logprobs``).
         Returns:
             A ``Stream``: iterate it for chunks; ``.cancel()`` stops it; ``.stats`` when finished.
             A stream dropped unfinished ends at once; a new request from the thread that left a
@@ -107,7 +110,25 @@ class Runtime:
         request = GenerateRequest.resolve(request, options)
         self._supersede()
         ids = self._prompt_ids(prompt)
-        return Stream(lambda out: self._run(ids, request, out), Request())
+        constraint = self._constraint(request.response_format, request.grammar)
+        n_lp = request.top_logprobs if (request.logprobs or request.top_logprobs) else None
+        extra = {k: v for k, v in (("constraint", constraint), ("n_logprobs", n_lp)) if v is not None}
+        if extra and not self.constraints_and_logprobs:
+            raise OndeviceError(f"{', '.join(extra)}: not supported by a sharded target yet; load the model on one rank")
+        if constraint is not None and self.drafter is not None and request.gamma != 0 and not self.drafter.follows_constraints:
+            raise OndeviceError(f"response_format / grammar: the {self.drafter.name} drafter cannot draft under a "
+                                "constraint yet; use n-gram drafting, a draft model, or gamma=0")
+        return Stream(lambda out: self._run(ids, request, out, **extra), Request())
+
+    def _constraint(self, response_format, grammar):
+        """The request's compiled ``Constraint`` (None when unconstrained); compile errors raise here."""
+        if response_format is None and grammar is None:
+            return None
+        from ondevice.constrain import Constraint
+
+        with self._lock:
+            self._check_open()
+            return Constraint.build(self.target, response_format, grammar)
 
     def astream(self, prompt: str | Sequence[int], request: GenerateRequest | None = None, **options) -> AsyncStream:
         """``stream`` for asyncio: ``async for chunk in rt.astream(prompt, ...)``.
@@ -123,7 +144,7 @@ class Runtime:
         s = self.stream(prompt, request, **options)
         for _ in s:
             pass
-        return Result(s.text, s.tokens, s.stats)
+        return Result(s.text, s.tokens, s.stats, s.logprobs)
 
     def chat(self, messages: Sequence[dict], request: GenerateRequest | None = None, **options) -> Result:
         """Render ``messages`` with the model's chat template, then ``generate``.
@@ -134,9 +155,11 @@ class Runtime:
         request = GenerateRequest.resolve(request, options)  # bad options fail before the template renders
         return self.generate(self.render_chat(messages), request)
 
-    def render_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of ``messages`` rendered with the model's chat template (an untrusted template renders in
-        a worker process with a time, memory, output and recursion budget: ``ondevice.templates``).
+    def render_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True,
+                    tools: Sequence[dict] | None = None) -> list[int]:
+        """Token ids of ``messages`` (and OpenAI ``tools``, if any) rendered with the model's chat template (an
+        untrusted template renders in a worker process with a time, memory, output and recursion budget:
+        ``ondevice.templates``).
 
         Raises:
             OndeviceError: bad messages, no template, or a template that fails or exceeds its budget.
@@ -148,7 +171,7 @@ class Runtime:
             self._check_open()
             bos = t.token_bytes(t.bos_id).decode("utf-8", "replace") if t.bos_id is not None else ""
         text = render(t.chat_template, messages, add_generation_prompt=add_generation_prompt, bos_token=bos,
-                      source=str(t.path))
+                      source=str(t.path), tools=tools)
         return self.tokenize(text, add_bos=not (bos and text.startswith(bos)))
 
     def reset(self) -> None:
@@ -257,7 +280,7 @@ class Runtime:
         self._kv = list(ids[:-1])
         return keep
 
-    def _run(self, ids: list[int], req: GenerateRequest, out: Request):
+    def _run(self, ids: list[int], req: GenerateRequest, out: Request, constraint=None, n_logprobs: int | None = None):
         """The generator behind a ``Stream``: takes the slot at the first chunk, releases it when it ends."""
         t = self.target
         params, gamma, max_tokens = req.sampling, req.gamma, req.max_tokens
@@ -281,7 +304,10 @@ class Runtime:
             rng = np.random.default_rng(params.seed)
             text = TextAssembler(t.token_bytes, req.stop)
             drafter = self.drafter if use_draft else None
-            it = steps(t, drafter, context, params, policy, rng, self.observer, n_ctx=self.n_ctx)
+            it = steps(t, drafter, context, params, policy, rng, self.observer, n_ctx=self.n_ctx, constraint=constraint,
+                       logprobs=n_logprobs)
+            if n_logprobs is not None:
+                out.logprobs = []
             while True:
                 with self._lock:  # native state is touched only here; user code never runs under it
                     step = next(it, None)
@@ -299,6 +325,8 @@ class Runtime:
                 if stats.target_forwards == 1:
                     stats.prompt_seconds = time.perf_counter() - t_start
                 chunks = step_chunks(step, t.is_eog, text, stats, max_tokens)
+                if not stats.stop_reason and constraint is not None and constraint.is_done():
+                    stats.stop_reason = "eos"  # only an end of generation may follow: no pass is spent on it
                 if stats.stop_reason or out.cancel_event.is_set():
                     tail = text.flush()
                     if tail:
@@ -308,6 +336,8 @@ class Runtime:
                             chunks.append(Chunk(tail, [], []))
                 for c in chunks:
                     out.tokens.extend(c.tokens)
+                    if c.logprobs is not None:
+                        out.logprobs.extend(c.logprobs)
                     out.text += c.text
                     if c.tokens and t_first is None:
                         t_first = time.perf_counter()

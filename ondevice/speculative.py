@@ -14,7 +14,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ondevice.backends.base import Backend
+from ondevice.constrain import Constraint
 from ondevice.drafters import Drafter
+from ondevice.logprobs import token_logprobs
 from ondevice.policy import Policy
 from ondevice.sampling import SamplingParams, probs_batch, verify, verify_logits
 
@@ -30,6 +32,7 @@ class Step:
     accepted: int
     draft_seconds: float
     verify_seconds: float
+    logprobs: list | None = None  # per emitted token: TokenLogprob (when asked for)
 
 
 @dataclass
@@ -39,6 +42,7 @@ class Chunk:
     text: str
     tokens: list[int]
     from_draft: list[bool]
+    logprobs: list | None = None  # per token: TokenLogprob (when asked for)
 
 
 @dataclass
@@ -106,6 +110,7 @@ class Result:
     text: str
     tokens: list[int]  # generated ids only
     stats: Stats
+    logprobs: list | None = None  # per token: TokenLogprob (when asked for)
 
 
 def _one_hot(tokens: Sequence[int], V: int) -> np.ndarray:
@@ -124,6 +129,8 @@ def steps(
     observer: Callable[[list[int], np.ndarray | None, np.ndarray, int], None] | None = None,
     *,
     n_ctx: int | None = None,
+    constraint: Constraint | None = None,
+    logprobs: int | None = None,
 ) -> Iterator[Step]:
     """Draft → verify once → accept → roll back, forever (the caller stops it).
 
@@ -135,10 +142,17 @@ def steps(
             (n-gram) proposes its longest guess first and the policy keeps a prefix, judged by the
             match length; a model drafter is asked for exactly γ tokens.
         rng: draws every random number (draft sampling and verification).
-        The target's p is never masked: ids a draft cannot propose (beyond the pair's shared vocabulary)
+        The target's p is never masked (but by a constraint): ids a draft cannot propose (beyond the pair's shared vocabulary)
         have q = 0 and still come out of the residual with exactly the target's probability.
         observer: called as ``observer(draft, q, p, n_accepted)`` after each verification (benchmarks).
         n_ctx: the context both caches can hold (default: the target's).
+        constraint: the request's matcher (``ondevice.constrain``), holding the tokens emitted so far.
+            Every verified row of the target is masked with the matcher state after the prefix up to
+            it, a model drafter draws from (and reports) its masked q, and a cheap drafter's guess is cut
+            at the first id the matcher refuses: p and q are both the constrained laws, so the
+            rejection rule is exact with respect to the constrained target.
+        logprobs: attach ``TokenLogprob`` (with this many alternatives, 0-20) to every emitted token,
+            from the target's processed (constrained) row for it; None = off.
     Yields:
         One ``Step`` per target pass.
     """
@@ -159,18 +173,23 @@ def steps(
             g = 0
         elif drafter.cheap:
             proposal, q = drafter.propose(context, min(policy.max_gamma, room), params, rng)
+            if constraint is not None and proposal:  # a guess the constraint refuses is cut, never proposed
+                proposal = proposal[: constraint.valid_prefix(proposal)]
             hint = drafter.hint
             g = min(policy.next_gamma(hint), room) if proposal else 0
             draft = proposal[:g]
         else:
             g = max(0, min(policy.next_gamma(0, drafter.lag(context)), room))
             if g > 0:
-                draft, q = drafter.propose(context, g, params, rng, keep_drafting=policy.keep_drafting)
+                draft, q = drafter.propose(context, g, params, rng, keep_drafting=policy.keep_drafting,
+                                           constraint=constraint)  # q from masked logits
         t1 = time.perf_counter()
         logits = target.eval([context[-1], *draft])  # [len(draft)+1, V]
+        if constraint is not None:  # row i: the matcher state after draft[:i]
+            logits = constraint.mask_rows(logits, draft)
         if draft and q is not None:
             q = q[: len(draft)]
-        if observer is None:  # the target's own law, never masked; only the rows examined are processed
+        if observer is None:  # the target's own law (masked only by a constraint); only the rows examined are processed
             n_acc, nxt = verify_logits(draft, q, logits, params, context, rng)
         else:  # the same rule on every row, with p and q built in full for the observer
             p = probs_batch(logits, params, context, draft)
@@ -181,9 +200,12 @@ def steps(
         target.rollback(base + 1 + n_acc)  # keep pending + accepted drafts; nxt becomes pending
         emitted = [*draft[:n_acc], nxt]
         policy.update(len(draft), n_acc, hint, proposal, emitted)
+        lps = None if logprobs is None else token_logprobs(logits, emitted, params, context, logprobs)
+        if constraint is not None:
+            constraint.advance(emitted)
         context.extend(emitted)
         t2 = time.perf_counter()
-        yield Step(emitted, [True] * n_acc + [False], g, len(draft), n_acc, t1 - t0, t2 - t1)
+        yield Step(emitted, [True] * n_acc + [False], g, len(draft), n_acc, t1 - t0, t2 - t1, lps)
 
 
 class TextAssembler:
@@ -233,7 +255,8 @@ def step_chunks(step: Step, is_eog: Callable[[int], bool], text: TextAssembler, 
     """One step's tokens → chunks (one per run of draft / target tokens), stopping at EOS, a stop
     string or ``max_tokens`` (recorded in ``stats.stop_reason``)."""
     chunks: list[Chunk] = []
-    for tok, fd in zip(step.tokens, step.from_draft, strict=True):
+    lps = step.logprobs if step.logprobs is not None else [None] * len(step.tokens)
+    for tok, fd, lp in zip(step.tokens, step.from_draft, lps, strict=True):
         if is_eog(tok):
             stats.stop_reason = "eos"
             break
@@ -243,7 +266,9 @@ def step_chunks(step: Step, is_eog: Callable[[int], bool], text: TextAssembler, 
             chunks[-1].from_draft.append(fd)
             chunks[-1].text += piece
         else:
-            chunks.append(Chunk(piece, [tok], [fd]))
+            chunks.append(Chunk(piece, [tok], [fd], [] if step.logprobs is not None else None))
+        if step.logprobs is not None:
+            chunks[-1].logprobs.append(lp)
         stats.tokens += 1
         if text.stopped:
             stats.stop_reason = "stop"

@@ -28,6 +28,7 @@ class Request:
         self.stats = Stats()
         self.text = ""
         self.tokens: list[int] = []
+        self.logprobs: list | None = None  # TokenLogprob per token, when asked for
         self.cancel_event = threading.Event()
         self.gen: weakref.ReferenceType | None = None  # the generator serving this request
 
@@ -48,6 +49,11 @@ class _Outputs:
     @property
     def tokens(self) -> list[int]:
         return self._req.tokens
+
+    @property
+    def logprobs(self) -> list | None:
+        """``TokenLogprob`` per token so far (None unless the request asked for logprobs)."""
+        return self._req.logprobs
 
     def cancel(self) -> None:
         """Stop after the current target pass (safe from any thread)."""

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from converters import convert
-from converters.verify import PROBE
+from converters.probe import PROBE
 from ondevice.errors import OndeviceError
 
 # Each architecture and each tokenizer family at least once, as real models pair them.

@@ -99,6 +99,12 @@ def test_coreml_verified_line_does_not_claim_agreement_with_the_source(tmp_path)
         "max_rel_err": 0.001}}))
     line = _verified(tmp_path)
     assert not line.startswith("yes") and "not against the source" in line and "top-1 1.0" in line
+    record = json.loads((tmp_path / "manifest.json").read_text())  # a GGUF source: checked against llama.cpp too
+    record["verified"]["source"] = {"reference": "llama.cpp (source GGUF), held-out text", "tokens": 96,
+                                    "top1_agreement": 0.958, "gated": True}
+    (tmp_path / "manifest.json").write_text(json.dumps(record))
+    line = _verified(tmp_path)
+    assert line.startswith("yes, against the source: llama.cpp") and "top-1 0.958" in line and "(gated)" in line
 
 
 # -- 8. the API's inputs: one OndeviceError, never a raw Python error ---------------------------------------

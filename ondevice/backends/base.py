@@ -77,6 +77,20 @@ class Backend:
         """Free native memory; idempotent."""
         raise NotImplementedError
 
+    def enable_hidden(self) -> int:
+        """Keep the post-norm hidden state of the rows each later ``eval`` outputs (heads drafting reads them);
+        returns its size. Raises ``OndeviceError`` where the backend cannot (the default)."""
+        raise OndeviceError(f"{Path(self.path).name}: heads need a llama.cpp (GGUF) target that returns hidden states")
+
+    def hidden(self, pos: int) -> np.ndarray | None:
+        """[hidden size] float32 state at absolute position ``pos`` from the last ``eval`` (None: not kept)."""
+        return None
+
+    def tree_unsupported(self) -> str | None:
+        """Why this backend cannot verify a token tree in one pass, or None when it can: then it has
+        ``eval_tree(tokens, parents) -> logits[n, V]`` and ``keep_path(path)`` (see ``ondevice.tree``)."""
+        return f"{type(self).__name__} has no tree pass (eval_tree/keep_path)"
+
 
 def check_room(n_past: int, n: int, n_ctx: int, path: Path) -> None:
     """Refuse to evaluate ``n`` more tokens when the cache cannot hold them."""

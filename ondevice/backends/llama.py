@@ -8,6 +8,11 @@ Nothing about the cache is remembered on the Python side: the position count is 
 (``llama_memory_seq_pos_max``) every time, so a Ctrl-C between a ``llama_decode`` and the next line
 cannot make the two disagree. Context length and batch size are read back from the context too
 (llama.cpp rounds the one and caps the other).
+
+Optional hidden states (``enable_hidden``): the same decode also returns the post-norm hidden state
+(llama.cpp's ``result_norm``, the LM head's input) of every output row, read with
+``llama_get_embeddings`` (pooling none); ``hidden(pos)`` gives the row of the last ``eval`` at an
+absolute position. Heads drafters read it (``ondevice.heads``), so drafting needs no extra target pass.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from typing import Literal
 import numpy as np
 
 from ondevice.backends.base import Backend, check_room
+from ondevice.backends.llama_tree import TREE_SEQS, LlamaTree
 from ondevice.errors import OndeviceError
 from ondevice.formats.gguf import check_gguf_file
 from ondevice.threads import default_threads
@@ -68,7 +74,7 @@ def _ctrl_c_deferred():
             signal.raise_signal(signal.SIGINT)
 
 
-class LlamaBackend(Backend):
+class LlamaBackend(LlamaTree, Backend):
     """A GGUF model and its KV cache in llama.cpp (see ``ondevice.backends.Backend``).
 
     Args:
@@ -126,7 +132,10 @@ class LlamaBackend(Backend):
         cp = llama_cpp.llama_context_default_params()
         cp.n_ctx = int(n_ctx)
         cp.n_batch = cp.n_ubatch = self.n_batch
-        cp.n_seq_max = 1
+        # Sequence ids for tree verification (``eval_tree``): one per leaf, all in one unified KV buffer
+        # (kv_unified=False would split n_ctx between the sequences). Chains use sequence 0 only.
+        cp.n_seq_max = TREE_SEQS
+        cp.kv_unified = True
         cp.n_threads = cp.n_threads_batch = self.threads
         cp.no_perf = True
         # A full-size SWA cache keeps every position, so rolling back across the window is exact.
@@ -142,6 +151,9 @@ class LlamaBackend(Backend):
         self.n_batch = max(1, min(int(llama_cpp.llama_n_batch(self._ctx)), self.n_batch))
         self._mem = llama_cpp.llama_get_memory(self._ctx)
         self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
+        self.n_seq_max = int(llama_cpp.llama_n_seq_max(self._ctx))
+        self._tree_batch = None  # allocated by the first eval_tree (a token may carry n_seq_max ids)
+        self._tree: tuple[int, list[int], list[int]] | None = None  # (base, parents, each node's first sequence id)
         self.add_bos = bool(llama_cpp.llama_vocab_get_add_bos(self._vocab))
         bos = int(llama_cpp.llama_vocab_bos(self._vocab))
         self.bos_id = bos if bos >= 0 else None
@@ -149,6 +161,9 @@ class LlamaBackend(Backend):
         self.chat_template = tmpl.decode("utf-8") if tmpl else None
         self._pieces: dict[int, bytes] = {}
         self._buf = ctypes.create_string_buffer(256)
+        self._hidden_on = False  # enable_hidden() was called
+        self._emb = False  # llama.cpp's embeddings flag right now
+        self._hidden: tuple[int, np.ndarray] | None = None  # (first position, rows) of the last eval
 
     def _check_open(self) -> None:
         if not self._ctx:
@@ -195,12 +210,53 @@ class LlamaBackend(Backend):
         self._check_open()
         return int(self._lib.llama_memory_seq_pos_max(self._mem, 0)) + 1
 
+    # -- hidden states (optional) ----------------------------------------------------------------
+    def enable_hidden(self) -> int:
+        """Keep the post-norm hidden state of every row each later ``eval`` outputs; returns its size.
+
+        llama.cpp outputs every row of a batch while embeddings are on, so an ``eval(..., "last")`` of
+        several tokens runs its first tokens with them off and the last token alone with them on.
+        """
+        self._check_open()
+        lib = self._lib
+        if lib.llama_pooling_type(self._ctx) != lib.LLAMA_POOLING_TYPE_NONE:
+            raise OndeviceError(f"{self.path.name}: this model pools its embeddings; it has no per-token hidden state for heads")
+        self._hidden_on = True
+        self._set_emb(True)
+        self.n_embd = int(lib.llama_model_n_embd_out(self._model))
+        return self.n_embd
+
+    def _set_emb(self, on: bool) -> None:
+        if self._emb != on:
+            self._lib.llama_set_embeddings(self._ctx, on)
+            self._emb = on
+
+    def hidden(self, pos: int) -> np.ndarray | None:
+        """[n_embd] float32 hidden state at absolute position ``pos`` from the last ``eval``, or None when
+        that eval did not output it or the cache no longer holds it (what it holds since is unchanged,
+        so the row is still the model's state for the cached prefix)."""
+        h = self._hidden
+        if h is None or not h[0] <= pos < h[0] + len(h[1]) or pos >= self.n_past:
+            return None
+        return h[1][pos - h[0]]
+
     def eval(self, tokens: Sequence[int], logits: Literal["all", "last"] = "all") -> np.ndarray:
+        if not self._hidden_on or logits == "all" or len(tokens) < 2:
+            return self._eval(tokens, logits)
+        self._set_emb(False)  # "last" with hidden states on: the prefix without embeddings, then the last token
+        try:
+            self._eval(tokens[:-1], "last")
+        finally:
+            self._set_emb(True)
+        return self._eval(tokens[-1:], "all")
+
+    def _eval(self, tokens: Sequence[int], logits: Literal["all", "last"] = "all") -> np.ndarray:
         n = len(tokens)
         n_past = self.n_past
         check_room(n_past, n, self.n_ctx, self.path)
         lib, b = self._lib, self._batch
-        rows = []
+        rows, hid, pos0 = [], [], n_past
+        self._hidden = None
         for start in range(0, n, self.n_batch):
             chunk = tokens[start : start + self.n_batch]
             last_chunk = start + self.n_batch >= n
@@ -220,6 +276,11 @@ class LlamaBackend(Backend):
             if n_out:
                 ptr = lib.llama_get_logits(self._ctx)
                 rows.append(np.ctypeslib.as_array(ptr, shape=(n_out, self.vocab_size)).copy())
+            if self._emb:  # llama.cpp output every row of this chunk
+                ptr = lib.llama_get_embeddings(self._ctx)
+                hid.append(np.ctypeslib.as_array(ptr, shape=(m, self.n_embd)).copy())
+        if hid:
+            self._hidden = (pos0, hid[0] if len(hid) == 1 else np.concatenate(hid))
         return rows[0] if len(rows) == 1 else np.concatenate(rows)
 
     def rollback(self, n_past: int) -> None:
@@ -249,6 +310,9 @@ class LlamaBackend(Backend):
         if self._batch is not None:
             lib.llama_batch_free(self._batch)
             self._batch = None
+        if getattr(self, "_tree_batch", None) is not None:
+            lib.llama_batch_free(self._tree_batch)
+            self._tree_batch = None
         if self._ctx:
             with _ctrl_c_deferred():
                 lib.llama_free(self._ctx)

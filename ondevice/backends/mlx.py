@@ -111,6 +111,80 @@ class MLXBackend(HFVocab):
         self._valid = None  # every layer now holds every position
         return out
 
+    # -- trees -----------------------------------------------------------------------------------
+    def tree_unsupported(self) -> str | None:
+        """Why this model cannot verify a tree in one pass (None when it can)."""
+        from mlx_lm.models.cache import KVCache
+
+        if type(self) is not MLXBackend:
+            return f"{type(self).__name__}: tree passes are not implemented for a split model"
+        if any(type(c) is not KVCache for c in self.cache):
+            return f"{self.path.name}: its {type(self.cache[-1]).__name__} layers cannot take a tree mask"
+        return None
+
+    def eval_tree(self, tokens: Sequence[int], parents: Sequence[int]) -> np.ndarray:
+        """Evaluate a token tree after the cache's positions in one forward pass.
+
+        The nodes go in as a batch of n one-token sequences, so that each has its own RoPE position
+        (n_past + depth: mlx-lm's RoPE takes one offset per batch row, as for its ``BatchKVCache``), with
+        an explicit boolean attention mask [n, 1, 1, n_past + n]: node i sees the context and its
+        ancestors and itself. Each layer's cache stores the n new K/V rows once, in node order; the rows
+        every node attends over are that cache broadcast to the n rows (a cost of n × context reads).
+
+        Args:
+            tokens: [n] ids; tokens[0] is the root (the token after the cache).
+            parents: [n] parent indices, parents[0] == -1 and parents[i] < i.
+        Returns:
+            [n, vocab_size] float32 logits, row i scoring the token after node i's path.
+            Call ``keep_path`` next; until then ``n_past`` reports the context only.
+        """
+        mx, n = self._mx, len(tokens)
+        if n == 0 or parents[0] != -1 or any(not 0 <= parents[i] < i for i in range(1, n)):
+            raise ValueError(f"bad tree: parents {list(parents)}")
+        why = self.tree_unsupported()
+        if why:
+            raise OndeviceError(why)
+        base = self.n_past
+        check_room(base, n, self.n_ctx, self.path)
+        see = np.zeros((n, base + n), dtype=bool)  # see[i, j]: node i attends to cache row j
+        see[:, :base] = True
+        depth = [0] * n
+        for i in range(n):
+            see[i, base + i] = True
+            if i:
+                depth[i] = depth[parents[i]] + 1
+                see[i, base : base + i] |= see[parents[i], base : base + i]
+        pos = np.array([base + d for d in depth])
+        self._valid = base  # the cache holds every branch until keep_path
+        with mx.stream(self.device):
+            proxies = [_TreeCache(c, mx.array(pos), see, mx) for c in self.cache]
+            out = self.model(mx.array([[int(t)] for t in tokens]), cache=proxies)[:, -1, :]  # [n, V]
+            out = np.array(out.astype(mx.float32))
+        self._tree = (base, list(parents))
+        return out
+
+    def keep_path(self, path: Sequence[int]) -> None:
+        """After ``eval_tree``: keep the context and the nodes of ``path`` (``[0, a1, .., ak]``, root first),
+        moved to positions n_past .. n_past + k in every layer; drop the other nodes."""
+        tree = getattr(self, "_tree", None)
+        if tree is None:
+            raise ValueError("keep_path needs an eval_tree before it")
+        mx = self._mx
+        base, parents = tree
+        path = list(path)
+        if path and (path[0] != 0 or any(parents[b] != a for a, b in zip(path[:-1], path[1:], strict=True))):
+            raise ValueError(f"{path} is not a path from the root of the last tree")
+        self._tree = None
+        idx = mx.array([base + i for i in path], dtype=mx.int32)
+        with mx.stream(self.device):
+            for c in self.cache:
+                if path:
+                    c.keys[..., base : base + len(path), :] = mx.take(c.keys, idx, axis=2)
+                    c.values[..., base : base + len(path), :] = mx.take(c.values, idx, axis=2)
+                c.offset = base + len(path)
+            mx.eval([c.state for c in self.cache])
+        self._valid = None
+
     def rollback(self, n_past: int) -> None:
         cur = self.n_past
         if n_past > cur or n_past < 0:
@@ -131,9 +205,34 @@ class MLXBackend(HFVocab):
         self._valid = None
 
     def close(self) -> None:
+        self._tree = None
         self.cache = []
         self.model = None
         try:
             self._mx.clear_cache()
         except AttributeError:  # older mlx
             pass
+
+
+class _TreeCache:
+    """One layer's ``KVCache`` as mlx-lm's attention sees it during ``MLXBackend.eval_tree``: a batch of n
+    one-token rows with per-row RoPE offsets and the tree's boolean mask (only the protocol mlx-lm's
+    attention uses: ``offset``, ``update_and_fetch``, ``make_mask``)."""
+
+    def __init__(self, cache, offset, see: np.ndarray, mx) -> None:
+        self.cache, self.offset, self._see, self._mx = cache, offset, see, mx
+
+    def update_and_fetch(self, keys, values):
+        mx = self._mx
+        n = keys.shape[0]  # [n, H, 1, D] → one [1, H, n, D] block appended in node order
+        k, v = self.cache.update_and_fetch(keys.transpose(2, 1, 0, 3), values.transpose(2, 1, 0, 3))
+        return mx.broadcast_to(k, (n, *k.shape[1:])), mx.broadcast_to(v, (n, *v.shape[1:]))
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None, **kw):
+        see = self._see
+        if window_size:  # sliding-window layers: a node sees positions > its own − window (as llama.cpp)
+            base = see.shape[1] - see.shape[0]
+            pos_q = np.asarray(self.offset.tolist())[:, None]
+            pos_k = np.concatenate([np.arange(base), np.asarray(self.offset.tolist())])[None, :]
+            see = see & (pos_q - pos_k < window_size)
+        return self._mx.array(see[:, None, None, :])

@@ -159,3 +159,13 @@ def plots(doc: dict, out_dir: Path) -> list[Path]:
     fig.savefig(files[-1], dpi=120, bbox_inches="tight")
     plt.close("all")
     return files
+
+
+def emit_json(doc: dict, path: str | Path | None = None, indent: int = 2) -> None:
+    """A benchmark's JSON document: printed, and written (atomically) to ``path`` when one is given."""
+    text = json.dumps(doc, indent=indent, default=str)
+    print(text)
+    if path:
+        from ondevice.atomic import write_text
+
+        write_text(Path(path), text + "\n")

@@ -122,7 +122,7 @@ def _dump(obj) -> None:
 
 
 # Options shared by generate / chat / bench. Defaults come from ondevice.params.
-DraftOpt = Annotated[str | None, typer.Option("--draft", help="Draft model (path, catalog or store name), or auto.")]
+DraftOpt = Annotated[str | None, typer.Option("--draft", help="Draft model (path, catalog or store name), auto, or heads (trained by train-heads).")]
 NgramOpt = Annotated[bool, typer.Option("--ngram", help="Draft by prompt lookup (n-gram) instead of a model.")]
 NoSpecOpt = Annotated[bool, typer.Option("--no-spec", help="Plain decoding, no speculation.")]
 MaxTokOpt = Annotated[int, typer.Option("--max-tokens", min=1, help="Most tokens to generate.")]

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from ondevice.cli.app import EmbeddingTypeOpt, OutputTypeOpt, _dump, command
+from ondevice.cli.app import EmbeddingTypeOpt, OutputTypeOpt, ThreadsOpt, _dump, command
 
 
 @command("pull")
@@ -81,6 +81,9 @@ def convert_cmd(
                                                    "file (stacks two quantizations; quality cost printed).")] = False,
     output_type: OutputTypeOpt = None,
     embedding_type: EmbeddingTypeOpt = None,
+    tokenizer_check: Annotated[str, typer.Option("--tokenizer-check", help="warn | strict: when transformers and the "
+                                                 "tokenizers library read the source's tokenizer differently, convert "
+                                                 "and report it (warn) or refuse (strict).")] = "warn",
     json_out: Annotated[bool, typer.Option("--json", help="Print a JSON summary on stdout.")] = False,
 ) -> None:
     """Convert weights: HF → INT4 GGUF or MLX 4-bit, GGUF → GGUF (requantize), GGUF → MLX, HF or GGUF → Core ML."""
@@ -89,8 +92,29 @@ def convert_cmd(
     summary = convert(src, to=to, out=out, quant=quant, bits=bits, group_size=group_size, draft=draft,
                       context=context, compress=compress, compute_units=compute_units,
                       allow_requantize=allow_requantize, output_type=output_type, embedding_type=embedding_type,
-                      progress=not json_out)
+                      progress=not json_out, tokenizer_check=tokenizer_check)
     if json_out:
         _dump(summary)
     else:
         typer.echo(f"wrote {out}")
+
+
+@command("train-heads")
+def train_heads_cmd(
+    model: Annotated[str, typer.Argument(help="Target: a GGUF path or catalog name.")],
+    tokens: Annotated[int, typer.Option("--tokens", min=100, help="Answer tokens the target writes to train on.")] = 20000,
+    out: Annotated[str | None, typer.Option("--out", help="Folder for the heads file (default: beside the model in the store).")] = None,
+    seed: Annotated[int, typer.Option("--seed", min=0, help="Seed of the split, initial weights and batch order.")] = 0,
+    threads: ThreadsOpt = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
+) -> None:
+    """Train heads on the target's own hidden states (self-distillation) for `--draft heads`; resumable."""
+    from ondevice.heads.train import train_heads
+
+    r = train_heads(model, tokens=tokens, out=out, seed=seed, threads=threads, quiet=json_out)
+    if json_out:
+        return _dump(r)
+    tau = (r["tau_heldout_greedy_chain"] or {}).get("tau")
+    typer.echo(f"heads → {r['path']} ({r['training_tokens']} training tokens, {r['wall_seconds']:.0f} s; "
+               f"held-out greedy τ {tau if tau is None else round(tau, 2)})")
+

@@ -69,6 +69,8 @@ class DistStats(Stats):
 class DistributedRuntime(Runtime):
     """A ``Runtime`` whose target is sharded over the job; see the module docstring."""
 
+    constraints_and_logprobs = False
+
     def __init__(self, target, drafter, *, vocab_limit: int, load_seconds: float = 0.0, world: World, rid: int) -> None:
         super().__init__(GuardedTarget(target, world, rid), drafter, vocab_limit=vocab_limit, load_seconds=load_seconds)
         self.world, self.rid = world, rid

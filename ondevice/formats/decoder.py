@@ -39,15 +39,22 @@ class DecoderConfig:
     tie_embeddings: bool
     qkv_bias: bool
     rope_scaling: tuple[tuple[str, Any], ...] = ()
+    qk_norm: bool = False  # qwen3: RMSNorm over each head's q and k before rope
 
     @classmethod
-    def from_hf(cls, config: dict, path: Path | str = "config.json") -> DecoderConfig:
+    def from_hf(cls, config: dict, path: Path | str = "config.json", archs: tuple[str, ...] = ("llama", "qwen2"),
+                what: str = "Core ML conversion") -> DecoderConfig:
+        """Read an HF config.json (``archs``: the model types the caller runs; ``what`` names it in errors;
+        ``mistral`` is llama's graph, ``qwen3`` adds q/k norms)."""
         arch = config.get("model_type")
-        if arch not in ("llama", "qwen2"):
-            raise OndeviceError(f"{path}: Core ML conversion supports llama and qwen2 decoders, not {arch!r}")
+        if arch not in archs:
+            raise OndeviceError(f"{path}: {what} supports {', '.join(archs)} decoders, not {arch!r}")
+        if arch == "mistral" and config.get("sliding_window") and int(config["sliding_window"]) < int(
+                config.get("max_position_embeddings", 0)):
+            raise OndeviceError(f"{path}: mistral with a sliding window is not supported by {what}")
         if config.get("hidden_act", "silu") != "silu":
             raise OndeviceError(f"{path}: hidden_act {config['hidden_act']!r} is not supported (silu only)")
-        if arch == "qwen2" and config.get("use_sliding_window"):
+        if arch in ("qwen2", "qwen3") and config.get("use_sliding_window"):
             raise OndeviceError(f"{path}: sliding-window attention is not supported by the Core ML converter")
         scaling = config.get("rope_scaling") or {}
         kind = scaling.get("rope_type", scaling.get("type", "default"))
@@ -68,6 +75,7 @@ class DecoderConfig:
             tie_embeddings=bool(config.get("tie_word_embeddings", False)),
             qkv_bias=arch == "qwen2",
             rope_scaling=tuple(sorted(scaling.items())) if kind != "default" else (),
+            qk_norm=arch == "qwen3",
         )
 
     def inv_freq(self) -> np.ndarray:
@@ -122,8 +130,12 @@ def forward(ops, cfg: DecoderConfig, w: dict[str, np.ndarray], input_ids, positi
             ops.linear(h, w[f"{p}self_attn.{n}_proj.weight"], w.get(f"{p}self_attn.{n}_proj.bias"))
             for n in ("q", "k", "v")
         )
-        q = ops.rope(ops.split_heads(q, cfg.n_heads, cfg.head_dim), cos, sin)  # [H, S, D]
-        k = ops.rope(ops.split_heads(k, cfg.n_kv_heads, cfg.head_dim), cos, sin)  # [Hkv, S, D]
+        q, k = ops.split_heads(q, cfg.n_heads, cfg.head_dim), ops.split_heads(k, cfg.n_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q = rms_norm(ops, q, w[p + "self_attn.q_norm.weight"], cfg.rms_eps)
+            k = rms_norm(ops, k, w[p + "self_attn.k_norm.weight"], cfg.rms_eps)
+        q = ops.rope(q, cos, sin)  # [H, S, D]
+        k = ops.rope(k, cos, sin)  # [Hkv, S, D]
         v = ops.split_heads(v, cfg.n_kv_heads, cfg.head_dim)
         k_all, v_all = ops.cache_write(i, k, v, position)  # [Hkv, context, D]
         a = ops.attention(q, k_all, v_all, mask, n_rep, scale)  # [S, H * D]
@@ -134,6 +146,15 @@ def forward(ops, cfg: DecoderConfig, w: dict[str, np.ndarray], input_ids, positi
         x = ops.add(x, ops.linear(ops.mul(ops.silu(g), u), w[p + "mlp.down_proj.weight"]))
     x = rms_norm(ops, x, w["model.norm.weight"], cfg.rms_eps)
     return ops.logits(x, w["lm_head.weight"])
+
+
+def reference_logits(cfg: DecoderConfig, weights, ids) -> np.ndarray:
+    """One float32 forward pass over ``ids`` (positions 0…n-1) → logits [n, vocab].
+
+    ``weights`` is any mapping name → array (``converters.lazy.LazyWeights`` builds each tensor when the
+    pass reaches it and keeps none, so memory is one layer's weights plus the activations of ``ids``).
+    """
+    return forward(NumpyOps(cfg, max(1, len(ids))), cfg, weights, ids, 0)
 
 
 def rms_norm(ops, x, weight, eps: float):

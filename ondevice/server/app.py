@@ -11,6 +11,7 @@ Origin and the API key before routing). Request bodies are limited to ``MAX_BODY
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from importlib import resources
 from typing import Any
@@ -34,6 +35,15 @@ from ondevice.server.openai_api import (
     cut_short,
     generation_args,
 )
+from ondevice.server.structured import (
+    Structured,
+    ToolStream,
+    chat_logprobs,
+    completion_logprobs,
+    structured_args,
+    tool_call_deltas,
+)
+from ondevice.tools import parse_calls, template_messages
 
 MAX_BODY = 4 << 20  # bytes; a full 32k-token conversation is well under 1 MiB of JSON
 RETRY_AFTER = "1"
@@ -159,23 +169,24 @@ class Server:
                 raise ApiError(400, "'stream' must be true or false", param="stream")
             opts = body.get("stream_options") or {}
             with_usage = bool(isinstance(opts, dict) and opts.get("include_usage"))
-            ids = await asyncio.to_thread(self._prompt_ids, body, chat)  # an untrusted template renders off the loop
-            req = generation_args(body, len(ids), self.rt.n_ctx)
+            st = structured_args(body, chat, self.rt.target.chat_template)
+            ids = await asyncio.to_thread(self._prompt_ids, body, chat, st.tools)  # an untrusted template renders off the loop
+            req = dataclasses.replace(generation_args(body, len(ids), self.rt.n_ctx), **st.run)
         except ApiError as e:
             return _error(e)
         except ClientDisconnect:  # the client left while sending its body: nobody to answer
             return Response(status_code=499)
         reply = Reply(chat, self.model_id)
         if stream:
-            return SSEResponse(self, ids, req, reply, with_usage)
-        return await self._whole(request, ids, req, reply)
+            return SSEResponse(self, ids, req, reply, with_usage, st)
+        return await self._whole(request, ids, req, reply, st)
 
-    def _prompt_ids(self, body: dict, chat: bool) -> list[int]:
+    def _prompt_ids(self, body: dict, chat: bool, tools: list | None = None) -> list[int]:
         """The request's prompt as token ids (in a worker thread: tokenizing waits for the runtime's lock and a
         chat template renders in its own budgeted process)."""
         try:
             if chat:
-                ids = self.rt.render_chat(chat_messages(body))
+                ids = self.rt.render_chat(template_messages(chat_messages(body)), tools=tools)
             else:
                 p = completion_prompt(body)
                 ids = self.rt.tokenize(p) if isinstance(p, str) else p
@@ -202,7 +213,7 @@ class Server:
         except OndeviceError as e:
             raise ApiError(400, str(e)) from e
 
-    async def _whole(self, request: Request, ids: list[int], req: GenerateRequest, reply: Reply) -> Response:
+    async def _whole(self, request: Request, ids: list[int], req: GenerateRequest, reply: Reply, st: Structured) -> Response:
         watcher = asyncio.ensure_future(_disconnected(request.receive))
         admit = asyncio.ensure_future(self.start(ids, req))
         job = None
@@ -216,8 +227,8 @@ class Server:
                     pass
                 return Response(status_code=499)
             job = admit.result()
-            text = []
-            collect = asyncio.ensure_future(_collect(job, text))
+            text, lps = [], []
+            collect = asyncio.ensure_future(_collect(job, text, lps))
             await asyncio.wait({collect, watcher}, return_when=asyncio.FIRST_COMPLETED)
             if not collect.done():
                 job.cancel()
@@ -227,7 +238,12 @@ class Server:
             cut = cut_short(job.stats)
             if cut is not None:
                 return _error(cut)
-            return JSONResponse(reply.whole("".join(text), job.stats))
+            answer, calls = "".join(text), None
+            if st.tools:
+                answer, calls = parse_calls(answer, st.tool_format, st.tools)
+            tb = self.rt.target.token_bytes
+            lp = (chat_logprobs(lps, tb) if reply.chat else completion_logprobs(lps, tb)) if st.logprobs else None
+            return JSONResponse(reply.whole(answer, job.stats, lp, calls or None))
         except ApiError as e:
             return _error(e)
         except OndeviceError as e:
@@ -245,9 +261,10 @@ async def _disconnected(receive) -> None:
         pass
 
 
-async def _collect(job, text: list[str]) -> None:
+async def _collect(job, text: list[str], lps: list) -> None:
     async for piece in job.events():
         text.append(piece.chunk.text)
+        lps.extend(piece.chunk.logprobs or [])
 
 
 def _sse(obj: dict) -> bytes:
@@ -259,8 +276,10 @@ class SSEResponse:
     sends one ``data:`` event per chunk, ends with ``data: [DONE]``, and cancels the job as soon as the
     client disconnects."""
 
-    def __init__(self, server: Server, ids: list[int], req: GenerateRequest, reply: Reply, with_usage: bool) -> None:
+    def __init__(self, server: Server, ids: list[int], req: GenerateRequest, reply: Reply, with_usage: bool,
+                 st: Structured) -> None:
         self.server, self.ids, self.req, self.reply, self.with_usage = server, ids, req, reply, with_usage
+        self.st = st
 
     async def __call__(self, scope, receive, send) -> None:
         watcher = asyncio.ensure_future(_disconnected(receive))
@@ -292,13 +311,21 @@ class SSEResponse:
             await send({"type": "http.response.start", "status": 200, "headers": [
                 (b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
                 (b"x-accel-buffering", b"no")]})
-            r, u = self.reply, self.with_usage
+            r, u, st = self.reply, self.with_usage, self.st
             opening = r.first(u)
             out = [_sse(opening)] if opening else []
+            tb, offset = self.server.rt.target.token_bytes, 0
+            ts = ToolStream(st.tool_format, st.tools, "grammar" in st.run) if st.tools else None
+            calls: list = []
             try:
                 while piece is not None:
                     c = piece.chunk
-                    out.append(_sse(r.piece(c.text, c.from_draft, piece.drafted, piece.accepted, u)))
+                    lp = None
+                    if st.logprobs:
+                        lp = chat_logprobs(c.logprobs or [], tb) if r.chat else completion_logprobs(c.logprobs or [], tb, offset)
+                        offset += len(c.text)
+                    text = ts.feed(c.text) if ts else c.text
+                    out.append(_sse(r.piece(text, c.from_draft, piece.drafted, piece.accepted, u, lp)))
                     await send({"type": "http.response.body", "body": b"".join(out), "more_body": True})
                     out = []
                     piece = await anext(events, None)
@@ -307,7 +334,11 @@ class SSEResponse:
                     await send({"type": "http.response.body", "body": b"".join(out) + _sse(cut.body()),
                                 "more_body": False})
                     return
-                out += [_sse(o) for o in r.last(job.stats, u)]
+                if ts:
+                    tail, calls = ts.finish()
+                    if tail or calls:
+                        out.append(_sse(r.piece(tail, [], 0, 0, u, tool_calls=tool_call_deltas(calls) or None)))
+                out += [_sse(o) for o in r.last(job.stats, u, bool(calls))]
             except Exception as e:  # noqa: BLE001 - after the headers: report in-band, as OpenAI does
                 msg = str(e) if isinstance(e, OndeviceError) else f"internal error: {type(e).__name__}: {e}"
                 out.append(_sse(ApiError(500, (msg.splitlines() or [""])[0], code="internal_error").body()))

@@ -59,16 +59,12 @@ def _unsupported(body: dict) -> None:
                        code="unsupported_value")
     checks = {
         "best_of": lambda v: v not in (None, 1),
-        "logprobs": lambda v: v not in (None, False, 0),
-        "top_logprobs": lambda v: v not in (None, 0),
         "echo": lambda v: v not in (None, False),
         "suffix": lambda v: v not in (None, ""),
         "logit_bias": lambda v: bool(v),
         "presence_penalty": lambda v: v not in (None, 0),
         "frequency_penalty": lambda v: v not in (None, 0),
-        "tools": lambda v: bool(v),
-        "functions": lambda v: bool(v),
-        "response_format": lambda v: v not in (None, {}) and not (isinstance(v, dict) and v.get("type") == "text"),
+        "functions": lambda v: bool(v),  # response_format, tools, logprobs: ondevice.server.structured
     }
     for key, bad in checks.items():
         if bad(body.get(key)):
@@ -122,7 +118,9 @@ def chat_messages(body: dict) -> list[dict]:
         raise ApiError(400, "'messages' must be a non-empty list of {role, content} objects", param="messages",
                        code="invalid_value")
     try:
-        return [{"role": m["role"], "content": m["content"]} for m in normalize_messages(msgs, roles=OPENAI_ROLES)]
+        return [{"role": m["role"], "content": m["content"],
+                 **{k: m[k] for k in ("tool_calls", "tool_call_id", "name") if m.get(k) is not None}}
+                for m in normalize_messages(msgs, roles=OPENAI_ROLES)]
     except OndeviceError as e:
         code = "unsupported_value" if "not supported" in str(e) else "invalid_value"
         raise ApiError(400, str(e), param="messages", code=code) from None
@@ -196,17 +194,21 @@ class Reply:
         obj = ("chat.completion" if self.chat else "text_completion") + (".chunk" if chunk and self.chat else "")
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "system_fingerprint": None}
 
-    def _choice(self, text: str | None, finish: str | None, chunk: bool, role: bool = False) -> dict:
+    def _choice(self, text: str | None, finish: str | None, chunk: bool, role: bool = False, logprobs: dict | None = None,
+                tool_calls: list | None = None) -> dict:
         if not self.chat:
-            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            return {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
         if chunk:
             delta = {"role": "assistant", "content": text or ""} if role else ({"content": text} if text else {})
-            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-        return {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
-                "logprobs": None, "finish_reason": finish}
+            if tool_calls:
+                delta["tool_calls"] = tool_calls
+            return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        msg = {"role": "assistant", "content": text, "refusal": None, **({"tool_calls": tool_calls} if tool_calls else {})}
+        return {"index": 0, "message": msg, "logprobs": logprobs, "finish_reason": finish}
 
-    def whole(self, text: str, s: Stats) -> dict:
-        return {**self._base(False), "choices": [self._choice(text, FINISH.get(s.stop_reason, "stop"), False)],
+    def whole(self, text: str | None, s: Stats, logprobs: dict | None = None, tool_calls: list | None = None) -> dict:
+        finish = "tool_calls" if tool_calls else FINISH.get(s.stop_reason, "stop")
+        return {**self._base(False), "choices": [self._choice(text, finish, False, logprobs=logprobs, tool_calls=tool_calls)],
                 "usage": usage(s), "timings": timings(s), "ondevice": dataclasses.asdict(s)}
 
     def first(self, with_usage: bool) -> dict | None:
@@ -216,14 +218,16 @@ class Reply:
         return {**self._base(True), "choices": [self._choice("", None, True, role=True)],
                 **({"usage": None} if with_usage else {})}
 
-    def piece(self, text: str, from_draft: list[bool], drafted: int, accepted: int, with_usage: bool) -> dict:
-        return {**self._base(True), "choices": [self._choice(text, None, True)],
+    def piece(self, text: str, from_draft: list[bool], drafted: int, accepted: int, with_usage: bool,
+              logprobs: dict | None = None, tool_calls: list | None = None) -> dict:
+        return {**self._base(True), "choices": [self._choice(text, None, True, logprobs=logprobs, tool_calls=tool_calls)],
                 **({"usage": None} if with_usage else {}),
                 "ondevice": {"from_draft": from_draft, "drafted": drafted, "accepted": accepted}}
 
-    def last(self, s: Stats, with_usage: bool) -> list[dict]:
+    def last(self, s: Stats, with_usage: bool, tool_calls: bool = False) -> list[dict]:
         """The finishing chunk (finish_reason, timings, full stats) and, if asked, the usage chunk."""
-        out = [{**self._base(True), "choices": [self._choice(None, FINISH.get(s.stop_reason, "stop"), True)],
+        finish = "tool_calls" if tool_calls else FINISH.get(s.stop_reason, "stop")
+        out = [{**self._base(True), "choices": [self._choice(None, finish, True)],
                 **({"usage": None} if with_usage else {}), "timings": timings(s), "ondevice": dataclasses.asdict(s)}]
         if with_usage:
             out.append({**self._base(True), "choices": [], "usage": usage(s)})

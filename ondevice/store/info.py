@@ -63,16 +63,24 @@ def _verified(path: Path) -> str:
         return _variant(path)
     if not v:
         return "no (not converted by ondevice, or before verification existed)"
-    if "check" in v:  # Core ML: the saved program run by the MIL interpreter, against its own weights only
-        return (f"program only, not against the source model: {v['check']}: top-1 {v.get('top1')} "
-                f"(max rel. error {v.get('max_rel_err')}) over {v.get('tokens')} tokens; agreement with the "
-                "source was not measured")
+    if "check" in v:  # Core ML: the saved program run by the MIL interpreter, against its own weights
+        program = (f"{v['check']}: top-1 {v.get('top1')} (max rel. error {v.get('max_rel_err')}) over "
+                   f"{v.get('tokens')} tokens")
+        src = v.get("source") or {}
+        if "top1_agreement" in src:  # a GGUF source: the package against llama.cpp on held-out text
+            how = "gated" if src.get("gated") else "recorded, not gated"
+            return (f"yes, against the source: {src.get('reference')}: top-1 {src['top1_agreement']} over "
+                    f"{src.get('tokens')} tokens ({how}); program: {program}")
+        return f"program only, not against the source model: {program}; agreement with the source was not measured"
     if v.get("precision") == "requantized":
         q = v.get("source") or {}
         return (f"yes, in {v.get('runtime')}: loads, tokenizer identical; quality against {q.get('reference')} "
                 f"(recorded, not gated): {_quality(q)}")
-    gate = v.get("written") or v.get("source") or {}
-    return (f"yes, in {v.get('runtime')}: tokenizer identical, top-1 {gate.get('top1_agreement')} "
+    written = v.get("written") or {}
+    gate = written if "top1_agreement" in written else v.get("source") or {}  # MLX on a CPU: no runtime forward
+    tok = v.get("tokenizer") or {}
+    words = "tokenizer identical" if tok.get("readings_agree", True) else f"tokenizer follows {tok.get('follows')} (readings differ)"
+    return (f"yes, in {v.get('runtime')}: {words}, top-1 {gate.get('top1_agreement')} "
             f"(max rel. error {gate.get('max_rel_error')}) against {gate.get('reference')}")
 
 

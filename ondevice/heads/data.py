@@ -1,0 +1,178 @@
+"""Self-distillation data: the target's own greedy answers, with the hidden state of every row.
+
+One greedy decode per prompt gives both the tokens (the labels a greedy chain must hit) and the
+post-norm hidden states (the heads' input and their targets), from the same llama.cpp passes the
+runtime makes (``LlamaBackend.enable_hidden``). Each answer is written to its own file through a temp
+file and a rename, so an interrupted collection resumes at the next prompt.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+
+from ondevice.sampling import SamplingParams, probs_sparse
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def load_prompts() -> dict:
+    """The shipped prompt set: {"train": {class: [text]}, "heldout": {class: [text]}}."""
+    return json.loads(resources.files("ondevice.heads").joinpath("prompts.json").read_text("utf-8"))
+
+
+def train_prompts(prompts: dict | None = None) -> list[tuple[str, str]]:
+    """(class, text) of every training prompt, the classes interleaved so any prefix mixes them."""
+    p = (prompts or load_prompts())["train"]
+    classes = sorted(p)
+    out = []
+    for i in range(max(len(v) for v in p.values())):
+        out += [(c, p[c][i]) for c in classes if i < len(p[c])]
+    return out
+
+
+@dataclass
+class Record:
+    """One greedy answer: ``tokens[0]`` is the prompt's last token, then the answer; ``hidden[j]`` is the
+    target's hidden state after ``tokens[j]`` (the row whose logits chose ``tokens[j + 1]``)."""
+
+    tokens: np.ndarray  # [m + 1] int64
+    hidden: np.ndarray  # [m, d] float32
+    prompt: np.ndarray  # [n] int64, the whole prompt (n-gram baselines look at it)
+    cls: str = ""
+
+
+def record_answer(backend, prompt_ids: list[int], max_new: int) -> Record:
+    """Greedy-decode ``max_new`` tokens (or to an end-of-generation token) keeping every hidden state.
+
+    Args:
+        backend: a ``LlamaBackend`` after ``enable_hidden()``; its cache is emptied first.
+        prompt_ids: the rendered prompt.
+    """
+    backend.rollback(0)
+    logits = backend.eval(prompt_ids, logits="last")[-1]
+    hid = [backend.hidden(len(prompt_ids) - 1).copy()]
+    toks = [int(prompt_ids[-1])]
+    while True:
+        ids, _ = probs_sparse(logits, GREEDY, [])
+        t = int(ids[0])
+        toks.append(t)
+        if len(toks) - 1 >= max_new or backend.is_eog(t) or backend.n_past + 1 >= backend.n_ctx:
+            break
+        logits = backend.eval([t], logits="all")[-1]
+        hid.append(backend.hidden(backend.n_past - 1).copy())
+    return Record(np.asarray(toks, np.int64), np.asarray(hid, np.float32), np.asarray(prompt_ids, np.int64))
+
+
+def record_text(backend, ids: list[int]) -> Record:
+    """Teacher-forced features of a text (one prefill with every row output): ``tokens`` are the text's,
+    not the target's own answer, but each row's hidden state (hence the teacher's distribution) is the
+    target's. Cheaper per token than decoding (a batch instead of one pass per token)."""
+    backend.rollback(0)
+    backend.eval(ids, logits="all")
+    H = np.stack([backend.hidden(i) for i in range(len(ids) - 1)])
+    return Record(np.asarray(ids, np.int64), H.astype(np.float32), np.asarray(ids[:1], np.int64), "text")
+
+
+def collect_text(rt, texts: list[str], work: Path, *, budget: int, chunk: int = 256,
+                 on_record: Callable[[int, int], None] | None = None) -> list[Record]:
+    """Teacher-forced records of ``texts`` cut into ``chunk``-token pieces until ``budget`` tokens (resumable)."""
+    backend = rt.target
+    backend.enable_hidden()
+    out: list[Record] = []
+    total, i = 0, 0
+    for text in texts:
+        ids = backend.tokenize(text, add_bos=False)
+        for s in range(0, len(ids) - 16, chunk):
+            if total >= budget:
+                return out
+            path = work / f"txt-{i:05d}.npz"
+            i += 1
+            if path.is_file():
+                rec = load_record(path)
+            else:
+                rec = record_text(backend, ids[s : s + chunk])
+                _save(path, rec)
+            out.append(rec)
+            total += len(rec.hidden)
+            if on_record is not None:
+                on_record(total, len(rec.hidden))
+    rt.reset()
+    return out
+
+
+def _save(path: Path, rec: Record) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, tokens=rec.tokens, hidden=rec.hidden.astype(np.float16), prompt=rec.prompt, cls=np.array(rec.cls))
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def load_record(path: Path) -> Record:
+    with np.load(path) as z:
+        return Record(z["tokens"].astype(np.int64), z["hidden"].astype(np.float32), z["prompt"].astype(np.int64), str(z["cls"]))
+
+
+def collect(
+    rt,
+    prompts: list[tuple[str, str]],
+    work: Path,
+    *,
+    budget: int,
+    max_new: int,
+    on_record: Callable[[int, int], None] | None = None,
+) -> list[Record]:
+    """Record answers to ``prompts`` in order until ``budget`` answer tokens are held (resumable).
+
+    Args:
+        rt: a ``Runtime`` on a llama.cpp target (renders the chat template; its backend decodes).
+        prompts: (class, text) pairs.
+        work: folder of finished records (``rec-NNNN.npz``); existing ones are read, not redone.
+        budget: answer tokens wanted in all.
+        max_new: most tokens per answer.
+        on_record: called as ``on_record(tokens_so_far, new_tokens)`` after each answer (progress).
+    Returns:
+        The records, in prompt order.
+    """
+    backend = rt.target
+    backend.enable_hidden()
+    out: list[Record] = []
+    total = 0
+    for i, (cls, text) in enumerate(prompts):
+        if total >= budget:
+            break
+        path = work / f"rec-{i:04d}.npz"
+        if path.is_file():
+            rec = load_record(path)
+        else:
+            ids = rt.render_chat([{"role": "user", "content": text}])
+            if len(ids) + 16 > backend.n_ctx:  # no room for an answer: skip the prompt
+                continue
+            rec = record_answer(backend, ids, min(max_new, budget - total))
+            rec.cls = cls
+            _save(path, rec)
+        rt.reset()
+        out.append(rec)
+        total += len(rec.hidden)
+        if on_record is not None:
+            on_record(total, len(rec.hidden))
+    return out
+
+
+def examples(records: list[Record], K: int) -> Iterator[tuple[int, int]]:
+    """(record index, anchor j) for every anchor with at least one head target (j + 1 < len(hidden))."""
+    for r, rec in enumerate(records):
+        for j in range(len(rec.hidden) - 1):
+            yield r, j

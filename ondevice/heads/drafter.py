@@ -1,0 +1,113 @@
+"""HeadsDrafter: drafts a chain from the hidden state the target's last pass already produced.
+
+Contract (``ondevice.drafters.Drafter``): ``propose(context, gamma, params, rng)`` → (tokens, q) with q
+[γ', target V] the distributions the tokens were drawn from. Here q_i is the heads' draft-vocabulary
+logits processed by ``ondevice.sampling.probs_sparse`` with the request's own ``SamplingParams``
+(temperature, top-k, top-p, min-p, repetition penalty judged on the history mapped into the draft
+vocabulary) and scattered into the target's vocabulary, zero elsewhere. The shared rejection sampler
+then keeps the target's law whatever the heads guess; greedy drafting is deterministic (q is None).
+
+The heads' input is the target's post-norm hidden state at the last cached position (the row whose
+logits chose the pending token): after a verify pass and its rollback that is the row of the last
+accepted token, which ``LlamaBackend.hidden`` still holds. When no such row exists (a prompt served
+wholly from the cache, a reset), the drafter proposes nothing and the step is a plain one.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from ondevice.drafters import Drafter
+from ondevice.errors import OndeviceError
+from ondevice.heads import store
+from ondevice.heads.model import Heads
+from ondevice.sampling import REPETITION_WINDOW, SamplingParams, probs_sparse, sample_sparse
+
+
+class HeadsDrafter(Drafter):
+    """Heads on a target backend that can return hidden states (``enable_hidden``).
+
+    Args:
+        target: the target backend (``LlamaBackend``); hidden states are switched on here.
+        heads: the trained heads.
+        meta: the heads file's metadata (reported by benchmarks).
+    """
+
+    name = "heads"
+    follows_constraints = False  # its rows are not masked yet: the runtime refuses a constrained request up front
+    cheap = False  # the policy asks for exactly γ tokens (at most K come back)
+
+    def __init__(self, target, heads: Heads, meta: dict | None = None) -> None:
+        d = target.enable_hidden()  # a backend without hidden states refuses in one line
+        if d != heads.d:
+            raise OndeviceError(f"{target.path}: heads have hidden size {heads.d} but the model has {d}; "
+                                f"run `ondevice train-heads {target.path.name}` for this model")
+        self.target = target
+        self.heads = heads
+        self.meta = meta or {}
+        self.target_vocab = target.vocab_size
+        self.inv = heads.index(target.vocab_size)
+        self.max_gamma = heads.K
+
+    @classmethod
+    def for_target(cls, target, path: str | os.PathLike | None = None) -> HeadsDrafter:
+        """The heads stored for ``target`` (or the file at ``path``), checked against the target's sha256."""
+        p = path or store.find(target.path)
+        if p is None:
+            raise OndeviceError(f"{target.path.name}: no heads trained for this model (looked for {store.default_path(target.path)}); "
+                                f"run `ondevice train-heads {target.path.name}` first")
+        heads, meta = store.load(p, target.path, target.vocab_size)
+        return cls(target, heads, meta)
+
+    def _rows(self, ids: Sequence[int]) -> np.ndarray:
+        """Target ids → draft rows (−1 outside the draft vocabulary)."""
+        a = np.asarray(ids, np.int64)
+        out = np.full(len(a), -1, np.int64)
+        ok = (a >= 0) & (a < len(self.inv))
+        out[ok] = self.inv[a[ok]]
+        return out
+
+    def propose(
+        self, context: Sequence[int], gamma: int, params: SamplingParams, rng: np.random.Generator,
+        keep_drafting: Callable[[list[float]], bool] | None = None, constraint=None,
+    ) -> tuple[list[int], np.ndarray | None]:
+        """Draft up to min(γ, K) tokens after ``context`` (its last token is pending, the rest cached).
+
+        ``keep_drafting(confidences)`` may stop early (confidence = q of each drafted token).
+        """
+        V = self.target_vocab
+        none = ([], None if params.greedy else np.zeros((0, V)))
+        h = self.target.hidden(len(context) - 2) if gamma > 0 and len(context) >= 2 else None
+        if h is None:
+            return none
+        hs = self.heads
+        hist = [int(r) for r in self._rows(context[-REPETITION_WINDOW:])]
+        x = int(self._rows(context[-1:])[0])
+        h = h[None, :]
+        tokens, rows, confs = [], [], []
+        for k in range(min(gamma, hs.K)):
+            h = hs.step(k, h, hs.embed(np.array([x])))[0]
+            ids, pr = probs_sparse(hs.logits(h)[0], params, hist)  # draft rows, the request's processing
+            r = int(ids[0]) if params.greedy else sample_sparse(ids, pr, rng)
+            tokens.append(int(hs.vocab[r]))
+            rows.append((hs.vocab[ids], pr))
+            confs.append(float(pr[np.flatnonzero(ids == r)[0]]))
+            hist.append(r)
+            x = r
+            if keep_drafting is not None and k + 1 < min(gamma, hs.K) and not keep_drafting(confs):
+                break
+        if params.greedy:
+            return tokens, None
+        q = np.zeros((len(rows), V))
+        for i, (ids, pr) in enumerate(rows):
+            q[i, ids] = pr
+        return tokens, q
+
+    def reset(self) -> None:
+        pass  # no state of its own: the target's hidden rows go with its cache
+
+    def close(self) -> None:
+        pass  # the target belongs to the runtime

@@ -1,0 +1,142 @@
+"""The heads file: one safetensors file whose header carries our JSON, kept beside the model in the store.
+
+Layout: tensors ``vocab`` [Vd] int64 (draft vocabulary → target ids), ``out`` / ``emb`` [Vd, d] float16
+(the target's own LM-head and token-embedding rows), and per head k ``w1.k`` [r, 2d], ``b1.k`` [r],
+``w2.k`` [d, r] float32; metadata key ``ondevice.heads`` holds JSON: format, version, target sha256,
+file name, architecture, hidden size, K, rank, vocabulary sizes, input scales, training tokens, seed,
+wall time and the τ measured on held-out answers.
+
+Where: a model inside the store (``catalog.home()``) gets ``<model file>.heads.safetensors`` beside it;
+any other model gets ``<home>/heads/<file stem>-<sha256[:16]>.heads.safetensors``. Writes go through
+a temp file and a rename; a corrupt file, or one made for another model, is refused in one line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from ondevice.errors import OndeviceError
+from ondevice.heads.model import Heads
+
+FORMAT = "ondevice-heads"
+VERSION = 1
+SUFFIX = ".heads.safetensors"
+_SHA: dict[tuple, str] = {}
+
+
+def target_sha256(path: str | os.PathLike) -> str:
+    """sha256 of a model file: the catalog's verified stamp when it still matches, else hashed (once per process)."""
+    from ondevice.store import fetch
+
+    path = Path(path)
+    st = path.stat()
+    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+    if key not in _SHA:
+        try:
+            stamp = json.loads(path.with_name(path.name + ".verified").read_text())
+            ok = stamp.get("size") == st.st_size and stamp.get("mtime_ns") == st.st_mtime_ns
+            _SHA[key] = stamp["sha256"] if ok else fetch.sha256_file(path)
+        except (OSError, ValueError, KeyError, TypeError):
+            _SHA[key] = fetch.sha256_file(path)
+    return _SHA[key]
+
+
+def default_path(model: str | os.PathLike) -> Path:
+    """Where the heads of ``model`` (a GGUF file) live by default."""
+    from ondevice.store import catalog
+
+    model = Path(model).resolve()
+    home = catalog.home().resolve()
+    if home in model.parents:
+        return model.with_name(model.name + SUFFIX)
+    return home / "heads" / f"{model.stem}-{target_sha256(model)[:16]}{SUFFIX}"
+
+
+def save(path: str | os.PathLike, heads: Heads, meta: dict) -> Path:
+    """Write ``heads`` and ``meta`` to ``path`` (temp file, then rename). Returns the path."""
+    from safetensors.numpy import save_file
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    t = {"vocab": heads.vocab.astype(np.int64), "out": heads.out.astype(np.float16), "emb": heads.emb.astype(np.float16)}
+    for k in range(heads.K):
+        t[f"w1.{k}"], t[f"b1.{k}"], t[f"w2.{k}"] = heads.w1[k], heads.b1[k], heads.w2[k]
+    full = {"format": FORMAT, "version": VERSION, **meta, "K": heads.K, "rank": heads.rank, "hidden_size": heads.d,
+            "draft_vocab_size": len(heads.vocab), "s_h": heads.s_h, "s_e": heads.s_e}
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        save_file({k: np.ascontiguousarray(v) for k, v in t.items()}, tmp, metadata={"ondevice.heads": json.dumps(full)})
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def read_meta(path: str | os.PathLike) -> dict:
+    """The JSON of a heads file (header only). Raises a one-line ``OndeviceError`` on a corrupt file."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    try:
+        with safe_open(str(path), "np") as f:
+            meta = json.loads((f.metadata() or {})["ondevice.heads"])
+    except Exception as e:
+        raise OndeviceError(f"{path}: not a readable heads file ({type(e).__name__}: {str(e)[:80]}); delete it and "
+                            "run `ondevice train-heads MODEL` again") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("version") != VERSION:
+        raise OndeviceError(f"{path}: not an ondevice heads file of version {VERSION}; delete it and run `ondevice train-heads MODEL` again")
+    return meta
+
+
+def load(path: str | os.PathLike, model: str | os.PathLike, vocab_size: int | None = None) -> tuple[Heads, dict]:
+    """Read heads for ``model``, refusing a file made for another model or a corrupt one (one line).
+
+    Args:
+        path: the heads file.
+        model: the target GGUF the heads will draft for (its sha256 must match the file's).
+        vocab_size: the target's vocabulary size (draft ids must lie below it).
+    Returns:
+        (heads, metadata).
+    """
+    from safetensors.numpy import load_file
+
+    path = Path(path)
+    meta = read_meta(path)
+    sha = target_sha256(model)
+    if meta.get("target_sha256") != sha:
+        raise OndeviceError(f"{path}: heads made for another model ({meta.get('target_file')}, sha256 "
+                            f"{str(meta.get('target_sha256'))[:12]}…), not {Path(model).name} (sha256 {sha[:12]}…); "
+                            f"run `ondevice train-heads {Path(model).name}` for this one")
+    fix = "delete it and run `ondevice train-heads MODEL` again"
+    try:
+        t = load_file(str(path))
+        K, d = int(meta["K"]), int(meta["hidden_size"])
+        heads = Heads(t["vocab"].astype(np.int64), t["out"].astype(np.float32), t["emb"].astype(np.float32),
+                      [t[f"w1.{k}"] for k in range(K)], [t[f"b1.{k}"] for k in range(K)], [t[f"w2.{k}"] for k in range(K)],
+                      float(meta["s_h"]), float(meta["s_e"]))
+    except OndeviceError:
+        raise
+    except Exception as e:
+        raise OndeviceError(f"{path}: corrupt heads file ({type(e).__name__}: {str(e)[:80]}); {fix}") from None
+    Vd, r = len(heads.vocab), heads.rank
+    shapes_ok = heads.out.shape == heads.emb.shape == (Vd, d) and all(
+        w1.shape == (r, 2 * d) and b1.shape == (r,) and w2.shape == (d, r) for w1, b1, w2 in zip(heads.w1, heads.b1, heads.w2, strict=False))
+    finite = all(np.isfinite(w).all() for w in (heads.out, heads.emb, *heads.w1, *heads.b1, *heads.w2))
+    in_vocab = Vd > 0 and heads.vocab.min() >= 0 and (vocab_size is None or heads.vocab.max() < vocab_size)
+    if not (shapes_ok and finite and in_vocab and len(np.unique(heads.vocab)) == Vd):
+        raise OndeviceError(f"{path}: corrupt heads file (shapes, ids or values do not match its header); {fix}")
+    return heads, meta
+
+
+def find(model: str | os.PathLike) -> Path | None:
+    """The heads file stored for ``model``, or None."""
+    p = default_path(model)
+    return p if p.is_file() else None

@@ -1,0 +1,209 @@
+"""``train_heads``: self-distilled heads for one target, from prompts to a stored heads file.
+
+Steps: record the target's greedy answers to the shipped prompts with their hidden states
+(``data.collect``; resumable) → choose the draft vocabulary (the answers' most frequent ids, then the
+lowest ids, which BPE gives to its earliest, most frequent merges) → read the target's own LM-head and
+embedding rows for it from the GGUF → fit heads 1..K (``fit``; checkpointed after every epoch) →
+measure τ of a greedy chain on held-out answers → write the heads file (``store``).
+Everything random comes from ``seed``; a rerun with the same arguments resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from ondevice.heads import data, fit, store
+from ondevice.heads.model import Heads
+
+DEFAULTS = dict(K=3, rank=256, vocab=8192, epochs=8, max_new=192)
+
+
+def target_rows(gguf_path: Path, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, str]:
+    """(LM-head rows, token-embedding rows, architecture) of the target for ``ids``, float32 [n, d].
+
+    Only the rows asked for are dequantized (``gguf.quants``); a tied model reads both from token_embd.
+    """
+    import gguf
+
+    r = gguf.GGUFReader(str(gguf_path))
+    tensors = {t.name: t for t in r.tensors}
+    arch = str(r.fields["general.architecture"].contents())
+
+    def rows(name: str) -> np.ndarray:
+        t = tensors[name]
+        return np.asarray(gguf.quants.dequantize(np.asarray(t.data)[ids], t.tensor_type), np.float32)
+
+    emb = rows("token_embd.weight")
+    out = rows("output.weight") if "output.weight" in tensors else emb
+    return out, emb, arch
+
+
+def choose_vocab(records: list[data.Record], V: int, size: int) -> np.ndarray:
+    """The draft vocabulary: ids of the answers by frequency, then the lowest ids, ``size`` in all (sorted)."""
+    size = min(size, V)
+    counts = np.bincount(np.concatenate([r.tokens[1:] for r in records]), minlength=V)[:V]
+    seen = np.flatnonzero(counts)
+    seen = seen[np.argsort(-counts[seen], kind="stable")][:size]
+    rest = np.setdiff1d(np.arange(V), seen)[: size - len(seen)]
+    return np.sort(np.concatenate([seen, rest]))
+
+
+def _ckpt_save(path: Path, arrays: dict, info: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, __info__=np.array(json.dumps(info)), **arrays)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _progress(quiet: bool):
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    TextColumn("ETA"), TimeRemainingColumn(), disable=quiet, transient=False)
+
+
+def train_heads(
+    model: str | os.PathLike,
+    *,
+    tokens: int = 20000,
+    out: str | os.PathLike | None = None,
+    seed: int = 0,
+    K: int = DEFAULTS["K"],
+    rank: int = DEFAULTS["rank"],
+    vocab: int = DEFAULTS["vocab"],
+    epochs: int = DEFAULTS["epochs"],
+    max_new: int = DEFAULTS["max_new"],
+    threads: int | None = None,
+    n_ctx: int = 1024,
+    texts: list[str] | None = None,
+    text_tokens: int = 0,
+    quiet: bool = False,
+) -> dict:
+    """Train heads for ``model`` and store them.
+
+    Args:
+        model: a GGUF path or catalog name (the target).
+        tokens: answer tokens to record for training and held-out measurement (self-distillation).
+        out: folder for the heads file (default: beside the model in the store, see ``store.default_path``).
+        seed: seeds the split, the initial weights and the batch order.
+        K, rank, vocab: heads (chain length), hidden width of each head, draft vocabulary size.
+        epochs: passes over the data per head (the best epoch on held-out answers is kept).
+        max_new: most tokens per recorded answer.
+        threads, n_ctx: for the target while recording.
+        texts, text_tokens: optional extra training data: up to ``text_tokens`` tokens of these texts,
+            teacher-forced (the target's hidden states and distributions on text it did not write).
+        quiet: no progress bars.
+    Returns:
+        A summary: path, wall seconds (recording / fitting), tokens, τ on held-out answers, the fit log.
+    """
+    from ondevice.loader import load
+    from ondevice.store import catalog, lookup
+
+    t0 = time.perf_counter()
+    path = lookup.resolve(model)
+    if path.is_dir():
+        path = path / "model.gguf"
+    sha = store.target_sha256(path)
+    work = catalog.home() / "heads" / "work" / sha[:16]
+    prompts = data.train_prompts()
+    with _progress(quiet) as bar, load(path, drafter="none", n_ctx=n_ctx, threads=threads) as rt:
+        task = bar.add_task("recording answers (tokens)", total=tokens)
+        records = data.collect(rt, prompts, work / "records", budget=tokens, max_new=max_new,
+                               on_record=lambda total, new: bar.update(task, completed=min(total, tokens)))
+        extra = []
+        if texts and text_tokens:
+            task = bar.add_task("teacher-forced text (tokens)", total=text_tokens)
+            extra = data.collect_text(rt, texts, work / "text", budget=text_tokens,
+                                      on_record=lambda total, new: bar.update(task, completed=min(total, text_tokens)))
+        V = rt.target.vocab_size
+    t_rec = time.perf_counter() - t0
+    n_tok = int(sum(len(r.hidden) for r in records))
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(len(records))
+    n_val = max(1, len(records) // 10) if len(records) > 1 else 0
+    val_set = set(order[:n_val].tolist())
+    train_recs = [r for i, r in enumerate(records) if i not in val_set]
+    val_recs = [r for i, r in enumerate(records) if i in val_set]
+    train_recs += extra  # extra text trains, never judges (held-out answers are the target's own)
+    vocab_ids = choose_vocab(train_recs, V, vocab)
+    out_rows, emb_rows, arch = target_rows(path, vocab_ids)
+    flat_tr, flat_va = fit.Flat.of(train_recs), fit.Flat.of(val_recs or train_recs[:1])
+    s_h = float(1.0 / np.sqrt(np.mean(flat_tr.H.astype(np.float64) ** 2)))
+    s_e = float(1.0 / np.sqrt(np.mean(emb_rows.astype(np.float64) ** 2)))
+    heads = Heads.init(vocab_ids, out_rows, emb_rows, K, rank, s_h, s_e, seed)
+    inv = heads.index(V)
+    cfg = fit.FitConfig(epochs=epochs, seed=seed)
+    # one flat table: training rows first, then held-out rows (anchors never cross records)
+    flat = fit.Flat(np.concatenate([flat_tr.H, flat_va.H]), np.concatenate([flat_tr.tok, flat_va.tok]),
+                    np.concatenate([flat_tr.nxt, flat_va.nxt]), np.concatenate([flat_tr.left, flat_va.left]),
+                    np.concatenate([flat_tr.rec, flat_va.rec + len(train_recs)]))
+    n_tr = len(flat_tr.H)
+    t_ids, t_pr = fit.teacher(heads, flat.H)
+    n_text = int(sum(len(r.hidden) for r in extra))
+    key = hashlib.sha256(json.dumps([sha, n_tok, n_text, seed, K, rank, vocab, epochs, max_new]).encode()).hexdigest()[:12]
+    ckpt = work / f"fit-{key}.npz"
+    done, state = 0, None
+    if ckpt.is_file():  # resume: finished heads' weights, and the running head's optimiser state
+        with np.load(ckpt) as z:
+            info = json.loads(str(z["__info__"]))
+            done = info["done"]
+            for k in range(K):
+                heads.w1[k][...], heads.b1[k][...], heads.w2[k][...] = z[f"w1.{k}"], z[f"b1.{k}"], z[f"w2.{k}"]
+            if info.get("state"):
+                s = info["state"]
+                state = {"epoch": s["epoch"], "best": s["best"], "log": s["log"], "t": s["t"],
+                         **{g: {n: z[f"{g}.{n}"] for n in ("w1", "b1", "w2")} for g in ("w", "m", "v", "best_w")}}
+    log: list[dict] = list(info.get("log", [])) if ckpt.is_file() else []
+    src = flat.H
+    t1 = time.perf_counter()
+    with _progress(quiet) as bar:
+        task = bar.add_task("fitting heads (epochs)", total=K * epochs, completed=done * epochs + (state or {}).get("epoch", 0))
+        for k in range(K):
+            rows = np.flatnonzero(flat.left >= k + 1)
+            tr, va = rows[rows < n_tr], rows[rows >= n_tr]
+            if k >= done:
+                def on_epoch(st, k=k):
+                    arrays = {f"{g}.{n}": st[g][n] for g in ("w", "m", "v", "best_w") for n in ("w1", "b1", "w2")}
+                    arrays.update({f"{n}.{j}": getattr(heads, n)[j] for j in range(K) for n in ("w1", "b1", "w2")})
+                    _ckpt_save(ckpt, arrays, {"done": k, "log": log, "state": {
+                        "epoch": st["epoch"], "best": float(st["best"]), "log": st["log"], "t": st["t"]}})
+                    bar.update(task, advance=1)
+
+                st = fit.fit_head(heads, k, src, flat, t_ids, t_pr, inv, tr, va if len(va) else tr[:256], cfg,
+                                  state=state, on_epoch=on_epoch)
+                state = None
+                log.extend(st["log"])
+                _ckpt_save(ckpt, {f"{n}.{j}": getattr(heads, n)[j] for j in range(K) for n in ("w1", "b1", "w2")},
+                           {"done": k + 1, "log": log, "state": None})
+            src = fit.advance(heads, k, src, flat, inv, rows)
+    t_fit = time.perf_counter() - t1
+    hits = fit.chain_hits(heads, flat, inv)
+    tau_val = fit.offline_tau(hits, flat, np.unique(flat.rec[n_tr:])) if val_recs else None
+    tau_train = fit.offline_tau(hits, flat, np.unique(flat.rec[:n_tr]))
+    meta = {"target_sha256": sha, "target_file": path.name, "architecture": arch, "target_vocab_size": V,
+            "training_tokens": int(len(flat_tr.H)), "teacher_forced_text_tokens": n_text, "heldout_tokens": int(len(flat.H) - n_tr), "seed": seed,
+            "epochs": epochs, "record_seconds": round(t_rec, 1), "fit_seconds": round(t_fit, 1),
+            "tau_heldout_greedy_chain": tau_val, "tau_train_greedy_chain": tau_train, "log": log}
+    dest = Path(out) / store.default_path(path).name if out is not None else store.default_path(path)
+    store.save(dest, heads, meta)
+    return {"path": str(dest), "wall_seconds": round(time.perf_counter() - t0, 1), **{k: v for k, v in meta.items() if k != "log"},
+            "log": log}

@@ -1,0 +1,149 @@
+"""Heads on the target's hidden states: training end to end, exactness (greedy and sampled), the stored file."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import ondevice
+from ondevice import sampling
+from ondevice.backends.llama import LlamaBackend
+from ondevice.errors import OndeviceError
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPTS = ["def add(a, b):", "The model draft and the target verify", "class Cache:\n    def __init__(self, n):"]
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_gguf, tmp_path_factory):
+    """(target gguf, heads file, summary, store home): heads trained once for the tiny llama target."""
+    from ondevice.heads.train import train_heads
+
+    home = tmp_path_factory.mktemp("home")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("ONDEVICE_HOME", str(home))
+        target = tiny_gguf("llama")
+        t0 = time.perf_counter()
+        r = train_heads(target, tokens=2000, epochs=8, K=3, rank=64, vocab=512, max_new=64, threads=1, n_ctx=512, quiet=True)
+        r["test_seconds"] = time.perf_counter() - t0
+        yield target, Path(r["path"]), r, home
+
+
+@pytest.fixture
+def home(trained, monkeypatch):
+    monkeypatch.setenv("ONDEVICE_HOME", str(trained[3]))
+    return trained[3]
+
+
+def test_train_heads_end_to_end(trained, home):
+    target, path, r, _ = trained
+    assert r["test_seconds"] < 60, r["test_seconds"]
+    assert path.is_file() and path.parent == home / "heads"
+    from ondevice.heads import store
+
+    meta = store.read_meta(path)
+    assert meta["target_sha256"] == store.target_sha256(target) and meta["K"] == 3 and meta["architecture"] == "llama"
+    assert meta["training_tokens"] > 1000 and meta["seed"] == 0 and meta["tau_heldout_greedy_chain"]["tau"] >= 1.0
+    assert store.find(target) == path
+
+
+def test_heads_file_found_by_a_new_process(trained, home):
+    target, path, _, _ = trained
+    code = ("import ondevice\n"
+            f"with ondevice.load({str(target)!r}, draft='heads', threads=1) as rt:\n"
+            "    r = rt.generate('def add(a, b):', max_tokens=8, temperature=0, gamma=3)\n"
+            "    print(rt.drafter.name, r.stats.drafted)")
+    env = {**os.environ, "ONDEVICE_HOME": str(home), "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    name, drafted = out.stdout.split()
+    assert name == "heads" and int(drafted) > 0
+
+
+def test_greedy_with_heads_equals_plain(trained, home):
+    target = trained[0]
+    with ondevice.load(target, draft="heads", threads=1) as spec, ondevice.load(target, drafter="none", threads=1) as plain:
+        drafted = 0
+        for p in PROMPTS:
+            a = spec.generate(p, max_tokens=40, temperature=0, gamma=3)
+            b = plain.generate(p, max_tokens=40, temperature=0, gamma=0)
+            assert a.tokens == b.tokens
+            drafted += a.stats.drafted
+            assert a.stats.accepted <= a.stats.drafted
+    assert drafted > 0
+
+
+def test_hidden_rows_are_the_lm_heads_input(tiny_gguf):
+    """enable_hidden changes no logits, and hidden(pos) is the row of the last eval at that position."""
+    b = LlamaBackend(tiny_gguf("llama"), n_ctx=128, threads=1)
+    try:
+        ids = b.tokenize(PROMPTS[1])
+        plain = b.eval(ids)
+        b.rollback(0)
+        b.enable_hidden()
+        assert np.array_equal(b.eval(ids), plain)
+        h = b.hidden(len(ids) - 1)
+        b.rollback(0)
+        last = b.eval(ids, logits="last")  # the prefix without embeddings, the last token with them
+        assert np.array_equal(last[-1], plain[-1]) and np.array_equal(b.hidden(len(ids) - 1), h)
+        assert b.hidden(len(ids) - 2) is None  # not output by that eval
+        b.rollback(3)
+        assert b.hidden(len(ids) - 1) is None  # no longer cached
+    finally:
+        b.close()
+
+
+def _counts(rt, ids, n, gamma, **kw):
+    counts = {}
+    for seed in range(n):
+        rt.reset()  # the prompt is evaluated again, so its last row's hidden state feeds the first draft
+        res = rt.generate(ids, max_tokens=3, seed=seed, gamma=gamma, **kw)
+        counts[tuple(res.tokens)] = counts.get(tuple(res.tokens), 0) + 1
+    return counts
+
+
+def test_sampled_with_heads_matches_target_law(trained, home, monkeypatch):
+    """Joint law of 3 tokens at T = 0.7, top-p 0.9 (top-k 6 keeps it enumerable) against the exact target law;
+    the planted control (a residual that does not subtract q) must fail the same test."""
+    from helpers import chisquare, exact_law
+
+    target = trained[0]
+    kw = dict(temperature=0.7, top_k=6, top_p=0.9, min_p=0.0)
+    n = 4000
+    with ondevice.load(target, draft="heads", threads=1) as rt:  # 1 thread: 2 collapse on a loaded 2-core machine
+        ids = rt.tokenize(PROMPTS[1])
+        b = LlamaBackend(target, n_ctx=128, threads=1)
+        try:
+            law = exact_law(b, ids, sampling.SamplingParams(**kw))
+        finally:
+            b.close()
+        acc = rt.generate(ids, max_tokens=48, seed=1, gamma=3, **kw).stats
+        assert acc.drafted > 0 and 0.02 < acc.acceptance_rate < 0.98, acc.acceptance_rate  # both outcomes occur
+        assert chisquare(_counts(rt, ids, n, 3, **kw), law, n) > 1e-3
+        monkeypatch.setattr(sampling, "residual", lambda p, q: p)  # the planted bug
+        monkeypatch.setattr(sampling, "residual_sparse", lambda ids, pr, qv, V: pr)
+        assert chisquare(_counts(rt, ids, n, 3, **kw), law, n) < 1e-4
+
+
+def test_corrupt_or_foreign_heads_file_is_one_line_and_writes_nothing(trained, home, tiny_gguf, tmp_path):
+    target, path, _, _ = trained
+    bad = tmp_path / "x.heads.safetensors"
+    bad.write_bytes(path.read_bytes()[:200])  # truncated
+    before = sorted(p.name for p in home.rglob("*")), sorted(p.name for p in tmp_path.iterdir())
+    with pytest.raises(OndeviceError) as e:
+        ondevice.load(target, draft=bad)
+    assert str(bad) in str(e.value) and "train-heads" in str(e.value) and "\n" not in str(e.value)
+    other = tiny_gguf("llama_draft")  # same architecture and sizes, other weights
+    with pytest.raises(OndeviceError) as e:
+        ondevice.load(other, draft=path)
+    assert "another model" in str(e.value) and "train-heads" in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(OndeviceError) as e:
+        ondevice.load(other, draft="heads")  # nothing trained for it
+    assert "train-heads" in str(e.value) and "\n" not in str(e.value)
+    assert (sorted(p.name for p in home.rglob("*")), sorted(p.name for p in tmp_path.iterdir())) == before
