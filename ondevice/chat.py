@@ -32,11 +32,19 @@ def message_text(content: Any, where: str = "message") -> str:
     raise OndeviceError(f"{where}.content must be a string or a list of text parts, not {type(content).__name__}")
 
 
-def normalize_messages(messages: Sequence[dict]) -> list[dict]:
+OPENAI_ROLES = ("system", "developer", "user", "assistant", "tool")  # the roles the OpenAI API defines
+
+
+def normalize_messages(messages: Sequence[dict], roles: Sequence[str] | None = None) -> list[dict]:
     """``messages`` → a non-empty list of {role, content: str} (other keys kept; 'developer' → 'system').
 
+    Args:
+        messages: [{role, content}] in the forms ``message_text`` accepts.
+        roles: the roles allowed (the server: ``OPENAI_ROLES``, so a typo such as 'assitant' is refused
+            instead of reaching the template); None: any (a template may define its own).
     Raises:
-        OndeviceError: not a non-empty list, a message without a 'role' string, or content that is not text.
+        OndeviceError: not a non-empty list, a message without a 'role' string, a role not in ``roles``, or
+            content that is not text.
     """
     if isinstance(messages, str | bytes | dict) or not isinstance(messages, Sequence) or not messages:
         raise OndeviceError("messages must be a non-empty list of {'role', 'content'} dicts")
@@ -44,6 +52,8 @@ def normalize_messages(messages: Sequence[dict]) -> list[dict]:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise OndeviceError(f"messages[{i}] must be a dict with a 'role' string (and 'content'), not {m!r:.80}")
+        if roles is not None and m["role"] not in roles:
+            raise OndeviceError(f"messages[{i}].role {m['role']!r:.40} is not one of {', '.join(roles)}")
         role = "system" if m["role"] == "developer" else m["role"]
         out.append({**m, "role": role, "content": message_text(m.get("content"), f"messages[{i}]")})
     return out
@@ -96,7 +106,10 @@ class ChatSession:
     def __init__(self, runtime, system: str | None = None, request: GenerateRequest | None = None, **options) -> None:
         self.rt = runtime
         self.system = system
-        self.request = request if request is not None else GenerateRequest.of(**options)
+        self.request = GenerateRequest.resolve(request, options)
+        from ondevice import templates
+
+        templates.warm()  # the first turn does not wait for the template worker to start
         self.turns: list[tuple[str, str]] = []  # (user, assistant)
         self.dropped = 0  # turns dropped to fit the context
 

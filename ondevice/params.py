@@ -156,6 +156,19 @@ class GenerateRequest:
         sampling = SamplingParams(**{k: v for k, v in options.items() if k in sampling_names})
         return cls(sampling=sampling, **{k: v for k, v in options.items() if k in own})
 
+    @classmethod
+    def resolve(cls, request: GenerateRequest | None, options: dict[str, Any]) -> GenerateRequest:
+        """The one request of an API call that takes ``request=`` or keyword options (``Runtime.stream`` /
+        ``chat``, ``ChatSession``): a ``GenerateRequest``, or one built from ``options`` by ``of``; both at once,
+        or a ``request`` of another type, is an ``OndeviceError``."""
+        if request is None:
+            return cls.of(**options)
+        if options:
+            raise OndeviceError(f"pass either a GenerateRequest or keyword options, not both ({', '.join(options)})")
+        if not isinstance(request, cls):
+            raise OndeviceError(f"request must be a GenerateRequest, not {type(request).__name__}")
+        return request
+
     def to_dict(self) -> dict[str, Any]:
         """Flat options (``of``'s inverse): for JSON and for replaying the request on other ranks."""
         d = asdict(self)

@@ -107,12 +107,7 @@ class Runtime:
         Raises:
             OndeviceError: a bad argument (checked here, before anything runs) or a closed runtime.
         """
-        if request is None:
-            request = GenerateRequest.of(**options)
-        elif options:
-            raise OndeviceError(f"pass either a GenerateRequest or keyword options, not both ({', '.join(options)})")
-        elif not isinstance(request, GenerateRequest):
-            raise OndeviceError(f"request must be a GenerateRequest, not {type(request).__name__}")
+        request = GenerateRequest.resolve(request, options)
         self._supersede()
         ids = self._prompt_ids(prompt)
         constraint = self._constraint(request.response_format, request.grammar)
@@ -157,10 +152,8 @@ class Runtime:
         ``messages``: a non-empty list of {role, content}; content is a string, None (empty) or a list of
         OpenAI text parts (joined), as the server accepts them.
         """
-        if request is None:
-            request = GenerateRequest.of(**options)  # bad options fail before the template renders
-            options = {}
-        return self.generate(self.render_chat(messages), request, **options)
+        request = GenerateRequest.resolve(request, options)  # bad options fail before the template renders
+        return self.generate(self.render_chat(messages), request)
 
     def render_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True,
                     tools: Sequence[dict] | None = None) -> list[int]:

@@ -229,3 +229,14 @@ def test_too_long_piped_line_is_one_error_and_the_next_lines_are_answered(tiny_g
     assert r.returncode == 1, err
     assert err.count("error:") == 1 and "too long" in err
     assert err.count(" tokens · ") == 2  # both short turns were answered (--stats line per answer)
+
+
+def test_template_worker_starts_from_a_process_that_held_more_than_its_memory_cap():
+    """Linux keeps ru_maxrss across execve: once this process had held over ``MEMORY_BYTES`` (any model above
+    ~1 GB: the Qwen2.5-Coder pair), the worker's memory watchdog saw itself over the cap at start and exited,
+    so every chat render failed with "could not start the chat template worker"."""
+    code = ("import ondevice.templates as T\n"
+            "big = b'\\x01' * (T.MEMORY_BYTES + (128 << 20)); del big  # the high-water mark stays\n"
+            "print(T.render('{{ messages[0].content }}!', [{'role': 'user', 'content': 'hi'}], source='s'))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "hi!", r.stderr

@@ -20,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import os
 from collections.abc import Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Literal
 
@@ -49,6 +50,28 @@ def init_llama(debug: bool = False) -> None:
 
         _LOG_CB = _log
         llama_cpp.llama_log_set(_LOG_CB, ctypes.c_void_p(0))
+
+
+@contextmanager
+def _ctrl_c_deferred():
+    """Hold Ctrl-C while llama.cpp calls back into Python (its log callback, during model load and context
+    creation), then deliver it to the previous handler. Raised inside a ctypes callback, KeyboardInterrupt is
+    printed as "Exception ignored" and dropped: the load went on and the command answered (exit 0)."""
+    import signal
+    import threading
+
+    previous = signal.getsignal(signal.SIGINT) if threading.current_thread() is threading.main_thread() else None
+    if previous is None:  # not the main thread, or a handler installed from C: leave signals alone
+        yield
+        return
+    hit: list[int] = []
+    signal.signal(signal.SIGINT, lambda *_: hit.append(1))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if hit:
+            signal.raise_signal(signal.SIGINT)
 
 
 class LlamaBackend(LlamaTree, Backend):
@@ -83,6 +106,7 @@ class LlamaBackend(LlamaTree, Backend):
         self._lib = llama_cpp
         self.path = Path(path)
         check_gguf_file(self.path)
+        self._model = self._ctx = self._batch = None  # close() (and __del__) free whatever a Ctrl-C left
         init_llama(debug or bool(os.environ.get("ONDEVICE_DEBUG")))
         mp = llama_cpp.llama_model_default_params()
         mp.load_mode = {
@@ -96,11 +120,10 @@ class LlamaBackend(LlamaTree, Backend):
         elif device == "gpu":
             mp.n_gpu_layers = 999  # all layers on Metal/CUDA when llama.cpp was built with it
         self.device = "gpu" if mp.n_gpu_layers != 0 and llama_cpp.llama_supports_gpu_offload() else "cpu"
-        self._model = llama_cpp.llama_model_load_from_file(str(self.path).encode(), mp)
+        with _ctrl_c_deferred():
+            self._model = llama_cpp.llama_model_load_from_file(str(self.path).encode(), mp)
         if not self._model:
             raise OndeviceError(f"{self.path}: llama.cpp could not load this GGUF (corrupt, truncated or unsupported); re-download or reconvert it")
-        self._ctx = None
-        self._batch = None
         self._vocab = llama_cpp.llama_model_get_vocab(self._model)
         self.vocab_size = int(llama_cpp.llama_vocab_n_tokens(self._vocab))
         self.n_swa = int(llama_cpp.llama_model_n_swa(self._model))
@@ -117,7 +140,8 @@ class LlamaBackend(LlamaTree, Backend):
         cp.no_perf = True
         # A full-size SWA cache keeps every position, so rolling back across the window is exact.
         cp.swa_full = self.n_swa > 0
-        self._ctx = llama_cpp.llama_init_from_model(self._model, cp)
+        with _ctrl_c_deferred():
+            self._ctx = llama_cpp.llama_init_from_model(self._model, cp)
         if not self._ctx:
             self.close()
             raise OndeviceError(f"{self.path}: llama.cpp could not create a context of n_ctx={n_ctx}; try a smaller --n-ctx")
@@ -290,7 +314,8 @@ class LlamaBackend(LlamaTree, Backend):
             lib.llama_batch_free(self._tree_batch)
             self._tree_batch = None
         if self._ctx:
-            lib.llama_free(self._ctx)
+            with _ctrl_c_deferred():
+                lib.llama_free(self._ctx)
             self._ctx = None
         if self._model:
             lib.llama_model_free(self._model)

@@ -38,6 +38,27 @@ def _fail(message: str, code: int = 2) -> None:
     raise typer.Exit(code)
 
 
+PIPE_WIDTH = 200  # columns for output that is not a terminal (rich's default, 80, cuts table cells to "qwen2.5-…")
+
+
+def console(stderr: bool = False, **kwargs):
+    """A rich ``Console`` for a command's output. A closed pipe (``| head``) raises ``BrokenPipeError``, which
+    ``command`` turns into a quiet exit 141 as for plain writes (rich's own handler exits 1, which ``chat``
+    uses for a refused turn); output that is not a terminal is ``PIPE_WIDTH`` wide (unless ``COLUMNS`` is set),
+    so piped tables keep whole names for grep."""
+    from rich.console import Console
+
+    class _Console(Console):
+        def on_broken_pipe(self) -> None:
+            self.quiet = True
+            raise BrokenPipeError
+
+    c = _Console(stderr=stderr, **kwargs)
+    if not c.is_terminal and "COLUMNS" not in os.environ:
+        c.width = PIPE_WIDTH
+    return c
+
+
 def _silence_stdout() -> None:
     """Point stdout at /dev/null (after a closed pipe, so the interpreter's final flush cannot fail again;
     on ranks > 0 of an mlx.launch job, which must not write)."""

@@ -37,25 +37,27 @@ def show_local(json_out: bool, target: str | None = None) -> None:
     if json_out:
         print(json.dumps(doc, indent=2, default=str))
         return
-    from rich.console import Console
     from rich.table import Column, Table
+
+    from ondevice.cli.app import console
 
     t = Table(Column("name", overflow="fold"), "format", "arch", "quant", "size", "vocab", "fingerprint",
               title="local models")
     for m in models:
         t.add_row(*row(m))
-    console = Console()
-    console.print(t)
-    console.print(f"[dim]looked in: HF cache {doc['stores']['hf']}; LM Studio {', '.join(doc['stores']['lmstudio'])}; "
+    out = console()
+    out.print(t)
+    out.print(f"[dim]looked in: HF cache {doc['stores']['hf']}; LM Studio {', '.join(doc['stores']['lmstudio'])}; "
                   f"Ollama {doc['stores']['ollama']}[/dim]", soft_wrap=True)
     if target is not None:
-        show_candidates(target, doc["drafts"], console)
+        show_candidates(target, doc["drafts"], out)
 
 
-def show_candidates(target: str, rows: list[dict] | None = None, console=None) -> None:
+def show_candidates(target: str, rows: list[dict] | None = None, out=None) -> None:
     """Print each local model's verdict as a draft for ``target``."""
-    from rich.console import Console
     from rich.table import Column, Table
+
+    from ondevice.cli.app import console
 
     if rows is None:
         from ondevice.autodraft import candidates
@@ -66,6 +68,6 @@ def show_candidates(target: str, rows: list[dict] | None = None, console=None) -
     for r in rows:
         ratio = f"{r['size_ratio']:.2f}" if r.get("size_ratio") is not None else ""
         t.add_row(r["name"], _mb(r.get("size")), ratio, ("[green]✓ [/green]" if r["ok"] else "✗ ") + r["reason"])
-    (console or Console()).print(t)
+    (out or console()).print(t)
     if not any(r["ok"] for r in rows):
-        (console or Console()).print("no compatible, much smaller local model: --draft auto would use n-gram drafting")
+        (out or console()).print("no compatible, much smaller local model: --draft auto would use n-gram drafting")

@@ -29,11 +29,27 @@ from ondevice.cli.app import (
 from ondevice.params import DEFAULT_N_CTX, GenerateRequest
 
 
+def _prompt_text(prompt: str | None) -> str:
+    """``-p TEXT`` as given; ``-p -`` or no ``-p`` with piped stdin: stdin (UTF-8, read before the model loads)."""
+    from ondevice.errors import OndeviceError
+
+    if prompt is not None and prompt != "-":
+        return prompt
+    if prompt is None and sys.stdin.isatty():
+        raise OndeviceError("no prompt: pass -p TEXT, or pipe it (echo TEXT | ondevice generate MODEL)")
+    data = sys.stdin.buffer.read()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise OndeviceError(f"stdin is not valid UTF-8 ({e.reason} at byte {e.start}); send UTF-8 text") from None
+
+
 @command("generate")
 @request_options
 def generate_cmd(
     model: Annotated[str, typer.Argument(help="Target model: path or catalog name.")],
-    prompt: Annotated[str, typer.Option("--prompt", "-p", help="Prompt text.")],
+    prompt: Annotated[str | None, typer.Option("--prompt", "-p", help="Prompt text; - or none with piped stdin: "
+                                               "read the prompt from stdin.")] = None,
     draft: DraftOpt = None,
     ngram: NgramOpt = False,
     no_spec: NoSpecOpt = False,
@@ -49,6 +65,8 @@ def generate_cmd(
 
     from ondevice.loader import load
 
+    prompt = _prompt_text(prompt)
+
     with load(model, draft, drafter=_drafter(draft, ngram, no_spec), n_ctx=n_ctx, threads=threads, device=device,
               draft_device=draft_device) as rt:
         if json_out:
@@ -57,10 +75,15 @@ def generate_cmd(
             return _dump({**doc, "draft_choice": rt.draft_choice} if rt.draft_choice else doc)
         if rt.draft_choice:
             typer.echo(f"draft: {rt.draft_choice['reason']}", err=True)
-        for chunk in rt.stream(prompt, request):
+        stream = rt.stream(prompt, request)
+        for chunk in stream:
             sys.stdout.write(chunk.text)
             sys.stdout.flush()
         sys.stdout.write("\n")
+        from ondevice.cli.repl import context_note
+
+        if note := context_note(stream.stats, rt.n_ctx):
+            typer.echo(note, err=True)
 
 
 DEFAULT_CHAT_MODEL = "qwen2.5-coder-0.5b-instruct"  # chosen by pass rate, speed and size: docs/quality.md

@@ -51,8 +51,9 @@ def models_cmd(
     rows = lookup.listing()
     if json_out:
         return _dump(rows)
-    from rich.console import Console
     from rich.table import Table
+
+    from ondevice.cli.app import console
 
     t = Table("name", "kind", "role / pair", "quant", "size", "license", "pulled")
     for r in rows:
@@ -61,7 +62,7 @@ def models_cmd(
         else:
             t.add_row(r["name"], r["kind"], r["role"], r["quant"], f"{r['size'] / 1e6:.0f} MB",
                       r["license"], "✓" if r["pulled"] else "")
-    Console().print(t)
+    console().print(t)
 
 
 @command("convert")

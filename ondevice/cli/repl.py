@@ -27,6 +27,13 @@ def _ctrl_c_cancels(stream):
         signal.signal(signal.SIGINT, previous)
 
 
+def context_note(stats, n_ctx: int) -> str | None:
+    """The line that says an answer was cut by the context (not by --max-tokens or end of sequence), or None."""
+    if stats.stop_reason != "context":
+        return None
+    return f"(the answer stopped at the end of the context, {n_ctx} tokens; raise --n-ctx for longer answers)"
+
+
 def _stats_line(s) -> str:
     return (f"{s.tokens} tokens · {s.tokens_per_second:.1f} tok/s · ttft {s.time_to_first_token * 1000:.0f} ms · "
             f"acceptance {s.acceptance_rate:.0%} · {s.mean_accepted_per_forward:.2f} tokens/pass · "
@@ -52,11 +59,12 @@ def run_chat(runtime, *, system: str | None, show_draft: bool, show_stats: bool,
     session goes on with the next turn, its history kept. Returns the exit status: 0, or 1 when a turn of
     piped input was refused.
     """
-    from rich.console import Console
     from rich.markup import escape
 
-    out = Console(highlight=False, soft_wrap=True, emoji=False)
-    err = Console(stderr=True, highlight=False, soft_wrap=True, emoji=False)
+    from ondevice.cli.app import console
+
+    out = console(highlight=False, soft_wrap=True, emoji=False)
+    err = console(stderr=True, highlight=False, soft_wrap=True, emoji=False)
     refused = 0
     session = ChatSession(runtime, system=system, request=request)
     interactive = sys.stdin.isatty()
@@ -114,6 +122,8 @@ def run_chat(runtime, *, system: str | None, show_draft: bool, show_stats: bool,
         out.print()
         if stream.stats.stop_reason == "cancelled":
             err.print("[dim](stopped)[/dim]")
+        elif note := context_note(stream.stats, runtime.n_ctx):
+            err.print(f"[yellow]{note}[/yellow]")
         session.commit(line, "".join(answer))
         if show_stats:
             err.print(f"[dim]{_stats_line(stream.stats)}[/dim]")

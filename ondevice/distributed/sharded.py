@@ -92,7 +92,7 @@ class DistributedRuntime(Runtime):
             self.world.send({**msg, "rid": self.rid})
 
     def stream(self, prompt, request: GenerateRequest | None = None, **options):
-        request = request if request is not None else GenerateRequest.of(**options)
+        request = GenerateRequest.resolve(request, options)
         if request.sampling.seed is None and self.world.rank == 0:  # one seed for every rank
             seed = int.from_bytes(os.urandom(4), "little")
             request = dataclasses.replace(request, sampling=dataclasses.replace(request.sampling, seed=seed))

@@ -13,7 +13,7 @@ import uuid
 from typing import Any
 
 from ondevice.errors import OndeviceError
-from ondevice.params import DEFAULT_GAMMA, GenerateRequest
+from ondevice.params import DEFAULT_GAMMA, GenerateRequest, gamma_value
 from ondevice.speculative import Stats
 
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}  # anything else was cut short
@@ -98,38 +98,32 @@ def generation_args(body: dict, n_prompt: int, n_ctx: int) -> GenerateRequest:
         "seed": _number(body, "seed", 0, 2**63 - 1, integer=True),
     }
     gen: dict[str, Any] = {k: v for k, v in pick.items() if v is not None}
+    try:
+        gamma = gamma_value(body.get("gamma", DEFAULT_GAMMA))
+    except OndeviceError as e:
+        raise ApiError(400, str(e), param="gamma", code="invalid_value") from e
     try:  # the runtime's own checks, before queueing
         return GenerateRequest.of(**gen, max_tokens=max_tokens if max_tokens is not None else max(1, n_ctx - n_prompt),
-                                  stop=stop or [], gamma=body.get("gamma", DEFAULT_GAMMA))
+                                  stop=stop or [], gamma=gamma)
     except OndeviceError as e:
         raise ApiError(400, str(e), code="invalid_value") from e
 
 
-def _text_of(content: Any, where: str) -> str:
-    """``ondevice.chat.message_text`` (the one rule for contents), its errors as 400s."""
-    from ondevice.chat import message_text
-
-    try:
-        return message_text(content, where)
-    except OndeviceError as e:
-        code = "unsupported_value" if "not supported" in str(e) else None
-        raise ApiError(400, str(e), param="messages", code=code) from None
-
-
 def chat_messages(body: dict) -> list[dict]:
     """``messages`` → [{role, content}] for the chat template (text parts joined; 'developer' → 'system')."""
+    from ondevice.chat import OPENAI_ROLES, normalize_messages
+
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise ApiError(400, "'messages' must be a non-empty list of {role, content} objects", param="messages",
                        code="invalid_value")
-    out = []
-    for i, m in enumerate(msgs):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise ApiError(400, f"messages[{i}] must be an object with a 'role' string", param="messages")
-        role = "system" if m["role"] == "developer" else m["role"]
-        out.append({"role": role, "content": _text_of(m.get("content"), f"messages[{i}]"),
-                    **{k: m[k] for k in ("tool_calls", "tool_call_id", "name") if m.get(k) is not None}})
-    return out
+    try:
+        return [{"role": m["role"], "content": m["content"],
+                 **{k: m[k] for k in ("tool_calls", "tool_call_id", "name") if m.get(k) is not None}}
+                for m in normalize_messages(msgs, roles=OPENAI_ROLES)]
+    except OndeviceError as e:
+        code = "unsupported_value" if "not supported" in str(e) else "invalid_value"
+        raise ApiError(400, str(e), param="messages", code=code) from None
 
 
 def completion_prompt(body: dict) -> str | list[int]:

@@ -63,6 +63,10 @@ def serve(runtime, model_id: str, *, host: str = "127.0.0.1", port: int = 8080, 
         print("warning: --cors-origin '*': any web page you open can call this server", file=sys.stderr)
     app = Server(runtime, model_id, api_key=api_key, max_queue=max_queue, cors_origins=cors_origins,
                  loopback_only=loopback)
+    if runtime.target.chat_template:
+        from ondevice import templates
+
+        templates.warm()  # the first /v1/chat/completions does not wait for the template worker to start
     # On a signal the running job is cancelled at once and ends after the native pass in progress (a long
     # prefill on a busy machine can take seconds); only then is the connection closed. A second Ctrl-C forces.
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=GRACE_SECONDS,
