@@ -50,7 +50,8 @@ def test_convert_memory_does_not_grow_with_the_model(tmp_path, to, args):
     growth_allowed = 0.75 * (big["f16_bytes"] - small["f16_bytes"])
     assert summary["verify"]["passed"]
     check = summary["verify"]["cost"]
-    assert check["seconds"] > 0 and 0 < check["peak_rss_bytes"] <= peak_big
+    # the check's own peak lies inside the whole run's; both are sampled (every few ms), so allow 5 % of jitter
+    assert check["seconds"] > 0 and 0 < check["peak_rss_bytes"] <= 1.05 * peak_big
     assert grew <= growth_allowed, (f"peak RssAnon grew by {grew / 1e6:.0f} MB for {big['f16_bytes'] / 1e6:.0f} MB of "
                                     f"f16 weights (small: {peak_small / 1e6:.0f} MB, big: {peak_big / 1e6:.0f} MB)")
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from ondevice import sampling
-from ondevice.drafters import ModelDrafter
+from ondevice.drafters import Drafter, ModelDrafter
 from ondevice.policy import FixedGamma
 from ondevice.sampling import (
     SamplingParams,
@@ -329,12 +329,12 @@ def test_model_drafter_draws_the_reference_tokens_and_q(target_vocab):
         assert (got_q is None) == params.greedy
 
 
-class _Ngram:
+class _Ngram(Drafter):
     """A cheap drafter proposing a fixed pattern (some of it right, some wrong)."""
 
     name, cheap, last_match_len = "fake", True, 0
 
-    def propose(self, context, gamma, params, rng):
+    def propose(self, context, gamma, params, rng, keep_drafting=None, constraint=None):
         return [(context[-1] * 7 + i) % 50 for i in range(gamma)], None
 
 
