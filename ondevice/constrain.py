@@ -86,9 +86,13 @@ def json_grammar(schema: Mapping) -> str:
     import llguidance
 
     try:
-        return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_OPTIONS)
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_OPTIONS)
     except (ValueError, TypeError) as e:
         raise OndeviceError(f"json schema: {e}") from None
+    error = llguidance.LLMatcher.validate_grammar(grammar)  # a bad schema fails here, not at the first token
+    if error:
+        raise OndeviceError(f"json schema: {error}")
+    return grammar
 
 
 class _Vocab:

@@ -46,6 +46,12 @@ def check_tools(tools: Any) -> list[dict]:
         params = fn.get("parameters", {"type": "object", "properties": {}})
         if not isinstance(params, Mapping):
             raise OndeviceError(f"tools[{i}].function.parameters must be a JSON schema object")
+        from ondevice.constrain import json_grammar
+
+        try:
+            json_grammar(params)
+        except OndeviceError as e:
+            raise OndeviceError(f"tools[{i}].function.parameters: {e}") from None
     return list(tools)
 
 

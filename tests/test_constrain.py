@@ -207,3 +207,10 @@ def test_eos_only_where_the_constraint_accepts(tiny_gguf):
         assert c.allowed()[eos].all()
     finally:
         b.close()
+
+
+def test_bad_schema_fails_when_the_grammar_is_built():
+    """A schema llguidance cannot compile is refused by grammar_text itself (no model, no decoding started)."""
+    with pytest.raises(OndeviceError, match=r"^json schema: .*nosuchtype"):
+        grammar_text(_rf({"type": "object", "properties": {"a": {"type": "nosuchtype"}}}))
+    assert grammar_text(_rf({"type": "object"}))

@@ -79,6 +79,16 @@ def test_greedy_with_heads_equals_plain(trained, home):
     assert drafted > 0
 
 
+def test_heads_refuse_a_constraint_in_one_line(trained, home):
+    """Heads do not follow a constraint: a constrained request says so in one line; gamma=0 still answers."""
+    with ondevice.load(trained[0], draft="heads", threads=1) as rt:
+        rf = {"type": "regex", "regex": "[a-z]{3}"}
+        with pytest.raises(OndeviceError, match=r"heads drafter cannot draft under a constraint .*gamma=0") as e:
+            rt.generate(PROMPTS[0], max_tokens=8, response_format=rf)
+        assert "\n" not in str(e.value)
+        assert len(rt.generate(PROMPTS[0], max_tokens=8, temperature=0, gamma=0, response_format=rf).text) <= 3
+
+
 def test_hidden_rows_are_the_lm_heads_input(tiny_gguf):
     """enable_hidden changes no logits, and hidden(pos) is the row of the last eval at that position."""
     b = LlamaBackend(tiny_gguf("llama"), n_ctx=128, threads=1)

@@ -123,6 +123,18 @@ def test_tool_calls_required_and_named(served, choice, stream):
     jsonschema.validate(json.loads(calls[0].function.arguments), _params(name))
 
 
+def test_forced_call_cut_short_is_no_content_whole_or_streamed(served):
+    """A forced call cut by max_tokens: finish 'length', no tool_calls and no half-JSON content, both ways."""
+    client, model, _, gamma = served
+    kw = dict(model=model, messages=MSGS, tools=TOOLS, tool_choice="required", temperature=0, max_tokens=3,
+              extra_body={"gamma": gamma})
+    m = client.chat.completions.create(**kw).choices[0]
+    assert (m.finish_reason, m.message.content, m.message.tool_calls) == ("length", None, None)
+    chunks = list(client.chat.completions.create(stream=True, **kw))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ""
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+
+
 def test_tool_round_trip_and_auto(served):
     """A conversation holding a call and its result renders; 'auto' on a template without a tool format answers."""
     client, model, direct, gamma = served
@@ -138,7 +150,9 @@ def test_tool_round_trip_and_auto(served):
 
 @pytest.mark.parametrize("body,param", [
     (dict(response_format={"type": "yaml"}), "response_format"),
-    (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nosuch"}}}), None),
+    (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nosuch"}}}), "response_format"),
+    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "nosuch"}}}],
+          tool_choice="required"), "tools"),
     (dict(logprobs=True, top_logprobs=21), "top_logprobs"),
     (dict(top_logprobs=2), "top_logprobs"),
     (dict(tools=[{"type": "function", "function": {"name": "bad name"}}]), "tools"),

@@ -61,6 +61,8 @@ def test_choice_and_checks():
     for bad in ([], [{"type": "function"}], [WEATHER, WEATHER], [{"type": "function", "function": {"name": "a b"}}]):
         with pytest.raises(OndeviceError):
             T.check_tools(bad)
+    with pytest.raises(OndeviceError, match=r"^tools\[1\]\.function\.parameters: json schema: .*nosuch"):
+        T.check_tools([WEATHER, {"type": "function", "function": {"name": "f", "parameters": {"type": "nosuch"}}}])
 
 
 def test_qwen_template_renders_tools_and_calls():

@@ -241,6 +241,8 @@ class Server:
             answer, calls = "".join(text), None
             if st.tools:
                 answer, calls = parse_calls(answer, st.tool_format, st.tools)
+                if "grammar" in st.run and not calls:
+                    answer = None  # a forced call cut short is no content (as streamed: ToolStream)
             tb = self.rt.target.token_bytes
             lp = (chat_logprobs(lps, tb) if reply.chat else completion_logprobs(lps, tb)) if st.logprobs else None
             return JSONResponse(reply.whole(answer, job.stats, lp, calls or None))

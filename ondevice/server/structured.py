@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from ondevice import tools as T
+from ondevice.constrain import grammar_text
 from ondevice.errors import OndeviceError
 from ondevice.logprobs import TokenLogprob
 from ondevice.params import MAX_TOP_LOGPROBS
@@ -78,6 +79,10 @@ def structured_args(body: dict, chat: bool, chat_template: str | None) -> Struct
                 raise _bad("response_format", "json_schema needs {'name': ..., 'schema': {...}, 'strict': true}")
             rf = {"type": "json_schema", "json_schema": {**js, "schema": js.get("schema", {})}}
         if rf["type"] != "text":
+            try:
+                grammar_text(rf)  # a bad schema is a 400 naming response_format, before any decoding
+            except OndeviceError as e:
+                raise _bad("response_format", str(e)) from None
             out.run["response_format"] = rf
     tools = body.get("tools")
     if tools is not None and chat:
