@@ -115,10 +115,15 @@ def hf_readings(src: Path, add_bos: bool, bos_id: int | None, text: str = PROBE)
     return rec
 
 
-def describe(readings: dict) -> str:
-    """One line: the strings the readings split differently (for errors and the summary)."""
+def describe(readings: dict, visible_spaces: bool = False) -> str:
+    """One line: the strings the readings split differently (for errors and the summary). ``visible_spaces``
+    writes each space as ␣, so that a one-line error (whose whitespace runs collapse) still tells them apart."""
     diffs = readings.get("differences") or []
-    shown = "; ".join(f"{d['text']!r}: transformers {d['transformers']} vs tokenizers {d['tokenizers']}"
+
+    def text(t: str) -> str:
+        return repr(t).replace(" ", "␣") if visible_spaces else repr(t)
+
+    shown = "; ".join(f"{text(d['text'])}: transformers {d['transformers']} vs tokenizers {d['tokenizers']}"
                       for d in diffs[:3])
     more = f" (+{len(diffs) - 3} more)" if len(diffs) > 3 else ""
     why = f" [{readings['why']}]" if readings.get("why") else ""
@@ -135,7 +140,7 @@ def check_readings(src: Path, readings: dict, mode: str) -> dict | None:
     if mode == "strict":
         raise OndeviceError(
             f"{src / 'tokenizer.json'}: transformers and the tokenizers library read this tokenizer differently on "
-            f"{describe(readings)}; nothing was written (--tokenizer-check warn converts and reports it)")
+            f"{describe(readings, visible_spaces=True)}; nothing was written (--tokenizer-check warn converts and reports it)")
     return {"readings_agree": False, "reference": readings["reference"], "differences": readings["differences"],
             "transformers_class": readings.get("transformers_class"), "why": readings.get("why"),
             "summary": describe(readings),

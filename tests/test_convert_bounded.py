@@ -96,6 +96,8 @@ def test_tokenizer_check_strict_refuses_with_one_line_and_writes_nothing(two_rea
     msg = str(e.value)
     assert "\n" not in msg and "tokenizer.json" in msg and "nothing was written" in msg and "--tokenizer-check warn" in msg
     assert not out.exists() and not list(tmp_path.glob(".strict*"))
+    # the one-line error collapses whitespace runs: the differing strings keep their spaces visible (␣)
+    assert "'\\n␣␣␣'" in msg
 
 
 def test_tokenizer_check_strict_passes_agreeing_readings(tmp_path):
