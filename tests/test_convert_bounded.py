@@ -163,3 +163,22 @@ def test_ggml_dequantize_equals_gguf(tiny_hf, tmp_path):
         np.testing.assert_array_equal(dequantize(t.data, t.tensor_type).reshape(want.shape), want)
         types.add(t.tensor_type.name)
     assert {"Q4_K", "Q6_K", "F32"} <= types
+
+
+# -- Ctrl-C -----------------------------------------------------------------------------------------
+def test_ctrl_c_swallowed_by_a_c_callback_is_remembered_and_not_printed():
+    """A Ctrl-C landing in llama.cpp's log callback is swallowed by ctypes: the flag stops the conversion,
+    and no "Exception ignored ... KeyboardInterrupt" traceback reaches the user's terminal."""
+    code = (
+        "import ctypes, os, signal\n"
+        "from converters.output import check_interrupted, sigint_remembered\n"
+        "cb = ctypes.CFUNCTYPE(None)(lambda: os.kill(os.getpid(), signal.SIGINT))\n"
+        "try:\n"
+        "    with sigint_remembered():\n"
+        "        cb()  # raised inside the callback: ctypes reports it and carries on\n"
+        "        check_interrupted()\n"
+        "except KeyboardInterrupt:\n"
+        "    print('stopped')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.stdout.strip() == "stopped" and "Exception ignored" not in r.stderr, r.stderr
