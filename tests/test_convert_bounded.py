@@ -148,6 +148,9 @@ def test_gguf_to_coreml_keeps_blocks_and_is_checked_against_the_source(tiny_hf, 
     assert src["gated"] is gated and src["reference"].startswith("llama.cpp") and src["top1_agreement"] >= 0.8
     manifest = json.loads((tmp_path / "c" / "manifest.json").read_text())
     assert manifest["verified"]["source"] == src and manifest["blocks"] == blocks
+    # the check's cost is reported as for GGUF / MLX: the package check and the source agreement
+    for cost in (s["verify"]["cost"], src["cost"]):
+        assert cost["seconds"] > 0 and cost["peak_rss_bytes"] > 0
 
 
 def test_ggml_dequantize_equals_gguf(tiny_hf, tmp_path):
