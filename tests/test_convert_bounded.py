@@ -151,6 +151,10 @@ def test_gguf_to_coreml_keeps_blocks_and_is_checked_against_the_source(tiny_hf, 
     # the check's cost is reported as for GGUF / MLX: the package check and the source agreement
     for cost in (s["verify"]["cost"], src["cost"]):
         assert cost["seconds"] > 0 and cost["peak_rss_bytes"] > 0
+    from ondevice.store.info import describe
+
+    line = describe(tmp_path / "c")["verified"]  # `ondevice info`'s line: the positions compared, no "None"
+    assert line.startswith("yes, against the source") and "None" not in line and "positions" in line, line
 
 
 def test_ggml_dequantize_equals_gguf(tiny_hf, tmp_path):
