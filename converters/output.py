@@ -19,7 +19,9 @@ from ondevice.errors import OndeviceError
 def check_out(out: Path) -> None:
     """Refuse, before any work is done: an existing non-empty ``out``, an empty one that cannot be replaced at
     the end (a mount point, a directory the OS will not move), and an unwritable parent."""
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+    if out.exists() and not out.is_dir():
+        raise OndeviceError(f"{out}: is a file, not a directory; --out names the directory to write (a new one)")
+    if out.exists() and any(out.iterdir()):
         raise OndeviceError(f"{out}: already exists and is not empty; choose a new --out directory")
     if out.is_dir():
         _check_replaceable(out)

@@ -189,3 +189,18 @@ def test_ctrl_c_swallowed_by_a_c_callback_is_remembered_and_not_printed():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60,
                        env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert r.stdout.strip() == "stopped" and "Exception ignored" not in r.stderr, r.stderr
+
+
+def test_out_that_is_a_file_is_named_as_a_file(tmp_path):
+    """--out naming an existing file said "already exists and is not empty"; it says what it is."""
+    from converters.output import check_out
+
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(OndeviceError, match="is a file, not a directory"):
+        check_out(tmp_path / "f")
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "x").write_text("x")
+    with pytest.raises(OndeviceError, match="already exists and is not empty"):
+        check_out(tmp_path / "d")
+    (tmp_path / "e").mkdir()
+    check_out(tmp_path / "e")  # an empty directory is taken
