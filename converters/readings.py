@@ -62,9 +62,31 @@ def _pre_tokenizer_note(src: Path, cls: str) -> str | None:
     except Exception:  # noqa: BLE001 - a note only
         return None
     if json.dumps(mine, sort_keys=True) != json.dumps(theirs, sort_keys=True):
+        a, b = _regexes(mine), _regexes(theirs)
+        what = (f"split regex {_short(a)} → {_short(b)}" if a != b
+                else f"{(mine or {}).get('type')} → {(theirs or {}).get('type')}")
         return (f"transformers loads {cls}, which builds its own pre-tokenizer instead of tokenizer.json's "
-                f"({(mine or {}).get('type')} → {(theirs or {}).get('type')}); mlx-lm and HF users get transformers' reading")
+                f"({what}); mlx-lm and HF users get transformers' reading")
     return None
+
+
+BYTELEVEL_REGEX = "ByteLevel's built-in GPT-2 regex"
+
+
+def _regexes(node) -> list[str]:
+    """Every split regex of a pre-tokenizer's JSON, in order (ByteLevel's built-in one by name)."""
+    if isinstance(node, dict):
+        if node.get("type") == "ByteLevel" and node.get("use_regex", True):
+            return [BYTELEVEL_REGEX]
+        return ([node["Regex"]] if isinstance(node.get("Regex"), str) else []) + [
+            r for v in node.values() for r in _regexes(v)]
+    return [r for v in node for r in _regexes(v)] if isinstance(node, list) else []
+
+
+def _short(regexes: list[str], n: int = 40) -> str:
+    """The regexes, each cut to ``n`` characters, for a one-line note."""
+    return ", ".join(r if r == BYTELEVEL_REGEX else repr(r if len(r) <= n else r[:n] + "…")
+                     for r in regexes) or "none"
 
 
 def differences(text: str, a: tuple[list, list], b: tuple[list, list], limit: int = 8) -> list[dict]:

@@ -77,6 +77,7 @@ def test_readings_name_the_strings_that_differ(two_readings):
     assert "\n   " in texts  # the probe's "\n    return": Qwen2's regex splits the newline off first
     d = r["differences"][texts.index("\n   ")]
     assert d["transformers"] != d["tokenizers"] and "Qwen2Tokenizer" in r["why"]
+    assert "split regex ByteLevel's built-in GPT-2 regex → " in r["why"]  # names what was replaced
 
 
 @pytest.mark.parametrize("to,follows", [("mlx", "transformers"), ("gguf", "tokenizers")])
