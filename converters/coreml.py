@@ -304,8 +304,11 @@ def to_coreml(src: Path, out: Path, *, context: int = 512, compress: str = "int4
         n_params = sum(int(a.size) for k, a in weights.items() if not (k == "lm_head.weight" and cfg.tie_embeddings))
         del weights  # the check reads the package's own (decompressed) weights
         bar.update(task, advance=1, description="coreml: check the saved program (MIL interpreter)")
+        from converters.check import timed
+
         with quiet():
-            verified = check_package(out / "model.mlpackage", cfg, context=context, chunk=chunk)
+            verified, cost = timed(lambda: check_package(out / "model.mlpackage", cfg, context=context, chunk=chunk))
+        verified["cost"] = cost  # wall time, CPU time, peak private memory of the check (as GGUF / MLX)
         bar.update(task, advance=1)
     write_tokenizer(out)
     size = sum(f.stat().st_size for f in (out / "model.mlpackage").rglob("*") if f.is_file())
@@ -321,7 +324,9 @@ def to_coreml(src: Path, out: Path, *, context: int = 512, compress: str = "int4
         from converters.coreml_source import source_agreement
 
         with quiet():
-            verified["source"] = source_agreement(out, Path(src), lossless=blocks is not None and not block_report["requantized"])
+            lossless = blocks is not None and not block_report["requantized"]
+            verified["source"], cost = timed(lambda: source_agreement(out, Path(src), lossless=lossless))
+        verified["source"]["cost"] = cost
         write_manifest(out, manifest)
     return {**meta, "verified": verified, "path": "model.mlpackage", "size_bytes": size, "n_params": n_params,
             "bits_per_weight": round(size * 8 / n_params, 3), "seconds": round(time.perf_counter() - t0, 3)}

@@ -22,7 +22,9 @@ def source_agreement(directory: Path, src: Path, *, lossless: bool, n_tokens: in
     the GGUF's blocks; recorded only when some were re-quantized (that cost is the user's choice).
 
     Returns:
-        {"reference", "tokens", "top1_agreement", "top1_agreement_all", "max_rel_error", "gated"}.
+        ``converters.probe.compare``'s record ({"positions", "decisive_positions", "top1_agreement",
+        "top1_agreement_all", "max_rel_error"}) with "reference", "interpreter", "gated" (and "cost", added
+        by ``converters.coreml``).
     """
     from ondevice.backends.mil import MILBackend
 

@@ -8,6 +8,7 @@ import os
 import secrets
 import shutil
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +19,9 @@ from ondevice.errors import OndeviceError
 def check_out(out: Path) -> None:
     """Refuse, before any work is done: an existing non-empty ``out``, an empty one that cannot be replaced at
     the end (a mount point, a directory the OS will not move), and an unwritable parent."""
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+    if out.exists() and not out.is_dir():
+        raise OndeviceError(f"{out}: is a file, not a directory; --out names the directory to write (a new one)")
+    if out.exists() and any(out.iterdir()):
         raise OndeviceError(f"{out}: already exists and is not empty; choose a new --out directory")
     if out.is_dir():
         _check_replaceable(out)
@@ -72,7 +75,8 @@ def sigint_remembered() -> Iterator[None]:
     A Ctrl-C that lands while llama.cpp calls back into Python (its log callback, called thousands of times
     by the quantizer and at load) raises inside a ctypes callback, where Python prints "Exception ignored"
     and carries on: the conversion would then finish and be kept as if nothing happened. The handler
-    still raises ``KeyboardInterrupt`` at once, as the default one does; the flag catches the swallowed ones.
+    still raises ``KeyboardInterrupt`` at once, as the default one does; the flag catches the swallowed ones,
+    and their "Exception ignored" tracebacks are not printed (the flag, not a traceback, reports them).
     Outside the main thread (no signal handlers there) the block runs unchanged.
     """
     if threading.current_thread() is not threading.main_thread():
@@ -86,12 +90,20 @@ def sigint_remembered() -> Iterator[None]:
         _interrupted.set()
         raise KeyboardInterrupt
 
+    hook = sys.unraisablehook
+
+    def unraisable(u) -> None:
+        if not isinstance(u.exc_value, KeyboardInterrupt):
+            hook(u)
+
     _interrupted.clear()
     for s in signals:
         signal.signal(s, handler)
+    sys.unraisablehook = unraisable
     try:
         yield
     finally:
+        sys.unraisablehook = hook
         for s, h in previous.items():
             signal.signal(s, h)
         _interrupted.clear()

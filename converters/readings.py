@@ -62,9 +62,31 @@ def _pre_tokenizer_note(src: Path, cls: str) -> str | None:
     except Exception:  # noqa: BLE001 - a note only
         return None
     if json.dumps(mine, sort_keys=True) != json.dumps(theirs, sort_keys=True):
+        a, b = _regexes(mine), _regexes(theirs)
+        what = (f"split regex {_short(a)} → {_short(b)}" if a != b
+                else f"{(mine or {}).get('type')} → {(theirs or {}).get('type')}")
         return (f"transformers loads {cls}, which builds its own pre-tokenizer instead of tokenizer.json's "
-                f"({(mine or {}).get('type')} → {(theirs or {}).get('type')}); mlx-lm and HF users get transformers' reading")
+                f"({what}); mlx-lm and HF users get transformers' reading")
     return None
+
+
+BYTELEVEL_REGEX = "ByteLevel's built-in GPT-2 regex"
+
+
+def _regexes(node) -> list[str]:
+    """Every split regex of a pre-tokenizer's JSON, in order (ByteLevel's built-in one by name)."""
+    if isinstance(node, dict):
+        if node.get("type") == "ByteLevel" and node.get("use_regex", True):
+            return [BYTELEVEL_REGEX]
+        return ([node["Regex"]] if isinstance(node.get("Regex"), str) else []) + [
+            r for v in node.values() for r in _regexes(v)]
+    return [r for v in node for r in _regexes(v)] if isinstance(node, list) else []
+
+
+def _short(regexes: list[str], n: int = 40) -> str:
+    """The regexes, each cut to ``n`` characters, for a one-line note."""
+    return ", ".join(r if r == BYTELEVEL_REGEX else repr(r if len(r) <= n else r[:n] + "…")
+                     for r in regexes) or "none"
 
 
 def differences(text: str, a: tuple[list, list], b: tuple[list, list], limit: int = 8) -> list[dict]:
@@ -115,10 +137,15 @@ def hf_readings(src: Path, add_bos: bool, bos_id: int | None, text: str = PROBE)
     return rec
 
 
-def describe(readings: dict) -> str:
-    """One line: the strings the readings split differently (for errors and the summary)."""
+def describe(readings: dict, visible_spaces: bool = False) -> str:
+    """One line: the strings the readings split differently (for errors and the summary). ``visible_spaces``
+    writes each space as ␣, so that a one-line error (whose whitespace runs collapse) still tells them apart."""
     diffs = readings.get("differences") or []
-    shown = "; ".join(f"{d['text']!r}: transformers {d['transformers']} vs tokenizers {d['tokenizers']}"
+
+    def text(t: str) -> str:
+        return repr(t).replace(" ", "␣") if visible_spaces else repr(t)
+
+    shown = "; ".join(f"{text(d['text'])}: transformers {d['transformers']} vs tokenizers {d['tokenizers']}"
                       for d in diffs[:3])
     more = f" (+{len(diffs) - 3} more)" if len(diffs) > 3 else ""
     why = f" [{readings['why']}]" if readings.get("why") else ""
@@ -135,7 +162,7 @@ def check_readings(src: Path, readings: dict, mode: str) -> dict | None:
     if mode == "strict":
         raise OndeviceError(
             f"{src / 'tokenizer.json'}: transformers and the tokenizers library read this tokenizer differently on "
-            f"{describe(readings)}; nothing was written (--tokenizer-check warn converts and reports it)")
+            f"{describe(readings, visible_spaces=True)}; nothing was written (--tokenizer-check warn converts and reports it)")
     return {"readings_agree": False, "reference": readings["reference"], "differences": readings["differences"],
             "transformers_class": readings.get("transformers_class"), "why": readings.get("why"),
             "summary": describe(readings),

@@ -77,6 +77,7 @@ def test_readings_name_the_strings_that_differ(two_readings):
     assert "\n   " in texts  # the probe's "\n    return": Qwen2's regex splits the newline off first
     d = r["differences"][texts.index("\n   ")]
     assert d["transformers"] != d["tokenizers"] and "Qwen2Tokenizer" in r["why"]
+    assert "split regex ByteLevel's built-in GPT-2 regex → " in r["why"]  # names what was replaced
 
 
 @pytest.mark.parametrize("to,follows", [("mlx", "transformers"), ("gguf", "tokenizers")])
@@ -96,6 +97,8 @@ def test_tokenizer_check_strict_refuses_with_one_line_and_writes_nothing(two_rea
     msg = str(e.value)
     assert "\n" not in msg and "tokenizer.json" in msg and "nothing was written" in msg and "--tokenizer-check warn" in msg
     assert not out.exists() and not list(tmp_path.glob(".strict*"))
+    # the one-line error collapses whitespace runs: the differing strings keep their spaces visible (␣)
+    assert "'\\n␣␣␣'" in msg
 
 
 def test_tokenizer_check_strict_passes_agreeing_readings(tmp_path):
@@ -146,6 +149,13 @@ def test_gguf_to_coreml_keeps_blocks_and_is_checked_against_the_source(tiny_hf, 
     assert src["gated"] is gated and src["reference"].startswith("llama.cpp") and src["top1_agreement"] >= 0.8
     manifest = json.loads((tmp_path / "c" / "manifest.json").read_text())
     assert manifest["verified"]["source"] == src and manifest["blocks"] == blocks
+    # the check's cost is reported as for GGUF / MLX: the package check and the source agreement
+    for cost in (s["verify"]["cost"], src["cost"]):
+        assert cost["seconds"] > 0 and cost["peak_rss_bytes"] > 0
+    from ondevice.store.info import describe
+
+    line = describe(tmp_path / "c")["verified"]  # `ondevice info`'s line: the positions compared, no "None"
+    assert line.startswith("yes, against the source") and "None" not in line and "positions" in line, line
 
 
 def test_ggml_dequantize_equals_gguf(tiny_hf, tmp_path):
@@ -161,3 +171,37 @@ def test_ggml_dequantize_equals_gguf(tiny_hf, tmp_path):
         np.testing.assert_array_equal(dequantize(t.data, t.tensor_type).reshape(want.shape), want)
         types.add(t.tensor_type.name)
     assert {"Q4_K", "Q6_K", "F32"} <= types
+
+
+# -- Ctrl-C -----------------------------------------------------------------------------------------
+def test_ctrl_c_swallowed_by_a_c_callback_is_remembered_and_not_printed():
+    """A Ctrl-C landing in llama.cpp's log callback is swallowed by ctypes: the flag stops the conversion,
+    and no "Exception ignored ... KeyboardInterrupt" traceback reaches the user's terminal."""
+    code = (
+        "import ctypes, os, signal\n"
+        "from converters.output import check_interrupted, sigint_remembered\n"
+        "cb = ctypes.CFUNCTYPE(None)(lambda: os.kill(os.getpid(), signal.SIGINT))\n"
+        "try:\n"
+        "    with sigint_remembered():\n"
+        "        cb()  # raised inside the callback: ctypes reports it and carries on\n"
+        "        check_interrupted()\n"
+        "except KeyboardInterrupt:\n"
+        "    print('stopped')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.stdout.strip() == "stopped" and "Exception ignored" not in r.stderr, r.stderr
+
+
+def test_out_that_is_a_file_is_named_as_a_file(tmp_path):
+    """--out naming an existing file said "already exists and is not empty"; it says what it is."""
+    from converters.output import check_out
+
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(OndeviceError, match="is a file, not a directory"):
+        check_out(tmp_path / "f")
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "x").write_text("x")
+    with pytest.raises(OndeviceError, match="already exists and is not empty"):
+        check_out(tmp_path / "d")
+    (tmp_path / "e").mkdir()
+    check_out(tmp_path / "e")  # an empty directory is taken

@@ -69,8 +69,11 @@ def _verified(path: Path) -> str:
         src = v.get("source") or {}
         if "top1_agreement" in src:  # a GGUF source: the package against llama.cpp on held-out text
             how = "gated" if src.get("gated") else "recorded, not gated"
-            return (f"yes, against the source: {src.get('reference')}: top-1 {src['top1_agreement']} over "
-                    f"{src.get('tokens')} tokens ({how}); program: {program}")
+            over = (f"{src['decisive_positions']} decisive of {src['positions']} positions (all: "
+                    f"{src.get('top1_agreement_all')}), max rel. error {src.get('max_rel_error')}"
+                    if "positions" in src else f"{src.get('tokens')} tokens")  # probe.compare's record
+            return (f"yes, against the source: {src.get('reference')}: top-1 {src['top1_agreement']} on "
+                    f"{over} ({how}); program: {program}")
         return f"program only, not against the source model: {program}; agreement with the source was not measured"
     if v.get("precision") == "requantized":
         q = v.get("source") or {}
