@@ -29,7 +29,10 @@ def _peak_convert(src: Path, out: Path, *args: str) -> tuple[int, dict]:
     with MemoryWatch(proc.pid, tree=True, interval=0.005) as mw:
         stdout, stderr = proc.communicate(timeout=900)
     assert proc.returncode == 0, stderr.decode()[-2000:]
-    return mw.peak_rss_bytes, json.loads(stdout)
+    doc = json.loads(stdout)
+    # Both peaks are sampled (every 5 ms, this one from another process on a busy machine): the run's peak is
+    # at least the larger of the two, and the growth bound below is judged on that.
+    return max(mw.peak_rss_bytes, doc["verify"]["cost"]["peak_rss_bytes"]), doc
 
 
 @pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="RssAnon is read from /proc (Linux)")
@@ -50,8 +53,7 @@ def test_convert_memory_does_not_grow_with_the_model(tmp_path, to, args):
     growth_allowed = 0.75 * (big["f16_bytes"] - small["f16_bytes"])
     assert summary["verify"]["passed"]
     check = summary["verify"]["cost"]
-    # the check's own peak lies inside the whole run's; both are sampled (every few ms), so allow 5 % of jitter
-    assert check["seconds"] > 0 and 0 < check["peak_rss_bytes"] <= 1.05 * peak_big
+    assert check["seconds"] > 0 and 0 < check["peak_rss_bytes"] <= peak_big
     assert grew <= growth_allowed, (f"peak RssAnon grew by {grew / 1e6:.0f} MB for {big['f16_bytes'] / 1e6:.0f} MB of "
                                     f"f16 weights (small: {peak_small / 1e6:.0f} MB, big: {peak_big / 1e6:.0f} MB)")
 
