@@ -36,9 +36,8 @@ class Runtime:
         self.drafter = drafter
         self.vocab_limit = vocab_limit
         self.load_seconds = load_seconds
-        draft_backend = drafter.backend if drafter is not None else None
         # Both caches must hold every position: a pair agrees on the smaller context.
-        self.n_ctx = min(target.n_ctx, draft_backend.n_ctx) if draft_backend is not None else target.n_ctx
+        self.n_ctx = min(target.n_ctx, self.draft_backend.n_ctx) if self.draft_backend is not None else target.n_ctx
         self._lock = threading.RLock()  # guards native state; user code runs under it only as an observer
         self._slot = threading.Lock()  # one request at a time (a stream holds it until it ends)
         self._owner: int | None = None  # the thread whose request holds the slot
@@ -49,6 +48,11 @@ class Runtime:
         self.observer = None  # optional verify observer (benchmarks): see speculative.steps
         self.last_stats: Stats | None = None  # statistics of the last finished request
         self._adaptive = None  # AdaptivePolicy, created at the first gamma="auto" request
+
+    @property
+    def draft_backend(self) -> Backend | None:
+        """The draft model's backend, when the drafter has one (its cost is measured; its context bounds ours)."""
+        return self.drafter.backend if self.drafter is not None else None
 
     # -- context manager -------------------------------------------------------------------------
     def __enter__(self) -> Runtime:
@@ -269,7 +273,7 @@ class Runtime:
         self._kv = []
         if self.drafter is not None:
             self.drafter.reset()
-        return cached_measure(self.target, self.drafter.backend if self.drafter is not None else None, cancelled)
+        return cached_measure(self.target, self.draft_backend, cancelled)
 
     def _prefill(self, ids: list[int]) -> int:
         """Make the target cache hold ``ids[:-1]``, reusing the longest cached prefix. Returns tokens reused."""

@@ -125,7 +125,7 @@ class DistributedRuntime(Runtime):
         """The probe on every rank; never cancelled half-way (every rank must run the same passes)."""
         from ondevice.costs import Costs, measure
 
-        draft = self.drafter.backend if self.drafter is not None else None
+        draft = self.draft_backend
         c0, f0 = self.world.collectives, self.target.forwards
         self._kv = []  # before the probe, as Runtime._costs does: an interrupted probe leaves nothing stale
         if self.drafter is not None:
