@@ -23,11 +23,14 @@ class Drafter:
             keeps a prefix of it (judged by ``hint``); an expensive drafter is asked for exactly γ tokens.
         backend: the draft model's backend, when there is one (its cost is measured; its context bounds the
             runtime's).
+        trees: ``propose_tree`` grows a candidate tree whose prefixes the policy sizes; on a backend that
+            verifies trees in one pass the runtime then speculates with trees (``ondevice.tree.tree_steps``).
     """
 
     name: str = "drafter"
     cheap: bool = False
     backend: Backend | None = None
+    trees: bool = False
     follows_constraints: bool = True  # ``propose(..., constraint=)`` masks its q / cuts its guess (``ondevice.constrain``)
 
     @property
@@ -53,6 +56,17 @@ class Drafter:
             (tokens[γ'], q[γ', target V] or None for a deterministic drafter), γ' ≤ γ.
         """
         raise NotImplementedError
+
+    def propose_tree(self, context: Sequence[int], max_nodes: int, params: SamplingParams, rng: np.random.Generator):
+        """(``trees`` drafters) An ``ondevice.tree.Tree`` rooted at ``context[-1]`` with up to ``max_nodes``
+        drafted nodes whose every prefix is a tree, and ``scores`` (the drafter's chance each node's path
+        is accepted), or None for a plain step."""
+        raise NotImplementedError
+
+    def seconds_per_token(self) -> float | None:
+        """Measured seconds per drafted token of a drafter without a backend (None: free, or measured on
+        ``backend``); charged by the adaptive policy."""
+        return None
 
     def reset(self) -> None:
         """Forget any cached state."""

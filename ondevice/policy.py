@@ -54,6 +54,14 @@ class Policy:
         """While a model drafter drafts: draft one more token after these (the draft's own probabilities)?"""
         return True
 
+    def tree_nodes(self, tree) -> int:
+        """Drafted nodes of a proposed ``ondevice.tree.Tree`` (best first: every prefix is a tree, with
+        ``scores``) to verify in the next pass; 0 = a plain step."""
+        return min(self.max_gamma, len(tree) - 1)
+
+    def update_tree(self, expected: float, accepted: int) -> None:
+        """Learn from a verified tree: the drafter expected ``expected`` accepted nodes (Σ scores), ``accepted`` were."""
+
     def observe_step(self, drafted: int, verify_seconds: float, draft_seconds: float) -> None:
         """A decoding step's measured timings (the prompt's pass excluded)."""
 
@@ -225,8 +233,9 @@ class AdaptivePolicy(Policy):
     copied text and are kept more, and a copy that has held for a few tokens tends to hold.
 
     Args:
-        costs: measured target verify curve and draft cost.
-        drafter: "model" or "ngram".
+        costs: measured target verify curve and draft cost (for heads: their measured seconds per token).
+        drafter: "ngram" (deterministic guesses, free), or the name of a drafter that pays per drafted token
+            ("model", "heads": probed now and then when plain steps win).
         max_gamma: largest γ considered (8 for models, 32 for n-gram by default).
         probe_every: model drafts: after this many plain steps, try γ = 1 once to refresh the estimates.
         learn_costs: refine the cost curve with every step's real timings.
@@ -243,11 +252,12 @@ class AdaptivePolicy(Policy):
         self.estimate = AcceptanceEstimate(prior=0.7, weight=0.1)  # model drafts
         self.guesses = GuessSurvival()  # n-gram drafts
         self.plain_run = 0
+        self.calibration = 0.8  # trees: accepted nodes ÷ the drafter's Σ scores (EMA)
 
     @property
     def c(self) -> float:
         """Draft token ÷ target decode (n-gram drafts cost nothing)."""
-        return self.costs.draft_cost_ratio if self.drafter == "model" else 0.0
+        return self.costs.draft_cost_ratio if self.drafter != "ngram" else 0.0
 
     def restart(self) -> None:
         """A new request (token stream) begins: n-gram estimates start again from their priors."""
@@ -288,7 +298,7 @@ class AdaptivePolicy(Policy):
         # Even drafts that are always accepted cannot beat plain decoding on this machine: never draft.
         if ceiling <= 1.0:
             return 0
-        if best == 0 and self.drafter == "model":  # n-gram estimates learn from every step: no probes
+        if best == 0 and self.drafter != "ngram":  # n-gram estimates learn from every step: no probes
             self.plain_run += 1
             if self.plain_run >= self.probe_every:
                 self.plain_run = 0
@@ -308,11 +318,46 @@ class AdaptivePolicy(Policy):
         alphas = [min(est[j], confidences[j]) for j in range(k)] + [est[k]]
         return expected_gain(alphas, k + 1, self.c, self.costs, risk=RISK) > expected_gain(alphas, k, self.c, self.costs, risk=RISK)
 
+    def tree_nodes(self, tree) -> int:
+        """The prefix of a best-first tree with the largest expected gain: E[tokens] = 1 + κ·Σ scores of its
+        nodes (κ: ``calibration``, learnt), cost = n·c + cost(n + 1); 0 when nothing gains (or a probe: 1
+        node after ``probe_every`` plain steps, as for chains)."""
+        self.probing = False
+        scores = list((tree.scores or [1.0] * len(tree))[1 : self.max_gamma + 1])
+        vc = self.costs.verify_costs(len(scores) + 1)
+        c = self.c
+        best, best_gain, tokens, ceiling, deepest = 0, 0.0, 1.0, 0.0, 0
+        for n in range(1, len(scores) + 1):
+            tokens += min(1.0, self.calibration * scores[n - 1])
+            cost = n * c + vc[n]
+            deepest = max(deepest, tree.depth[n])
+            ceiling = max(ceiling, (deepest + 1) / cost)  # every node on one path accepted: depth + 1 tokens
+            gain = tokens - 1.0 - RISK * (cost - 1.0)
+            if gain > best_gain + 1e-9:
+                best, best_gain = n, gain
+        if ceiling <= 1.0 or not scores:
+            return 0
+        if best == 0:
+            self.plain_run += 1
+            if self.plain_run >= self.probe_every:
+                self.plain_run, self.probing = 0, True
+                return 1
+        else:
+            self.plain_run = 0
+        return best
+
+    def update_tree(self, expected: float, accepted: int) -> None:
+        """κ ← EMA of accepted ÷ expected (bounded to [0.05, 1.5]); a failed probe doubles the wait."""
+        if expected > 0:
+            self.calibration += 0.1 * (min(1.5, max(0.05, accepted / expected)) - self.calibration)
+        if self.probing:
+            self.probe_every = self.base_probe_every if accepted else min(self.probe_every * 2, 512)
+
     def observe_step(self, drafted: int, verify_seconds: float, draft_seconds: float) -> None:
         """Refine the cost model with a real step's timings (the probe at load can be noisy)."""
         if not self.learn_costs:
             return
-        per_token = draft_seconds / drafted if (drafted and self.drafter == "model") else None
+        per_token = draft_seconds / drafted if (drafted and self.drafter != "ngram") else None
         self.costs.observe(drafted + 1, verify_seconds, per_token)
 
     def update(self, drafted: int, accepted: int, hint: int = 0, proposal: Sequence[int] | None = None,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Sequence
@@ -17,6 +18,7 @@ from ondevice.params import GenerateRequest
 from ondevice.policy import AdaptivePolicy, FixedGamma
 from ondevice.speculative import Chunk, Result, Stats, TextAssembler, step_chunks, steps
 from ondevice.streams import AsyncStream, Request, Stream
+from ondevice.tree import tree_steps
 
 
 class Runtime:
@@ -258,6 +260,9 @@ class Runtime:
             t0 = time.perf_counter()
             with self._lock:
                 costs = self._costs(cancelled)
+            spt = self.drafter.seconds_per_token()
+            if spt is not None:  # a drafter without a backend (heads): its own measured cost per token
+                costs = dataclasses.replace(costs, target_seconds=dict(costs.target_seconds), draft_seconds=spt)
             self._adaptive = AdaptivePolicy(costs, self.drafter.name)
             stats.probe_seconds = time.perf_counter() - t0
         return self._adaptive
@@ -309,8 +314,12 @@ class Runtime:
             rng = np.random.default_rng(params.seed)
             text = TextAssembler(t.token_bytes, req.stop)
             drafter = self.drafter if use_draft else None
-            it = steps(t, drafter, context, params, policy, rng, self.observer, n_ctx=self.n_ctx, constraint=constraint,
-                       logprobs=n_logprobs)
+            if drafter is not None and drafter.trees and constraint is None and self.observer is None \
+                    and t.tree_unsupported() is None:  # best-first trees sized by the policy (a chain is one)
+                it = tree_steps(t, drafter, context, params, rng, n_ctx=self.n_ctx, policy=policy, logprobs=n_logprobs)
+            else:
+                it = steps(t, drafter, context, params, policy, rng, self.observer, n_ctx=self.n_ctx,
+                           constraint=constraint, logprobs=n_logprobs)
             if n_logprobs is not None:
                 out.logprobs = []
             while True:

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ondevice.backends.base import Backend
+from ondevice.logprobs import token_logprobs
 from ondevice.sampling import (
     SamplingParams,
     _window,
@@ -60,11 +61,13 @@ class Tree:
         tokens: [n] ids; tokens[0] is the root (the pending token, not a draft).
         parents: [n] parent indices; parents[0] == -1 and 0 <= parents[i] < i.
         q: [n] per node, the [V] distribution its token was drawn from, or None (a point mass).
+        scores: optional, per node the proposer's estimate that its whole path is accepted.
     """
 
     tokens: list[int]
     parents: list[int]
     q: list[np.ndarray | None] = field(default_factory=list)
+    scores: list[float] | None = None  # per node, the proposer's chance its path is accepted (best-first trees)
 
     def __post_init__(self) -> None:
         if not self.q:
@@ -121,7 +124,7 @@ class Tree:
 
     def prefix(self, n: int) -> Tree:
         """The first ``n`` nodes (a tree again, since parents come first)."""
-        return Tree(self.tokens[:n], self.parents[:n], self.q[:n])
+        return Tree(self.tokens[:n], self.parents[:n], self.q[:n], None if self.scores is None else self.scores[:n])
 
 
 class _RngChoices:
@@ -292,7 +295,7 @@ class TreeStep(Step):
 
 
 def tree_steps(target: Backend, proposer, context: list[int], params: SamplingParams, rng: np.random.Generator,
-               *, max_nodes: int = 8, n_ctx: int | None = None) -> Iterator[TreeStep]:
+               *, max_nodes: int = 8, n_ctx: int | None = None, policy=None, logprobs: int | None = None) -> Iterator[TreeStep]:
     """Propose a tree → verify it in one target pass → keep the accepted branch, forever.
 
     Same invariant as ``speculative.steps``: the target's cache holds ``context[:-1]`` between steps.
@@ -304,28 +307,37 @@ def tree_steps(target: Backend, proposer, context: list[int], params: SamplingPa
         proposer: ``propose_tree(context, max_nodes, params, rng) -> Tree | None`` (None = a plain step).
         context: the whole sequence so far; extended in place with every emitted token.
         max_nodes: drafted nodes per step at most.
+        policy: sizes each proposed tree (``Policy.tree_nodes``: a prefix of a best-first tree, 0 = a plain
+            step) and learns from the outcome; None verifies every proposal whole.
+        logprobs: attach ``TokenLogprob`` (this many alternatives) to every emitted token; None = off.
     Yields:
         One ``TreeStep`` per target pass.
     """
     n_ctx = target.n_ctx if n_ctx is None else min(n_ctx, target.n_ctx)
     why = tree_support(target)
+    if policy is not None:
+        policy.restart()
+        max_nodes = min(max_nodes, policy.max_gamma)
     while True:
         base = len(context) - 1
         if base + 1 > n_ctx:
             return
         t0 = time.perf_counter()
-        tree = proposer.propose_tree(context, max_nodes, params, rng) if proposer is not None else None
+        tree = proposer.propose_tree(context, max_nodes, params, rng) if proposer is not None and max_nodes > 0 else None
         if tree is None:
             tree = Tree([context[-1]], [-1])
         if tree.tokens[0] != context[-1]:
             raise ValueError("a proposed tree must be rooted at the pending token context[-1]")
+        if policy is not None and len(tree) > 1:
+            tree = tree.prefix(1 + policy.tree_nodes(tree))
         tree = tree.prefix(min(len(tree), n_ctx - base))  # a node per free cache cell
         t1 = time.perf_counter()
-        if why is None:
+        if why is None and len(tree) > 1:
             logits = target.eval_tree(tree.tokens, tree.parents)
             acc, nxt = verify_tree(tree, logits, params, context, rng)
             target.keep_path([0, *acc])
-        else:
+            rows = logits[[0, *acc]]
+        else:  # a plain step, or a backend that verifies chains only: the first branch
             chain = tree.first_chain()
             draft = [tree.tokens[i] for i in chain[1:]]
             q = None
@@ -336,8 +348,12 @@ def tree_steps(target: Backend, proposer, context: list[int], params: SamplingPa
             n_acc, nxt = verify_logits(draft, q, logits, params, context, rng)
             acc = chain[1 : 1 + n_acc]
             target.rollback(base + 1 + n_acc)
+            rows = logits[: n_acc + 1]
         emitted = [*(tree.tokens[i] for i in acc), nxt]
+        if policy is not None and len(tree) > 1:
+            policy.update_tree(sum(tree.scores[1:]) if tree.scores else float(len(tree) - 1), len(acc))
+        lps = None if logprobs is None else token_logprobs(rows, emitted, params, context, logprobs)
         context.extend(emitted)
         t2 = time.perf_counter()
         yield TreeStep(emitted, [True] * len(acc) + [False], len(tree) - 1, len(tree) - 1, len(acc), t1 - t0,
-                       t2 - t1, nodes=len(tree), path=list(acc), mode="tree" if why is None else f"chain: {why}")
+                       t2 - t1, lps, nodes=len(tree), path=list(acc), mode="tree" if why is None else f"chain: {why}")

@@ -66,17 +66,30 @@ def test_heads_file_found_by_a_new_process(trained, home):
     assert name == "heads" and int(drafted) > 0
 
 
-def test_greedy_with_heads_equals_plain(trained, home):
+@pytest.mark.parametrize("shape,gamma", [("chain", 3), ("tree", 3), ("tree", 8)])
+def test_greedy_with_heads_equals_plain(trained, home, shape, gamma):
+    """Greedy speculation with heads — a chain, or best-first trees verified in one pass — emits plain
+    decoding's tokens (the tiny q8_0 target is batch-invariant)."""
     target = trained[0]
     with ondevice.load(target, draft="heads", threads=1) as spec, ondevice.load(target, drafter="none", threads=1) as plain:
+        spec.drafter.trees = shape == "tree"
+        trees, orig = [], spec.target.eval_tree
+        spec.target.eval_tree = lambda tokens, parents: trees.append(list(parents)) or orig(tokens, parents)
         drafted = 0
         for p in PROMPTS:
-            a = spec.generate(p, max_tokens=40, temperature=0, gamma=3)
+            a = spec.generate(p, max_tokens=40, temperature=0, gamma=gamma)
             b = plain.generate(p, max_tokens=40, temperature=0, gamma=0)
             assert a.tokens == b.tokens
             drafted += a.stats.drafted
             assert a.stats.accepted <= a.stats.drafted
+            assert a.stats.drafted <= gamma * a.stats.target_forwards
     assert drafted > 0
+    if shape == "chain":
+        assert not trees
+    else:  # verified as trees, and at 8 nodes some really branch (a node with two children)
+        assert trees and max(len(t) for t in trees) <= gamma + 1
+        if gamma == 8:
+            assert any(len(set(t[1:])) < len(t) - 1 for t in trees)
 
 
 def test_heads_refuse_a_constraint_in_one_line(trained, home):
@@ -118,15 +131,22 @@ def _counts(rt, ids, n, gamma, **kw):
     return counts
 
 
-def test_sampled_with_heads_matches_target_law(trained, home, monkeypatch):
-    """Joint law of 3 tokens at T = 0.7, top-p 0.9 (top-k 6 keeps it enumerable) against the exact target law;
-    the planted control (a residual that does not subtract q) must fail the same test."""
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+def test_sampled_with_heads_matches_target_law(trained, home, monkeypatch, shape):
+    """Joint law of 3 tokens at T = 0.7, top-p 0.9 (top-k 6 keeps it enumerable) against the exact target law,
+    for a sampled chain (q = the heads' processed softmax) and for best-first trees of point masses; the
+    planted control (a residual that does not subtract q) must fail the same test."""
     from helpers import chisquare, exact_law
+
+    from ondevice import tree
 
     target = trained[0]
     kw = dict(temperature=0.7, top_k=6, top_p=0.9, min_p=0.0)
     n = 4000
     with ondevice.load(target, draft="heads", threads=1) as rt:  # 1 thread: 2 collapse on a loaded 2-core machine
+        rt.drafter.trees = shape == "tree"
+        trees, orig = [], rt.target.eval_tree
+        rt.target.eval_tree = lambda tokens, parents: trees.append(len(tokens)) or orig(tokens, parents)
         ids = rt.tokenize(PROMPTS[1])
         b = LlamaBackend(target, n_ctx=128, threads=1)
         try:
@@ -136,8 +156,10 @@ def test_sampled_with_heads_matches_target_law(trained, home, monkeypatch):
         acc = rt.generate(ids, max_tokens=48, seed=1, gamma=3, **kw).stats
         assert acc.drafted > 0 and 0.02 < acc.acceptance_rate < 0.98, acc.acceptance_rate  # both outcomes occur
         assert chisquare(_counts(rt, ids, n, 3, **kw), law, n) > 1e-3
+        assert bool(trees) == (shape == "tree")
         monkeypatch.setattr(sampling, "residual", lambda p, q: p)  # the planted bug
         monkeypatch.setattr(sampling, "residual_sparse", lambda ids, pr, qv, V: pr)
+        monkeypatch.setattr(tree, "residual_sparse", lambda ids, pr, qv, V: pr)
         assert chisquare(_counts(rt, ids, n, 3, **kw), law, n) < 1e-4
 
 

@@ -87,6 +87,7 @@ class LlamaBackend(LlamaTree, Backend):
         device: 'cpu' keeps every layer on the CPU; 'gpu' offloads all; None is llama.cpp's default.
             ``self.device`` says where the layers really run ('gpu' only when this llama.cpp build can
             offload), e.g. for keying measured costs.
+        n_seq_max: sequence ids of the context (tree leaves; answers generated together by ``eval_seqs``).
     """
 
     def __init__(
@@ -100,6 +101,7 @@ class LlamaBackend(LlamaTree, Backend):
         mlock: bool = False,
         device: str | None = None,
         debug: bool = False,
+        n_seq_max: int = TREE_SEQS,
     ) -> None:
         import llama_cpp
 
@@ -134,7 +136,7 @@ class LlamaBackend(LlamaTree, Backend):
         cp.n_batch = cp.n_ubatch = self.n_batch
         # Sequence ids for tree verification (``eval_tree``): one per leaf, all in one unified KV buffer
         # (kv_unified=False would split n_ctx between the sequences). Chains use sequence 0 only.
-        cp.n_seq_max = TREE_SEQS
+        cp.n_seq_max = int(n_seq_max)
         cp.kv_unified = True
         cp.n_threads = cp.n_threads_batch = self.threads
         cp.no_perf = True
@@ -153,6 +155,7 @@ class LlamaBackend(LlamaTree, Backend):
         self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
         self.n_seq_max = int(llama_cpp.llama_n_seq_max(self._ctx))
         self._tree_batch = None  # allocated by the first eval_tree (a token may carry n_seq_max ids)
+        self._tree_hidden: np.ndarray | None = None  # every node's hidden state of the last eval_tree
         self._tree: tuple[int, list[int], list[int]] | None = None  # (base, parents, each node's first sequence id)
         self.add_bos = bool(llama_cpp.llama_vocab_get_add_bos(self._vocab))
         bos = int(llama_cpp.llama_vocab_bos(self._vocab))

@@ -68,10 +68,13 @@ class LlamaTree:
                 b.seq_id[i][k] = s
         b.n_tokens = n
         self._tree = (base, list(parents), [min(s) for s in seqs])
+        self._hidden = None
         rc = lib.llama_decode(self._ctx, b)
         if rc != 0:
             self.keep_path([])
             raise OndeviceError(f"{self.path.name}: llama_decode of a {n}-node tree failed (code {rc}) at position {base}")
+        self._tree_hidden = (np.ctypeslib.as_array(lib.llama_get_embeddings(self._ctx), shape=(n, self.n_embd)).copy()
+                             if self._emb else None)  # every node's hidden state (``hidden`` after ``keep_path``)
         return np.ctypeslib.as_array(lib.llama_get_logits(self._ctx), shape=(n, self.vocab_size)).copy()
 
     def keep_path(self, path: Sequence[int]) -> None:
@@ -93,6 +96,9 @@ class LlamaTree:
             raise ValueError(f"{path} is not a path from the root of the last tree")
         s = first[path[-1]] if path else 0
         self._tree = None
+        th, self._tree_hidden = self._tree_hidden, None
+        if th is not None and path:  # the kept nodes are positions base.. in path order
+            self._hidden = (base, th[path])
         lib.llama_memory_seq_keep(mem, s)
         lib.llama_memory_seq_rm(mem, s, base + len(path), -1)
         if s != 0:
@@ -103,6 +109,53 @@ class LlamaTree:
         if self.n_past != base + len(path) or lib.llama_memory_seq_pos_min(mem, 0) > (0 if base + len(path) else -1):
             raise OndeviceError(f"{self.path.name}: keeping a tree path left the cache at {self.n_past} positions, "
                                 f"not {base + len(path)}")
+
+    def eval_seqs(self, items: Sequence[tuple[int, int, int]], hidden: bool = False,
+                  outputs: Sequence[bool] | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+        """One ``llama_decode`` of tokens of independent sequences (batched generation, e.g. recording
+        many answers at once for ``train-heads``); every row outputs its logits.
+
+        Args:
+            items: (sequence id < n_seq_max, position, token) per row; a sequence's rows in position order,
+                each position right after what that sequence already holds.
+            hidden: also return every row's post-norm hidden state (needs ``enable_hidden`` first).
+            outputs: which rows return logits (default all; with ``hidden`` llama.cpp outputs every row).
+        Returns:
+            ([rows out, vocab_size] logits, [n, n_embd] hidden states or None). Sequence 0 is the chain's cache:
+            ``clear_seqs`` before using the backend for anything else.
+        """
+        lib, b, n = self._lib, self._batch, len(items)
+        if not 0 < n <= self.n_batch:
+            raise ValueError(f"eval_seqs takes 1..{self.n_batch} rows, not {n}")
+        out = [True] * n if outputs is None or hidden else [bool(o) for o in outputs]
+        for i, (s, pos, t) in enumerate(items):
+            if not 0 <= s < self.n_seq_max:
+                raise ValueError(f"sequence id {s} outside 0..{self.n_seq_max - 1}")
+            b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = int(t), int(pos), 1, out[i]
+            b.seq_id[i][0] = int(s)
+        b.n_tokens = n
+        was = self._emb
+        self._set_emb(bool(hidden))
+        try:
+            rc = lib.llama_decode(self._ctx, b)
+            if rc != 0:
+                raise OndeviceError(f"{self.path.name}: llama_decode of {n} rows failed (code {rc}); "
+                                    "is the context full? use a larger n_ctx")
+            m = sum(out)
+            logits = (np.ctypeslib.as_array(lib.llama_get_logits(self._ctx), shape=(m, self.vocab_size)).copy()
+                      if m else np.zeros((0, self.vocab_size), np.float32))
+            hid = (np.ctypeslib.as_array(lib.llama_get_embeddings(self._ctx), shape=(n, self.n_embd)).copy()
+                   if hidden else None)
+        finally:
+            self._set_emb(was)
+        return logits, hid
+
+    def clear_seqs(self, seq: int = -1) -> None:
+        """Empty one sequence's cache cells (``seq``), or every sequence's (−1)."""
+        if seq < 0:
+            self._lib.llama_memory_clear(self._mem, False)
+        else:
+            self._lib.llama_memory_seq_rm(self._mem, int(seq), -1, -1)
 
     def _compact(self, base: int) -> None:
         """Move sequence 0's cells at positions >= base into the first free cells, in position order.

@@ -67,7 +67,7 @@ def _record(mode, p, rep, gamma, stats) -> dict:
             "decode_tokens_per_second": stats.decode_tokens_per_second,
             "time_to_first_token": stats.time_to_first_token, "acceptance_rate": stats.acceptance_rate,
             "mean_accepted_per_forward": stats.mean_accepted_per_forward, "target_forwards": stats.target_forwards,
-            "plain_steps": stats.plain_steps, "peak_rss_mb": peak_rss_mb(),
+            "plain_steps": stats.plain_steps, "peak_rss_mb": peak_rss_mb(), "accept_counts": list(stats.accept_counts),
             **stats.bench_fields()}  # a sharded target's collectives
 
 
@@ -168,18 +168,23 @@ def run_bench(
     gammas = _gammas(gamma)
     prompts = load_prompts(classes, prompts_dir, per_class)
     runtimes = {"plain": load(model, drafter="none", threads=threads, n_ctx=n_ctx)}
-    if draft:
-        runtimes["draft"] = load(model, draft, threads=threads, n_ctx=n_ctx)
+    for d in [x.strip() for x in str(draft or "").split(",") if x.strip()]:  # e.g. "heads,qwen2.5-coder-0.5b-instruct"
+        rt = load(model, d, threads=threads, n_ctx=n_ctx)
+        kind = "heads" if rt.drafter.name == "heads" else "draft" if "draft" not in runtimes else f"draft{len(runtimes)}"
+        runtimes[kind] = rt
     if ngram:
         runtimes["ngram"] = load(model, drafter="ngram", threads=threads, n_ctx=n_ctx)
     plain = runtimes["plain"]
     drafted = runtimes.get("draft")
     costs = measure(plain.target, drafted.drafter.backend if drafted else None)
+    heads_cost = None
+    if "heads" in runtimes:  # the heads' measured seconds per drafted token ÷ one target decode
+        heads_cost = runtimes["heads"].drafter.seconds_per_token() / costs.target_seconds[1]
     for rt in runtimes.values():
         rt.reset()
     modes: list[tuple[str, object, object]] = [("plain", plain, 0)]
-    for kind in ("draft", "ngram"):
-        if kind in runtimes:
+    for kind in runtimes:
+        if kind != "plain":
             modes += [(f"{kind}_{'auto' if g == 'auto' else f'g{g}'}", runtimes[kind], g) for g in gammas]
     anchor_fns = {}
     if anchors:
@@ -206,7 +211,7 @@ def run_bench(
                     plain_tokens = res.tokens
                 elif temperature == 0:
                     runs[-1]["same_as_plain"] = res.tokens == plain_tokens  # greedy: token for token
-                if name.startswith("ngram") and temperature == 0:  # the answer is a fact: replayable offline
+                if name != "plain" and temperature == 0:  # the answer is a fact: replayable offline
                     runs[-1].update(oracle_speedup(ids, res.tokens, costs), prompt_ids=ids, answer_ids=res.tokens)
                 if progress:
                     progress(runs[-1])
@@ -225,8 +230,8 @@ def run_bench(
                    "repeats": repeats, "gamma": gamma, "temperature": temperature, "threads": threads,
                    "seconds": time.perf_counter() - t_start},
         "runs": runs,
-        "costs": costs.to_json(),
-        "summary": summarize(runs, costs),
+        "costs": {**costs.to_json(), "heads_cost_ratio": heads_cost},
+        "summary": summarize(runs, costs, heads_cost),
     }
 
 
@@ -243,11 +248,13 @@ def _gammas(gamma: str) -> list:
     return out
 
 
-def summarize(runs: list[dict], costs: Costs) -> list[dict]:
+def summarize(runs: list[dict], costs: Costs, heads_cost: float | None = None) -> list[dict]:
     """Median tok/s per (mode, class), speedup vs plain on the same prompts, and the cost-model bound.
 
     ``speedup_vs_plain`` is end to end (prompt included); ``decode_speedup_vs_plain`` counts only the
-    tokens after the first, which is what the bound (a decode-phase model) predicts.
+    tokens after the first, which is what the bound (a decode-phase model) predicts. ``tau`` is tokens per
+    target pass (hardware-free), ``acceptance_by_position[i]`` the share of drafting passes that kept
+    at least i + 1 drafts; ``oracle_speedup`` (greedy) is a perfect drafter's bound on the same answers.
     """
     out = []
     classes = list(dict.fromkeys(r["class"] for r in runs))
@@ -270,6 +277,16 @@ def summarize(runs: list[dict], costs: Costs) -> list[dict]:
                    "speedup_vs_plain": statistics.median(ratios) if ratios else None,
                    "decode_speedup_vs_plain": statistics.median(dec) if dec else None, "bound": None,
                    "acceptance_rate": None}
+            fw = sum(r.get("target_forwards") or 0 for r in rs)
+            row["tau"] = sum(r["tokens"] for r in rs) / fw if fw else None
+            counts = [sum(x) for x in zip(*[r["accept_counts"] + [0] * (64 - len(r["accept_counts"])) for r in rs
+                                            if r.get("accept_counts")], strict=False)]
+            if counts:
+                counts[0] -= sum(r.get("plain_steps") or 0 for r in rs)  # accept_counts[0] holds plain steps too
+            drafting = sum(counts)
+            if drafting > 0:
+                row["acceptance_by_position"] = [round(sum(counts[i:]) / drafting, 4) for i in range(1, len(counts))
+                                                 if sum(counts[i:])][:8]
             oracle = [r["oracle_speedup"] for r in rs if r.get("oracle_speedup")]
             if oracle:
                 row["oracle_speedup"] = statistics.median(oracle)
@@ -282,7 +299,8 @@ def summarize(runs: list[dict], costs: Costs) -> list[dict]:
             g = rs[0].get("gamma")
             if isinstance(g, int) and g > 0:
                 alpha = statistics.fmean(r["acceptance_rate"] for r in rs)
-                c = costs.draft_cost_ratio if mode.startswith("draft") else 0.0
+                c = (costs.draft_cost_ratio if mode.startswith("draft") else
+                     heads_cost or 0.0 if mode.startswith("heads") else 0.0)
                 row["acceptance_rate"] = alpha
                 row["bound"] = speedup_bound(alpha, g, c, costs.verify_cost(g + 1))
             elif mode.endswith("auto"):

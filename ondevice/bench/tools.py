@@ -94,13 +94,13 @@ def table(doc: dict) -> None:
     from rich.table import Table
 
     t = Table("class", "mode", "tok/s (median)", "min–max", "× plain", "decode × plain", "oracle", "bound", "acceptance",
-              "plain passes", title="ondevice bench")
+              "τ", "plain passes", title="ondevice bench")
     for r in doc["summary"]:
         f = lambda x, fmt: "" if x is None else format(x, fmt)  # noqa: E731
         t.add_row(r["class"], r["mode"], f(r["median_tokens_per_second"], ".1f"),
                   f"{r['min_tokens_per_second']:.1f}–{r['max_tokens_per_second']:.1f}", f(r["speedup_vs_plain"], ".2f"),
                   f(r.get("decode_speedup_vs_plain"), ".2f"), f(r.get("oracle_speedup"), ".2f"), f(r["bound"], ".2f"),
-                  f(r["acceptance_rate"], ".0%"), f(r.get("plain_steps_share"), ".0%"))
+                  f(r["acceptance_rate"], ".0%"), f(r.get("tau"), ".2f"), f(r.get("plain_steps_share"), ".0%"))
     Console(stderr=True).print(t)
 
 

@@ -176,8 +176,20 @@ def info_cmd(
     from ondevice.store.info import describe
 
     info = describe(model, device)
+    if info["format"] == "gguf":
+        from ondevice.heads import store as heads_store
+
+        path = Path(info["path"])
+        info["heads"] = heads_store.summary(path / "model.gguf" if path.is_dir() else path)
     if json_out:
         return _dump(info)
+    h = info.get("heads")
+    if h and "error" not in h:
+        tau = h.get("tau_heldout_greedy_chain")
+        info["heads"] = (f"K={h['K']}, {h['draft_vocab_size']}-token draft vocabulary, {h['training_tokens']} training tokens"
+                         f"{f', held-out τ {tau:.2f}' if tau else ''} ({h['path']})")
+    elif h:
+        info["heads"] = h["error"]
     for k, v in info.items():
         typer.echo(f"{k:>16}: {v}")
 

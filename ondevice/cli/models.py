@@ -48,20 +48,28 @@ def models_cmd(
 
         return show_local(json_out, target)
 
+    from ondevice.heads import store as heads_store
+
     rows = lookup.listing()
+    for r in rows:
+        if r["kind"] != "pair":
+            r["heads"] = heads_store.summary(r["path"]) if r["pulled"] and r["format"] == "gguf" else None
     if json_out:
         return _dump(rows)
     from rich.table import Table
 
     from ondevice.cli.app import console
 
-    t = Table("name", "kind", "role / pair", "quant", "size", "license", "pulled")
+    t = Table("name", "kind", "role / pair", "quant", "size", "license", "pulled", "heads")
     for r in rows:
         if r["kind"] == "pair":
-            t.add_row(r["name"], "pair", f"{r['target']} + {r['draft']}", "", "", "", "")
+            t.add_row(r["name"], "pair", f"{r['target']} + {r['draft']}", "", "", "", "", "")
         else:
+            h = r.get("heads")
+            heads = "" if not h else "unreadable" if "error" in h else (
+                f"K={h['K']}, τ {h['tau_heldout_greedy_chain']:.2f}" if h.get("tau_heldout_greedy_chain") else f"K={h['K']}")
             t.add_row(r["name"], r["kind"], r["role"], r["quant"], f"{r['size'] / 1e6:.0f} MB",
-                      r["license"], "✓" if r["pulled"] else "")
+                      r["license"], "✓" if r["pulled"] else "", heads)
     console().print(t)
 
 

@@ -15,6 +15,8 @@ wholly from the cache, a reset), the drafter proposes nothing and the step is a 
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import os
 from collections.abc import Callable, Sequence
 
@@ -25,6 +27,47 @@ from ondevice.errors import OndeviceError
 from ondevice.heads import store
 from ondevice.heads.model import Heads
 from ondevice.sampling import REPETITION_WINDOW, SamplingParams, probs_sparse, sample_sparse
+from ondevice.tree import Tree
+
+
+def best_first(heads: Heads, h: np.ndarray, x: int, max_nodes: int, branch: int = 4) -> tuple[list[int], list[int], list[float]]:
+    """A candidate tree grown best first from the heads' own probabilities (EAGLE-2's dynamic tree).
+
+    A node's score is the product of the heads' softmax probabilities along its path, the heads' guess
+    of the chance a greedy target accepts the whole path; each step adds the best-scoring candidate
+    (a child among the ``branch`` most probable of an added node, at most K deep), so every prefix of
+    the result is the tree of that many nodes with the largest expected accepted length, parents come
+    before children, siblings in the order of their probability, and scores never increase.
+
+    Args:
+        h: [d] the target's hidden state at the last cached position; x: the pending token's draft row.
+    Returns:
+        (draft rows, parents (0 = the root, node i + 1 is row i), scores) for up to ``max_nodes`` nodes.
+    """
+    rows: list[int] = []
+    parents: list[int] = []
+    scores: list[float] = []
+    heap: list = []
+    tie = itertools.count()  # equal scores: the earlier candidate first
+
+    def expand(node: int, hk: np.ndarray, row: int, depth: int, score: float) -> None:
+        hn = heads.step(depth, hk[None, :], heads.embed(np.array([row])))[0][0]
+        lg = heads.logits(hn)
+        top = np.argpartition(-lg, min(branch, len(lg) - 1))[:branch]
+        e = np.exp(lg - lg.max())
+        pr = e[top] / e.sum()
+        for r, p in zip(top.tolist(), pr.tolist(), strict=True):
+            heapq.heappush(heap, (-score * p, next(tie), node, depth + 1, r, hn))
+
+    expand(0, h, x, 0, 1.0)
+    while heap and len(rows) < max_nodes:
+        neg, _, parent, depth, r, hn = heapq.heappop(heap)
+        rows.append(int(r))
+        parents.append(parent)
+        scores.append(-neg)
+        if depth < heads.K and len(rows) < max_nodes:
+            expand(len(rows), hn, r, depth, -neg)
+    return rows, parents, scores
 
 
 class HeadsDrafter(Drafter):
@@ -39,6 +82,7 @@ class HeadsDrafter(Drafter):
     name = "heads"
     follows_constraints = False  # its rows are not masked yet: the runtime refuses a constrained request up front
     cheap = False  # the policy asks for exactly γ tokens (at most K come back)
+    trees = True
 
     def __init__(self, target, heads: Heads, meta: dict | None = None) -> None:
         d = target.enable_hidden()  # a backend without hidden states refuses in one line
@@ -51,6 +95,8 @@ class HeadsDrafter(Drafter):
         self.target_vocab = target.vocab_size
         self.inv = heads.index(target.vocab_size)
         self.max_gamma = heads.K
+        self.branch = 4  # children considered per tree node
+        self._spt: float | None = None
 
     @classmethod
     def for_target(cls, target, path: str | os.PathLike | None = None) -> HeadsDrafter:
@@ -105,6 +151,34 @@ class HeadsDrafter(Drafter):
         for i, (ids, pr) in enumerate(rows):
             q[i, ids] = pr
         return tokens, q
+
+    def propose_tree(self, context: Sequence[int], max_nodes: int, params: SamplingParams, rng: np.random.Generator):
+        """A best-first tree of up to ``max_nodes`` drafted nodes after ``context`` (``best_first``), as an
+        ``ondevice.tree.Tree`` of point masses (deterministic, distinct siblings: exact at any temperature)
+        with ``scores``; None when there is no hidden row to draft from."""
+        h = self.target.hidden(len(context) - 2) if max_nodes > 0 and len(context) >= 2 else None
+        if h is None:
+            return None
+        x = int(self._rows(context[-1:])[0])
+        rows, parents, scores = best_first(self.heads, h, x, max_nodes, self.branch)
+        return Tree([int(context[-1]), *(int(self.heads.vocab[r]) for r in rows)], [-1, *parents], scores=[1.0, *scores])
+
+    def seconds_per_token(self, reps: int = 15) -> float:
+        """Median seconds of one drafted token (a head step, the draft-vocabulary logits and their
+        processing), timed once on a random hidden state and cached."""
+        if self._spt is None:
+            import time
+
+            hs, rng = self.heads, np.random.default_rng(0)
+            h = rng.standard_normal((1, hs.d)).astype(np.float32) / hs.s_h
+            times = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                hk = hs.step(0, h, hs.embed(np.array([0])))[0]
+                probs_sparse(hs.logits(hk)[0], SamplingParams(temperature=0.0), [])
+                times.append(time.perf_counter() - t0)
+            self._spt = float(np.median(times))
+        return self._spt
 
     def reset(self) -> None:
         pass  # no state of its own: the target's hidden rows go with its cache

@@ -170,6 +170,28 @@ def chain_hits(heads: Heads, flat: Flat, inv: np.ndarray, K: int | None = None, 
     return hits
 
 
+def tree_hits(heads: Heads, flat: Flat, inv: np.ndarray, max_nodes: int, branch: int = 4) -> np.ndarray:
+    """``chain_hits`` for best-first trees (``drafter.best_first``) of up to ``max_nodes`` drafted nodes: per
+    row, the depth of the longest tree path equal to the target's next tokens (greedy: a tree pass accepts
+    exactly that path)."""
+    from ondevice.heads.drafter import best_first
+
+    N = len(flat.H)
+    hits = np.zeros(N, np.int64)
+    for a in range(N):
+        x = int(inv[flat.nxt[a]])
+        rows, parents, _ = best_first(heads, flat.H[a], x, max_nodes, branch)
+        node, depth = 0, 0
+        while depth < flat.left[a]:
+            want = flat.nxt[a + depth + 1]
+            nxt = [i + 1 for i, (r, p) in enumerate(zip(rows, parents, strict=True)) if p == node and heads.vocab[r] == want]
+            if not nxt:
+                break
+            node, depth = nxt[0], depth + 1
+        hits[a] = depth
+    return hits
+
+
 def offline_tau(hits: np.ndarray, flat: Flat, recs: np.ndarray | None = None) -> dict:
     """τ (tokens per target pass) of a greedy chain walked over each answer, exact for greedy decoding:
     a verify pass accepts exactly the drafts equal to the target's tokens, then adds the target's own.

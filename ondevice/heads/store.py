@@ -140,3 +140,20 @@ def find(model: str | os.PathLike) -> Path | None:
     """The heads file stored for ``model``, or None."""
     p = default_path(model)
     return p if p.is_file() else None
+
+
+def summary(model: str | os.PathLike) -> dict | None:
+    """What ``ondevice models`` / ``info`` show about the heads stored for a GGUF ``model``: path, K, draft
+    vocabulary, training tokens, held-out τ and wall times (None when none are stored; ``error`` when
+    the file is unreadable)."""
+    p = find(model)
+    if p is None:
+        return None
+    try:
+        m = read_meta(p)
+    except OndeviceError as e:
+        return {"path": str(p), "error": str(e)}
+    tau = (m.get("tau_heldout_greedy_chain") or {}).get("tau")
+    return {"path": str(p), "K": m.get("K"), "draft_vocab_size": m.get("draft_vocab_size"), "rank": m.get("rank"),
+            "training_tokens": m.get("training_tokens"), "tau_heldout_greedy_chain": tau,
+            "record_seconds": m.get("record_seconds"), "fit_seconds": m.get("fit_seconds")}

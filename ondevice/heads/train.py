@@ -19,7 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ondevice.heads import data, fit, store
+from ondevice.backends.llama import LlamaBackend
+from ondevice.heads import batch, data, fit, selfprompts, store
 from ondevice.heads.model import Heads
 
 DEFAULTS = dict(K=3, rank=256, vocab=8192, epochs=8, max_new=192)
@@ -81,6 +82,20 @@ def _progress(quiet: bool):
                     TextColumn("ETA"), TimeRemainingColumn(), disable=quiet, transient=False)
 
 
+def _self_prompts(rt, backend, cache: Path, seed: int, bar) -> list[tuple[str, str]]:
+    """The target's own prompts (``selfprompts``), written once per seed and kept in ``cache``."""
+    if cache.is_file():
+        return [tuple(x) for x in json.loads(cache.read_text("utf-8"))]
+    task = bar.add_task("writing prompts", total=None)
+    got = selfprompts.write_prompts(rt, backend, seed=seed, on_progress=lambda done, total: bar.update(task, completed=done, total=total))
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{cache.name}.", suffix=".tmp", dir=cache.parent)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        json.dump(got, f, ensure_ascii=False, indent=0)
+    os.replace(tmp, cache)
+    return got
+
+
 def train_heads(
     model: str | os.PathLike,
     *,
@@ -94,6 +109,7 @@ def train_heads(
     max_new: int = DEFAULTS["max_new"],
     threads: int | None = None,
     n_ctx: int = 1024,
+    slots: int = 32,
     texts: list[str] | None = None,
     text_tokens: int = 0,
     quiet: bool = False,
@@ -109,6 +125,7 @@ def train_heads(
         epochs: passes over the data per head (the best epoch on held-out answers is kept).
         max_new: most tokens per recorded answer.
         threads, n_ctx: for the target while recording.
+        slots: answers recorded together (batched decoding: one llama.cpp sequence each).
         texts, text_tokens: optional extra training data: up to ``text_tokens`` tokens of these texts,
             teacher-forced (the target's hidden states and distributions on text it did not write).
         quiet: no progress bars.
@@ -124,17 +141,25 @@ def train_heads(
         path = path / "model.gguf"
     sha = store.target_sha256(path)
     work = catalog.home() / "heads" / "work" / sha[:16]
-    prompts = data.train_prompts()
     with _progress(quiet) as bar, load(path, drafter="none", n_ctx=n_ctx, threads=threads) as rt:
-        task = bar.add_task("recording answers (tokens)", total=tokens)
-        records = data.collect(rt, prompts, work / "records", budget=tokens, max_new=max_new,
-                               on_record=lambda total, new: bar.update(task, completed=min(total, tokens)))
+        V = rt.target.vocab_size
+        batch_be = LlamaBackend(path, n_ctx=slots * (256 + max_new), threads=threads, n_seq_max=slots)
+        try:
+            batch_be.enable_hidden()
+            prompts = data.train_prompts()
+            if tokens > len(prompts) * max_new // 2:  # the shipped prompts alone would not reach the budget
+                prompts += _self_prompts(rt, batch_be, work / f"selfprompts-{seed}.json", seed, bar)
+            rendered = [(c, rt.render_chat([{"role": "user", "content": t}])) for c, t in prompts]
+            task = bar.add_task("recording answers (tokens)", total=tokens)
+            records = batch.collect_many(batch_be, rendered, work / "records", budget=tokens, max_new=max_new,
+                                         slots=slots, on_record=lambda total, new: bar.update(task, completed=min(total, tokens)))
+        finally:
+            batch_be.close()
         extra = []
         if texts and text_tokens:
             task = bar.add_task("teacher-forced text (tokens)", total=text_tokens)
             extra = data.collect_text(rt, texts, work / "text", budget=text_tokens,
                                       on_record=lambda total, new: bar.update(task, completed=min(total, text_tokens)))
-        V = rt.target.vocab_size
     t_rec = time.perf_counter() - t0
     n_tok = int(sum(len(r.hidden) for r in records))
     rng = np.random.default_rng(seed)

@@ -1,0 +1,157 @@
+"""Many answers at once: batched generation on one llama.cpp context (one sequence id per answer).
+
+A decode step of S independent sequences costs far less than S single decodes on a CPU (the weights
+are read once per step), so recording the target's answers for ``train-heads`` — and letting it
+write its own prompts — runs several times faster than one answer after another. Each answer is the
+same as ``data.record_answer`` would record alone, up to llama.cpp's batch rounding (a near tie of
+logits may flip; the labels are the target's own distribution either way).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ondevice.heads.data import GREEDY, Record, _save, load_record
+from ondevice.sampling import SamplingParams, probs_sparse
+
+
+@dataclass
+class _Slot:
+    index: int
+    prompt: list[int]
+    pos: int  # position of the pending token
+    toks: list[int]
+    hid: list[np.ndarray] = field(default_factory=list)
+
+
+def generate_many(
+    backend,
+    prompts: Sequence[list[int]],
+    *,
+    max_new: int,
+    on_done: Callable[[int, Record], None],
+    params: SamplingParams = GREEDY,
+    seed: int = 0,
+    hidden: bool = True,
+    slots: int | None = None,
+    more: Callable[[], bool] = lambda: True,
+) -> None:
+    """Generate an answer to every prompt, ``slots`` sequences at a time.
+
+    Args:
+        backend: a ``LlamaBackend`` (``enable_hidden()`` first when ``hidden``); its cache is cleared
+            before and after.
+        prompts: rendered prompt ids; each needs len + max_new <= n_ctx.
+        max_new: most tokens per answer (an end-of-generation token ends one earlier).
+        on_done: called as ``on_done(i, record)`` when answer i finishes (any order).
+        params, seed: greedy by default; otherwise each token is drawn from ``probs_sparse`` with one
+            generator seeded by ``seed``.
+        hidden: keep every row's hidden state (``Record.hidden``; an empty [0, 0] array otherwise).
+        slots: sequences decoded together (default: all the context's sequence ids).
+        more: called once before admitting each prompt; False admits none now (asked again later; when
+            nothing is under way the call ends).
+    """
+    S = min(slots or backend.n_seq_max, backend.n_seq_max)
+    rng = np.random.default_rng(seed)
+    queue = deque((i, list(p)) for i, p in enumerate(prompts))
+    for i, p in queue:
+        if len(p) < 1 or len(p) + max_new > backend.n_ctx:
+            raise ValueError(f"prompt {i} has {len(p)} tokens: with max_new={max_new} it does not fit n_ctx={backend.n_ctx}")
+    active: dict[int, _Slot] = {}
+    backend.clear_seqs()
+    try:
+        while active or queue:
+            _admit(backend, queue, active, S, max_new, more)
+            if not active:
+                break  # nothing admitted: ``more`` said no
+            order = sorted(active)
+            logits, H = backend.eval_seqs([(s, active[s].pos, active[s].toks[-1]) for s in order], hidden=hidden)
+            for r, s in enumerate(order):
+                sl = active[s]
+                if hidden:
+                    sl.hid.append(H[r])
+                ids, pr = probs_sparse(logits[r], params, sl.toks[1:])
+                t = int(ids[0]) if params.temperature == 0 else int(rng.choice(ids, p=pr / pr.sum()))
+                sl.toks.append(t)
+                sl.pos += 1
+                if len(sl.toks) - 1 >= max_new or backend.is_eog(t):
+                    hid = np.asarray(sl.hid, np.float32) if hidden else np.zeros((0, 0), np.float32)
+                    on_done(sl.index, Record(np.asarray(sl.toks, np.int64), hid, np.asarray(sl.prompt, np.int64)))
+                    backend.clear_seqs(s)
+                    del active[s]
+    finally:
+        backend.clear_seqs()
+
+
+def _admit(backend, queue: deque, active: dict[int, _Slot], S: int, max_new: int, more: Callable[[], bool]) -> None:
+    """Prefill waiting prompts (all but their last token, no outputs) into free sequence ids while the
+    cache has room for every admitted answer's full length."""
+    reserved = sum(len(sl.prompt) + max_new for sl in active.values())
+    rows: list[tuple[int, int, int]] = []
+    while queue and len(active) < S and reserved + len(queue[0][1]) + max_new <= backend.n_ctx:
+        if not more():
+            break
+        i, p = queue.popleft()
+        s = min(set(range(S)) - set(active))
+        active[s] = _Slot(i, p, len(p) - 1, [p[-1]])
+        reserved += len(p) + max_new
+        rows += [(s, j, t) for j, t in enumerate(p[:-1])]
+    for c in range(0, len(rows), backend.n_batch):
+        chunk = rows[c : c + backend.n_batch]
+        backend.eval_seqs(chunk, outputs=[False] * len(chunk))
+
+
+def collect_many(backend, prompts: Sequence[tuple[str, list[int]]], work: Path, *, budget: int, max_new: int,
+                 slots: int | None = None, on_record: Callable[[int, int], None] | None = None) -> list[Record]:
+    """``data.collect`` batched: greedy answers with hidden states to (class, prompt ids) until ``budget``
+    answer tokens are held; answer i is the file ``work/rec-iiii.npz`` (existing ones are read, not redone).
+
+    Prompts are admitted in order while the tokens held plus those expected from answers under way are
+    below the budget (an answer is expected to take ``max_new``); answers under way always finish.
+    Returns the records in prompt order.
+    """
+    recs: dict[int, Record] = {}
+    todo: list[int] = []
+    for i in range(len(prompts)):
+        path = work / f"rec-{i:04d}.npz"
+        if path.is_file():
+            recs[i] = load_record(path)
+        else:
+            todo.append(i)
+    held = [sum(len(r.hidden) for r in recs.values()), 0]  # tokens held, answers under way
+    if on_record is not None and held[0]:
+        on_record(held[0], held[0])
+    if held[0] >= budget:  # enough already: the longest prefix of finished answers that reaches it
+        out, n = [], 0
+        for i in sorted(recs):
+            if n >= budget:
+                break
+            out.append(recs[i])
+            n += len(recs[i].hidden)
+        return out
+
+    def done(j: int, rec: Record) -> None:
+        i = todo[j]
+        rec.cls = prompts[i][0]
+        _save(work / f"rec-{i:04d}.npz", rec)
+        recs[i] = rec
+        held[0] += len(rec.hidden)
+        held[1] -= 1
+        if on_record is not None:
+            on_record(held[0], len(rec.hidden))
+
+    def more() -> bool:
+        if held[0] + held[1] * max_new >= budget:
+            return False
+        held[1] += 1
+        return True
+
+    fits = [i for i in todo if len(prompts[i][1]) + max_new <= backend.n_ctx]
+    todo[:] = fits
+    generate_many(backend, [prompts[i][1] for i in todo], max_new=max_new, on_done=done, slots=slots, more=more)
+    return [recs[i] for i in sorted(recs)]

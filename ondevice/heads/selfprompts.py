@@ -1,0 +1,71 @@
+"""Prompts the target writes itself: more, and more varied, training answers than the shipped set.
+
+For every (class, topic) of ``prompts.json``'s ``topics`` the target is asked, through its own chat
+template, for one realistic request a user might send about that topic; answers are sampled
+(T = 1, top-p 0.95, seeded) in batches (``batch.generate_many``). Requests that did not finish, are
+too short, or are close to a held-out prompt (word overlap) are dropped, so the held-out measurement
+stays on prompts the heads never saw.
+"""
+
+from __future__ import annotations
+
+import re
+
+from ondevice.heads.batch import generate_many
+from ondevice.heads.data import load_prompts
+from ondevice.sampling import SamplingParams
+
+ASK = {
+    "code": "Write one request a programmer might make about {topic}: asking for a function, a script, "
+            "an explanation or a fix. Reply with the request only, in one or two sentences, without quotes.",
+    "chat": "Write one question a curious person might ask about {topic}. "
+            "Reply with the question only, without quotes.",
+}
+SAMPLE = SamplingParams(temperature=1.0, top_p=0.95)
+
+
+def _words(text: str) -> set[str]:
+    return set(re.findall(r"[a-z0-9]+", text.lower()))
+
+
+def near(a: str, b: str, threshold: float = 0.6) -> bool:
+    """Word-set Jaccard similarity of two prompts is at least ``threshold``."""
+    wa, wb = _words(a), _words(b)
+    return bool(wa and wb) and len(wa & wb) / len(wa | wb) >= threshold
+
+
+def write_prompts(rt, backend, *, per_topic: int = 2, seed: int = 0, max_new: int = 64,
+                  on_progress=None) -> list[tuple[str, str]]:
+    """(class, prompt) pairs written by the target, classes interleaved, held-out look-alikes removed.
+
+    Args:
+        rt: a ``Runtime`` on the target (its chat template renders the requests).
+        backend: a ``LlamaBackend`` of the same model with several sequence ids (it writes, in batches).
+        per_topic: requests asked for per topic (each a different sample).
+        seed: seeds the sampling.
+        on_progress: called as ``on_progress(done, total)``.
+    """
+    shipped = load_prompts()
+    heldout = [t for v in shipped["heldout"].values() for t in v]
+    asks = [(c, ASK[c].format(topic=topic)) for _ in range(per_topic) for c in sorted(ASK)
+            for topic in shipped["topics"][c]]
+    ids = [rt.render_chat([{"role": "user", "content": text}]) for _, text in asks]
+    got: dict[int, str] = {}
+
+    def done(i: int, rec) -> None:
+        toks = [int(t) for t in rec.tokens[1:]]
+        if toks and backend.is_eog(toks[-1]):
+            text = b"".join(backend.token_bytes(t) for t in toks[:-1]).decode("utf-8", "replace").strip().strip('"').strip()
+            if len(text) >= 16 and "\ufffd" not in text:
+                got[i] = text
+        if on_progress is not None:
+            on_progress(len(got), len(asks))
+
+    generate_many(backend, ids, max_new=max_new, on_done=done, params=SAMPLE, seed=seed, hidden=False)
+    out: list[tuple[str, str]] = []
+    for i in sorted(got):
+        text = got[i]
+        if any(near(text, h) for h in heldout) or any(near(text, t) for _, t in out):
+            continue
+        out.append((asks[i][0], text))
+    return out
