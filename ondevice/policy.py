@@ -54,6 +54,10 @@ class Policy:
         """While a model drafter drafts: draft one more token after these (the draft's own probabilities)?"""
         return True
 
+    def tree_budget(self) -> int:
+        """Most drafted nodes worth proposing for the next step (0: a plain step without asking the drafter)."""
+        return self.max_gamma
+
     def tree_nodes(self, tree) -> int:
         """Drafted nodes of a proposed ``ondevice.tree.Tree`` (best first: every prefix is a tree, with
         ``scores``) to verify in the next pass; 0 = a plain step."""
@@ -224,6 +228,9 @@ class FixedGamma(Policy):
     def next_gamma(self, hint: int = 0, lag: int = 0) -> int:
         return self.gamma
 
+    def tree_budget(self) -> int:
+        return self.gamma
+
 
 class AdaptivePolicy(Policy):
     """γ per step from the cost model and running acceptance estimates (``gamma="auto"``).
@@ -246,7 +253,7 @@ class AdaptivePolicy(Policy):
         self.costs = costs
         self.learn_costs = learn_costs
         self.drafter = drafter
-        self.max_gamma = max_gamma or (8 if drafter == "model" else 32)
+        self.max_gamma = max_gamma or (32 if drafter == "ngram" else 8)
         self.probe_every = self.base_probe_every = probe_every
         self.probing = False
         self.estimate = AcceptanceEstimate(prior=0.7, weight=0.1)  # model drafts
@@ -318,32 +325,39 @@ class AdaptivePolicy(Policy):
         alphas = [min(est[j], confidences[j]) for j in range(k)] + [est[k]]
         return expected_gain(alphas, k + 1, self.c, self.costs, risk=RISK) > expected_gain(alphas, k, self.c, self.costs, risk=RISK)
 
+    def tree_budget(self) -> int:
+        """0 when even trees accepted whole could not beat plain decoding on this curve, or while a run of
+        plain steps waits for its next probe (growing a tree costs head steps: a plain run asks for none);
+        else ``max_gamma``."""
+        vc = self.costs.verify_costs(self.max_gamma + 1)
+        if max((g + 1) / (g * self.c + vc[g]) for g in range(1, self.max_gamma + 1)) <= 1.0:
+            return 0
+        if 0 < self.plain_run < self.probe_every:
+            self.plain_run += 1
+            return 0
+        return self.max_gamma
+
     def tree_nodes(self, tree) -> int:
         """The prefix of a best-first tree with the largest expected gain: E[tokens] = 1 + κ·Σ scores of its
-        nodes (κ: ``calibration``, learnt), cost = n·c + cost(n + 1); 0 when nothing gains (or a probe: 1
-        node after ``probe_every`` plain steps, as for chains)."""
-        self.probing = False
+        nodes (κ: ``calibration``, learnt), cost = n·c + cost(n + 1); 0 when nothing gains, which starts a run
+        of plain steps (``tree_budget``) that ends with a probe of one node after ``probe_every`` steps."""
+        self.probing = self.plain_run >= self.probe_every
         scores = list((tree.scores or [1.0] * len(tree))[1 : self.max_gamma + 1])
         vc = self.costs.verify_costs(len(scores) + 1)
         c = self.c
-        best, best_gain, tokens, ceiling, deepest = 0, 0.0, 1.0, 0.0, 0
+        best, best_gain, tokens = 0, 0.0, 1.0
         for n in range(1, len(scores) + 1):
             tokens += min(1.0, self.calibration * scores[n - 1])
-            cost = n * c + vc[n]
-            deepest = max(deepest, tree.depth[n])
-            ceiling = max(ceiling, (deepest + 1) / cost)  # every node on one path accepted: depth + 1 tokens
-            gain = tokens - 1.0 - RISK * (cost - 1.0)
+            gain = tokens - 1.0 - RISK * (n * c + vc[n] - 1.0)
             if gain > best_gain + 1e-9:
                 best, best_gain = n, gain
-        if ceiling <= 1.0 or not scores:
-            return 0
         if best == 0:
-            self.plain_run += 1
-            if self.plain_run >= self.probe_every:
-                self.plain_run, self.probing = 0, True
+            if self.probing and scores:
+                self.plain_run = 0
                 return 1
-        else:
-            self.plain_run = 0
+            self.plain_run = 1
+            return 0
+        self.plain_run = 0
         return best
 
     def update_tree(self, expected: float, accepted: int) -> None:

@@ -317,13 +317,13 @@ def tree_steps(target: Backend, proposer, context: list[int], params: SamplingPa
     why = tree_support(target)
     if policy is not None:
         policy.restart()
-        max_nodes = min(max_nodes, policy.max_gamma)
     while True:
         base = len(context) - 1
         if base + 1 > n_ctx:
             return
         t0 = time.perf_counter()
-        tree = proposer.propose_tree(context, max_nodes, params, rng) if proposer is not None and max_nodes > 0 else None
+        budget = max_nodes if policy is None else min(max_nodes, policy.tree_budget())
+        tree = proposer.propose_tree(context, budget, params, rng) if proposer is not None and budget > 0 else None
         if tree is None:
             tree = Tree([context[-1]], [-1])
         if tree.tokens[0] != context[-1]:

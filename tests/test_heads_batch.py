@@ -102,10 +102,14 @@ def test_policy_sizes_trees_from_the_verify_curve():
     steep = Costs({1: 1.0, 2: 1.8, 4: 2.7, 8: 5.4, 16: 10.0}, 0.0)
     p = AdaptivePolicy(flat, "heads")
     assert p.tree_nodes(tree) >= 7  # the last node (0.05) hardly pays for its cell
-    s = AdaptivePolicy(steep, "heads")
-    assert s.tree_nodes(tree) < 4
+    s = AdaptivePolicy(steep, "heads", probe_every=4)
+    assert s.tree_budget() == 8 and s.tree_nodes(tree) < 4
     weak = _tree([1.0, 0.2, 0.1, 0.05], [-1, 0, 1, 2])
-    assert all(s.tree_nodes(weak) == 0 for _ in range(5))
-    assert FixedGamma(3).tree_nodes(tree) == 3
-    s.update_tree(expected=3.0, accepted=0)
-    assert s.calibration < 0.8
+    assert s.tree_nodes(weak) == 0  # a plain run starts: no tree is grown until the probe
+    assert [s.tree_budget() for _ in range(3)] == [0, 0, 0]
+    assert s.tree_budget() == 8 and s.tree_nodes(weak) == 1 and s.probing  # the probe: one node
+    s.update_tree(expected=0.2, accepted=0)
+    assert s.probe_every == 8 and s.calibration < 0.8  # a failed probe waits twice as long
+    assert FixedGamma(3).tree_nodes(tree) == 3 and FixedGamma(3).tree_budget() == 3
+    hopeless = AdaptivePolicy(Costs({1: 1.0, 2: 2.0, 4: 4.0, 8: 8.0}, 0.0), "heads")
+    assert hopeless.tree_budget() == 0  # perfect trees could not beat plain decoding: never grown
