@@ -6,6 +6,8 @@ accept (``check_vocabs``: same text at every shared id, only padding beyond); (2
 Of the candidates, the smallest ``MAX_MEASURED`` are timed against the target (``costs.cached_measure``:
 measured on first use, cached in ``$ONDEVICE_HOME/costs.json``) and the one with the best expected
 speedup at an assumed acceptance rate wins — if that speedup is above 1; otherwise n-gram drafting.
+Heads stored for the target (``ondevice train-heads``) compete too, judged by the held-out τ recorded in
+their file and their measured cost per drafted token.
 """
 
 from __future__ import annotations
@@ -88,6 +90,50 @@ def expected_speedup(costs, alpha: float = ASSUMED_ACCEPTANCE, max_gamma: int = 
     return best
 
 
+def alpha_from_tau(tau: float, K: int) -> float:
+    """The per-draft acceptance α whose chain of K has E[tokens per pass] = (1 − α^(K+1)) / (1 − α) = τ (bisection)."""
+    lo, hi = 0.0, 1.0
+    for _ in range(50):
+        a = (lo + hi) / 2
+        if sum(a**i for i in range(K + 1)) < tau:
+            lo = a
+        else:
+            hi = a
+    return lo
+
+
+def heads_row(target, threads: int | None = None) -> dict | None:
+    """The heads stored for ``target`` judged as a drafter: their held-out τ (as α), their measured cost per
+    drafted token and the expected speedup on this machine's verify curve; None when none are stored."""
+    from ondevice.costs import cached_measure
+    from ondevice.heads import store
+    from ondevice.heads.drafter import HeadsDrafter
+
+    path = store.find(target.path)
+    if path is None:
+        return None
+    row = {"name": "heads", "path": str(path), "format": "heads", "ok": False}
+    try:
+        meta = store.read_meta(path)
+        tau = (meta.get("tau_heldout_greedy_chain") or {}).get("tau")
+        if not tau:
+            row["reason"] = "no held-out τ recorded in the heads file"
+            return row
+        alpha = alpha_from_tau(float(tau), int(meta["K"]))
+        costs = cached_measure(target)
+        spt = HeadsDrafter.for_target(target, path).seconds_per_token()
+    except OndeviceError as e:
+        row["reason"] = str(e).splitlines()[0]
+        return row
+    import dataclasses
+
+    costs = dataclasses.replace(costs, draft_seconds=spt)
+    speedup, gamma = expected_speedup(costs, alpha, max_gamma=int(meta["K"]))
+    row.update(ok=True, reason=f"trained heads: held-out τ {tau:.2f} (α {alpha:.2f})", draft_cost_ratio=round(costs.draft_cost_ratio, 4),
+               expected_speedup=round(speedup, 3), best_gamma=gamma, assumed_acceptance=round(alpha, 3))
+    return row
+
+
 def choose_draft(target, *, n_ctx: int, threads: int | None = None, device: str | None = None,
                  mmap: bool = True, models: list[dict] | None = None):
     """Open the local draft the cost model expects to be fastest beside the open ``target`` backend.
@@ -141,6 +187,18 @@ def choose_draft(target, *, n_ctx: int, threads: int | None = None, device: str 
         if best is not None:
             best[0].close()
         raise
+    heads = heads_row(target, threads)
+    if heads is not None:
+        rows.insert(0, heads)
+        if heads["ok"] and heads["expected_speedup"] > best_speedup:  # heads beat every draft model (and plain)
+            if best is not None:
+                best[0].close()
+            best = None
+            choice.update(drafter="heads", draft="heads", path=heads["path"], expected_speedup=heads["expected_speedup"],
+                          seconds=round(time.perf_counter() - t0, 3),
+                          reason=f"heads stored for this model: {heads['reason']}, cost {heads['draft_cost_ratio']:.2f} "
+                                 f"of a target pass; expected {heads['expected_speedup']:.2f}× plain")
+            return None, choice
     measured = [r for r in rows if "expected_speedup" in r]
     choice["seconds"] = round(time.perf_counter() - t0, 3)  # judging + timing (cached after the first time)
     if best is not None:

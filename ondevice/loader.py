@@ -91,6 +91,8 @@ def build(model, draft, *, drafter, n_ctx, threads, device, mmap, draft_device=N
 
             draft_backend, draft_choice = choose_draft(target, n_ctx=n_ctx, threads=threads, device=device, mmap=mmap)
             kind = draft_choice["drafter"]
+            if kind == "heads":  # heads stored for this target are expected to beat every local draft model
+                heads_file = draft_choice["path"]
         if kind == "model":
             from ondevice.formats.pairs import check_vocabs
 
