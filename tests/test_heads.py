@@ -179,3 +179,23 @@ def test_corrupt_or_foreign_heads_file_is_one_line_and_writes_nothing(trained, h
         ondevice.load(other, draft="heads")  # nothing trained for it
     assert "train-heads" in str(e.value) and "\n" not in str(e.value)
     assert (sorted(p.name for p in home.rglob("*")), sorted(p.name for p in tmp_path.iterdir())) == before
+
+
+def test_auto_draft_considers_stored_heads(trained, home, monkeypatch):
+    """draft="auto" weighs the stored heads (held-out τ → α, measured cost) on the verify curve: chosen on a
+    flat curve, n-gram on a steep one (the negative control)."""
+    from ondevice.autodraft import alpha_from_tau
+    from ondevice.costs import Costs
+
+    assert abs(sum(alpha_from_tau(1.75, 3) ** i for i in range(4)) - 1.75) < 1e-6
+    monkeypatch.setattr("ondevice.store.discovery.local_models", lambda: [])  # no draft models: heads or n-gram
+    for curve, want in (({1: 1e-3, 2: 1.01e-3, 4: 1.02e-3, 8: 1.05e-3}, "heads"), ({1: 1e-3, 2: 2e-3, 4: 4e-3, 8: 8e-3}, "ngram")):
+        monkeypatch.setattr("ondevice.costs.cached_measure", lambda target, draft=None, cancelled=None, c=curve: Costs(dict(c), 0.0))
+        with ondevice.load(trained[0], draft="auto", threads=1) as rt:
+            choice = rt.draft_choice
+            assert choice["drafter"] == want and rt.drafter.name == want, choice["reason"]
+            row = choice["candidates"][0]
+            assert row["name"] == "heads" and row["ok"] and row["draft_cost_ratio"] > 0
+            if want == "heads":
+                assert "held-out τ" in choice["reason"]
+                assert rt.generate(PROMPTS[0], max_tokens=8, temperature=0, gamma=3).stats.drafted > 0
