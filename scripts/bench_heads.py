@@ -1,4 +1,5 @@
-"""Heads vs n-gram on held-out prompts: τ of a fixed greedy chain, head cost ÷ target decode, live checks. JSON.
+"""Heads vs n-gram on held-out prompts: τ of a fixed greedy chain and of best-first trees, acceptance by
+position, the oracle (every draft right), head cost ÷ target decode, live checks. JSON.
 
     OPENBLAS_NUM_THREADS=1 PYTHONPATH=$PWD python scripts/bench_heads.py MODEL [--heads FILE] [--live 2] --json OUT
 
@@ -62,7 +63,7 @@ def head_cost(path: Path, drafter_heads, recs: list[data.Record], reps: int = 30
         ctx = list(ids)
         sampled = SamplingParams(temperature=0.7, top_p=0.9, top_k=0, min_p=0.0)
         rng = np.random.default_rng(0)
-        tg, tp, ts = [], [], []
+        tg, tp, ts, tt = [], [], [], []
         for _ in range(reps):
             t0 = time.perf_counter()
             lg = b.eval([ctx[-1]], logits="all")[-1]
@@ -72,6 +73,8 @@ def head_cost(path: Path, drafter_heads, recs: list[data.Record], reps: int = 30
             t2 = time.perf_counter()
             dr.propose(ctx, dr.heads.K, sampled, rng)
             t3 = time.perf_counter()
+            dr.propose_tree(ctx, 8, GREEDY, rng)
+            tt.append(time.perf_counter() - t3)
             tg.append(t1 - t0)
             tp.append(t2 - t1)
             ts.append(t3 - t2)
@@ -80,6 +83,7 @@ def head_cost(path: Path, drafter_heads, recs: list[data.Record], reps: int = 30
         return {"target_decode_ms": round(med * 1e3, 2), "heads_chain_greedy_ms": round(float(np.median(tp)) * 1e3, 2),
                 "heads_chain_sampled_ms": round(float(np.median(ts)) * 1e3, 2),
                 "ratio_greedy": round(float(np.median(tp)) / med, 4), "ratio_sampled": round(float(np.median(ts)) / med, 4),
+                "heads_tree8_ms": round(float(np.median(tt)) * 1e3, 2), "ratio_tree8": round(float(np.median(tt)) / med, 4),
                 "per_draft_token_ratio": round(float(np.median(tp)) / med / dr.heads.K, 4), "reps": reps}
     finally:
         b.close()
@@ -114,6 +118,8 @@ def main() -> None:
     ap.add_argument("--gamma", type=int, default=3)
     ap.add_argument("--live", type=int, default=1, help="held-out prompts per class run live (0 = none)")
     ap.add_argument("--live-tokens", type=int, default=64)
+    ap.add_argument("--tree-nodes", type=lambda v: [int(x) for x in v.split(",")], default=[4, 8],
+                    help="best-first tree sizes (drafted nodes) measured offline, comma-separated")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     path = lookup.resolve(a.model)
@@ -131,7 +137,13 @@ def main() -> None:
         flat = fit.Flat.of(sub)
         hits = fit.chain_hits(heads, flat, inv, K=a.gamma)
         ans = np.concatenate([r.tokens[1:] for r in sub])
+        drafting = max(1, int(np.sum(flat.left >= 1)))
         res["heldout"][cls] = {"answers": len(sub), "tokens": int(len(flat.H)), "heads": fit.offline_tau(hits, flat),
+                               "heads_acceptance_by_position": [round(float(np.sum(hits >= i)) / drafting, 4)
+                                                                for i in range(1, a.gamma + 1)],
+                               **{f"heads_tree_{n}": fit.offline_tau(fit.tree_hits(heads, flat, inv, n), flat)
+                                  for n in a.tree_nodes},
+                               "oracle_chain": fit.offline_tau(np.full(len(flat.H), a.gamma), flat),
                                "ngram": ngram_tau(sub, a.gamma),
                                "draft_vocab_coverage": round(float(np.mean(inv[ans[ans < len(inv)]] >= 0)), 4)}
     res["head_cost"] = head_cost(path, (heads, meta), recs)
