@@ -7,10 +7,17 @@ at load. Sliding-window layers (Gemma 3, ...) get a full-size ``KVCache`` instea
 
 Each backend runs on its own device (``mx.stream(device)`` around its work); the process-wide default
 device is never changed, so two backends on different devices do not move each other.
+
+Optional hidden states (``enable_hidden``, for heads drafting): each forward then runs the model's inner
+stack (``model.model``, ending in the final norm) and its own output layer (``lm_head``, or the tied
+``embed_tokens.as_linear``) itself, so the same pass gives the logits and the LM head's input;
+``enable_hidden`` checks on a probe that this reproduces the model's own logits bit for bit and refuses
+an architecture that does more after the output layer (logit soft-capping, scaling, ...).
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
@@ -60,6 +67,9 @@ class MLXBackend(HFVocab):
             raise OndeviceError(f"{self.path}: mlx-lm could not load this model ({e})") from e
         self.cache = self._new_cache()
         self._valid: int | None = None  # while an eval is in flight: positions known to be complete
+        self._head = None  # enable_hidden(): (output layer module, its call on a hidden state)
+        self._hidden: tuple[int, np.ndarray] | None = None  # (first position, rows) of the last eval
+        self._tree_hidden: np.ndarray | None = None  # every node's hidden state of the last eval_tree
         self.n_ctx = int(n_ctx)
         args = getattr(self.model, "args", None)
         self.vocab_size = int(getattr(args, "vocab_size", 0) or len(self.tokenizer.get_vocab()))
@@ -90,10 +100,90 @@ class MLXBackend(HFVocab):
         n = min(int(c.offset) for c in self.cache)
         return n if self._valid is None else min(n, self._valid)
 
+    # -- hidden states (optional) ----------------------------------------------------------------
+    def enable_hidden(self) -> int:
+        """Keep the post-norm hidden state (the output layer's input) of every row each later ``eval``
+        outputs; returns its size. Refuses, in one line naming the model's mlx-lm file, an architecture
+        whose logits are not its output layer applied to its inner model's output."""
+        if self._head is not None:
+            return self.n_embd
+        if type(self) is not MLXBackend:
+            raise OndeviceError(f"{type(self).__name__}: hidden states (heads) are not implemented for a split model")
+        mx, net = self._mx, self.model
+        where = getattr(sys.modules.get(type(net).__module__), "__file__", None) or type(net).__module__
+        body = getattr(net, "model", None)
+        layers = [(m, m) for m in (getattr(net, "lm_head", None),) if m is not None]
+        emb = getattr(body, "embed_tokens", None)
+        if emb is not None:
+            layers.append((emb, emb.as_linear))
+        probe = mx.array([[(7 * i + 3) % self.vocab_size for i in range(8)]])
+        found, h = None, None
+        try:
+            with mx.stream(self.device):
+                ref = net(probe, cache=self._new_cache())
+                h = body(probe, cache=self._new_cache()) if body is not None else None
+                for layer, call in layers:
+                    got = call(h)
+                    if got.shape == ref.shape and bool(mx.array_equal(got, ref).item()):
+                        found = (layer, call)
+                        break
+        except Exception:  # an inner model that does not take (tokens, cache): no hidden state to read
+            found = None
+        if found is None or h is None:
+            raise OndeviceError(f"{self.path.name}: its logits are not its output layer applied to its inner model's output "
+                                f"(checked on a probe; {where} does something else, e.g. logit soft-capping or scaling); "
+                                "heads cannot use it")
+        self._head = found
+        self.n_embd = int(h.shape[-1])
+        return self.n_embd
+
+    def hidden(self, pos: int) -> np.ndarray | None:
+        """[n_embd] float32 hidden state at absolute position ``pos`` from the last ``eval``, or None when
+        that eval did not output it or the cache no longer holds it (what it holds since is unchanged,
+        so the row is still the model's state for the cached prefix)."""
+        h = self._hidden
+        if h is None or not h[0] <= pos < h[0] + len(h[1]) or pos >= self.n_past:
+            return None
+        return h[1][pos - h[0]]
+
+    def output_rows(self, ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray, str]:
+        """(output-layer rows, token-embedding rows, architecture) for ``ids``, float32 [n, d]: the rows the
+        logits are computed with (``enable_hidden`` first), quantized layers dequantized by ``mx.dequantize``."""
+        if self._head is None:
+            raise ValueError("output_rows needs enable_hidden() first")
+        mx = self._mx
+        idx = mx.array(np.asarray(ids, np.int64).astype(np.int32))
+        out_layer, emb = self._head[0], self.model.model.embed_tokens
+        if "bias" in out_layer:
+            raise OndeviceError(f"{self.path.name}: its output layer has a bias; heads draft from its rows alone")
+
+        def rows(layer) -> np.ndarray:
+            if "scales" in layer:  # QuantizedLinear / QuantizedEmbedding: only the rows asked for
+                biases = layer.get("biases")
+                w = mx.dequantize(layer["weight"][idx], scales=layer["scales"][idx], biases=None if biases is None else biases[idx],
+                                  group_size=layer.group_size, bits=layer.bits, mode=getattr(layer, "mode", "affine"))
+            else:
+                w = layer["weight"][idx]
+            return np.array(w.astype(mx.float32))
+
+        with mx.stream(self.device):
+            out, e = rows(out_layer), rows(emb)
+        arch = str(getattr(self.model, "model_type", None) or getattr(getattr(self.model, "args", None), "model_type", ""))
+        return out, e, arch
+
+    def _forward(self, x, cache):
+        """(logits, hidden states or None) of one pass: with hidden states on, the inner model and the
+        output layer (checked in ``enable_hidden`` to be the model's own logits)."""
+        if self._head is None:
+            return self.model(x, cache=cache), None
+        h = self.model.model(x, cache=cache)
+        return self._head[1](h), h
+
     def eval(self, tokens: Sequence[int], logits: Literal["all", "last"] = "all") -> np.ndarray:
         mx = self._mx
         n = len(tokens)
-        self._valid = self.n_past
+        self._valid = base = self.n_past
+        self._hidden = None
         check_room(self._valid, n, self.n_ctx, self.path)
         tokens = list(tokens)
         with mx.stream(self.device):
@@ -104,9 +194,14 @@ class MLXBackend(HFVocab):
                     self.model(mx.array([tokens[start : min(start + PREFILL_CHUNK, n - 1)]]), cache=self.cache)
                     mx.eval([c.state for c in self.cache])
                 tokens = tokens[-1:]
-            rows = [self.model(mx.array([tokens[s : s + PREFILL_CHUNK]]), cache=self.cache)[0]
-                    for s in range(0, len(tokens), PREFILL_CHUNK)]  # [m, V] each
+            outs = [self._forward(mx.array([tokens[s : s + PREFILL_CHUNK]]), self.cache)
+                    for s in range(0, len(tokens), PREFILL_CHUNK)]  # ([1, m, V], [1, m, d] | None) each
+            rows = [lg[0] for lg, _ in outs]
             res = rows[0] if len(rows) == 1 else mx.concatenate(rows)
+            if self._head is not None:
+                hid = mx.concatenate([h[0] for _, h in outs]).astype(mx.float32)
+                mx.eval(res, hid)
+                self._hidden = (base + n - len(tokens), np.array(hid))
             out = np.array(res.astype(mx.float32))
         self._valid = None  # every layer now holds every position
         return out
@@ -156,9 +251,15 @@ class MLXBackend(HFVocab):
                 see[i, base : base + i] |= see[parents[i], base : base + i]
         pos = np.array([base + d for d in depth])
         self._valid = base  # the cache holds every branch until keep_path
+        self._hidden = self._tree_hidden = None
         with mx.stream(self.device):
             proxies = [_TreeCache(c, mx.array(pos), see, mx) for c in self.cache]
-            out = self.model(mx.array([[int(t)] for t in tokens]), cache=proxies)[:, -1, :]  # [n, V]
+            out, h = self._forward(mx.array([[int(t)] for t in tokens]), proxies)
+            out = out[:, -1, :]  # [n, V]
+            if h is not None:  # every node's hidden state (``hidden`` after ``keep_path``)
+                h = h[:, -1, :].astype(mx.float32)
+                mx.eval(out, h)
+                self._tree_hidden = np.array(h)
             out = np.array(out.astype(mx.float32))
         self._tree = (base, list(parents))
         return out
@@ -175,6 +276,9 @@ class MLXBackend(HFVocab):
         if path and (path[0] != 0 or any(parents[b] != a for a, b in zip(path[:-1], path[1:], strict=True))):
             raise ValueError(f"{path} is not a path from the root of the last tree")
         self._tree = None
+        th, self._tree_hidden = self._tree_hidden, None
+        if th is not None and path:  # the kept nodes are positions base.. in path order
+            self._hidden = (base, th[path])
         idx = mx.array([base + i for i in path], dtype=mx.int32)
         with mx.stream(self.device):
             for c in self.cache:
@@ -206,6 +310,7 @@ class MLXBackend(HFVocab):
 
     def close(self) -> None:
         self._tree = None
+        self._hidden = self._tree_hidden = self._head = None
         self.cache = []
         self.model = None
         try:
