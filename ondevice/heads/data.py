@@ -1,9 +1,11 @@
 """Self-distillation data: the target's own greedy answers, with the hidden state of every row.
 
 One greedy decode per prompt gives both the tokens (the labels a greedy chain must hit) and the
-post-norm hidden states (the heads' input and their targets), from the same llama.cpp passes the
-runtime makes (``LlamaBackend.enable_hidden``). Each answer is written to its own file through a temp
-file and a rename, so an interrupted collection resumes at the next prompt.
+post-norm hidden states (the heads' input and their targets), from the same passes the runtime makes
+(``LlamaBackend.enable_hidden`` / ``MLXBackend.enable_hidden``). Each answer is written to its own file
+through a temp file and a rename, so an interrupted collection resumes at the next prompt.
+``OneSequence`` lets a single-sequence backend (MLX) stand in for the batched llama.cpp backend of
+``batch`` (one answer at a time).
 """
 
 from __future__ import annotations
@@ -169,6 +171,49 @@ def collect(
         if on_record is not None:
             on_record(total, len(rec.hidden))
     return out
+
+
+class OneSequence:
+    """A single-sequence backend (``MLXBackend``) as ``batch.generate_many`` / ``collect_many`` /
+    ``selfprompts.write_prompts`` use a batched llama.cpp one: one sequence id, so answers are recorded one
+    after another, each exactly as ``record_answer`` would (prompt prefix, then one token per pass).
+
+    The wrapped backend's cache is its own: call the runtime's ``reset`` after using it through this.
+    """
+
+    n_seq_max = 1
+    n_batch = 512
+
+    def __init__(self, backend) -> None:
+        self.backend = backend
+        self.n_ctx = backend.n_ctx
+        self.vocab_size = backend.vocab_size
+
+    def enable_hidden(self) -> int:
+        return self.backend.enable_hidden()
+
+    def is_eog(self, token: int) -> bool:
+        return self.backend.is_eog(token)
+
+    def token_bytes(self, token: int) -> bytes:
+        return self.backend.token_bytes(token)
+
+    def clear_seqs(self, seq: int = -1) -> None:
+        self.backend.rollback(0)
+
+    def eval_seqs(self, items, hidden: bool = False, outputs=None) -> tuple[np.ndarray, np.ndarray | None]:
+        """``LlamaBackend.eval_seqs`` for sequence 0 only, its rows at the next positions in order."""
+        b = self.backend
+        pos = [int(p) for _, p, _ in items]
+        if any(s != 0 for s, _, _ in items) or pos != list(range(b.n_past, b.n_past + len(items))):
+            raise ValueError(f"OneSequence takes sequence 0 at positions {b.n_past}.. in order, not {list(items)[:4]}")
+        toks = [int(t) for _, _, t in items]
+        out = [True] * len(items) if outputs is None or hidden else [bool(o) for o in outputs]
+        if not any(out):  # a prefill: the cache only
+            b.eval(toks, logits="last")
+            return np.zeros((0, b.vocab_size), np.float32), None
+        logits = b.eval(toks, logits="all")[np.asarray(out)]
+        return logits, (np.stack([b.hidden(p) for p in pos]) if hidden else None)
 
 
 def examples(records: list[Record], K: int) -> Iterator[tuple[int, int]]:

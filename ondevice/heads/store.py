@@ -9,10 +9,13 @@ wall time and the τ measured on held-out answers.
 Where: a model inside the store (``catalog.home()``) gets ``<model file>.heads.safetensors`` beside it;
 any other model gets ``<home>/heads/<file stem>-<sha256[:16]>.heads.safetensors``. Writes go through
 a temp file and a rename; a corrupt file, or one made for another model, is refused in one line.
+The target is a GGUF file (its sha256) or an MLX model directory (``<directory>.heads.safetensors`` in
+the store, ``<home>/heads/<directory name>-<sha256[:16]>…`` elsewhere; the sha256 of its weight files).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import tempfile
@@ -29,11 +32,10 @@ SUFFIX = ".heads.safetensors"
 _SHA: dict[tuple, str] = {}
 
 
-def target_sha256(path: str | os.PathLike) -> str:
-    """sha256 of a model file: the catalog's verified stamp when it still matches, else hashed (once per process)."""
+def _file_sha256(path: Path) -> str:
+    """sha256 of one file: the catalog's verified stamp when it still matches, else hashed (once per process)."""
     from ondevice.store import fetch
 
-    path = Path(path)
     st = path.stat()
     key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
     if key not in _SHA:
@@ -46,15 +48,32 @@ def target_sha256(path: str | os.PathLike) -> str:
     return _SHA[key]
 
 
+def target_sha256(path: str | os.PathLike) -> str:
+    """sha256 of a model: a GGUF file's own; for a model directory (MLX), the sha256 of the list of its weight
+    files (``*.safetensors``, by name) with each file's sha256 — the same weights give the same value
+    wherever the directory lies, and each file is hashed once per process (or read from its stamp)."""
+    path = Path(path)
+    if not path.is_dir():
+        return _file_sha256(path)
+    files = sorted(f for f in path.glob("*.safetensors") if not f.name.endswith(SUFFIX))
+    if not files:
+        raise OndeviceError(f"{path}: no *.safetensors weight files; heads need a GGUF file or an MLX model directory")
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f"{f.name}\0{_file_sha256(f)}\n".encode())
+    return h.hexdigest()
+
+
 def default_path(model: str | os.PathLike) -> Path:
-    """Where the heads of ``model`` (a GGUF file) live by default."""
+    """Where the heads of ``model`` (a GGUF file or an MLX model directory) live by default."""
     from ondevice.store import catalog
 
     model = Path(model).resolve()
     home = catalog.home().resolve()
     if home in model.parents:
         return model.with_name(model.name + SUFFIX)
-    return home / "heads" / f"{model.stem}-{target_sha256(model)[:16]}{SUFFIX}"
+    stem = model.name if model.is_dir() else model.stem
+    return home / "heads" / f"{stem}-{target_sha256(model)[:16]}{SUFFIX}"
 
 
 def save(path: str | os.PathLike, heads: Heads, meta: dict) -> Path:
@@ -101,7 +120,7 @@ def load(path: str | os.PathLike, model: str | os.PathLike, vocab_size: int | No
 
     Args:
         path: the heads file.
-        model: the target GGUF the heads will draft for (its sha256 must match the file's).
+        model: the target (GGUF file or MLX directory) the heads will draft for (its sha256 must match the file's).
         vocab_size: the target's vocabulary size (draft ids must lie below it).
     Returns:
         (heads, metadata).
@@ -143,7 +162,7 @@ def find(model: str | os.PathLike) -> Path | None:
 
 
 def summary(model: str | os.PathLike) -> dict | None:
-    """What ``ondevice models`` / ``info`` show about the heads stored for a GGUF ``model``: path, K, draft
+    """What ``ondevice models`` / ``info`` show about the heads stored for ``model`` (GGUF or MLX): path, K, draft
     vocabulary, training tokens, held-out τ and wall times (None when none are stored; ``error`` when
     the file is unreadable)."""
     p = find(model)

@@ -3,9 +3,10 @@
 Steps: record the target's greedy answers to the shipped prompts with their hidden states
 (``data.collect``; resumable) → choose the draft vocabulary (the answers' most frequent ids, then the
 lowest ids, which BPE gives to its earliest, most frequent merges) → read the target's own LM-head and
-embedding rows for it from the GGUF → fit heads 1..K (``fit``; checkpointed after every epoch) →
+embedding rows for it (from the GGUF, or from an MLX model's layers) → fit heads 1..K (``fit``; checkpointed after every epoch) →
 measure τ of a greedy chain on held-out answers → write the heads file (``store``).
 Everything random comes from ``seed``; a rerun with the same arguments resumes where it stopped.
+An MLX model directory records on the loaded target itself, one answer at a time (``data.OneSequence``).
 """
 
 from __future__ import annotations
@@ -117,7 +118,7 @@ def train_heads(
     """Train heads for ``model`` and store them.
 
     Args:
-        model: a GGUF path or catalog name (the target).
+        model: a GGUF path, an MLX model directory or a catalog name (the target).
         tokens: answer tokens to record for training and held-out measurement (self-distillation).
         out: folder for the heads file (default: beside the model in the store, see ``store.default_path``).
         seed: seeds the split, the initial weights and the batch order.
@@ -125,25 +126,31 @@ def train_heads(
         epochs: passes over the data per head (the best epoch on held-out answers is kept).
         max_new: most tokens per recorded answer.
         threads, n_ctx: for the target while recording.
-        slots: answers recorded together (batched decoding: one llama.cpp sequence each).
+        slots: answers recorded together (batched decoding: one llama.cpp sequence each; an MLX target
+            records one at a time).
         texts, text_tokens: optional extra training data: up to ``text_tokens`` tokens of these texts,
             teacher-forced (the target's hidden states and distributions on text it did not write).
         quiet: no progress bars.
     Returns:
         A summary: path, wall seconds (recording / fitting), tokens, τ on held-out answers, the fit log.
     """
+    from ondevice.backends import detect_format
     from ondevice.loader import load
     from ondevice.store import catalog, lookup
 
     t0 = time.perf_counter()
     path = lookup.resolve(model)
-    if path.is_dir():
+    mlx = detect_format(path) == "mlx"
+    if path.is_dir() and not mlx:
         path = path / "model.gguf"
     sha = store.target_sha256(path)
     work = catalog.home() / "heads" / "work" / sha[:16]
     with _progress(quiet) as bar, load(path, drafter="none", n_ctx=n_ctx, threads=threads) as rt:
         V = rt.target.vocab_size
-        batch_be = LlamaBackend(path, n_ctx=slots * (256 + max_new), threads=threads, n_seq_max=slots)
+        if mlx:  # one model in memory: record on the runtime's own target, one answer at a time
+            batch_be, slots = data.OneSequence(rt.target), 1
+        else:
+            batch_be = LlamaBackend(path, n_ctx=slots * (256 + max_new), threads=threads, n_seq_max=slots)
         try:
             batch_be.enable_hidden()
             prompts = data.train_prompts()
@@ -154,23 +161,26 @@ def train_heads(
             records = batch.collect_many(batch_be, rendered, work / "records", budget=tokens, max_new=max_new,
                                          slots=slots, on_record=lambda total, new: bar.update(task, completed=min(total, tokens)))
         finally:
-            batch_be.close()
+            if mlx:
+                rt.reset()  # the runtime's cache was used behind its back
+            else:
+                batch_be.close()
         extra = []
         if texts and text_tokens:
             task = bar.add_task("teacher-forced text (tokens)", total=text_tokens)
             extra = data.collect_text(rt, texts, work / "text", budget=text_tokens,
                                       on_record=lambda total, new: bar.update(task, completed=min(total, text_tokens)))
-    t_rec = time.perf_counter() - t0
-    n_tok = int(sum(len(r.hidden) for r in records))
-    rng = np.random.default_rng(seed)
-    order = rng.permutation(len(records))
-    n_val = max(1, len(records) // 10) if len(records) > 1 else 0
-    val_set = set(order[:n_val].tolist())
-    train_recs = [r for i, r in enumerate(records) if i not in val_set]
-    val_recs = [r for i, r in enumerate(records) if i in val_set]
-    train_recs += extra  # extra text trains, never judges (held-out answers are the target's own)
-    vocab_ids = choose_vocab(train_recs, V, vocab)
-    out_rows, emb_rows, arch = target_rows(path, vocab_ids)
+        t_rec = time.perf_counter() - t0
+        n_tok = int(sum(len(r.hidden) for r in records))
+        rng = np.random.default_rng(seed)
+        order = rng.permutation(len(records))
+        n_val = max(1, len(records) // 10) if len(records) > 1 else 0
+        val_set = set(order[:n_val].tolist())
+        train_recs = [r for i, r in enumerate(records) if i not in val_set]
+        val_recs = [r for i, r in enumerate(records) if i in val_set]
+        train_recs += extra  # extra text trains, never judges (held-out answers are the target's own)
+        vocab_ids = choose_vocab(train_recs, V, vocab)
+        out_rows, emb_rows, arch = rt.target.output_rows(vocab_ids) if mlx else target_rows(path, vocab_ids)
     flat_tr, flat_va = fit.Flat.of(train_recs), fit.Flat.of(val_recs or train_recs[:1])
     s_h = float(1.0 / np.sqrt(np.mean(flat_tr.H.astype(np.float64) ** 2)))
     s_e = float(1.0 / np.sqrt(np.mean(emb_rows.astype(np.float64) ** 2)))
