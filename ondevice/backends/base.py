@@ -80,7 +80,7 @@ class Backend:
     def enable_hidden(self) -> int:
         """Keep the post-norm hidden state of the rows each later ``eval`` outputs (heads drafting reads them);
         returns its size. Raises ``OndeviceError`` where the backend cannot (the default)."""
-        raise OndeviceError(f"{Path(self.path).name}: heads need a llama.cpp (GGUF) target that returns hidden states")
+        raise OndeviceError(f"{Path(self.path).name}: heads need a llama.cpp (GGUF) or MLX target that returns hidden states")
 
     def hidden(self, pos: int) -> np.ndarray | None:
         """[hidden size] float32 state at absolute position ``pos`` from the last ``eval`` (None: not kept)."""

@@ -109,7 +109,7 @@ def convert_cmd(
 
 @command("train-heads")
 def train_heads_cmd(
-    model: Annotated[str, typer.Argument(help="Target: a GGUF path or catalog name.")],
+    model: Annotated[str, typer.Argument(help="Target: a GGUF file, an MLX model directory or a catalog name.")],
     tokens: Annotated[int, typer.Option("--tokens", min=100, help="Answer tokens the target writes to train on.")] = 20000,
     out: Annotated[str | None, typer.Option("--out", help="Folder for the heads file (default: beside the model in the store).")] = None,
     seed: Annotated[int, typer.Option("--seed", min=0, help="Seed of the split, initial weights and batch order.")] = 0,
