@@ -88,6 +88,10 @@ class LlamaBackend(LlamaTree, Backend):
             ``self.device`` says where the layers really run ('gpu' only when this llama.cpp build can
             offload), e.g. for keying measured costs.
         n_seq_max: sequence ids of the context (tree leaves; answers generated together by ``eval_seqs``).
+        kv_unified: one KV buffer for every sequence (trees need it). False gives each sequence its own
+            ``n_ctx_seq = n_ctx / n_seq_max`` cells, laid out as a one-sequence context lays them out, so
+            answers generated together (``eval_seqs``) are bit for bit the ones generated alone; with one
+            buffer their cells interleave and llama.cpp's attention rounds differently (greedy answers flip).
     """
 
     def __init__(
@@ -102,6 +106,7 @@ class LlamaBackend(LlamaTree, Backend):
         device: str | None = None,
         debug: bool = False,
         n_seq_max: int = TREE_SEQS,
+        kv_unified: bool = True,
     ) -> None:
         import llama_cpp
 
@@ -135,9 +140,10 @@ class LlamaBackend(LlamaTree, Backend):
         cp.n_ctx = int(n_ctx)
         cp.n_batch = cp.n_ubatch = self.n_batch
         # Sequence ids for tree verification (``eval_tree``): one per leaf, all in one unified KV buffer
-        # (kv_unified=False would split n_ctx between the sequences). Chains use sequence 0 only.
+        # (kv_unified=False splits n_ctx between the sequences: the batched recorder's layout, no trees).
+        # Chains use sequence 0 only.
         cp.n_seq_max = int(n_seq_max)
-        cp.kv_unified = True
+        cp.kv_unified = bool(kv_unified)
         cp.n_threads = cp.n_threads_batch = self.threads
         cp.no_perf = True
         # A full-size SWA cache keeps every position, so rolling back across the window is exact.
@@ -154,6 +160,8 @@ class LlamaBackend(LlamaTree, Backend):
         self._mem = llama_cpp.llama_get_memory(self._ctx)
         self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
         self.n_seq_max = int(llama_cpp.llama_n_seq_max(self._ctx))
+        self.n_ctx_seq = int(llama_cpp.llama_n_ctx_seq(self._ctx))  # cells one sequence may hold
+        self.kv_unified = bool(kv_unified)
         self._tree_batch = None  # allocated by the first eval_tree (a token may carry n_seq_max ids)
         self._tree_hidden: np.ndarray | None = None  # every node's hidden state of the last eval_tree
         self._tree: tuple[int, list[int], list[int]] | None = None  # (base, parents, each node's first sequence id)

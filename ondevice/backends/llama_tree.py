@@ -19,7 +19,7 @@ class LlamaTree:
     ``kv_unified = True`` (uses its ``_lib``, ``_ctx``, ``_mem``, ``n_batch``, ``n_seq_max``, ``n_past``)."""
 
     def tree_unsupported(self) -> str | None:
-        return None
+        return None if self.kv_unified else "a context with one KV buffer per sequence (kv_unified=False)"
 
     def eval_tree(self, tokens: Sequence[int], parents: Sequence[int]) -> np.ndarray:
         """Evaluate a token tree after the cache's positions in one ``llama_decode``.

@@ -2,9 +2,10 @@
 
 A decode step of S independent sequences costs far less than S single decodes on a CPU (the weights
 are read once per step), so recording the target's answers for ``train-heads`` — and letting it
-write its own prompts — runs several times faster than one answer after another. Each answer is the
-same as ``data.record_answer`` would record alone, up to llama.cpp's batch rounding (a near tie of
-logits may flip; the labels are the target's own distribution either way).
+write its own prompts — runs several times faster than one answer after another. On a context with one
+KV buffer per sequence (``LlamaBackend(..., kv_unified=False)``, as ``train-heads`` makes it), each prompt
+prefilled on its own, every answer and hidden row is bit for bit the one ``data.record_answer`` records
+alone (tested on the tiny model), so a resumed run records what an uninterrupted one would have.
 """
 
 from __future__ import annotations
@@ -44,9 +45,9 @@ def generate_many(
     """Generate an answer to every prompt, ``slots`` sequences at a time.
 
     Args:
-        backend: a ``LlamaBackend`` (``enable_hidden()`` first when ``hidden``); its cache is cleared
-            before and after.
-        prompts: rendered prompt ids; each needs len + max_new <= n_ctx.
+        backend: a ``LlamaBackend`` (``enable_hidden()`` first when ``hidden``; ``kv_unified=False`` for
+            answers equal to those generated alone); its cache is cleared before and after.
+        prompts: rendered prompt ids; each needs len + max_new <= n_ctx_seq (the cells of one sequence).
         max_new: most tokens per answer (an end-of-generation token ends one earlier).
         on_done: called as ``on_done(i, record)`` when answer i finishes (any order).
         params, seed: greedy by default; otherwise each token is drawn from ``probs_sparse`` with one
@@ -60,8 +61,9 @@ def generate_many(
     rng = np.random.default_rng(seed)
     queue = deque((i, list(p)) for i, p in enumerate(prompts))
     for i, p in queue:
-        if len(p) < 1 or len(p) + max_new > backend.n_ctx:
-            raise ValueError(f"prompt {i} has {len(p)} tokens: with max_new={max_new} it does not fit n_ctx={backend.n_ctx}")
+        if len(p) < 1 or len(p) + max_new > backend.n_ctx_seq:
+            raise ValueError(f"prompt {i} has {len(p)} tokens: with max_new={max_new} it does not fit "
+                             f"n_ctx={backend.n_ctx_seq} per sequence")
     active: dict[int, _Slot] = {}
     backend.clear_seqs()
     try:
@@ -90,9 +92,14 @@ def generate_many(
 
 def _admit(backend, queue: deque, active: dict[int, _Slot], S: int, max_new: int, more: Callable[[], bool]) -> None:
     """Prefill waiting prompts (all but their last token, no outputs) into free sequence ids while the
-    cache has room for every admitted answer's full length."""
+    cache has room for every admitted answer's full length.
+
+    Each prompt is prefilled on its own, in ``n_batch`` chunks from its first token, as ``LlamaBackend.eval``
+    prefills one prompt: a prefill batch mixing several prompts' rows is not batch-invariant in llama.cpp
+    (logits ~0.3 off on the tiny q8_0 models, so greedy answers flip), while decode steps of one row per
+    sequence are; the answers then equal ``data.record_answer``'s whatever else shares the batch.
+    """
     reserved = sum(len(sl.prompt) + max_new for sl in active.values())
-    rows: list[tuple[int, int, int]] = []
     while queue and len(active) < S and reserved + len(queue[0][1]) + max_new <= backend.n_ctx:
         if not more():
             break
@@ -100,10 +107,10 @@ def _admit(backend, queue: deque, active: dict[int, _Slot], S: int, max_new: int
         s = min(set(range(S)) - set(active))
         active[s] = _Slot(i, p, len(p) - 1, [p[-1]])
         reserved += len(p) + max_new
-        rows += [(s, j, t) for j, t in enumerate(p[:-1])]
-    for c in range(0, len(rows), backend.n_batch):
-        chunk = rows[c : c + backend.n_batch]
-        backend.eval_seqs(chunk, outputs=[False] * len(chunk))
+        rows = [(s, j, t) for j, t in enumerate(p[:-1])]
+        for c in range(0, len(rows), backend.n_batch):
+            chunk = rows[c : c + backend.n_batch]
+            backend.eval_seqs(chunk, outputs=[False] * len(chunk))
 
 
 def collect_many(backend, prompts: Sequence[tuple[str, list[int]]], work: Path, *, budget: int, max_new: int,
@@ -151,7 +158,7 @@ def collect_many(backend, prompts: Sequence[tuple[str, list[int]]], work: Path, 
         held[1] += 1
         return True
 
-    fits = [i for i in todo if len(prompts[i][1]) + max_new <= backend.n_ctx]
+    fits = [i for i in todo if len(prompts[i][1]) + max_new <= backend.n_ctx_seq]
     todo[:] = fits
     generate_many(backend, [prompts[i][1] for i in todo], max_new=max_new, on_done=done, slots=slots, more=more)
     return [recs[i] for i in sorted(recs)]

@@ -186,7 +186,7 @@ class OneSequence:
 
     def __init__(self, backend) -> None:
         self.backend = backend
-        self.n_ctx = backend.n_ctx
+        self.n_ctx = self.n_ctx_seq = backend.n_ctx
         self.vocab_size = backend.vocab_size
 
     def enable_hidden(self) -> int:

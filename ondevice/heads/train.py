@@ -147,16 +147,18 @@ def train_heads(
     work = catalog.home() / "heads" / "work" / sha[:16]
     with _progress(quiet) as bar, load(path, drafter="none", n_ctx=n_ctx, threads=threads) as rt:
         V = rt.target.vocab_size
+        prompts = data.train_prompts()
+        rendered = [(c, rt.render_chat([{"role": "user", "content": t}])) for c, t in prompts]
         if mlx:  # one model in memory: record on the runtime's own target, one answer at a time
             batch_be, slots = data.OneSequence(rt.target), 1
-        else:
-            batch_be = LlamaBackend(path, n_ctx=slots * (256 + max_new), threads=threads, n_seq_max=slots)
+        else:  # one KV buffer per sequence, each as long as the longest shipped prompt's answer needs
+            seq_ctx = max(256, *(len(ids) for _, ids in rendered)) + max_new
+            batch_be = LlamaBackend(path, n_ctx=slots * seq_ctx, threads=threads, n_seq_max=slots, kv_unified=False)
         try:
             batch_be.enable_hidden()
-            prompts = data.train_prompts()
             if tokens > len(prompts) * max_new // 2:  # the shipped prompts alone would not reach the budget
-                prompts += _self_prompts(rt, batch_be, work / f"selfprompts-{seed}.json", seed, bar)
-            rendered = [(c, rt.render_chat([{"role": "user", "content": t}])) for c, t in prompts]
+                own = _self_prompts(rt, batch_be, work / f"selfprompts-{seed}.json", seed, bar)
+                rendered += [(c, rt.render_chat([{"role": "user", "content": t}])) for c, t in own]
             task = bar.add_task("recording answers (tokens)", total=tokens)
             records = batch.collect_many(batch_be, rendered, work / "records", budget=tokens, max_new=max_new,
                                          slots=slots, on_record=lambda total, new: bar.update(task, completed=min(total, tokens)))
