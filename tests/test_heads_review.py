@@ -1,5 +1,5 @@
 """Review of train-heads / --draft heads as a user drives them: batched recording equal to one answer at a
-time."""
+time, Ctrl-C during recording and fitting then a rerun gives the same heads."""
 
 from __future__ import annotations
 
@@ -10,7 +10,15 @@ import pytest
 
 import ondevice
 from ondevice.backends.llama import LlamaBackend
-from ondevice.heads import batch, data
+from ondevice.heads import batch, data, train
+
+SMALL = dict(tokens=600, max_new=48, rank=32, epochs=3, vocab=256, threads=1, n_ctx=512, slots=8, quiet=True)
+
+
+def _heads(path) -> dict:
+    from safetensors.numpy import load_file
+
+    return load_file(str(path))
 
 
 @pytest.fixture(scope="module")
@@ -19,6 +27,16 @@ def target(tiny_gguf, tmp_path_factory):
     p = tmp_path_factory.mktemp("models") / "tiny.gguf"
     shutil.copy(tiny_gguf("llama"), p)
     return p
+
+
+@pytest.fixture(scope="module")
+def clean(target, tmp_path_factory):
+    """(home, summary) of one uninterrupted small run."""
+    home = tmp_path_factory.mktemp("clean")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("ONDEVICE_HOME", str(home))
+        r = train.train_heads(target, **SMALL)
+    return home, r
 
 
 def test_batched_answers_equal_answers_decoded_alone(target):
@@ -42,3 +60,47 @@ def test_batched_answers_equal_answers_decoded_alone(target):
     finally:
         b.close()
         one.close()
+
+
+def test_ctrl_c_in_recording_and_in_fitting_then_rerun_gives_the_same_heads(target, clean, tmp_path, monkeypatch):
+    """A run stopped (KeyboardInterrupt) after a few recorded answers, rerun and stopped mid-fit, then rerun
+    to the end, stores the heads the uninterrupted run stored: records are trained on as they are read back
+    (float16 rows), every epoch draws its own seeded generator, and nothing half-written is left."""
+    monkeypatch.setenv("ONDEVICE_HOME", str(tmp_path))
+    real_save, real_ckpt = batch._save, train._ckpt_save
+    calls = [0]
+
+    def save_then_stop(path, rec):
+        out = real_save(path, rec)
+        calls[0] += 1
+        if calls[0] == 5:
+            raise KeyboardInterrupt
+        return out
+
+    monkeypatch.setattr(batch, "_save", save_then_stop)
+    with pytest.raises(KeyboardInterrupt):
+        train.train_heads(target, **SMALL)
+    monkeypatch.setattr(batch, "_save", real_save)
+    work = next((tmp_path / "heads" / "work").iterdir())
+    assert len(list((work / "records").glob("rec-*.npz"))) == 5 and not list(tmp_path.rglob("*.tmp"))
+
+    ckpts = [0]
+
+    def ckpt_then_stop(path, arrays, info):
+        real_ckpt(path, arrays, info)
+        ckpts[0] += 1
+        if ckpts[0] == 5:  # head 2, epoch 1 (head 1 took 3 epochs and its final save)
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(train, "_ckpt_save", ckpt_then_stop)
+    with pytest.raises(KeyboardInterrupt):
+        train.train_heads(target, **SMALL)
+    monkeypatch.setattr(train, "_ckpt_save", real_ckpt)
+    assert not list((tmp_path / "heads").glob("*.heads.safetensors"))  # no heads file before the fit ends
+    r = train.train_heads(target, **SMALL)
+    home, want = clean
+    assert r["training_tokens"] == want["training_tokens"] and r["log"] == want["log"]
+    assert r["tau_heldout_greedy_chain"] == want["tau_heldout_greedy_chain"]
+    a, b = _heads(r["path"]), _heads(want["path"])
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+    assert not list(tmp_path.rglob("*.tmp"))

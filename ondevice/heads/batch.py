@@ -145,7 +145,7 @@ def collect_many(backend, prompts: Sequence[tuple[str, list[int]]], work: Path, 
     def done(j: int, rec: Record) -> None:
         i = todo[j]
         rec.cls = prompts[i][0]
-        _save(work / f"rec-{i:04d}.npz", rec)
+        rec = _save(work / f"rec-{i:04d}.npz", rec)
         recs[i] = rec
         held[0] += len(rec.hidden)
         held[1] -= 1

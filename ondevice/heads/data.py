@@ -100,8 +100,7 @@ def collect_text(rt, texts: list[str], work: Path, *, budget: int, chunk: int = 
             if path.is_file():
                 rec = load_record(path)
             else:
-                rec = record_text(backend, ids[s : s + chunk])
-                _save(path, rec)
+                rec = _save(path, record_text(backend, ids[s : s + chunk]))
             out.append(rec)
             total += len(rec.hidden)
             if on_record is not None:
@@ -110,7 +109,10 @@ def collect_text(rt, texts: list[str], work: Path, *, budget: int, chunk: int = 
     return out
 
 
-def _save(path: Path, rec: Record) -> None:
+def _save(path: Path, rec: Record) -> Record:
+    """Write ``rec`` (hidden rows as float16) and return it as ``load_record`` will read it back, so a run
+    that records an answer trains on exactly what a resumed run reads from the file."""
+    rec = Record(rec.tokens, rec.hidden.astype(np.float16).astype(np.float32), rec.prompt, rec.cls)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
@@ -120,6 +122,7 @@ def _save(path: Path, rec: Record) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    return rec
 
 
 def load_record(path: Path) -> Record:
@@ -164,7 +167,7 @@ def collect(
                 continue
             rec = record_answer(backend, ids, min(max_new, budget - total))
             rec.cls = cls
-            _save(path, rec)
+            rec = _save(path, rec)
         rt.reset()
         out.append(rec)
         total += len(rec.hidden)

@@ -89,7 +89,6 @@ def fit_head(
     Returns:
         The final state: {"epoch", "best", "best_w", "log"}.
     """
-    rng = np.random.default_rng(cfg.seed * 1000 + k)
     p = _params(heads, k)
     opt = Adam(cfg.lr, cfg.wd)
     st = {"epoch": 0, "best": np.inf, "best_w": {n: v.copy() for n, v in p.items()}, "log": []}
@@ -98,7 +97,6 @@ def fit_head(
         for n in p:
             p[n][...] = st["w"][n]
         opt.m, opt.v, opt.t = st["m"], st["v"], st["t"]
-        rng = np.random.default_rng([cfg.seed * 1000 + k, st["epoch"]])
     steps_total = cfg.epochs * max(1, len(train_rows) // cfg.batch)
 
     def run(rows: np.ndarray, train: bool) -> tuple[float, float]:
@@ -123,6 +121,7 @@ def fit_head(
         return tot_l / max(len(rows), 1), tot_h / max(len(rows), 1)
 
     while st["epoch"] < cfg.epochs:
+        rng = np.random.default_rng([cfg.seed * 1000 + k, st["epoch"]])  # per epoch: a resumed fit draws the same
         order = rng.permutation(train_rows)
         tl, th = run(order, True)
         vl, vh = run(val_rows, False)
