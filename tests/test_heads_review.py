@@ -1,5 +1,6 @@
 """Review of train-heads / --draft heads as a user drives them: batched recording equal to one answer at a
-time, Ctrl-C during recording and fitting then a rerun gives the same heads."""
+time, Ctrl-C during recording and fitting then a rerun gives the same heads,
+--out and a second run refused up front in one line."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import pytest
 
 import ondevice
 from ondevice.backends.llama import LlamaBackend
-from ondevice.heads import batch, data, train
+from ondevice.errors import OndeviceError
+from ondevice.heads import batch, data, store, train
 
 SMALL = dict(tokens=600, max_new=48, rank=32, epochs=3, vocab=256, threads=1, n_ctx=512, slots=8, quiet=True)
 
@@ -104,3 +106,51 @@ def test_ctrl_c_in_recording_and_in_fitting_then_rerun_gives_the_same_heads(targ
     a, b = _heads(r["path"]), _heads(want["path"])
     assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
     assert not list(tmp_path.rglob("*.tmp"))
+
+
+def test_out_that_cannot_hold_the_file_is_refused_before_any_work(target, tmp_path, monkeypatch):
+    monkeypatch.setenv("ONDEVICE_HOME", str(tmp_path / "home"))
+    f = tmp_path / "notes.txt"
+    f.write_text("x")
+    for out in (f, f / "sub"):
+        with pytest.raises(OndeviceError, match="is a file, not a folder; pass --out FOLDER") as e:
+            train.train_heads(target, out=out, **SMALL)
+        assert str(f) in str(e.value) and "\n" not in str(e.value)
+    assert not (tmp_path / "home" / "heads" / "work").exists()  # nothing recorded
+    monkeypatch.setattr(train.tempfile, "TemporaryFile", lambda dir: (_ for _ in ()).throw(PermissionError(13, "Permission denied")))
+    with pytest.raises(OndeviceError, match="cannot write the heads file there .*Permission denied.*--out FOLDER") as e:
+        train.train_heads(target, out=tmp_path / "ro", **SMALL)
+    assert "\n" not in str(e.value) and not (tmp_path / "home" / "heads" / "work").exists()
+
+
+def test_a_second_train_heads_on_the_same_model_is_refused(target, tmp_path, monkeypatch):
+    monkeypatch.setenv("ONDEVICE_HOME", str(tmp_path))
+    work = tmp_path / "heads" / "work" / store.target_sha256(target)[:16]
+    with train._exclusive(work, target):  # another run holds the model
+        with pytest.raises(OndeviceError, match="another `ondevice train-heads` is training heads for this model") as e:
+            train.train_heads(target, **SMALL)
+        assert "tiny.gguf" in str(e.value) and "\n" not in str(e.value)
+    assert not work.exists()  # nothing was recorded: the lock's folder is gone
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(target.read_bytes()[:50000])  # a GGUF llama.cpp cannot load
+    with pytest.raises(OndeviceError, match="could not load"):
+        train.train_heads(bad, **SMALL)
+    assert not list((tmp_path / "heads" / "work").iterdir())
+
+
+def test_cli_out_names_the_file_to_pass_to_draft_and_refuses_a_file(target, tmp_path, monkeypatch):
+    """`train-heads --out DIR` stores the heads where `--draft heads` does not look: it says how to use them;
+    `--out FILE` is one line (the CLI's error exit code, 2), before any work."""
+    from typer.testing import CliRunner
+
+    from ondevice.cli.main import app
+
+    monkeypatch.setenv("ONDEVICE_HOME", str(tmp_path / "home"))
+    r = CliRunner().invoke(app, ["train-heads", str(target), "--tokens", "100", "--threads", "1", "--out", str(tmp_path / "o")])
+    assert r.exit_code == 0, r.output
+    path = next((tmp_path / "o").glob("*.heads.safetensors"))
+    assert f"use them with --draft {path}" in r.output
+    (tmp_path / "f").write_text("x")
+    r = CliRunner().invoke(app, ["train-heads", str(target), "--tokens", "100", "--out", str(tmp_path / "f")])
+    assert r.exit_code == 2 and r.output.strip().splitlines() == [f"error: {tmp_path / 'f'}: is a file, not a folder; "
+                                                                  "pass --out FOLDER (a folder for the heads file, created if missing)"]

@@ -124,5 +124,6 @@ def train_heads_cmd(
         return _dump(r)
     tau = (r["tau_heldout_greedy_chain"] or {}).get("tau")
     typer.echo(f"heads → {r['path']} ({r['training_tokens']} training tokens, {r['wall_seconds']:.0f} s; "
-               f"held-out greedy τ {tau if tau is None else round(tau, 2)})")
+               f"held-out greedy τ {tau if tau is None else round(tau, 2)})"
+               + (f"; use them with --draft {r['path']}" if out is not None else ""))
 

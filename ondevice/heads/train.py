@@ -16,11 +16,14 @@ import json
 import os
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 
+from ondevice import atomic
 from ondevice.backends.llama import LlamaBackend
+from ondevice.errors import OndeviceError
 from ondevice.heads import batch, data, fit, selfprompts, store
 from ondevice.heads.model import Heads
 
@@ -83,17 +86,56 @@ def _progress(quiet: bool):
                     TextColumn("ETA"), TimeRemainingColumn(), disable=quiet, transient=False)
 
 
+def _dest(path: Path, out: str | os.PathLike | None) -> Path:
+    """Where the heads file will go (``out`` or the default), refused in one line before any work when
+    that folder is a file or cannot be written."""
+    dest = Path(out) / store.default_path(path).name if out is not None else store.default_path(path)
+    folder = dest.parent
+    up = next((p for p in (folder, *folder.parents) if p.exists()), None)
+    if up is not None and not up.is_dir():
+        raise OndeviceError(f"{up}: is a file, not a folder; pass --out FOLDER (a folder for the heads file, created if missing)")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=folder).close()
+    except OSError as e:
+        raise OndeviceError(f"{folder}: cannot write the heads file there ({e.strerror or e}); "
+                            "pass --out FOLDER, a folder you can write in") from None
+    return dest
+
+
+@contextmanager
+def _exclusive(work: Path, model: Path):
+    """One ``train-heads`` per model at a time (an advisory lock on ``work/.lock``, released when the run or
+    its process ends): a second one refuses in one line instead of recording and fitting the same files."""
+    new = not work.exists()
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        with open(work / ".lock", "w") as f:
+            try:
+                import fcntl
+            except ImportError:  # no fcntl (Windows): no lock
+                yield
+                return
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                new = False
+                raise OndeviceError(f"{model.name}: another `ondevice train-heads` is training heads for this model right now "
+                                    f"(lock {work / '.lock'}); wait for it to finish, or stop it and rerun (it resumes)") from None
+            yield
+    finally:
+        if new and [p.name for p in work.iterdir()] == [".lock"]:  # failed before recording anything: leave nothing
+            (work / ".lock").unlink()
+            work.rmdir()
+
+
 def _self_prompts(rt, backend, cache: Path, seed: int, bar) -> list[tuple[str, str]]:
     """The target's own prompts (``selfprompts``), written once per seed and kept in ``cache``."""
     if cache.is_file():
         return [tuple(x) for x in json.loads(cache.read_text("utf-8"))]
     task = bar.add_task("writing prompts", total=None)
     got = selfprompts.write_prompts(rt, backend, seed=seed, on_progress=lambda done, total: bar.update(task, completed=done, total=total))
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{cache.name}.", suffix=".tmp", dir=cache.parent)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        json.dump(got, f, ensure_ascii=False, indent=0)
-    os.replace(tmp, cache)
+    atomic.write_text(cache, json.dumps(got, ensure_ascii=False, indent=0))
     return got
 
 
@@ -145,102 +187,103 @@ def train_heads(
         path = path / "model.gguf"
     sha = store.target_sha256(path)
     work = catalog.home() / "heads" / "work" / sha[:16]
-    with _progress(quiet) as bar, load(path, drafter="none", n_ctx=n_ctx, threads=threads) as rt:
-        V = rt.target.vocab_size
-        prompts = data.train_prompts()
-        rendered = [(c, rt.render_chat([{"role": "user", "content": t}])) for c, t in prompts]
-        if mlx:  # one model in memory: record on the runtime's own target, one answer at a time
-            batch_be, slots = data.OneSequence(rt.target), 1
-        else:  # one KV buffer per sequence, each as long as the longest shipped prompt's answer needs
-            seq_ctx = max(256, *(len(ids) for _, ids in rendered)) + max_new
-            batch_be = LlamaBackend(path, n_ctx=slots * seq_ctx, threads=threads, n_seq_max=slots, kv_unified=False)
-        try:
-            batch_be.enable_hidden()
-            if tokens > len(prompts) * max_new // 2:  # the shipped prompts alone would not reach the budget
-                own = _self_prompts(rt, batch_be, work / f"selfprompts-{seed}.json", seed, bar)
-                rendered += [(c, rt.render_chat([{"role": "user", "content": t}])) for c, t in own]
-            task = bar.add_task("recording answers (tokens)", total=tokens)
-            records = batch.collect_many(batch_be, rendered, work / "records", budget=tokens, max_new=max_new,
-                                         slots=slots, on_record=lambda total, new: bar.update(task, completed=min(total, tokens)))
-        finally:
-            if mlx:
-                rt.reset()  # the runtime's cache was used behind its back
-            else:
-                batch_be.close()
-        extra = []
-        if texts and text_tokens:
-            task = bar.add_task("teacher-forced text (tokens)", total=text_tokens)
-            extra = data.collect_text(rt, texts, work / "text", budget=text_tokens,
-                                      on_record=lambda total, new: bar.update(task, completed=min(total, text_tokens)))
-        t_rec = time.perf_counter() - t0
-        n_tok = int(sum(len(r.hidden) for r in records))
-        rng = np.random.default_rng(seed)
-        order = rng.permutation(len(records))
-        n_val = max(1, len(records) // 10) if len(records) > 1 else 0
-        val_set = set(order[:n_val].tolist())
-        train_recs = [r for i, r in enumerate(records) if i not in val_set]
-        val_recs = [r for i, r in enumerate(records) if i in val_set]
-        train_recs += extra  # extra text trains, never judges (held-out answers are the target's own)
-        vocab_ids = choose_vocab(train_recs, V, vocab)
-        out_rows, emb_rows, arch = rt.target.output_rows(vocab_ids) if mlx else target_rows(path, vocab_ids)
-    flat_tr, flat_va = fit.Flat.of(train_recs), fit.Flat.of(val_recs or train_recs[:1])
-    s_h = float(1.0 / np.sqrt(np.mean(flat_tr.H.astype(np.float64) ** 2)))
-    s_e = float(1.0 / np.sqrt(np.mean(emb_rows.astype(np.float64) ** 2)))
-    heads = Heads.init(vocab_ids, out_rows, emb_rows, K, rank, s_h, s_e, seed)
-    inv = heads.index(V)
-    cfg = fit.FitConfig(epochs=epochs, seed=seed)
-    # one flat table: training rows first, then held-out rows (anchors never cross records)
-    flat = fit.Flat(np.concatenate([flat_tr.H, flat_va.H]), np.concatenate([flat_tr.tok, flat_va.tok]),
-                    np.concatenate([flat_tr.nxt, flat_va.nxt]), np.concatenate([flat_tr.left, flat_va.left]),
-                    np.concatenate([flat_tr.rec, flat_va.rec + len(train_recs)]))
-    n_tr = len(flat_tr.H)
-    t_ids, t_pr = fit.teacher(heads, flat.H)
-    n_text = int(sum(len(r.hidden) for r in extra))
-    key = hashlib.sha256(json.dumps([sha, n_tok, n_text, seed, K, rank, vocab, epochs, max_new]).encode()).hexdigest()[:12]
-    ckpt = work / f"fit-{key}.npz"
-    done, state = 0, None
-    if ckpt.is_file():  # resume: finished heads' weights, and the running head's optimiser state
-        with np.load(ckpt) as z:
-            info = json.loads(str(z["__info__"]))
-            done = info["done"]
+    dest = _dest(path, out)  # checked before any work: a folder we can write in
+    with _exclusive(work, path):
+        with load(path, drafter="none", n_ctx=n_ctx, threads=threads) as rt, _progress(quiet) as bar:
+            V = rt.target.vocab_size
+            prompts = data.train_prompts()
+            rendered = [(c, rt.render_chat([{"role": "user", "content": t}])) for c, t in prompts]
+            if mlx:  # one model in memory: record on the runtime's own target, one answer at a time
+                batch_be, slots = data.OneSequence(rt.target), 1
+            else:  # one KV buffer per sequence, each as long as the longest shipped prompt's answer needs
+                seq_ctx = max(256, *(len(ids) for _, ids in rendered)) + max_new
+                batch_be = LlamaBackend(path, n_ctx=slots * seq_ctx, threads=threads, n_seq_max=slots, kv_unified=False)
+            try:
+                batch_be.enable_hidden()
+                if tokens > len(prompts) * max_new // 2:  # the shipped prompts alone would not reach the budget
+                    own = _self_prompts(rt, batch_be, work / f"selfprompts-{seed}.json", seed, bar)
+                    rendered += [(c, rt.render_chat([{"role": "user", "content": t}])) for c, t in own]
+                task = bar.add_task("recording answers (tokens)", total=tokens)
+                records = batch.collect_many(batch_be, rendered, work / "records", budget=tokens, max_new=max_new,
+                                             slots=slots, on_record=lambda total, new: bar.update(task, completed=min(total, tokens)))
+            finally:
+                if mlx:
+                    rt.reset()  # the runtime's cache was used behind its back
+                else:
+                    batch_be.close()
+            extra = []
+            if texts and text_tokens:
+                task = bar.add_task("teacher-forced text (tokens)", total=text_tokens)
+                extra = data.collect_text(rt, texts, work / "text", budget=text_tokens,
+                                          on_record=lambda total, new: bar.update(task, completed=min(total, text_tokens)))
+            t_rec = time.perf_counter() - t0
+            n_tok = int(sum(len(r.hidden) for r in records))
+            rng = np.random.default_rng(seed)
+            order = rng.permutation(len(records))
+            n_val = max(1, len(records) // 10) if len(records) > 1 else 0
+            val_set = set(order[:n_val].tolist())
+            train_recs = [r for i, r in enumerate(records) if i not in val_set]
+            val_recs = [r for i, r in enumerate(records) if i in val_set]
+            train_recs += extra  # extra text trains, never judges (held-out answers are the target's own)
+            vocab_ids = choose_vocab(train_recs, V, vocab)
+            out_rows, emb_rows, arch = rt.target.output_rows(vocab_ids) if mlx else target_rows(path, vocab_ids)
+        flat_tr, flat_va = fit.Flat.of(train_recs), fit.Flat.of(val_recs or train_recs[:1])
+        s_h = float(1.0 / np.sqrt(np.mean(flat_tr.H.astype(np.float64) ** 2)))
+        s_e = float(1.0 / np.sqrt(np.mean(emb_rows.astype(np.float64) ** 2)))
+        heads = Heads.init(vocab_ids, out_rows, emb_rows, K, rank, s_h, s_e, seed)
+        inv = heads.index(V)
+        cfg = fit.FitConfig(epochs=epochs, seed=seed)
+        # one flat table: training rows first, then held-out rows (anchors never cross records)
+        flat = fit.Flat(np.concatenate([flat_tr.H, flat_va.H]), np.concatenate([flat_tr.tok, flat_va.tok]),
+                        np.concatenate([flat_tr.nxt, flat_va.nxt]), np.concatenate([flat_tr.left, flat_va.left]),
+                        np.concatenate([flat_tr.rec, flat_va.rec + len(train_recs)]))
+        n_tr = len(flat_tr.H)
+        t_ids, t_pr = fit.teacher(heads, flat.H)
+        n_text = int(sum(len(r.hidden) for r in extra))
+        key = hashlib.sha256(json.dumps([sha, n_tok, n_text, seed, K, rank, vocab, epochs, max_new]).encode()).hexdigest()[:12]
+        ckpt = work / f"fit-{key}.npz"
+        done, state = 0, None
+        if ckpt.is_file():  # resume: finished heads' weights, and the running head's optimiser state
+            with np.load(ckpt) as z:
+                info = json.loads(str(z["__info__"]))
+                done = info["done"]
+                for k in range(K):
+                    heads.w1[k][...], heads.b1[k][...], heads.w2[k][...] = z[f"w1.{k}"], z[f"b1.{k}"], z[f"w2.{k}"]
+                if info.get("state"):
+                    s = info["state"]
+                    state = {"epoch": s["epoch"], "best": s["best"], "log": s["log"], "t": s["t"],
+                             **{g: {n: z[f"{g}.{n}"] for n in ("w1", "b1", "w2")} for g in ("w", "m", "v", "best_w")}}
+        log: list[dict] = list(info.get("log", [])) if ckpt.is_file() else []
+        src = flat.H
+        t1 = time.perf_counter()
+        with _progress(quiet) as bar:
+            task = bar.add_task("fitting heads (epochs)", total=K * epochs, completed=done * epochs + (state or {}).get("epoch", 0))
             for k in range(K):
-                heads.w1[k][...], heads.b1[k][...], heads.w2[k][...] = z[f"w1.{k}"], z[f"b1.{k}"], z[f"w2.{k}"]
-            if info.get("state"):
-                s = info["state"]
-                state = {"epoch": s["epoch"], "best": s["best"], "log": s["log"], "t": s["t"],
-                         **{g: {n: z[f"{g}.{n}"] for n in ("w1", "b1", "w2")} for g in ("w", "m", "v", "best_w")}}
-    log: list[dict] = list(info.get("log", [])) if ckpt.is_file() else []
-    src = flat.H
-    t1 = time.perf_counter()
-    with _progress(quiet) as bar:
-        task = bar.add_task("fitting heads (epochs)", total=K * epochs, completed=done * epochs + (state or {}).get("epoch", 0))
-        for k in range(K):
-            rows = np.flatnonzero(flat.left >= k + 1)
-            tr, va = rows[rows < n_tr], rows[rows >= n_tr]
-            if k >= done:
-                def on_epoch(st, k=k):
-                    arrays = {f"{g}.{n}": st[g][n] for g in ("w", "m", "v", "best_w") for n in ("w1", "b1", "w2")}
-                    arrays.update({f"{n}.{j}": getattr(heads, n)[j] for j in range(K) for n in ("w1", "b1", "w2")})
-                    _ckpt_save(ckpt, arrays, {"done": k, "log": log, "state": {
-                        "epoch": st["epoch"], "best": float(st["best"]), "log": st["log"], "t": st["t"]}})
-                    bar.update(task, advance=1)
+                rows = np.flatnonzero(flat.left >= k + 1)
+                tr, va = rows[rows < n_tr], rows[rows >= n_tr]
+                if k >= done:
+                    def on_epoch(st, k=k):
+                        arrays = {f"{g}.{n}": st[g][n] for g in ("w", "m", "v", "best_w") for n in ("w1", "b1", "w2")}
+                        arrays.update({f"{n}.{j}": getattr(heads, n)[j] for j in range(K) for n in ("w1", "b1", "w2")})
+                        _ckpt_save(ckpt, arrays, {"done": k, "log": log, "state": {
+                            "epoch": st["epoch"], "best": float(st["best"]), "log": st["log"], "t": st["t"]}})
+                        bar.update(task, advance=1)
 
-                st = fit.fit_head(heads, k, src, flat, t_ids, t_pr, inv, tr, va if len(va) else tr[:256], cfg,
-                                  state=state, on_epoch=on_epoch)
-                state = None
-                log.extend(st["log"])
-                _ckpt_save(ckpt, {f"{n}.{j}": getattr(heads, n)[j] for j in range(K) for n in ("w1", "b1", "w2")},
-                           {"done": k + 1, "log": log, "state": None})
-            src = fit.advance(heads, k, src, flat, inv, rows)
-    t_fit = time.perf_counter() - t1
-    hits = fit.chain_hits(heads, flat, inv)
-    tau_val = fit.offline_tau(hits, flat, np.unique(flat.rec[n_tr:])) if val_recs else None
-    tau_train = fit.offline_tau(hits, flat, np.unique(flat.rec[:n_tr]))
-    meta = {"target_sha256": sha, "target_file": path.name, "architecture": arch, "target_vocab_size": V,
-            "training_tokens": int(len(flat_tr.H)), "teacher_forced_text_tokens": n_text, "heldout_tokens": int(len(flat.H) - n_tr), "seed": seed,
-            "epochs": epochs, "record_seconds": round(t_rec, 1), "fit_seconds": round(t_fit, 1),
-            "tau_heldout_greedy_chain": tau_val, "tau_train_greedy_chain": tau_train, "log": log}
-    dest = Path(out) / store.default_path(path).name if out is not None else store.default_path(path)
-    store.save(dest, heads, meta)
-    return {"path": str(dest), "wall_seconds": round(time.perf_counter() - t0, 1), **{k: v for k, v in meta.items() if k != "log"},
-            "log": log}
+                    st = fit.fit_head(heads, k, src, flat, t_ids, t_pr, inv, tr, va if len(va) else tr[:256], cfg,
+                                      state=state, on_epoch=on_epoch)
+                    state = None
+                    log.extend(st["log"])
+                    _ckpt_save(ckpt, {f"{n}.{j}": getattr(heads, n)[j] for j in range(K) for n in ("w1", "b1", "w2")},
+                               {"done": k + 1, "log": log, "state": None})
+                src = fit.advance(heads, k, src, flat, inv, rows)
+        t_fit = time.perf_counter() - t1
+        hits = fit.chain_hits(heads, flat, inv)
+        tau_val = fit.offline_tau(hits, flat, np.unique(flat.rec[n_tr:])) if val_recs else None
+        tau_train = fit.offline_tau(hits, flat, np.unique(flat.rec[:n_tr]))
+        meta = {"target_sha256": sha, "target_file": path.name, "architecture": arch, "target_vocab_size": V,
+                "training_tokens": int(len(flat_tr.H)), "teacher_forced_text_tokens": n_text, "heldout_tokens": int(len(flat.H) - n_tr), "seed": seed,
+                "epochs": epochs, "record_seconds": round(t_rec, 1), "fit_seconds": round(t_fit, 1),
+                "tau_heldout_greedy_chain": tau_val, "tau_train_greedy_chain": tau_train, "log": log}
+        store.save(dest, heads, meta)
+        return {"path": str(dest), "wall_seconds": round(time.perf_counter() - t0, 1), **{k: v for k, v in meta.items() if k != "log"},
+                "log": log}
