@@ -1,6 +1,6 @@
 """Review of train-heads / --draft heads as a user drives them: batched recording equal to one answer at a
 time, Ctrl-C during recording and fitting then a rerun gives the same heads,
---out and a second run refused up front in one line."""
+--out and a second run refused up front in one line, a foreign heads file shown as such."""
 
 from __future__ import annotations
 
@@ -154,3 +154,16 @@ def test_cli_out_names_the_file_to_pass_to_draft_and_refuses_a_file(target, tmp_
     r = CliRunner().invoke(app, ["train-heads", str(target), "--tokens", "100", "--out", str(tmp_path / "f")])
     assert r.exit_code == 2 and r.output.strip().splitlines() == [f"error: {tmp_path / 'f'}: is a file, not a folder; "
                                                                   "pass --out FOLDER (a folder for the heads file, created if missing)"]
+
+
+def test_models_and_info_show_a_foreign_heads_file_as_unusable(clean, tiny_gguf, tmp_path, monkeypatch):
+    home, r = clean
+    monkeypatch.setenv("ONDEVICE_HOME", str(home))
+    other = tmp_path / "other.gguf"
+    shutil.copy(tiny_gguf("llama_draft"), other)  # same shapes, other weights
+    shutil.copy(r["path"], store.default_path(other))
+    try:
+        s = store.summary(other)
+        assert "heads made for another model (tiny.gguf)" in s["error"] and "train-heads other.gguf" in s["error"]
+    finally:
+        store.default_path(other).unlink()
