@@ -25,12 +25,16 @@ class Drafter:
             runtime's).
         trees: ``propose_tree`` grows a candidate tree whose prefixes the policy sizes; on a backend that
             verifies trees in one pass the runtime then speculates with trees (``ondevice.tree.tree_steps``).
+        reads_last_row: drafts from the target's hidden row of the last cached position (heads): a prompt
+            the prefix cache holds whole is then prefilled from its last cached token again, so the first
+            step drafts whatever the cache held before (a seeded request gives the same output).
     """
 
     name: str = "drafter"
     cheap: bool = False
     backend: Backend | None = None
     trees: bool = False
+    reads_last_row: bool = False
     follows_constraints: bool = True  # ``propose(..., constraint=)`` masks its q / cuts its guess (``ondevice.constrain``)
 
     @property

@@ -1,6 +1,7 @@
 """Review of train-heads / --draft heads as a user drives them: batched recording equal to one answer at a
 time, Ctrl-C during recording and fitting then a rerun gives the same heads,
---out and a second run refused up front in one line, a foreign heads file shown as such."""
+--out and a second run refused up front in one line, a foreign heads file shown as such, seeded
+requests independent of the prefix cache."""
 
 from __future__ import annotations
 
@@ -167,3 +168,15 @@ def test_models_and_info_show_a_foreign_heads_file_as_unusable(clean, tiny_gguf,
         assert "heads made for another model (tiny.gguf)" in s["error"] and "train-heads other.gguf" in s["error"]
     finally:
         store.default_path(other).unlink()
+
+
+def test_a_seeded_request_does_not_depend_on_the_prefix_cache(target, clean, monkeypatch):
+    """The same request twice: the second finds its prompt cached whole, yet drafts its first step as the
+    first did (the runtime evaluates the last cached token again for the heads' hidden row)."""
+    monkeypatch.setenv("ONDEVICE_HOME", str(clean[0]))
+    with ondevice.load(target, draft="heads", threads=1) as rt:
+        for kw in (dict(temperature=0), dict(temperature=0.7, top_p=0.9)):
+            runs = [rt.generate("def add(a, b):", max_tokens=24, seed=3, gamma=3, **kw) for _ in range(2)]
+            a, b = runs
+            assert a.tokens == b.tokens and a.stats.accept_counts == b.stats.accept_counts
+            assert a.stats.drafted == b.stats.drafted > 0 and b.stats.prompt_eval_tokens == 2  # the cached last token again, and the pending one

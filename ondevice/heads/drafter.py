@@ -9,8 +9,9 @@ then keeps the target's law whatever the heads guess; greedy drafting is determi
 
 The heads' input is the target's post-norm hidden state at the last cached position (the row whose
 logits chose the pending token): after a verify pass and its rollback that is the row of the last
-accepted token, which ``LlamaBackend.hidden`` still holds. When no such row exists (a prompt served
-wholly from the cache, a reset), the drafter proposes nothing and the step is a plain one.
+accepted token, which ``LlamaBackend.hidden`` still holds. A prompt the prefix cache holds whole has
+its last cached token evaluated again by the runtime (``reads_last_row``), so the row is there; when it
+is not (a caller driving the loop itself), the drafter proposes nothing and the step is a plain one.
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ class HeadsDrafter(Drafter):
     follows_constraints = False  # its rows are not masked yet: the runtime refuses a constrained request up front
     cheap = False  # the policy asks for exactly γ tokens (at most K come back)
     trees = True
+    reads_last_row = True  # the runtime re-evaluates a wholly cached prompt's last cached token
 
     def __init__(self, target, heads: Heads, meta: dict | None = None) -> None:
         d = target.enable_hidden()  # a backend without hidden states refuses in one line
