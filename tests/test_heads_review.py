@@ -13,7 +13,7 @@ import pytest
 import ondevice
 from ondevice.backends.llama import LlamaBackend
 from ondevice.errors import OndeviceError
-from ondevice.heads import batch, data, store, train
+from ondevice.heads import batch, data, selfprompts, store, train
 
 SMALL = dict(tokens=600, max_new=48, rank=32, epochs=3, vocab=256, threads=1, n_ctx=512, slots=8, quiet=True)
 
@@ -137,6 +137,21 @@ def test_a_second_train_heads_on_the_same_model_is_refused(target, tmp_path, mon
     with pytest.raises(OndeviceError, match="could not load"):
         train.train_heads(bad, **SMALL)
     assert not list((tmp_path / "heads" / "work").iterdir())
+
+
+def test_self_written_prompts_progress_counts_finished_requests(target, monkeypatch):
+    """The 'writing prompts' bar counts requests answered, so it ends at its total (it counted the kept ones)."""
+    monkeypatch.setattr(selfprompts, "load_prompts", lambda: {"heldout": {"code": ["zzz"]},
+                                                              "topics": {"code": ["lists"], "chat": ["tea"]}})
+    seen = []
+    with ondevice.load(target, drafter="none", threads=1, n_ctx=512) as rt:
+        b = LlamaBackend(target, n_ctx=1024, threads=1, n_seq_max=4)
+        try:
+            got = selfprompts.write_prompts(rt, b, per_topic=3, max_new=24, on_progress=lambda d, t: seen.append((d, t)))
+        finally:
+            b.close()
+    assert seen[-1] == (6, 6) and [d for d, _ in seen] == list(range(1, 7))
+    assert len(got) < 6  # the tiny model drops some (so counting kept requests would not have reached 6)
 
 
 def test_cli_out_names_the_file_to_pass_to_draft_and_refuses_a_file(target, tmp_path, monkeypatch):

@@ -43,7 +43,7 @@ def write_prompts(rt, backend, *, per_topic: int = 2, seed: int = 0, max_new: in
         backend: a ``LlamaBackend`` of the same model with several sequence ids (it writes, in batches).
         per_topic: requests asked for per topic (each a different sample).
         seed: seeds the sampling.
-        on_progress: called as ``on_progress(done, total)``.
+        on_progress: called as ``on_progress(requests finished, requests asked)``.
     """
     shipped = load_prompts()
     heldout = [t for v in shipped["heldout"].values() for t in v]
@@ -51,15 +51,17 @@ def write_prompts(rt, backend, *, per_topic: int = 2, seed: int = 0, max_new: in
             for topic in shipped["topics"][c]]
     ids = [rt.render_chat([{"role": "user", "content": text}]) for _, text in asks]
     got: dict[int, str] = {}
+    finished = [0]
 
     def done(i: int, rec) -> None:
+        finished[0] += 1
         toks = [int(t) for t in rec.tokens[1:]]
         if toks and backend.is_eog(toks[-1]):
             text = b"".join(backend.token_bytes(t) for t in toks[:-1]).decode("utf-8", "replace").strip().strip('"').strip()
             if len(text) >= 16 and "\ufffd" not in text:
                 got[i] = text
         if on_progress is not None:
-            on_progress(len(got), len(asks))
+            on_progress(finished[0], len(asks))
 
     generate_many(backend, ids, max_new=max_new, on_done=done, params=SAMPLE, seed=seed, hidden=False)
     out: list[tuple[str, str]] = []
