@@ -195,3 +195,15 @@ def test_a_seeded_request_does_not_depend_on_the_prefix_cache(target, clean, mon
             a, b = runs
             assert a.tokens == b.tokens and a.stats.accept_counts == b.stats.accept_counts
             assert a.stats.drafted == b.stats.drafted > 0 and b.stats.prompt_eval_tokens == 2  # the cached last token again, and the pending one
+
+
+def test_too_few_tokens(target, tmp_path, monkeypatch):
+    """tokens <= 0 is one line before any work; a budget one answer fills has no held-out answer, and says so
+    (it reported the training answer used for early stopping as held-out tokens)."""
+    monkeypatch.setenv("ONDEVICE_HOME", str(tmp_path))
+    for bad in (0, -5):
+        with pytest.raises(OndeviceError, match=f"tokens={bad}: train-heads needs a positive number"):
+            train.train_heads(target, **{**SMALL, "tokens": bad})
+    assert not (tmp_path / "heads").exists()
+    r = train.train_heads(target, **{**SMALL, "tokens": 1})
+    assert r["training_tokens"] > 0 and r["heldout_tokens"] == 0 and r["tau_heldout_greedy_chain"] is None

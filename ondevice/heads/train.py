@@ -180,6 +180,8 @@ def train_heads(
     from ondevice.loader import load
     from ondevice.store import catalog, lookup
 
+    if tokens < 1:
+        raise OndeviceError(f"tokens={tokens}: train-heads needs a positive number of answer tokens to record (--tokens N, N >= 100)")
     t0 = time.perf_counter()
     path = lookup.resolve(model)
     mlx = detect_format(path) == "mlx"
@@ -216,6 +218,8 @@ def train_heads(
                 task = bar.add_task("teacher-forced text (tokens)", total=text_tokens)
                 extra = data.collect_text(rt, texts, work / "text", budget=text_tokens,
                                           on_record=lambda total, new: bar.update(task, completed=min(total, text_tokens)))
+            if not records:
+                raise OndeviceError(f"{path.name}: no prompt left room for an answer in n_ctx={n_ctx}; raise n_ctx")
             t_rec = time.perf_counter() - t0
             n_tok = int(sum(len(r.hidden) for r in records))
             rng = np.random.default_rng(seed)
@@ -281,7 +285,7 @@ def train_heads(
         tau_val = fit.offline_tau(hits, flat, np.unique(flat.rec[n_tr:])) if val_recs else None
         tau_train = fit.offline_tau(hits, flat, np.unique(flat.rec[:n_tr]))
         meta = {"target_sha256": sha, "target_file": path.name, "architecture": arch, "target_vocab_size": V,
-                "training_tokens": int(len(flat_tr.H)), "teacher_forced_text_tokens": n_text, "heldout_tokens": int(len(flat.H) - n_tr), "seed": seed,
+                "training_tokens": int(len(flat_tr.H)), "teacher_forced_text_tokens": n_text, "heldout_tokens": int(len(flat.H) - n_tr) if val_recs else 0, "seed": seed,
                 "epochs": epochs, "record_seconds": round(t_rec, 1), "fit_seconds": round(t_fit, 1),
                 "tau_heldout_greedy_chain": tau_val, "tau_train_greedy_chain": tau_train, "log": log}
         store.save(dest, heads, meta)
