@@ -207,3 +207,19 @@ def test_too_few_tokens(target, tmp_path, monkeypatch):
     assert not (tmp_path / "heads").exists()
     r = train.train_heads(target, **{**SMALL, "tokens": 1})
     assert r["training_tokens"] > 0 and r["heldout_tokens"] == 0 and r["tau_heldout_greedy_chain"] is None
+
+
+def test_a_missing_heads_file_and_draft_heads_with_ngram_are_one_line(target, tmp_path):
+    """A --draft path to a heads file that is not there is named as missing (it said 'not a readable heads
+    file ... delete it'); --draft heads with --ngram said 'BadParameter: ... (rerun with --debug for the
+    traceback)'."""
+    from typer.testing import CliRunner
+
+    from ondevice.cli.main import app
+
+    gone = tmp_path / "gone.heads.safetensors"
+    with pytest.raises(OndeviceError, match="no such heads file; pass a .heads.safetensors file") as e:
+        ondevice.load(target, draft=gone, threads=1)
+    assert str(gone) in str(e.value) and "delete" not in str(e.value)
+    r = CliRunner().invoke(app, ["generate", str(target), "-p", "x", "--draft", "heads", "--ngram"])
+    assert r.exit_code == 2 and r.output.strip().splitlines() == ["error: use only one of --draft (a model, auto or heads), --ngram, --no-spec"]

@@ -170,7 +170,9 @@ def request_options(fn):
 
 def _drafter(draft: str | None, ngram: bool, no_spec: bool) -> str | None:
     if sum([draft is not None, ngram, no_spec]) > 1:
-        raise typer.BadParameter("use only one of --draft, --ngram, --no-spec")
+        from ondevice.errors import OndeviceError
+
+        raise OndeviceError("use only one of --draft (a model, auto or heads), --ngram, --no-spec")
     return "none" if no_spec else "ngram" if ngram else ("model" if draft else None)
 
 

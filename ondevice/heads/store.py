@@ -104,6 +104,9 @@ def read_meta(path: str | os.PathLike) -> dict:
     from safetensors import safe_open
 
     path = Path(path)
+    if not path.is_file():
+        raise OndeviceError(f"{path}: no such heads file; pass a .heads.safetensors file written by `ondevice train-heads`, "
+                            "or --draft heads for the heads stored beside the model")
     try:
         with safe_open(str(path), "np") as f:
             meta = json.loads((f.metadata() or {})["ondevice.heads"])
