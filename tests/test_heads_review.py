@@ -223,3 +223,27 @@ def test_a_missing_heads_file_and_draft_heads_with_ngram_are_one_line(target, tm
     assert str(gone) in str(e.value) and "delete" not in str(e.value)
     r = CliRunner().invoke(app, ["generate", str(target), "-p", "x", "--draft", "heads", "--ngram"])
     assert r.exit_code == 2 and r.output.strip().splitlines() == ["error: use only one of --draft (a model, auto or heads), --ngram, --no-spec"]
+
+
+def test_recorded_answers_to_other_prompts_are_recorded_again(target, tmp_path):
+    """Answer i is a file named by its index: answers to other prompts at that index (the target's own prompts
+    of another --seed come after the shipped ones) or cut at another max_new are recorded again, not reused."""
+    b = LlamaBackend(target, n_ctx=4 * 256, threads=1, n_seq_max=4, kv_unified=False)
+    try:
+        b.enable_hidden()
+        texts = ["def add(a, b):", "class Cache:", "import os\n"]
+        first = [("code", b.tokenize(t)) for t in texts]
+        batch.collect_many(b, first, tmp_path, budget=10**6, max_new=16)
+        other = [first[0], first[1], ("code", b.tokenize("SELECT * FROM"))]
+        recs = batch.collect_many(b, other, tmp_path, budget=10**6, max_new=16)
+        assert [r.prompt.tolist() for r in recs] == [p for _, p in other]
+        one = LlamaBackend(target, n_ctx=256, threads=1)
+        try:
+            one.enable_hidden()
+            assert recs[2].tokens.tolist() == data.record_answer(one, other[2][1], 16).tokens.tolist()
+            longer = batch.collect_many(b, other, tmp_path, budget=10**6, max_new=24)
+            assert [r.tokens.tolist() for r in longer] == [data.record_answer(one, p, 24).tokens.tolist() for _, p in other]
+        finally:
+            one.close()
+    finally:
+        b.close()

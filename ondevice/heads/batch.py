@@ -116,7 +116,9 @@ def _admit(backend, queue: deque, active: dict[int, _Slot], S: int, max_new: int
 def collect_many(backend, prompts: Sequence[tuple[str, list[int]]], work: Path, *, budget: int, max_new: int,
                  slots: int | None = None, on_record: Callable[[int, int], None] | None = None) -> list[Record]:
     """``data.collect`` batched: greedy answers with hidden states to (class, prompt ids) until ``budget``
-    answer tokens are held; answer i is the file ``work/rec-iiii.npz`` (existing ones are read, not redone).
+    answer tokens are held; answer i is the file ``work/rec-iiii.npz`` (existing ones are read, not redone,
+    unless they answer another prompt or were cut at another ``max_new``: e.g. the target's own prompts of
+    another ``--seed``, which are recorded after the shipped ones).
 
     Prompts are admitted in order while the tokens held plus those expected from answers under way are
     below the budget (an answer is expected to take ``max_new``); answers under way always finish.
@@ -126,8 +128,11 @@ def collect_many(backend, prompts: Sequence[tuple[str, list[int]]], work: Path, 
     todo: list[int] = []
     for i in range(len(prompts)):
         path = work / f"rec-{i:04d}.npz"
-        if path.is_file():
-            recs[i] = load_record(path)
+        rec = load_record(path) if path.is_file() else None
+        n = 0 if rec is None else len(rec.tokens) - 1
+        if rec is not None and rec.prompt.tolist() == list(prompts[i][1]) and (
+                n == max_new or n < max_new and backend.is_eog(int(rec.tokens[-1]))):
+            recs[i] = rec
         else:
             todo.append(i)
     held = [sum(len(r.hidden) for r in recs.values()), 0]  # tokens held, answers under way
