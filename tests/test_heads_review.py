@@ -247,3 +247,18 @@ def test_recorded_answers_to_other_prompts_are_recorded_again(target, tmp_path):
             one.close()
     finally:
         b.close()
+
+
+def test_auto_choosing_ngram_leaves_the_targets_hidden_states_off(target, clean, monkeypatch):
+    """draft="auto" times the stored heads to judge them; it switched the target's hidden-state output on even
+    when it then chose n-gram drafting (every pass paid for rows nobody reads)."""
+    from ondevice.costs import Costs
+
+    monkeypatch.setenv("ONDEVICE_HOME", str(clean[0]))
+    monkeypatch.setattr("ondevice.store.discovery.local_models", lambda: [])
+    steep = Costs({1: 1e-3, 2: 2e-3, 4: 4e-3, 8: 8e-3}, 0.0)
+    monkeypatch.setattr("ondevice.costs.cached_measure", lambda target, draft=None, cancelled=None: steep)
+    with ondevice.load(target, draft="auto", threads=1) as rt:
+        assert rt.drafter.name == "ngram" and rt.draft_choice["candidates"][0]["ok"]
+        rt.generate("def add(a, b):", max_tokens=8, temperature=0, gamma=3)
+        assert rt.target.hidden(rt.target.n_past - 1) is None

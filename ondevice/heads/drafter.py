@@ -71,6 +71,22 @@ def best_first(heads: Heads, h: np.ndarray, x: int, max_nodes: int, branch: int 
     return rows, parents, scores
 
 
+def seconds_per_token(hs: Heads, reps: int = 15) -> float:
+    """Median seconds of one drafted token (a head step, the draft-vocabulary logits and their processing),
+    timed on a random hidden state: no target needed (``draft="auto"`` judges heads without switching the
+    target's hidden states on)."""
+    import time
+
+    h = np.random.default_rng(0).standard_normal((1, hs.d)).astype(np.float32) / hs.s_h
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        hk = hs.step(0, h, hs.embed(np.array([0])))[0]
+        probs_sparse(hs.logits(hk)[0], SamplingParams(temperature=0.0), [])
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
 class HeadsDrafter(Drafter):
     """Heads on a target backend that can return hidden states (``enable_hidden``).
 
@@ -166,20 +182,9 @@ class HeadsDrafter(Drafter):
         return Tree([int(context[-1]), *(int(self.heads.vocab[r]) for r in rows)], [-1, *parents], scores=[1.0, *scores])
 
     def seconds_per_token(self, reps: int = 15) -> float:
-        """Median seconds of one drafted token (a head step, the draft-vocabulary logits and their
-        processing), timed once on a random hidden state and cached."""
+        """``seconds_per_token(self.heads)``, measured once and cached."""
         if self._spt is None:
-            import time
-
-            hs, rng = self.heads, np.random.default_rng(0)
-            h = rng.standard_normal((1, hs.d)).astype(np.float32) / hs.s_h
-            times = []
-            for _ in range(reps):
-                t0 = time.perf_counter()
-                hk = hs.step(0, h, hs.embed(np.array([0])))[0]
-                probs_sparse(hs.logits(hk)[0], SamplingParams(temperature=0.0), [])
-                times.append(time.perf_counter() - t0)
-            self._spt = float(np.median(times))
+            self._spt = seconds_per_token(self.heads, reps)
         return self._spt
 
     def reset(self) -> None:
