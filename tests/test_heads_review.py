@@ -262,3 +262,22 @@ def test_auto_choosing_ngram_leaves_the_targets_hidden_states_off(target, clean,
         assert rt.drafter.name == "ngram" and rt.draft_choice["candidates"][0]["ok"]
         rt.generate("def add(a, b):", max_tokens=8, temperature=0, gamma=3)
         assert rt.target.hidden(rt.target.n_past - 1) is None
+
+
+def test_info_shows_the_heads_of_an_mlx_model(target, clean, tiny_mlx, monkeypatch):
+    """Heads train and draft for MLX model directories; `ondevice info DIR` showed them only for GGUF files."""
+    from typer.testing import CliRunner
+
+    from ondevice.cli.main import app
+
+    monkeypatch.setenv("ONDEVICE_HOME", str(clean[0]))
+    d = tiny_mlx("llama")
+    heads, meta = store.load(clean[1]["path"], target)
+    dest = store.save(store.default_path(d), heads, {**meta, "target_sha256": store.target_sha256(d), "target_file": d.name})
+    try:
+        r = CliRunner().invoke(app, ["info", str(d)])
+        assert r.exit_code == 0, r.output
+        line = next(x for x in r.output.splitlines() if x.strip().startswith("heads:"))
+        assert "K=3" in line and str(dest) in line
+    finally:
+        dest.unlink()

@@ -176,11 +176,11 @@ def info_cmd(
     from ondevice.store.info import describe
 
     info = describe(model, device)
-    if info["format"] == "gguf":
+    if info["format"] in ("gguf", "mlx"):  # the formats heads are trained for
         from ondevice.heads import store as heads_store
 
         path = Path(info["path"])
-        info["heads"] = heads_store.summary(path / "model.gguf" if path.is_dir() else path)
+        info["heads"] = heads_store.summary(path / "model.gguf" if path.is_dir() and info["format"] == "gguf" else path)
     if json_out:
         return _dump(info)
     h = info.get("heads")
