@@ -281,3 +281,13 @@ def test_info_shows_the_heads_of_an_mlx_model(target, clean, tiny_mlx, monkeypat
         assert "K=3" in line and str(dest) in line
     finally:
         dest.unlink()
+
+
+def test_train_heads_on_a_core_ml_model_is_one_line(tmp_path, monkeypatch):
+    """A Core ML model directory fell through to '<dir>/model.gguf' and a FileNotFoundError."""
+    monkeypatch.setenv("ONDEVICE_HOME", str(tmp_path / "home"))
+    d = tmp_path / "cm"
+    (d / "model.mlpackage").mkdir(parents=True)
+    with pytest.raises(OndeviceError, match="heads train on a GGUF file or an MLX model directory, not a coreml model") as e:
+        train.train_heads(d, **SMALL)
+    assert str(d) in str(e.value) and "\n" not in str(e.value) and not (tmp_path / "home").exists()

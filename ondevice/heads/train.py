@@ -184,7 +184,11 @@ def train_heads(
         raise OndeviceError(f"tokens={tokens}: train-heads needs a positive number of answer tokens to record (--tokens N, N >= 100)")
     t0 = time.perf_counter()
     path = lookup.resolve(model)
-    mlx = detect_format(path) == "mlx"
+    fmt = detect_format(path)
+    if fmt not in ("gguf", "mlx"):
+        raise OndeviceError(f"{path}: heads train on a GGUF file or an MLX model directory, not a {fmt} model; "
+                            "run train-heads on the GGUF or MLX form of this model")
+    mlx = fmt == "mlx"
     if path.is_dir() and not mlx:
         path = path / "model.gguf"
     sha = store.target_sha256(path)
