@@ -291,3 +291,71 @@ def test_train_heads_on_a_core_ml_model_is_one_line(tmp_path, monkeypatch):
     with pytest.raises(OndeviceError, match="heads train on a GGUF file or an MLX model directory, not a coreml model") as e:
         train.train_heads(d, **SMALL)
     assert str(d) in str(e.value) and "\n" not in str(e.value) and not (tmp_path / "home").exists()
+
+
+def test_ctrl_c_while_the_target_writes_its_prompts_resumes(target, tmp_path, monkeypatch):
+    """The target's own prompts were kept only when all were written: Ctrl-C lost them all (minutes of a 1.5B
+    model). Each request answered is now logged as it finishes and has its own seeded generator, so a rerun
+    asks only the rest and writes what an uninterrupted run writes (also with another batch width; the tiny
+    model's requests are mostly dropped, so the answers themselves are compared in the next test)."""
+    monkeypatch.setattr(selfprompts, "load_prompts", lambda: {"heldout": {"code": ["zzz"]},
+                                                              "topics": {"code": ["lists", "files"], "chat": ["tea", "rain"]}})
+
+    class Bar:
+        def add_task(self, *a, **k):
+            return 0
+
+        def update(self, *a, **k):
+            pass
+
+    with ondevice.load(target, drafter="none", threads=1, n_ctx=512) as rt:
+        def backend(slots):
+            return LlamaBackend(target, n_ctx=slots * 256, threads=1, n_seq_max=slots, kv_unified=False)
+
+        b1, b4 = backend(1), backend(4)
+        try:
+            want = selfprompts.write_prompts(rt, b1, seed=7)
+            real, asked = selfprompts.write_prompts, []
+
+            def stop_after_3(*a, on_answer, **k):
+                def log(i, text):
+                    on_answer(i, text)
+                    asked.append(i)
+                    if len(asked) == 3:
+                        raise KeyboardInterrupt
+                return real(*a, on_answer=log, **k)
+
+            monkeypatch.setattr(selfprompts, "write_prompts", stop_after_3)
+            cache = tmp_path / "selfprompts-7.json"
+            with pytest.raises(KeyboardInterrupt):
+                train._self_prompts(rt, b4, cache, 7, Bar())
+            assert not cache.exists() and len((tmp_path / "selfprompts-7.json.partial").read_text().splitlines()) == 3
+            got = train._self_prompts(rt, b4, cache, 7, Bar())
+            assert len(asked) == 8 and sorted(asked) == list(range(8))  # 3 before, the other 5 after
+            assert [tuple(x) for x in got] == [tuple(x) for x in want] and not (tmp_path / "selfprompts-7.json.partial").exists()
+        finally:
+            b1.close()
+            b4.close()
+
+
+def test_sampled_answers_do_not_depend_on_what_is_decoded_with_them(target):
+    """Sampled batched answers (the target writing its prompts) drew from one generator shared by every slot,
+    so an answer depended on the batch width and on which other prompts were still to write; each answer now
+    has its own generator (seed, key)."""
+    from ondevice.sampling import SamplingParams
+
+    texts = ["def add(a, b):", "class Cache:", "import os\n", "Once upon a time", "SELECT * FROM", "x = [1, 2, 3]"]
+    params = SamplingParams(temperature=1.0, top_p=0.95)
+    runs = []
+    for slots, keys in ((1, range(6)), (4, range(6)), (4, [1, 3, 5])):
+        b = LlamaBackend(target, n_ctx=slots * 256, threads=1, n_seq_max=slots, kv_unified=False)
+        try:
+            prompts = [b.tokenize(texts[k]) for k in keys]
+            got = {}
+            batch.generate_many(b, prompts, max_new=24, params=params, seed=3, hidden=False, keys=list(keys),
+                                on_done=lambda j, r, keys=list(keys), got=got: got.__setitem__(keys[j], r.tokens.tolist()))
+            runs.append(got)
+        finally:
+            b.close()
+    assert runs[0] == runs[1] and all(runs[0][k] == v for k, v in runs[2].items())
+    assert len({tuple(v) for v in runs[0].values()}) == 6

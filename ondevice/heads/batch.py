@@ -28,6 +28,7 @@ class _Slot:
     pos: int  # position of the pending token
     toks: list[int]
     hid: list[np.ndarray] = field(default_factory=list)
+    rng: np.random.Generator | None = None
 
 
 def generate_many(
@@ -41,6 +42,7 @@ def generate_many(
     hidden: bool = True,
     slots: int | None = None,
     more: Callable[[], bool] = lambda: True,
+    keys: Sequence[int] | None = None,
 ) -> None:
     """Generate an answer to every prompt, ``slots`` sequences at a time.
 
@@ -50,15 +52,17 @@ def generate_many(
         prompts: rendered prompt ids; each needs len + max_new <= n_ctx_seq (the cells of one sequence).
         max_new: most tokens per answer (an end-of-generation token ends one earlier).
         on_done: called as ``on_done(i, record)`` when answer i finishes (any order).
-        params, seed: greedy by default; otherwise each token is drawn from ``probs_sparse`` with one
-            generator seeded by ``seed``.
+        params, seed: greedy by default; otherwise each answer's tokens are drawn from ``probs_sparse`` with
+            a generator of its own, seeded by (``seed``, its key): an answer does not depend on what else is
+            decoded with it, so a run resumed with the unfinished prompts writes the same answers.
         hidden: keep every row's hidden state (``Record.hidden``; an empty [0, 0] array otherwise).
         slots: sequences decoded together (default: all the context's sequence ids).
         more: called once before admitting each prompt; False admits none now (asked again later; when
             nothing is under way the call ends).
+        keys: per prompt, the key of its generator (default: its index).
     """
     S = min(slots or backend.n_seq_max, backend.n_seq_max)
-    rng = np.random.default_rng(seed)
+    keys = list(range(len(prompts))) if keys is None else [int(k) for k in keys]
     queue = deque((i, list(p)) for i, p in enumerate(prompts))
     for i, p in queue:
         if len(p) < 1 or len(p) + max_new > backend.n_ctx_seq:
@@ -68,7 +72,7 @@ def generate_many(
     backend.clear_seqs()
     try:
         while active or queue:
-            _admit(backend, queue, active, S, max_new, more)
+            _admit(backend, queue, active, S, max_new, more, seed, keys)
             if not active:
                 break  # nothing admitted: ``more`` said no
             order = sorted(active)
@@ -78,7 +82,7 @@ def generate_many(
                 if hidden:
                     sl.hid.append(H[r])
                 ids, pr = probs_sparse(logits[r], params, sl.toks[1:])
-                t = int(ids[0]) if params.temperature == 0 else int(rng.choice(ids, p=pr / pr.sum()))
+                t = int(ids[0]) if params.temperature == 0 else int(sl.rng.choice(ids, p=pr / pr.sum()))
                 sl.toks.append(t)
                 sl.pos += 1
                 if len(sl.toks) - 1 >= max_new or backend.is_eog(t):
@@ -90,7 +94,8 @@ def generate_many(
         backend.clear_seqs()
 
 
-def _admit(backend, queue: deque, active: dict[int, _Slot], S: int, max_new: int, more: Callable[[], bool]) -> None:
+def _admit(backend, queue: deque, active: dict[int, _Slot], S: int, max_new: int, more: Callable[[], bool],
+           seed: int, keys: list[int]) -> None:
     """Prefill waiting prompts (all but their last token, no outputs) into free sequence ids while the
     cache has room for every admitted answer's full length.
 
@@ -105,7 +110,7 @@ def _admit(backend, queue: deque, active: dict[int, _Slot], S: int, max_new: int
             break
         i, p = queue.popleft()
         s = min(set(range(S)) - set(active))
-        active[s] = _Slot(i, p, len(p) - 1, [p[-1]])
+        active[s] = _Slot(i, p, len(p) - 1, [p[-1]], rng=np.random.default_rng([seed, keys[i]]))
         reserved += len(p) + max_new
         rows = [(s, j, t) for j, t in enumerate(p[:-1])]
         for c in range(0, len(rows), backend.n_batch):

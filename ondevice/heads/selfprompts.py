@@ -35,7 +35,7 @@ def near(a: str, b: str, threshold: float = 0.6) -> bool:
 
 
 def write_prompts(rt, backend, *, per_topic: int = 2, seed: int = 0, max_new: int = 64,
-                  on_progress=None) -> list[tuple[str, str]]:
+                  on_progress=None, known: dict[int, str | None] | None = None, on_answer=None) -> list[tuple[str, str]]:
     """(class, prompt) pairs written by the target, classes interleaved, held-out look-alikes removed.
 
     Args:
@@ -44,28 +44,35 @@ def write_prompts(rt, backend, *, per_topic: int = 2, seed: int = 0, max_new: in
         per_topic: requests asked for per topic (each a different sample).
         seed: seeds the sampling.
         on_progress: called as ``on_progress(requests finished, requests asked)``.
+        known, on_answer: resuming: what earlier runs wrote for request i (None: dropped) is not asked
+            again; ``on_answer(i, text or None)`` is called as each request finishes (each answer has its
+            own seeded generator, so a resumed run writes what an uninterrupted one would).
     """
     shipped = load_prompts()
     heldout = [t for v in shipped["heldout"].values() for t in v]
     asks = [(c, ASK[c].format(topic=topic)) for _ in range(per_topic) for c in sorted(ASK)
             for topic in shipped["topics"][c]]
     ids = [rt.render_chat([{"role": "user", "content": text}]) for _, text in asks]
-    got: dict[int, str] = {}
-    finished = [0]
+    got: dict[int, str | None] = {i: t for i, t in (known or {}).items() if 0 <= i < len(asks)}
+    todo = [i for i in range(len(asks)) if i not in got]
 
-    def done(i: int, rec) -> None:
-        finished[0] += 1
+    def done(j: int, rec) -> None:
+        i, text = todo[j], None
         toks = [int(t) for t in rec.tokens[1:]]
         if toks and backend.is_eog(toks[-1]):
             text = b"".join(backend.token_bytes(t) for t in toks[:-1]).decode("utf-8", "replace").strip().strip('"').strip()
-            if len(text) >= 16 and "\ufffd" not in text:
-                got[i] = text
+            if len(text) < 16 or "\ufffd" in text:
+                text = None
+        got[i] = text
+        if on_answer is not None:
+            on_answer(i, text)
         if on_progress is not None:
-            on_progress(finished[0], len(asks))
+            on_progress(len(got), len(asks))
 
-    generate_many(backend, ids, max_new=max_new, on_done=done, params=SAMPLE, seed=seed, hidden=False)
+    generate_many(backend, [ids[i] for i in todo], max_new=max_new, on_done=done, params=SAMPLE, seed=seed,
+                  hidden=False, keys=todo)
     out: list[tuple[str, str]] = []
-    for i in sorted(got):
+    for i in sorted(i for i, t in got.items() if t is not None):
         text = got[i]
         if any(near(text, h) for h in heldout) or any(near(text, t) for _, t in out):
             continue

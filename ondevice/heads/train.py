@@ -130,12 +130,31 @@ def _exclusive(work: Path, model: Path):
 
 
 def _self_prompts(rt, backend, cache: Path, seed: int, bar) -> list[tuple[str, str]]:
-    """The target's own prompts (``selfprompts``), written once per seed and kept in ``cache``."""
+    """The target's own prompts (``selfprompts``), written once per seed and kept in ``cache``; each request
+    answered is appended to ``<cache>.partial`` (JSON lines) as it finishes, so a run stopped while the target
+    writes resumes with the requests left."""
     if cache.is_file():
         return [tuple(x) for x in json.loads(cache.read_text("utf-8"))]
+    partial = cache.with_name(cache.name + ".partial")
+    known: dict[int, str | None] = {}
+    if partial.is_file():
+        for line in partial.read_text("utf-8").splitlines():
+            try:
+                i, text = json.loads(line)
+                known[int(i)] = text
+            except (ValueError, TypeError):
+                pass  # a line cut by a kill
     task = bar.add_task("writing prompts", total=None)
-    got = selfprompts.write_prompts(rt, backend, seed=seed, on_progress=lambda done, total: bar.update(task, completed=done, total=total))
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    with open(partial, "a", encoding="utf-8") as log:
+        def on_answer(i: int, text: str | None) -> None:
+            log.write(json.dumps([i, text], ensure_ascii=False) + "\n")
+            log.flush()
+
+        got = selfprompts.write_prompts(rt, backend, seed=seed, known=known, on_answer=on_answer,
+                                        on_progress=lambda done, total: bar.update(task, completed=done, total=total))
     atomic.write_text(cache, json.dumps(got, ensure_ascii=False, indent=0))
+    partial.unlink()
     return got
 
 
