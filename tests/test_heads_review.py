@@ -180,7 +180,7 @@ def test_models_and_info_show_a_foreign_heads_file_as_unusable(clean, tiny_gguf,
     shutil.copy(r["path"], store.default_path(other))
     try:
         s = store.summary(other)
-        assert "heads made for another model (tiny.gguf)" in s["error"] and "train-heads other.gguf" in s["error"]
+        assert "heads made for another model (tiny.gguf)" in s["error"] and f"train-heads {other}" in s["error"]
     finally:
         store.default_path(other).unlink()
 
@@ -359,3 +359,11 @@ def test_sampled_answers_do_not_depend_on_what_is_decoded_with_them(target):
             b.close()
     assert runs[0] == runs[1] and all(runs[0][k] == v for k, v in runs[2].items())
     assert len({tuple(v) for v in runs[0].values()}) == 6
+
+
+def test_the_fix_names_the_model_as_a_path_that_works_from_anywhere(target, tmp_path, monkeypatch):
+    """'run `ondevice train-heads tiny.gguf` first' named the file alone, which fails from another folder."""
+    monkeypatch.setenv("ONDEVICE_HOME", str(tmp_path))
+    monkeypatch.chdir(target.parent)
+    with pytest.raises(OndeviceError, match=f"run `ondevice train-heads {target}` first"):
+        ondevice.load(target.name, draft="heads", threads=1)

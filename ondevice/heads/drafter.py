@@ -19,6 +19,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import os
+import shlex
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -106,7 +107,7 @@ class HeadsDrafter(Drafter):
         d = target.enable_hidden()  # a backend without hidden states refuses in one line
         if d != heads.d:
             raise OndeviceError(f"{target.path}: heads have hidden size {heads.d} but the model has {d}; "
-                                f"run `ondevice train-heads {target.path.name}` for this model")
+                                f"run `ondevice train-heads {shlex.quote(str(target.path.resolve()))}` for this model")
         self.target = target
         self.heads = heads
         self.meta = meta or {}
@@ -122,7 +123,7 @@ class HeadsDrafter(Drafter):
         p = path or store.find(target.path)
         if p is None:
             raise OndeviceError(f"{target.path.name}: no heads trained for this model (looked for {store.default_path(target.path)}); "
-                                f"run `ondevice train-heads {target.path.name}` first")
+                                f"run `ondevice train-heads {shlex.quote(str(target.path.resolve()))}` first")
         heads, meta = store.load(p, target.path, target.vocab_size)
         return cls(target, heads, meta)
 

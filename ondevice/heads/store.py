@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shlex
 import tempfile
 from pathlib import Path
 
@@ -136,7 +137,7 @@ def load(path: str | os.PathLike, model: str | os.PathLike, vocab_size: int | No
     if meta.get("target_sha256") != sha:
         raise OndeviceError(f"{path}: heads made for another model ({meta.get('target_file')}, sha256 "
                             f"{str(meta.get('target_sha256'))[:12]}…), not {Path(model).name} (sha256 {sha[:12]}…); "
-                            f"run `ondevice train-heads {Path(model).name}` for this one")
+                            f"run `ondevice train-heads {shlex.quote(str(Path(model).resolve()))}` for this one")
     fix = "delete it and run `ondevice train-heads MODEL` again"
     try:
         t = load_file(str(path))
@@ -177,7 +178,7 @@ def summary(model: str | os.PathLike) -> dict | None:
         return {"path": str(p), "error": str(e)}
     if m.get("target_sha256") != target_sha256(model):  # what `--draft heads` would refuse
         return {"path": str(p), "error": f"{p}: heads made for another model ({m.get('target_file')}); delete it and run "
-                                         f"`ondevice train-heads {Path(model).name}` for this one"}
+                                         f"`ondevice train-heads {shlex.quote(str(Path(model).resolve()))}` for this one"}
     tau = (m.get("tau_heldout_greedy_chain") or {}).get("tau")
     return {"path": str(p), "K": m.get("K"), "draft_vocab_size": m.get("draft_vocab_size"), "rank": m.get("rank"),
             "training_tokens": m.get("training_tokens"), "tau_heldout_greedy_chain": tau,
