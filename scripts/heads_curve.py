@@ -36,6 +36,7 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=256)
     ap.add_argument("--epochs", type=int, default=8)
     ap.add_argument("--tree-nodes", default="4,8")
+    ap.add_argument("--store", action="store_true", help="store the last point's heads for the model (the default heads file)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     path = lookup.resolve(a.model)
@@ -44,10 +45,12 @@ def main() -> None:
     if not recs:
         raise SystemExit(f"no held-out answers in {work / 'heldout'}: run scripts/record_heads.py {a.model} --part heldout")
     points = []
-    for n in [int(x) for x in a.tokens.split(",")]:
+    sizes = [int(x) for x in a.tokens.split(",")]
+    for n in sizes:
         with tempfile.TemporaryDirectory() as out:
             t0 = time.perf_counter()
-            r = train_heads(path, tokens=n, out=out, vocab=a.vocab, rank=a.rank, epochs=a.epochs, quiet=True)
+            last = a.store and n == sizes[-1]
+            r = train_heads(path, tokens=n, out=None if last else out, vocab=a.vocab, rank=a.rank, epochs=a.epochs, quiet=True)
             heads, meta = store.load(r["path"], path)
         inv = heads.index(int(meta["target_vocab_size"]))
         row = {"tokens": n, "training_tokens": meta["training_tokens"], "fit_seconds": meta["fit_seconds"],

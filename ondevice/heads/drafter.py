@@ -16,8 +16,6 @@ is not (a caller driving the loop itself), the drafter proposes nothing and the 
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import os
 import shlex
 from collections.abc import Callable, Sequence
@@ -27,49 +25,10 @@ import numpy as np
 from ondevice.drafters import Drafter
 from ondevice.errors import OndeviceError
 from ondevice.heads import store
+from ondevice.heads.grow import best_first
 from ondevice.heads.model import Heads
 from ondevice.sampling import REPETITION_WINDOW, SamplingParams, probs_sparse, sample_sparse
 from ondevice.tree import Tree
-
-
-def best_first(heads: Heads, h: np.ndarray, x: int, max_nodes: int, branch: int = 4) -> tuple[list[int], list[int], list[float]]:
-    """A candidate tree grown best first from the heads' own probabilities (EAGLE-2's dynamic tree).
-
-    A node's score is the product of the heads' softmax probabilities along its path, the heads' guess
-    of the chance a greedy target accepts the whole path; each step adds the best-scoring candidate
-    (a child among the ``branch`` most probable of an added node, at most K deep), so every prefix of
-    the result is the tree of that many nodes with the largest expected accepted length, parents come
-    before children, siblings in the order of their probability, and scores never increase.
-
-    Args:
-        h: [d] the target's hidden state at the last cached position; x: the pending token's draft row.
-    Returns:
-        (draft rows, parents (0 = the root, node i + 1 is row i), scores) for up to ``max_nodes`` nodes.
-    """
-    rows: list[int] = []
-    parents: list[int] = []
-    scores: list[float] = []
-    heap: list = []
-    tie = itertools.count()  # equal scores: the earlier candidate first
-
-    def expand(node: int, hk: np.ndarray, row: int, depth: int, score: float) -> None:
-        hn = heads.step(depth, hk[None, :], heads.embed(np.array([row])))[0][0]
-        lg = heads.logits(hn)
-        top = np.argpartition(-lg, min(branch, len(lg) - 1))[:branch]
-        e = np.exp(lg - lg.max())
-        pr = e[top] / e.sum()
-        for r, p in zip(top.tolist(), pr.tolist(), strict=True):
-            heapq.heappush(heap, (-score * p, next(tie), node, depth + 1, r, hn))
-
-    expand(0, h, x, 0, 1.0)
-    while heap and len(rows) < max_nodes:
-        neg, _, parent, depth, r, hn = heapq.heappop(heap)
-        rows.append(int(r))
-        parents.append(parent)
-        scores.append(-neg)
-        if depth < heads.K and len(rows) < max_nodes:
-            expand(len(rows), hn, r, depth, -neg)
-    return rows, parents, scores
 
 
 def seconds_per_token(hs: Heads, reps: int = 15) -> float:
