@@ -58,6 +58,10 @@ class Policy:
         """Most drafted nodes worth proposing for the next step (0: a plain step without asking the drafter)."""
         return self.max_gamma
 
+    def drafts_next(self) -> bool:
+        """Whether the next step may ask the drafter (else its inputs, e.g. hidden rows, need not be kept)."""
+        return True
+
     def tree_nodes(self, tree) -> int:
         """Drafted nodes of a proposed ``ondevice.tree.Tree`` (best first: every prefix is a tree, with
         ``scores``) to verify in the next pass; 0 = a plain step."""
@@ -329,13 +333,21 @@ class AdaptivePolicy(Policy):
         """0 when even trees accepted whole could not beat plain decoding on this curve, or while a run of
         plain steps waits for its next probe (growing a tree costs head steps: a plain run asks for none);
         else ``max_gamma``."""
-        vc = self.costs.verify_costs(self.max_gamma + 1)
-        if max((g + 1) / (g * self.c + vc[g]) for g in range(1, self.max_gamma + 1)) <= 1.0:
+        if not self._hopeful():
             return 0
         if 0 < self.plain_run < self.probe_every:
             self.plain_run += 1
             return 0
         return self.max_gamma
+
+    def drafts_next(self) -> bool:
+        """``tree_budget`` will be positive at the next step (peeked, nothing changes)."""
+        return self._hopeful() and not 0 < self.plain_run < self.probe_every
+
+    def _hopeful(self) -> bool:
+        """Trees accepted whole could beat plain decoding on this curve."""
+        vc = self.costs.verify_costs(self.max_gamma + 1)
+        return max((g + 1) / (g * self.c + vc[g]) for g in range(1, self.max_gamma + 1)) > 1.0
 
     def tree_nodes(self, tree) -> int:
         """The prefix of a best-first tree with the largest expected gain: E[tokens] = 1 + κ·Σ scores of its

@@ -283,6 +283,8 @@ class Runtime:
     def _prefill(self, ids: list[int]) -> int:
         """Make the target cache hold ``ids[:-1]``, reusing the longest cached prefix. Returns tokens reused."""
         keep = min(_common_prefix(self._kv, ids), len(ids) - 1, self.target.n_past)
+        if self.drafter is not None and self.drafter.reads_last_row:
+            self.target.want_hidden(True)  # the first step drafts from the prompt's last row
         if keep == len(ids) - 1 and keep > 0 and self.drafter is not None and self.drafter.reads_last_row \
                 and self.target.hidden(keep - 1) is None:  # heads draft from that row: evaluate it again
             keep -= 1

@@ -331,6 +331,8 @@ def tree_steps(target: Backend, proposer, context: list[int], params: SamplingPa
         if policy is not None and len(tree) > 1:
             tree = tree.prefix(1 + policy.tree_nodes(tree))
         tree = tree.prefix(min(len(tree), n_ctx - base))  # a node per free cache cell
+        if policy is not None:  # the last row's hidden state is wanted only if the next step may draft
+            target.want_hidden(policy.drafts_next())
         t1 = time.perf_counter()
         if why is None and len(tree) > 1:
             logits = target.eval_tree(tree.tokens, tree.parents)

@@ -82,6 +82,9 @@ class Backend:
         returns its size. Raises ``OndeviceError`` where the backend cannot (the default)."""
         raise OndeviceError(f"{Path(self.path).name}: heads need a llama.cpp (GGUF) or MLX target that returns hidden states")
 
+    def want_hidden(self, on: bool) -> None:
+        """After ``enable_hidden``: whether the next evals keep hidden rows (a cost hint; the default keeps them)."""
+
     def hidden(self, pos: int) -> np.ndarray | None:
         """[hidden size] float32 state at absolute position ``pos`` from the last ``eval`` (None: not kept)."""
         return None

@@ -172,7 +172,8 @@ class LlamaBackend(LlamaTree, Backend):
         self.chat_template = tmpl.decode("utf-8") if tmpl else None
         self._pieces: dict[int, bytes] = {}
         self._buf = ctypes.create_string_buffer(256)
-        self._hidden_on = False  # enable_hidden() was called
+        self._hidden_on = False  # evals keep hidden rows now (enable_hidden, then want_hidden)
+        self._hidden_ok = False  # enable_hidden() was called
         self._emb = False  # llama.cpp's embeddings flag right now
         self._hidden: tuple[int, np.ndarray] | None = None  # (first position, rows) of the last eval
 
@@ -232,10 +233,17 @@ class LlamaBackend(LlamaTree, Backend):
         lib = self._lib
         if lib.llama_pooling_type(self._ctx) != lib.LLAMA_POOLING_TYPE_NONE:
             raise OndeviceError(f"{self.path.name}: this model pools its embeddings; it has no per-token hidden state for heads")
-        self._hidden_on = True
+        self._hidden_on = self._hidden_ok = True
         self._set_emb(True)
         self.n_embd = int(lib.llama_model_n_embd_out(self._model))
         return self.n_embd
+
+    def want_hidden(self, on: bool) -> None:
+        """After ``enable_hidden``: whether the next evals keep hidden rows (off for steps whose next step
+        will not draft: llama.cpp's embeddings output is not free)."""
+        if self._hidden_ok:
+            self._hidden_on = bool(on)
+            self._set_emb(self._hidden_on)
 
     def _set_emb(self, on: bool) -> None:
         if self._emb != on:
