@@ -113,3 +113,36 @@ def test_policy_sizes_trees_from_the_verify_curve():
     assert FixedGamma(3).tree_nodes(tree) == 3 and FixedGamma(3).tree_budget() == 3
     hopeless = AdaptivePolicy(Costs({1: 1.0, 2: 2.0, 4: 4.0, 8: 8.0}, 0.0), "heads")
     assert hopeless.tree_budget() == 0  # perfect trees could not beat plain decoding: never grown
+
+
+def test_hidden_rows_only_when_the_next_step_may_draft(tiny_gguf):
+    """want_hidden(False) stops llama.cpp's embeddings output (no row kept) and changes no logits; the policy's
+    drafts_next says when a plain run needs none (peeked: tree_budget then agrees)."""
+    from ondevice.costs import Costs
+
+    b = LlamaBackend(tiny_gguf("llama"), n_ctx=256, threads=1)
+    try:
+        ids = b.tokenize(TEXTS[1])
+        b.enable_hidden()
+        on = b.eval(ids)
+        assert b.hidden(len(ids) - 1) is not None
+        b.rollback(0)
+        b.want_hidden(False)
+        assert np.array_equal(b.eval(ids), on) and b.hidden(len(ids) - 1) is None
+        b.want_hidden(True)
+        b.eval([5])
+        assert b.hidden(len(ids)) is not None
+    finally:
+        b.close()
+    steep = AdaptivePolicy(Costs({1: 1.0, 2: 1.8, 4: 2.7, 8: 5.4, 16: 10.0}, 0.0), "heads", probe_every=3)
+    weak = _tree([1.0, 0.2, 0.1], [-1, 0, 1])
+    seen = []
+    for _ in range(8):
+        peek = steep.drafts_next()
+        budget = steep.tree_budget()
+        assert peek == (budget > 0)
+        seen.append(budget > 0)
+        if budget:
+            steep.tree_nodes(weak)
+    assert seen[0] and not all(seen) and sum(seen) >= 2  # drafts at the start and at each probe only
+    assert not AdaptivePolicy(Costs({1: 1.0, 2: 2.0, 4: 4.0, 8: 8.0}, 0.0), "heads").drafts_next()
