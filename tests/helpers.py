@@ -109,3 +109,26 @@ def mlx_logits(model, ids) -> np.ndarray:
     import mlx.core as mx
 
     return np.array(model(mx.array([ids]))[0].astype(mx.float32))
+
+
+def heads_greedy_equals_plain(spec, plain, prompts, shape: str, gamma: int) -> tuple[int, int]:
+    """Greedy speculation with heads (``shape`` "chain" or "tree") emits ``plain``'s tokens on every prompt;
+    trees are really verified as trees (some branch at 8 nodes) and chains never. Returns (drafted, accepted)."""
+    spec.drafter.trees = shape == "tree"
+    trees, orig = [], spec.target.eval_tree
+    spec.target.eval_tree = lambda tokens, parents: trees.append(list(parents)) or orig(tokens, parents)
+    drafted = accepted = 0
+    for p in prompts:
+        a = spec.generate(p, max_tokens=40, temperature=0, gamma=gamma)
+        b = plain.generate(p, max_tokens=40, temperature=0, gamma=0)
+        assert a.tokens == b.tokens
+        drafted, accepted = drafted + a.stats.drafted, accepted + a.stats.accepted
+        assert a.stats.accepted <= a.stats.drafted <= gamma * a.stats.target_forwards
+    assert drafted > 0
+    if shape == "chain":
+        assert not trees
+    else:  # verified as trees, and at 8 nodes some really branch (a node with two children)
+        assert trees and max(len(t) for t in trees) <= gamma + 1
+        if gamma == 8:
+            assert any(len(set(t[1:])) < len(t) - 1 for t in trees)
+    return drafted, accepted

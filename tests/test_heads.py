@@ -71,25 +71,10 @@ def test_greedy_with_heads_equals_plain(trained, home, shape, gamma):
     """Greedy speculation with heads — a chain, or best-first trees verified in one pass — emits plain
     decoding's tokens (the tiny q8_0 target is batch-invariant)."""
     target = trained[0]
+    from helpers import heads_greedy_equals_plain
+
     with ondevice.load(target, draft="heads", threads=1) as spec, ondevice.load(target, drafter="none", threads=1) as plain:
-        spec.drafter.trees = shape == "tree"
-        trees, orig = [], spec.target.eval_tree
-        spec.target.eval_tree = lambda tokens, parents: trees.append(list(parents)) or orig(tokens, parents)
-        drafted = 0
-        for p in PROMPTS:
-            a = spec.generate(p, max_tokens=40, temperature=0, gamma=gamma)
-            b = plain.generate(p, max_tokens=40, temperature=0, gamma=0)
-            assert a.tokens == b.tokens
-            drafted += a.stats.drafted
-            assert a.stats.accepted <= a.stats.drafted
-            assert a.stats.drafted <= gamma * a.stats.target_forwards
-    assert drafted > 0
-    if shape == "chain":
-        assert not trees
-    else:  # verified as trees, and at 8 nodes some really branch (a node with two children)
-        assert trees and max(len(t) for t in trees) <= gamma + 1
-        if gamma == 8:
-            assert any(len(set(t[1:])) < len(t) - 1 for t in trees)
+        heads_greedy_equals_plain(spec, plain, PROMPTS, shape, gamma)
 
 
 def test_heads_refuse_a_constraint_in_one_line(trained, home):

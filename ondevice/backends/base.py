@@ -85,9 +85,16 @@ class Backend:
     def want_hidden(self, on: bool) -> None:
         """After ``enable_hidden``: whether the next evals keep hidden rows (a cost hint; the default keeps them)."""
 
+    _hidden: tuple[int, np.ndarray] | None = None  # (first position, rows) of the last eval that kept them
+
     def hidden(self, pos: int) -> np.ndarray | None:
-        """[hidden size] float32 state at absolute position ``pos`` from the last ``eval`` (None: not kept)."""
-        return None
+        """[hidden size] float32 state at absolute position ``pos`` from the last ``eval``, or None when that
+        eval did not output it or the cache no longer holds it (what it holds since is unchanged, so the
+        row is still the model's state for the cached prefix)."""
+        h = self._hidden
+        if h is None or not h[0] <= pos < h[0] + len(h[1]) or pos >= self.n_past:
+            return None
+        return h[1][pos - h[0]]
 
     def tree_unsupported(self) -> str | None:
         """Why this backend cannot verify a token tree in one pass, or None when it can: then it has

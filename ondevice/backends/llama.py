@@ -250,15 +250,6 @@ class LlamaBackend(LlamaTree, Backend):
             self._lib.llama_set_embeddings(self._ctx, on)
             self._emb = on
 
-    def hidden(self, pos: int) -> np.ndarray | None:
-        """[n_embd] float32 hidden state at absolute position ``pos`` from the last ``eval``, or None when
-        that eval did not output it or the cache no longer holds it (what it holds since is unchanged,
-        so the row is still the model's state for the cached prefix)."""
-        h = self._hidden
-        if h is None or not h[0] <= pos < h[0] + len(h[1]) or pos >= self.n_past:
-            return None
-        return h[1][pos - h[0]]
-
     def eval(self, tokens: Sequence[int], logits: Literal["all", "last"] = "all") -> np.ndarray:
         if not self._hidden_on or logits == "all" or len(tokens) < 2:
             return self._eval(tokens, logits)

@@ -137,15 +137,6 @@ class MLXBackend(HFVocab):
         self.n_embd = int(h.shape[-1])
         return self.n_embd
 
-    def hidden(self, pos: int) -> np.ndarray | None:
-        """[n_embd] float32 hidden state at absolute position ``pos`` from the last ``eval``, or None when
-        that eval did not output it or the cache no longer holds it (what it holds since is unchanged,
-        so the row is still the model's state for the cached prefix)."""
-        h = self._hidden
-        if h is None or not h[0] <= pos < h[0] + len(h[1]) or pos >= self.n_past:
-            return None
-        return h[1][pos - h[0]]
-
     def output_rows(self, ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray, str]:
         """(output-layer rows, token-embedding rows, architecture) for ``ids``, float32 [n, d]: the rows the
         logits are computed with (``enable_hidden`` first), quantized layers dequantized by ``mx.dequantize``."""
