@@ -102,7 +102,7 @@ def alpha_from_tau(tau: float, K: int) -> float:
     return lo
 
 
-def heads_row(target, threads: int | None = None) -> dict | None:
+def heads_row(target) -> dict | None:
     """The heads stored for ``target`` judged as a drafter: their held-out τ (as α), their measured cost per
     drafted token and the expected speedup on this machine's verify curve; None when none are stored."""
     from ondevice.costs import cached_measure
@@ -187,7 +187,7 @@ def choose_draft(target, *, n_ctx: int, threads: int | None = None, device: str 
         if best is not None:
             best[0].close()
         raise
-    heads = heads_row(target, threads)
+    heads = heads_row(target)
     if heads is not None:
         rows.insert(0, heads)
         if heads["ok"] and heads["expected_speedup"] > best_speedup:  # heads beat every draft model (and plain)
