@@ -35,7 +35,8 @@ def near(a: str, b: str, threshold: float = 0.6) -> bool:
 
 
 def write_prompts(rt, backend, *, per_topic: int = 2, seed: int = 0, max_new: int = 64,
-                  on_progress=None, known: dict[int, str | None] | None = None, on_answer=None) -> list[tuple[str, str]]:
+                  on_progress=None, known: dict[int, str | None] | None = None, on_answer=None,
+                  round: int = 0, avoid: list[str] | None = None) -> list[tuple[str, str]]:
     """(class, prompt) pairs written by the target, classes interleaved, held-out look-alikes removed.
 
     Args:
@@ -47,6 +48,9 @@ def write_prompts(rt, backend, *, per_topic: int = 2, seed: int = 0, max_new: in
         known, on_answer: resuming: what earlier runs wrote for request i (None: dropped) is not asked
             again; ``on_answer(i, text or None)`` is called as each request finishes (each answer has its
             own seeded generator, so a resumed run writes what an uninterrupted one would).
+        round: a further set of the same requests, sampled afresh (round r draws request i from the
+            generator seeded (seed, r · requests + i); round 0 is the first set).
+        avoid: prompts already held (earlier rounds): look-alikes of them are dropped too.
     """
     shipped = load_prompts()
     heldout = [t for v in shipped["heldout"].values() for t in v]
@@ -70,11 +74,12 @@ def write_prompts(rt, backend, *, per_topic: int = 2, seed: int = 0, max_new: in
             on_progress(len(got), len(asks))
 
     generate_many(backend, [ids[i] for i in todo], max_new=max_new, on_done=done, params=SAMPLE, seed=seed,
-                  hidden=False, keys=todo)
+                  hidden=False, keys=[round * len(asks) + i for i in todo])
     out: list[tuple[str, str]] = []
+    earlier = list(avoid or ())
     for i in sorted(i for i, t in got.items() if t is not None):
         text = got[i]
-        if any(near(text, h) for h in heldout) or any(near(text, t) for _, t in out):
+        if any(near(text, h) for h in heldout) or any(near(text, t) for t in earlier) or any(near(text, t) for _, t in out):
             continue
         out.append((asks[i][0], text))
     return out

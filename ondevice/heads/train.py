@@ -27,7 +27,8 @@ from ondevice.errors import OndeviceError
 from ondevice.heads import batch, data, fit, selfprompts, store
 from ondevice.heads.model import Heads
 
-DEFAULTS = dict(K=3, rank=256, vocab=8192, epochs=8, max_new=192)
+DEFAULTS = dict(K=3, rank=256, vocab=4096, epochs=8, max_new=192)
+MAX_ROUNDS = 16  # sets of self-written prompts at most (each: every topic of prompts.json, twice)
 
 
 def target_rows(gguf_path: Path, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, str]:
@@ -129,10 +130,11 @@ def _exclusive(work: Path, model: Path):
             work.rmdir()
 
 
-def _self_prompts(rt, backend, cache: Path, seed: int, bar) -> list[tuple[str, str]]:
-    """The target's own prompts (``selfprompts``), written once per seed and kept in ``cache``; each request
-    answered is appended to ``<cache>.partial`` (JSON lines) as it finishes, so a run stopped while the target
-    writes resumes with the requests left."""
+def _self_prompts(rt, backend, cache: Path, seed: int, bar, round: int = 0,
+                  avoid: list[str] | None = None) -> list[tuple[str, str]]:
+    """The target's own prompts (``selfprompts``), written once per seed and round and kept in ``cache``; each
+    request answered is appended to ``<cache>.partial`` (JSON lines) as it finishes, so a run stopped while
+    the target writes resumes with the requests left."""
     if cache.is_file():
         return [tuple(x) for x in json.loads(cache.read_text("utf-8"))]
     partial = cache.with_name(cache.name + ".partial")
@@ -144,14 +146,14 @@ def _self_prompts(rt, backend, cache: Path, seed: int, bar) -> list[tuple[str, s
                 known[int(i)] = text
             except (ValueError, TypeError):
                 pass  # a line cut by a kill
-    task = bar.add_task("writing prompts", total=None)
+    task = bar.add_task("writing prompts" + (f" (round {round + 1})" if round else ""), total=None)
     cache.parent.mkdir(parents=True, exist_ok=True)
     with open(partial, "a", encoding="utf-8") as log:
         def on_answer(i: int, text: str | None) -> None:
             log.write(json.dumps([i, text], ensure_ascii=False) + "\n")
             log.flush()
 
-        got = selfprompts.write_prompts(rt, backend, seed=seed, known=known, on_answer=on_answer,
+        got = selfprompts.write_prompts(rt, backend, seed=seed, known=known, on_answer=on_answer, round=round, avoid=avoid,
                                         on_progress=lambda done, total: bar.update(task, completed=done, total=total))
     atomic.write_text(cache, json.dumps(got, ensure_ascii=False, indent=0))
     partial.unlink()
@@ -225,12 +227,19 @@ def train_heads(
                 batch_be = LlamaBackend(path, n_ctx=slots * seq_ctx, threads=threads, n_seq_max=slots, kv_unified=False)
             try:
                 batch_be.enable_hidden()
-                if tokens > len(prompts) * max_new // 2:  # the shipped prompts alone would not reach the budget
-                    own = _self_prompts(rt, batch_be, work / f"selfprompts-{seed}.json", seed, bar)
-                    rendered += [(c, rt.render_chat([{"role": "user", "content": t}])) for c, t in own]
                 task = bar.add_task("recording answers (tokens)", total=tokens)
-                records = batch.collect_many(batch_be, rendered, work / "records", budget=tokens, max_new=max_new,
-                                             slots=slots, on_record=lambda total, new: bar.update(task, completed=min(total, tokens)))
+                own: list[str] = []
+                for rnd in range(MAX_ROUNDS + 1):
+                    # the shipped prompts first; then, while the budget is not reached, rounds of the target's own
+                    if rnd or tokens > len(prompts) * max_new // 2:
+                        name = f"selfprompts-{seed}.json" if rnd == 0 else f"selfprompts-{seed}-{rnd}.json"
+                        more = _self_prompts(rt, batch_be, work / name, seed, bar, round=rnd, avoid=own)
+                        own += [t for _, t in more]
+                        rendered += [(c, rt.render_chat([{"role": "user", "content": t}])) for c, t in more]
+                    records = batch.collect_many(batch_be, rendered, work / "records", budget=tokens, max_new=max_new,
+                                                 slots=slots, on_record=lambda total, new: bar.update(task, completed=min(total, tokens)))
+                    if sum(len(r.hidden) for r in records) >= tokens:
+                        break
             finally:
                 if mlx:
                     rt.reset()  # the runtime's cache was used behind its back
@@ -304,6 +313,7 @@ def train_heads(
                                {"done": k + 1, "log": log, "state": None})
                 src = fit.advance(heads, k, src, flat, inv, rows)
         t_fit = time.perf_counter() - t1
+        heads.with_shortlist()  # drafting scores a shortlist exactly (measured below as drafting runs)
         hits = fit.chain_hits(heads, flat, inv)
         tau_val = fit.offline_tau(hits, flat, np.unique(flat.rec[n_tr:])) if val_recs else None
         tau_train = fit.offline_tau(hits, flat, np.unique(flat.rec[:n_tr]))
