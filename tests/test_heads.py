@@ -116,11 +116,12 @@ def _counts(rt, ids, n, gamma, **kw):
     return counts
 
 
-@pytest.mark.parametrize("shape", ["chain", "tree"])
+@pytest.mark.parametrize("shape", ["chain", "tree", "chain-shortlist"])
 def test_sampled_with_heads_matches_target_law(trained, home, monkeypatch, shape):
     """Joint law of 3 tokens at T = 0.7, top-p 0.9 (top-k 6 keeps it enumerable) against the exact target law,
-    for a sampled chain (q = the heads' processed softmax) and for best-first trees of point masses; the
-    planted control (a residual that does not subtract q) must fail the same test."""
+    for a sampled chain (q = the heads' processed softmax), for best-first trees of point masses, and for a
+    chain drafted from a low-rank shortlist (q zero off it); the planted control (a residual that does not
+    subtract q) must fail the same test."""
     from helpers import chisquare, exact_law
 
     from ondevice import tree
@@ -130,6 +131,8 @@ def test_sampled_with_heads_matches_target_law(trained, home, monkeypatch, shape
     n = 4000
     with ondevice.load(target, draft="heads", threads=1) as rt:  # 1 thread: 2 collapse on a loaded 2-core machine
         rt.drafter.trees = shape == "tree"
+        if shape == "chain-shortlist":  # the tiny heads are too small for one by default: force a narrow one
+            assert rt.drafter.heads.with_shortlist(rank=8, size=16).short_a is not None
         trees, orig = [], rt.target.eval_tree
         rt.target.eval_tree = lambda tokens, parents: trees.append(len(tokens)) or orig(tokens, parents)
         ids = rt.tokenize(PROMPTS[1])

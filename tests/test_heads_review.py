@@ -367,3 +367,30 @@ def test_the_fix_names_the_model_as_a_path_that_works_from_anywhere(target, tmp_
     monkeypatch.chdir(target.parent)
     with pytest.raises(OndeviceError, match=f"run `ondevice train-heads {target}` first"):
         ondevice.load(target.name, draft="heads", threads=1)
+
+
+def test_shortlist_scores_its_rows_exactly_and_survives_the_file(tmp_path, monkeypatch):
+    """draft_logits: exact logits on the shortlist the low-rank factors pick, −inf elsewhere; the argmax of a
+    row lies in it when one row dominates; the factors are kept by the heads file; a heads set too small
+    to gain keeps every row exact (no factors)."""
+    from ondevice.heads.model import Heads
+
+    rng = np.random.default_rng(0)
+    Vd, d = 1024, 256
+    out = rng.standard_normal((Vd, d)).astype(np.float32)
+    hs = Heads.init(np.arange(Vd), out, out, K=2, rank=16, s_h=1.0, s_e=1.0, seed=0).with_shortlist(rank=32, size=64)
+    assert hs.short_a.shape == (Vd, 32) and hs.short_b.shape == (32, d)
+    h = rng.standard_normal((5, d)).astype(np.float32)
+    h[0] = 3 * out[7]  # row 7 dominates
+    lg, full = hs.draft_logits(h), hs.logits(h)
+    kept = np.isfinite(lg)
+    assert (kept.sum(1) == 64).all() and np.allclose(lg[kept], full[kept], rtol=1e-4, atol=1e-3)
+    assert lg[0].argmax() == full[0].argmax() == 7 and hs.draft_logits(h[0]).shape == (Vd,)
+    small = Heads.init(np.arange(64), out[:64, :16], out[:64, :16], K=1, rank=4, s_h=1.0, s_e=1.0, seed=0).with_shortlist()
+    assert small.short_a is None and np.array_equal(small.draft_logits(h[:, :16]), small.logits(h[:, :16]))
+    monkeypatch.setattr(store, "target_sha256", lambda model: "0" * 64)
+    p = store.save(tmp_path / "x.heads.safetensors", hs, {"target_sha256": "0" * 64})
+    back, _ = store.load(p, tmp_path / "model.gguf", 2048)
+    assert back.shortlist == 64 and np.array_equal(back.short_a, hs.short_a)
+    # out is stored in float16: the same shortlist, scored on the stored rows
+    assert np.array_equal(np.isfinite(back.draft_logits(h)), kept)

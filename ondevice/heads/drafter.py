@@ -42,7 +42,7 @@ def seconds_per_token(hs: Heads, reps: int = 15) -> float:
     for _ in range(reps):
         t0 = time.perf_counter()
         hk = hs.step(0, h, hs.embed(np.array([0])))[0]
-        probs_sparse(hs.logits(hk)[0], SamplingParams(temperature=0.0), [])
+        probs_sparse(hs.draft_logits(hk)[0], SamplingParams(temperature=0.0), [])
         times.append(time.perf_counter() - t0)
     return float(np.median(times))
 
@@ -114,7 +114,7 @@ class HeadsDrafter(Drafter):
         tokens, rows, confs = [], [], []
         for k in range(min(gamma, hs.K)):
             h = hs.step(k, h, hs.embed(np.array([x])))[0]
-            ids, pr = probs_sparse(hs.logits(h)[0], params, hist)  # draft rows, the request's processing
+            ids, pr = probs_sparse(hs.draft_logits(h)[0], params, hist)  # draft rows, the request's processing
             r = int(ids[0]) if params.greedy else sample_sparse(ids, pr, rng)
             tokens.append(int(hs.vocab[r]))
             rows.append((hs.vocab[ids], pr))

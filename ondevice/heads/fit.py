@@ -161,7 +161,7 @@ def chain_hits(heads: Heads, flat: Flat, inv: np.ndarray, K: int | None = None, 
         x = inv[flat.nxt[a]]
         for k in range(K):
             h = heads.step(k, h, heads.embed(x))[0]
-            row = heads.logits(h).argmax(1)
+            row = heads.draft_logits(h).argmax(1)
             want = flat.nxt[np.minimum(a + k + 1, N - 1)]  # draft k guesses the token after row a + k + 1
             alive &= (flat.left[a] >= k + 1) & (heads.vocab[row] == want)
             hits[a] += alive

@@ -38,7 +38,7 @@ def grow_trees(heads: Heads, H: np.ndarray, x: np.ndarray, max_nodes: int, branc
     for k in range(K):
         w = fh.shape[1]
         hn = heads.step(k, fh.reshape(B * w, d), heads.embed(ftok.reshape(-1)))[0]  # [B·w, d]
-        lg = heads.logits(hn)
+        lg = heads.draft_logits(hn)
         b = min(branch, lg.shape[1])
         top = np.argpartition(-lg, b - 1, axis=1)[:, :b]
         m = lg.max(axis=1, keepdims=True)

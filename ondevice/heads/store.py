@@ -2,7 +2,8 @@
 
 Layout: tensors ``vocab`` [Vd] int64 (draft vocabulary → target ids), ``out`` / ``emb`` [Vd, d] float16
 (the target's own LM-head and token-embedding rows), and per head k ``w1.k`` [r, 2d], ``b1.k`` [r],
-``w2.k`` [d, r] float32; metadata key ``ondevice.heads`` holds JSON: format, version, target sha256,
+``w2.k`` [d, r] float32, optionally ``short_a`` [Vd, r'] / ``short_b`` [r', d] float32 (the low-rank factors
+of ``out`` that pick the drafting shortlist, ``Heads.draft_logits``); metadata key ``ondevice.heads`` holds JSON: format, version, target sha256,
 file name, architecture, hidden size, K, rank, vocabulary sizes, input scales, training tokens, seed,
 wall time and the τ measured on held-out answers.
 
@@ -86,8 +87,11 @@ def save(path: str | os.PathLike, heads: Heads, meta: dict) -> Path:
     t = {"vocab": heads.vocab.astype(np.int64), "out": heads.out.astype(np.float16), "emb": heads.emb.astype(np.float16)}
     for k in range(heads.K):
         t[f"w1.{k}"], t[f"b1.{k}"], t[f"w2.{k}"] = heads.w1[k], heads.b1[k], heads.w2[k]
+    if heads.short_a is not None:
+        t["short_a"], t["short_b"] = heads.short_a, heads.short_b
     full = {"format": FORMAT, "version": VERSION, **meta, "K": heads.K, "rank": heads.rank, "hidden_size": heads.d,
-            "draft_vocab_size": len(heads.vocab), "s_h": heads.s_h, "s_e": heads.s_e}
+            "draft_vocab_size": len(heads.vocab), "s_h": heads.s_h, "s_e": heads.s_e,
+            "shortlist": heads.shortlist if heads.short_a is not None else None}
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
@@ -145,6 +149,9 @@ def load(path: str | os.PathLike, model: str | os.PathLike, vocab_size: int | No
         heads = Heads(t["vocab"].astype(np.int64), t["out"].astype(np.float32), t["emb"].astype(np.float32),
                       [t[f"w1.{k}"] for k in range(K)], [t[f"b1.{k}"] for k in range(K)], [t[f"w2.{k}"] for k in range(K)],
                       float(meta["s_h"]), float(meta["s_e"]))
+        if "short_a" in t:
+            heads.short_a, heads.short_b = t["short_a"], t["short_b"]
+            heads.shortlist = int(meta["shortlist"])
     except OndeviceError:
         raise
     except Exception as e:
@@ -152,7 +159,11 @@ def load(path: str | os.PathLike, model: str | os.PathLike, vocab_size: int | No
     Vd, r = len(heads.vocab), heads.rank
     shapes_ok = heads.out.shape == heads.emb.shape == (Vd, d) and all(
         w1.shape == (r, 2 * d) and b1.shape == (r,) and w2.shape == (d, r) for w1, b1, w2 in zip(heads.w1, heads.b1, heads.w2, strict=False))
-    finite = all(np.isfinite(w).all() for w in (heads.out, heads.emb, *heads.w1, *heads.b1, *heads.w2))
+    if heads.short_a is not None:
+        ra = heads.short_a.shape[1] if heads.short_a.ndim == 2 else -1
+        shapes_ok = shapes_ok and heads.short_a.shape == (Vd, ra) and heads.short_b.shape == (ra, d) and 0 < heads.shortlist <= Vd
+    shorts = () if heads.short_a is None else (heads.short_a, heads.short_b)
+    finite = all(np.isfinite(w).all() for w in (heads.out, heads.emb, *heads.w1, *heads.b1, *heads.w2, *shorts))
     in_vocab = Vd > 0 and heads.vocab.min() >= 0 and (vocab_size is None or heads.vocab.max() < vocab_size)
     if not (shapes_ok and finite and in_vocab and len(np.unique(heads.vocab)) == Vd):
         raise OndeviceError(f"{path}: corrupt heads file (shapes, ids or values do not match its header); {fix}")
