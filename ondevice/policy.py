@@ -225,8 +225,9 @@ class AdaptivePolicy(Policy):
                 self.plain_run = 0
                 self.probing = True
                 return 1
-        elif best:
+        elif best:  # drafting chosen on its merits: probes, when plain runs come back, start again soon
             self.plain_run = 0
+            self.probe_every = self.base_probe_every
         return best
 
     def keep_drafting(self, confidences: list[float]) -> bool:
@@ -263,7 +264,8 @@ class AdaptivePolicy(Policy):
         """The prefix of a best-first tree with the largest expected gain: E[tokens] = 1 + κ·Σ scores of its
         nodes (κ: ``calibration``, learnt), cost = n·c + cost(n + 1); 0 when nothing gains, which starts a run
         of plain steps (``tree_budget``) that ends with a probe of one node after ``probe_every`` steps."""
-        self.probing = self.plain_run >= self.probe_every
+        probe_due = self.plain_run >= self.probe_every
+        self.probing = False
         scores = list((tree.scores or [1.0] * len(tree))[1 : self.max_gamma + 1])
         vc = self.costs.verify_costs(len(scores) + 1)
         c = self.c
@@ -274,20 +276,30 @@ class AdaptivePolicy(Policy):
             if gain > best_gain + 1e-9:
                 best, best_gain = n, gain
         if best == 0:
-            if self.probing and scores:
-                self.plain_run = 0
+            if probe_due and scores:
+                self.plain_run, self.probing = 0, True
                 return 1
             self.plain_run = 1
             return 0
-        self.plain_run = 0
+        self.plain_run = 0  # drafting chosen on its merits: probes, when plain runs come back, start again soon
+        self.probe_every = self.base_probe_every
         return best
 
     def update_tree(self, expected: float, accepted: int) -> None:
-        """κ ← EMA of accepted ÷ expected (bounded to [0.05, 1.5]); a failed probe doubles the wait."""
+        """κ ← EMA of accepted ÷ expected (bounded to [0.05, 1.5]); every probe doubles the wait (``_after_probe``)."""
         if expected > 0:
             self.calibration += 0.1 * (min(1.5, max(0.05, accepted / expected)) - self.calibration)
+        self._after_probe()
+
+    def _after_probe(self) -> None:
+        """A probe, whatever it found, doubles the wait for the next one (up to 512 steps): what it learnt
+        shows in the next decisions, and only a decision to draft on the merits (``next_gamma`` /
+        ``tree_nodes`` choosing drafts) brings the wait back to ``probe_every``. So when drafting does not pay
+        (a steep verify curve) the probes' cost fades to nothing over a long answer, instead of a probe that
+        kept one token (a success, yet a loss on that curve) resetting the wait every time."""
         if self.probing:
-            self.probe_every = self.base_probe_every if accepted else min(self.probe_every * 2, 512)
+            self.probe_every = min(self.probe_every * 2, 512)
+            self.probing = False
 
     def observe_step(self, drafted: int, verify_seconds: float, draft_seconds: float) -> None:
         """Refine the cost model with a real step's timings (the probe at load can be noisy)."""
@@ -318,5 +330,4 @@ class AdaptivePolicy(Policy):
         if drafted == 0:
             return
         self.estimate.update(drafted, accepted)
-        if self.probing:  # a failed probe waits twice as long for the next one (a success resets that)
-            self.probe_every = self.base_probe_every if accepted == drafted else min(self.probe_every * 2, 512)
+        self._after_probe()

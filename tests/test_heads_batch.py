@@ -110,6 +110,13 @@ def test_policy_sizes_trees_from_the_verify_curve():
     assert s.tree_budget() == 8 and s.tree_nodes(weak) == 1 and s.probing  # the probe: one node
     s.update_tree(expected=0.2, accepted=0)
     assert s.probe_every == 8 and s.calibration < 0.8  # a failed probe waits twice as long
+    assert s.tree_budget() == 8 and s.tree_nodes(weak) == 0  # the probe's lesson is judged once, then a plain run
+    assert [s.tree_budget() for _ in range(7)] == [0] * 7
+    assert s.tree_budget() == 8 and s.tree_nodes(weak) == 1 and s.probing
+    s.update_tree(expected=0.2, accepted=1)  # kept, but one node still does not pay on this curve:
+    assert s.probe_every == 16  # the wait doubles all the same
+    s.costs, s.calibration = flat, 1.0  # the world changes: verification turns cheap, drafts good
+    assert s.tree_nodes(tree) > 0 and s.probe_every == 4  # drafting chosen on its merits: probes come back soon
     assert FixedGamma(3).tree_nodes(tree) == 3 and FixedGamma(3).tree_budget() == 3
     hopeless = AdaptivePolicy(Costs({1: 1.0, 2: 2.0, 4: 4.0, 8: 8.0}, 0.0), "heads")
     assert hopeless.tree_budget() == 0  # perfect trees could not beat plain decoding: never grown

@@ -69,6 +69,23 @@ def test_probe_refreshes_estimates_after_plain_run():
     assert p.next_gamma() >= 2
 
 
+def test_probes_fade_while_drafting_does_not_pay():
+    """A probe that keeps its token, on a curve where one kept token still loses, doubles the wait like a
+    failed one: over a long answer the probes cost nothing; choosing to draft brings them back."""
+    p = AdaptivePolicy(curve(per_token=0.8), "model", probe_every=4)
+    feed(p, [(4, 0)] * 40)
+    steps = []
+    for _ in range(200):
+        g = p.next_gamma()
+        steps.append(g)
+        if g:
+            p.update(1, 1)  # accepted, yet on this curve it did not pay
+    assert steps.count(1) <= 6 and p.probe_every >= 64  # probes at 4, 8, 16, 32, 64… steps apart
+    feed(p, [(1, 1)] * 200)
+    p.costs = curve(per_token=0.05)
+    assert p.next_gamma() > 0 and p.probe_every == 4
+
+
 def test_ngram_long_copies_unlock_long_drafts():
     p = AdaptivePolicy(curve(per_token=0.3), "ngram")
     assert p.max_gamma == 32
