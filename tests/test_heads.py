@@ -77,14 +77,34 @@ def test_greedy_with_heads_equals_plain(trained, home, shape, gamma):
         heads_greedy_equals_plain(spec, plain, PROMPTS, shape, gamma)
 
 
-def test_heads_refuse_a_constraint_in_one_line(trained, home):
-    """Heads do not follow a constraint: a constrained request says so in one line; gamma=0 still answers."""
-    with ondevice.load(trained[0], draft="heads", threads=1) as rt:
-        rf = {"type": "regex", "regex": "[a-z]{3}"}
-        with pytest.raises(OndeviceError, match=r"heads drafter cannot draft under a constraint .*gamma=0") as e:
-            rt.generate(PROMPTS[0], max_tokens=8, response_format=rf)
-        assert "\n" not in str(e.value)
-        assert len(rt.generate(PROMPTS[0], max_tokens=8, temperature=0, gamma=0, response_format=rf).text) <= 3
+def test_heads_draft_under_a_constraint(trained, home, monkeypatch):
+    """Heads follow a constraint (their draft rows masked by it): greedy output equals plain decoding's under a
+    JSON schema and a regex, and the sampled law of a regex answer is the constrained target's (chi-square;
+    the planted control, a residual that does not subtract q, fails it)."""
+    from helpers import chisquare
+    from test_constrain import REGEX, SCHEMAS, _constrained_law, _counts, _rf
+
+    target = trained[0]
+    ids_of = PROMPTS[1]
+    for rf in (_rf(SCHEMAS["required_fields"]), {"type": "regex", "regex": REGEX}):
+        kw = dict(response_format=rf, max_tokens=40, temperature=0)
+        with ondevice.load(target, drafter="none", threads=1) as rt:
+            ref = rt.generate(ids_of, gamma=0, **kw)
+        with ondevice.load(target, draft="heads", threads=1) as rt:
+            runs = [rt.generate(ids_of, gamma=g, **kw) for g in (1, 3)]
+        assert all(r.tokens == ref.tokens for r in runs)
+        assert any(r.stats.drafted > 0 for r in runs)
+    rf, n = {"type": "regex", "regex": REGEX}, 2500
+    with ondevice.load(target, draft="heads", threads=1) as rt:
+        ids = rt.tokenize(ids_of)
+        params = sampling.SamplingParams(temperature=1.0, top_k=6, top_p=1.0, min_p=0.0)
+        law = _constrained_law(target, ids, params, rf, depth=4)
+        counts = _counts(rt, ids, n, rf, 1.0, 6, gamma=3)
+        assert rt.last_stats.drafted > 0
+        assert chisquare(counts, law, n) > 1e-3
+        monkeypatch.setattr(sampling, "residual", lambda p, q: p)  # the planted bug
+        monkeypatch.setattr(sampling, "residual_sparse", lambda ids, pr, qv, V: pr)
+        assert chisquare(_counts(rt, ids, n, rf, 1.0, 6, gamma=3), law, n) < 1e-4
 
 
 def test_hidden_rows_are_the_lm_heads_input(tiny_gguf):

@@ -57,7 +57,6 @@ class HeadsDrafter(Drafter):
     """
 
     name = "heads"
-    follows_constraints = False  # its rows are not masked yet: the runtime refuses a constrained request up front
     cheap = False  # the policy asks for exactly γ tokens (at most K come back)
     trees = True
     reads_last_row = True  # the runtime re-evaluates a wholly cached prompt's last cached token
@@ -100,7 +99,11 @@ class HeadsDrafter(Drafter):
     ) -> tuple[list[int], np.ndarray | None]:
         """Draft up to min(γ, K) tokens after ``context`` (its last token is pending, the rest cached).
 
-        ``keep_drafting(confidences)`` may stop early (confidence = q of each drafted token).
+        ``keep_drafting(confidences)`` may stop early (confidence = q of each drafted token). With a
+        ``constraint`` (``ondevice.constrain``) each row's draft logits are masked to the draft rows it allows
+        before they are processed, so q is the constrained law and every draft is allowed; the matcher is
+        walked along the drafts and left where it started (drafting stops at an end of generation, or where
+        no draft row is allowed).
         """
         V = self.target_vocab
         none = ([], None if params.greedy else np.zeros((0, V)))
@@ -112,17 +115,32 @@ class HeadsDrafter(Drafter):
         x = int(self._rows(context[-1:])[0])
         h = h[None, :]
         tokens, rows, confs = [], [], []
-        for k in range(min(gamma, hs.K)):
-            h = hs.step(k, h, hs.embed(np.array([x])))[0]
-            ids, pr = probs_sparse(hs.draft_logits(h)[0], params, hist)  # draft rows, the request's processing
-            r = int(ids[0]) if params.greedy else sample_sparse(ids, pr, rng)
-            tokens.append(int(hs.vocab[r]))
-            rows.append((hs.vocab[ids], pr))
-            confs.append(float(pr[np.flatnonzero(ids == r)[0]]))
-            hist.append(r)
-            x = r
-            if keep_drafting is not None and k + 1 < min(gamma, hs.K) and not keep_drafting(confs):
-                break
+        mark = constraint.checkpoint() if constraint is not None else 0
+        try:
+            for k in range(min(gamma, hs.K)):
+                h = hs.step(k, h, hs.embed(np.array([x])))[0]
+                lg = hs.draft_logits(h)[0]
+                if constraint is not None:
+                    lg = np.where(constraint.allowed()[hs.vocab], lg, -np.inf)
+                    if not np.isfinite(lg).any():
+                        break  # the constraint allows nothing in the draft vocabulary here
+                ids, pr = probs_sparse(lg, params, hist)  # draft rows, the request's processing
+                r = int(ids[0]) if params.greedy else sample_sparse(ids, pr, rng)
+                t = int(hs.vocab[r])
+                tokens.append(t)
+                rows.append((hs.vocab[ids], pr))
+                confs.append(float(pr[np.flatnonzero(ids == r)[0]]))
+                hist.append(r)
+                x = r
+                if constraint is not None:
+                    if t in constraint.eos_ids:
+                        break  # nothing follows an end of generation
+                    constraint.advance([t])
+                if keep_drafting is not None and k + 1 < min(gamma, hs.K) and not keep_drafting(confs):
+                    break
+        finally:
+            if constraint is not None:
+                constraint.restore(mark)
         if params.greedy:
             return tokens, None
         q = np.zeros((len(rows), V))
