@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-SHORTLIST = 64  # draft rows scored exactly per drafted token when ``out`` has a low-rank shortlist
+SHORTLIST = 256  # draft rows scored exactly per drafted token when ``out`` has a low-rank shortlist
 SHORTLIST_RANK = 256
 
 
@@ -126,8 +126,8 @@ class Heads:
         """The logits drafting uses ([N, Vd] or [Vd]): ``logits`` exactly on the shortlist of rows the low-rank
         factors rank highest, −inf on the rest (all rows exact without factors). The drafter's q is the
         processed softmax of these, so it is zero off the shortlist: the verifier still sees the q it
-        sampled from. On Qwen 1.5B (4,096 × 1,536 rows, rank 256, 64 rows) the draft-vocabulary GEMV costs
-        ~6× less and held-out τ moves by < 0.01."""
+        sampled from. On Qwen 1.5B (4,096 × 1,536 rows, rank 256, 256 rows) scoring costs 0.41 ms instead
+        of 1.38 and held-out greedy τ of a chain moves by ≤ 0.02 (64 rows: 0.23 ms, up to −0.06)."""
         if self.short_a is None:
             return self.logits(h)
         h2 = np.atleast_2d(h)
