@@ -280,12 +280,17 @@ class Runtime:
             self.drafter.reset()
         return cached_measure(self.target, self.draft_backend, cancelled)
 
-    def _prefill(self, ids: list[int]) -> int:
-        """Make the target cache hold ``ids[:-1]``, reusing the longest cached prefix. Returns tokens reused."""
+    def _prefill(self, ids: list[int], drafts: bool = False) -> int:
+        """Make the target cache hold ``ids[:-1]``, reusing the longest cached prefix. Returns tokens reused.
+
+        ``drafts``: the first step may draft, so a drafter that reads the last cached row (heads) gets it;
+        else the prompt is evaluated in one batch without hidden rows (llama.cpp would output every row
+        with them on, so a prompt with them is split: its prefix, then its last token)."""
         keep = min(_common_prefix(self._kv, ids), len(ids) - 1, self.target.n_past)
+        reads = drafts and self.drafter is not None and self.drafter.reads_last_row
         if self.drafter is not None and self.drafter.reads_last_row:
-            self.target.want_hidden(True)  # the first step drafts from the prompt's last row
-        if keep == len(ids) - 1 and keep > 0 and self.drafter is not None and self.drafter.reads_last_row \
+            self.target.want_hidden(reads)  # on: the first step drafts from the prompt's last row
+        if reads and keep == len(ids) - 1 and keep > 0 \
                 and self.target.hidden(keep - 1) is None:  # heads draft from that row: evaluate it again
             keep -= 1
         self._kv = self._kv[:keep]
@@ -315,7 +320,7 @@ class Runtime:
             t_start = time.perf_counter()
             context = list(ids)
             with self._lock:
-                stats.prompt_eval_tokens = len(ids) - self._prefill(ids)
+                stats.prompt_eval_tokens = len(ids) - self._prefill(ids, drafts=use_draft and policy.drafts_next())
             rng = np.random.default_rng(params.seed)
             text = TextAssembler(t.token_bytes, req.stop)
             drafter = self.drafter if use_draft else None

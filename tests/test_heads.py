@@ -207,3 +207,18 @@ def test_auto_draft_considers_stored_heads(trained, home, monkeypatch):
             if want == "heads":
                 assert "held-out τ" in choice["reason"]
                 assert rt.generate(PROMPTS[0], max_tokens=8, temperature=0, gamma=3).stats.drafted > 0
+
+
+def test_prompt_keeps_hidden_rows_only_when_the_first_step_may_draft(trained, home):
+    """A request whose first step will not draft (a plain run of gamma="auto") prefills its prompt in one batch
+    without hidden rows; one that may draft gets the prompt's last row (llama.cpp then splits the batch)."""
+    with ondevice.load(trained[0], draft="heads", threads=1) as rt:
+        calls, orig = [], rt.target._eval
+        rt.target._eval = lambda tokens, logits="all": calls.append(len(tokens)) or orig(tokens, logits)
+        ids = rt.tokenize(PROMPTS[2])
+        rt._prefill(ids, drafts=False)
+        assert calls == [len(ids) - 1] and rt.target.hidden(len(ids) - 2) is None
+        calls.clear()
+        rt.reset()
+        rt._prefill(ids, drafts=True)
+        assert calls == [len(ids) - 2, 1] and rt.target.hidden(len(ids) - 2) is not None
