@@ -319,13 +319,15 @@ class Runtime:
                 return
             t_start = time.perf_counter()
             context = list(ids)
+            drafter = self.drafter if use_draft else None
+            trees = drafter is not None and drafter.trees and constraint is None and self.observer is None \
+                and t.tree_unsupported() is None  # best-first trees sized by the policy (a chain is one)
+            # trees switch hidden rows per step (``drafts_next``); chains keep them on for the whole request
             with self._lock:
-                stats.prompt_eval_tokens = len(ids) - self._prefill(ids, drafts=use_draft and policy.drafts_next())
+                stats.prompt_eval_tokens = len(ids) - self._prefill(ids, drafts=use_draft and (not trees or policy.drafts_next()))
             rng = np.random.default_rng(params.seed)
             text = TextAssembler(t.token_bytes, req.stop)
-            drafter = self.drafter if use_draft else None
-            if drafter is not None and drafter.trees and constraint is None and self.observer is None \
-                    and t.tree_unsupported() is None:  # best-first trees sized by the policy (a chain is one)
+            if trees:
                 it = tree_steps(t, drafter, context, params, rng, n_ctx=self.n_ctx, policy=policy, logprobs=n_logprobs)
             else:
                 it = steps(t, drafter, context, params, policy, rng, self.observer, n_ctx=self.n_ctx,

@@ -222,3 +222,20 @@ def test_prompt_keeps_hidden_rows_only_when_the_first_step_may_draft(trained, ho
         rt.reset()
         rt._prefill(ids, drafts=True)
         assert calls == [len(ids) - 2, 1] and rt.target.hidden(len(ids) - 2) is not None
+
+
+def test_a_constrained_auto_request_after_a_plain_run_still_drafts(trained, home):
+    """A constrained request drafts chains (``speculative.steps``), which never switch hidden rows back on: its
+    prompt must keep them even when a tree request left the shared policy in a plain run (``drafts_next``
+    False), or heads could not draft in the whole request."""
+    from ondevice.costs import Costs
+    from ondevice.policy import AdaptivePolicy
+
+    with ondevice.load(trained[0], draft="heads", threads=1) as rt:
+        pol = AdaptivePolicy(Costs({1: 1e-3, 2: 1.01e-3, 4: 1.02e-3, 8: 1.05e-3}, 1e-5), "heads")
+        pol.plain_run = 1  # mid-way through a run of plain tree steps
+        assert not pol.drafts_next()
+        rt._adaptive = pol
+        r = rt.generate(PROMPTS[1], max_tokens=24, temperature=0, gamma="auto",
+                        response_format={"type": "regex", "regex": "[a-z ]{1,30}"})
+        assert r.stats.drafted > 0
