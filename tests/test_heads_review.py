@@ -394,3 +394,26 @@ def test_shortlist_scores_its_rows_exactly_and_survives_the_file(tmp_path, monke
     assert back.shortlist == 64 and np.array_equal(back.short_a, hs.short_a)
     # out is stored in float16: the same shortlist, scored on the stored rows
     assert np.array_equal(np.isfinite(back.draft_logits(h)), kept)
+
+
+def test_shortlist_of_many_rows_gathers_in_bounded_memory():
+    """``chain_hits`` scores 2,048 rows at once: the shortlist's gathered rows of ``out`` ([N, shortlist, d]:
+    3.2 GB for Qwen 1.5B's heads) are taken a few rows at a time, with the same logits as one row alone."""
+    import tracemalloc
+
+    from ondevice.heads.model import Heads
+
+    rng = np.random.default_rng(0)
+    Vd, d, N = 1024, 256, 2048
+    out = rng.standard_normal((Vd, d)).astype(np.float32)
+    hs = Heads.init(np.arange(Vd), out, out, K=1, rank=8, s_h=1.0, s_e=1.0, seed=0).with_shortlist(rank=32, size=64)
+    h = rng.standard_normal((N, d)).astype(np.float32)
+    tracemalloc.start()
+    try:
+        lg = hs.draft_logits(h)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 80e6, peak  # one gather of every row would hold N·64·d floats: 134 MB
+    for i in (0, 1, N - 1):
+        assert np.array_equal(lg[i], hs.draft_logits(h[i]))

@@ -133,9 +133,11 @@ class Heads:
         h2 = np.atleast_2d(h)
         approx = (h2 @ self.short_b.T) @ self.short_a.T
         top = np.argpartition(-approx, self.shortlist - 1, axis=1)[:, : self.shortlist]
-        exact = np.einsum("nd,nmd->nm", h2, self.out[top])
         full = np.full(approx.shape, -np.inf, np.float32)
-        np.put_along_axis(full, top, exact, 1)
+        step = max(1, (1 << 23) // (self.shortlist * self.d))  # rows per gather: its copy of out's rows ≤ 32 MB
+        for s in range(0, len(h2), step):
+            t = top[s : s + step]
+            np.put_along_axis(full[s : s + step], t, np.einsum("nd,nmd->nm", h2[s : s + step], self.out[t]), 1)
         return full if h.ndim == 2 else full[0]
 
     def backward(self, k: int, cache: tuple, g_h: np.ndarray) -> dict[str, np.ndarray]:
