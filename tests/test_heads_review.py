@@ -417,3 +417,44 @@ def test_shortlist_of_many_rows_gathers_in_bounded_memory():
     assert peak < 80e6, peak  # one gather of every row would hold N·64·d floats: 134 MB
     for i in (0, 1, N - 1):
         assert np.array_equal(lg[i], hs.draft_logits(h[i]))
+
+
+def test_rounds_of_own_prompts_append_in_order_and_free_the_last_rounds_records(target, tmp_path, monkeypatch):
+    """Below the budget, train-heads writes further rounds of prompts: round r's are appended after round
+    r − 1's (answer i stays file rec-i), each round avoids every earlier round's prompts, rounds stop at the
+    budget, and a round's records are let go before the next round reads them all again (not twice held)."""
+    import gc
+    import weakref
+
+    monkeypatch.setenv("ONDEVICE_HOME", str(tmp_path))
+    rounds, calls, held = [], [], []
+
+    def fake_self_prompts(rt, backend, cache, seed, bar, round=0, avoid=None):
+        rounds.append((round, list(avoid or ()), cache.name))
+        return [("chat", f"round {round} prompt {j}") for j in range(2)]
+
+    def fake_collect(backend, prompts, work, *, budget, max_new, slots=None, on_record=None):
+        gc.collect()
+        assert all(w() is None for w in held), "the last round's records are still held"
+        calls.append([p for p in prompts])
+        recs = [data.Record(np.zeros(2, np.int64), np.zeros((1, 4), np.float32), np.zeros(1, np.int64), c)
+                for c, _ in prompts]
+        held[:] = [weakref.ref(r) for r in recs]
+        return recs
+
+    class Stop(Exception):
+        pass
+
+    def stop(*a, **k):
+        raise Stop
+
+    monkeypatch.setattr(train, "_self_prompts", fake_self_prompts)
+    monkeypatch.setattr(batch, "collect_many", fake_collect)
+    monkeypatch.setattr(train, "choose_vocab", stop)
+    n0 = len(data.train_prompts())
+    with pytest.raises(Stop):
+        train.train_heads(target, **{**SMALL, "tokens": n0 + 5, "max_new": 2})  # 2 own prompts a round: 3 rounds
+    assert [r for r, _, _ in rounds] == [0, 1, 2] and len(calls) == 3
+    assert [c for _, _, c in rounds] == ["selfprompts-0.json", "selfprompts-0-1.json", "selfprompts-0-2.json"]
+    assert rounds[2][1] == ["round 0 prompt 0", "round 0 prompt 1", "round 1 prompt 0", "round 1 prompt 1"]
+    assert all(calls[i + 1][: len(calls[i])] == calls[i] and len(calls[i + 1]) == len(calls[i]) + 2 for i in range(2))

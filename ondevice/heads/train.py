@@ -236,6 +236,7 @@ def train_heads(
                         more = _self_prompts(rt, batch_be, work / name, seed, bar, round=rnd, avoid=own)
                         own += [t for _, t in more]
                         rendered += [(c, rt.render_chat([{"role": "user", "content": t}])) for c, t in more]
+                    records = []  # the last round's records go first: this round reads them all again
                     records = batch.collect_many(batch_be, rendered, work / "records", budget=tokens, max_new=max_new,
                                                  slots=slots, on_record=lambda total, new: bar.update(task, completed=min(total, tokens)))
                     if sum(len(r.hidden) for r in records) >= tokens:
