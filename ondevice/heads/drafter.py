@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from ondevice.constrain import apply_mask
 from ondevice.drafters import Drafter
 from ondevice.errors import OndeviceError
 from ondevice.heads import store
@@ -121,7 +122,7 @@ class HeadsDrafter(Drafter):
                 h = hs.step(k, h, hs.embed(np.array([x])))[0]
                 lg = hs.draft_logits(h)[0]
                 if constraint is not None:
-                    lg = np.where(constraint.allowed()[hs.vocab], lg, -np.inf)
+                    lg = apply_mask(lg, constraint.allowed()[hs.vocab])
                     if not np.isfinite(lg).any():
                         break  # the constraint allows nothing in the draft vocabulary here
                 ids, pr = probs_sparse(lg, params, hist)  # draft rows, the request's processing
