@@ -35,7 +35,6 @@ class Drafter:
     backend: Backend | None = None
     trees: bool = False
     reads_last_row: bool = False
-    follows_constraints: bool = True  # ``propose(..., constraint=)`` masks its q / cuts its guess (``ondevice.constrain``)
 
     @property
     def hint(self) -> int | tuple:

@@ -121,10 +121,6 @@ class Runtime:
         extra = {k: v for k, v in (("constraint", constraint), ("n_logprobs", n_lp)) if v is not None}
         if extra and not self.constraints_and_logprobs:
             raise OndeviceError(f"{', '.join(extra)}: not supported by a sharded target yet; load the model on one rank")
-        if constraint is not None and self.drafter is not None and request.gamma != 0 and not self.drafter.follows_constraints:
-            raise OndeviceError(f"the {self.drafter.name} drafter cannot draft under a constraint (response_format, "
-                                "grammar, or tool_choice 'required' / a named function) yet; use n-gram drafting, "
-                                "a draft model, or gamma=0")
         return Stream(lambda out: self._run(ids, request, out, **extra), Request())
 
     def _constraint(self, response_format, grammar):
