@@ -458,3 +458,33 @@ def test_rounds_of_own_prompts_append_in_order_and_free_the_last_rounds_records(
     assert [c for _, _, c in rounds] == ["selfprompts-0.json", "selfprompts-0-1.json", "selfprompts-0-2.json"]
     assert rounds[2][1] == ["round 0 prompt 0", "round 0 prompt 1", "round 1 prompt 0", "round 1 prompt 1"]
     assert all(calls[i + 1][: len(calls[i])] == calls[i] and len(calls[i + 1]) == len(calls[i]) + 2 for i in range(2))
+
+
+def test_a_corrupt_shortlist_in_a_heads_file_is_one_line(tmp_path, monkeypatch):
+    """Shortlist factors of the wrong shape, with a NaN, or a shortlist size that is not a positive count up to
+    the draft vocabulary: refused in one line naming the file (the heads file is untrusted input)."""
+    import json as _json
+
+    from safetensors.numpy import load_file, save_file
+
+    from ondevice.heads.model import Heads
+
+    rng = np.random.default_rng(1)
+    out = rng.standard_normal((1024, 256)).astype(np.float32)
+    hs = Heads.init(np.arange(1024), out, out, K=1, rank=8, s_h=1.0, s_e=1.0, seed=0).with_shortlist(rank=32, size=64)
+    monkeypatch.setattr(store, "target_sha256", lambda model: "0" * 64)
+    good = store.save(tmp_path / "g.heads.safetensors", hs, {"target_sha256": "0" * 64})
+    from safetensors import safe_open
+
+    with safe_open(str(good), "np") as f:
+        meta = _json.loads(f.metadata()["ondevice.heads"])
+    t = load_file(str(good))
+    bad_b = dict(t, short_b=t["short_b"][:, :10])
+    nan_a = dict(t, short_a=np.where(np.arange(t["short_a"].size).reshape(t["short_a"].shape) == 5, np.nan, t["short_a"]).astype(np.float32))
+    for i, (tensors, m) in enumerate([(bad_b, meta), (nan_a, meta), (t, {**meta, "shortlist": -1}),
+                                      (t, {**meta, "shortlist": 5000}), (t, {**meta, "shortlist": "many"})]):
+        p = tmp_path / f"bad{i}.heads.safetensors"
+        save_file(tensors, str(p), metadata={"ondevice.heads": _json.dumps(m)})
+        with pytest.raises(OndeviceError) as e:
+            store.load(p, tmp_path / "model.gguf", 2048)
+        assert str(p) in str(e.value) and "\n" not in str(e.value) and "train-heads" in str(e.value)
