@@ -1,5 +1,5 @@
-"""Heads vs n-gram on held-out prompts: τ of a fixed greedy chain and of best-first trees, acceptance by
-position, the oracle (every draft right), head cost ÷ target decode, live checks. JSON.
+"""Heads vs n-gram on held-out prompts: τ of a fixed greedy chain (heads alone, and as the drafter runs:
+prompt-lookup copies first), of best-first trees, acceptance by position, the oracle (every draft right), head cost ÷ target decode, live checks. JSON.
 
     OPENBLAS_NUM_THREADS=1 PYTHONPATH=$PWD python scripts/bench_heads.py MODEL [--heads FILE] [--live 2] --json OUT
 
@@ -21,7 +21,6 @@ from pathlib import Path
 import numpy as np
 
 from ondevice.bench.tools import emit_json
-from ondevice.drafters import NgramDrafter
 from ondevice.heads import data, fit, store
 from ondevice.heads.drafter import HeadsDrafter
 from ondevice.sampling import SamplingParams
@@ -31,24 +30,10 @@ GREEDY = SamplingParams(temperature=0.0)
 
 
 def ngram_tau(recs: list[data.Record], gamma: int) -> dict:
-    """τ of greedy n-gram drafting with a fixed γ, walked over recorded greedy answers (exact)."""
-    passes = tokens = 0
-    for r in recs:
-        ans = [int(t) for t in r.tokens[1:]]
-        m = len(ans)
-        d = NgramDrafter()
-        ctx = [int(t) for t in r.prompt] + ans[:1]  # the prompt's pass emitted the first answer token
-        e, passes = 1, passes + 1
-        while e < m:
-            guess, _ = d.propose(ctx, gamma, GREEDY, None)
-            n = 0
-            while n < len(guess) and e + n < m - 1 and guess[n] == ans[e + n]:
-                n += 1
-            ctx.extend(ans[e : e + n + 1])
-            e += n + 1
-            passes += 1
-        tokens += m
-    return {"tau": tokens / passes if passes else 0.0, "tokens": tokens, "passes": passes}
+    """τ of greedy n-gram drafting with a fixed γ, walked over recorded greedy answers (exact): the heads
+    drafter's walk with every copy taken and no heads."""
+    flat = fit.Flat.of(recs)
+    return fit.offline_tau_copy(np.zeros(len(flat.H), np.int64), flat, recs, gamma, 1)
 
 
 def head_cost(path: Path, drafter_heads, recs: list[data.Record], reps: int = 30) -> dict:
@@ -57,7 +42,7 @@ def head_cost(path: Path, drafter_heads, recs: list[data.Record], reps: int = 30
 
     b = LlamaBackend(path, n_ctx=1024, threads=1)
     try:
-        dr = HeadsDrafter(b, *drafter_heads)
+        dr = HeadsDrafter(b, *drafter_heads, copy_min=0)  # the heads themselves, not a copy
         ids = [int(t) for t in recs[0].prompt]
         b.eval(ids[:-1], logits="last")
         ctx = list(ids)
@@ -139,6 +124,7 @@ def main() -> None:
         ans = np.concatenate([r.tokens[1:] for r in sub])
         drafting = max(1, int(np.sum(flat.left >= 1)))
         res["heldout"][cls] = {"answers": len(sub), "tokens": int(len(flat.H)), "heads": fit.offline_tau(hits, flat),
+                               "heads_with_copies": fit.offline_tau_copy(hits, flat, sub, a.gamma, HeadsDrafter.COPY_MIN),
                                "heads_acceptance_by_position": [round(float(np.sum(hits >= i)) / drafting, 4)
                                                                 for i in range(1, a.gamma + 1)],
                                **{f"heads_tree_{n}": fit.offline_tau(fit.tree_hits(heads, flat, inv, n), flat)

@@ -21,6 +21,7 @@ import numpy as np
 
 from ondevice.bench.tools import emit_json
 from ondevice.heads import data, fit, store
+from ondevice.heads.drafter import HeadsDrafter
 from ondevice.heads.train import train_heads
 from ondevice.store import catalog, lookup
 
@@ -60,7 +61,8 @@ def main() -> None:
             flat = fit.Flat.of(sub)
             ans = np.concatenate([x.tokens[1:] for x in sub])
             row["classes"][cls] = {
-                "chain": fit.offline_tau(fit.chain_hits(heads, flat, inv), flat)["tau"],
+                "chain": fit.offline_tau(hits := fit.chain_hits(heads, flat, inv), flat)["tau"],
+                "chain_with_copies": fit.offline_tau_copy(hits, flat, sub, heads.K, HeadsDrafter.COPY_MIN)["tau"],
                 **{f"tree_{t}": fit.offline_tau(fit.tree_hits(heads, flat, inv, int(t)), flat)["tau"]
                    for t in a.tree_nodes.split(",")},
                 "ngram": ngram_tau(sub, heads.K)["tau"],

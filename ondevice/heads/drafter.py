@@ -12,6 +12,13 @@ logits chose the pending token): after a verify pass and its rollback that is th
 accepted token, which ``LlamaBackend.hidden`` still holds. A prompt the prefix cache holds whole has
 its last cached token evaluated again by the runtime (``reads_last_row``), so the row is there; when it
 is not (a caller driving the loop itself), the drafter proposes nothing and the step is a plain one.
+
+**Copies first**: when the context's suffix occurs earlier (``NgramDrafter``, prompt lookup) with at least
+``copy_min`` tokens agreeing, the chain is the copy instead (a point mass per token, q None: exact at any
+temperature); a tree gets the copy as one more branch, scored by the measured survival of such
+guesses. Heads rarely know an identifier or a phrase the prompt spelled out; a copy rarely guesses free
+text: on held-out answers (chain of 3, greedy) SmolLM2 code τ 1.56 (heads) / 1.35 (n-gram) → 1.86
+together, Qwen 1.5B code 1.87 / 1.20 → 1.91.
 """
 
 from __future__ import annotations
@@ -23,8 +30,9 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from ondevice.constrain import apply_mask
-from ondevice.drafters import Drafter
+from ondevice.drafters import Drafter, NgramDrafter
 from ondevice.errors import OndeviceError
+from ondevice.guesses import GuessSurvival
 from ondevice.heads import store
 from ondevice.heads.grow import best_first
 from ondevice.heads.model import Heads
@@ -48,6 +56,65 @@ def seconds_per_token(hs: Heads, reps: int = 15) -> float:
     return float(np.median(times))
 
 
+def copy_guess(ngram: NgramDrafter, context: Sequence[int], gamma: int, copy_min: int, constraint=None) -> list[int]:
+    """The prompt-lookup copy of up to ``gamma`` tokens after ``context`` when its match agrees for at least
+    ``copy_min`` tokens, else []. Under a ``constraint`` the copy is cut before the first token it forbids
+    (and after an end of generation); the matcher is left where it started."""
+    guess, _ = ngram.propose(context, gamma, _GREEDY, None)
+    if not guess or ngram.last_match_len < copy_min:
+        return []
+    if constraint is None:
+        return [int(t) for t in guess]
+    out: list[int] = []
+    mark = constraint.checkpoint()
+    try:
+        for t in guess:
+            if not constraint.allowed()[t]:
+                break
+            out.append(int(t))
+            if t in constraint.eos_ids:
+                break
+            constraint.advance([t])
+    finally:
+        constraint.restore(mark)
+    return out
+
+
+_GREEDY = SamplingParams(temperature=0.0)
+_PRIORS = GuessSurvival()  # read only: the measured priors of n-gram guesses' survival
+
+
+def merge_copy(tokens: list[int], parents: list[int], scores: list[float], copy: list[int], alphas: list[float],
+               max_nodes: int) -> tuple[list[int], list[int], list[float]]:
+    """A best-first tree (``tokens``, ``parents``: 0 = the root, node i + 1 is entry i; ``scores``) with a copy
+    grafted on as a path from the root, scored by the measured survival of n-gram guesses (``alphas``, the
+    chance each copied token is kept given the ones before were; ``GUESS_PRIORS``). A copied token equal
+    to a heads node at the same place is that node (siblings stay distinct; it keeps the larger score).
+    Returns the ``max_nodes`` best nodes by score, shallower first among equals, so every prefix is a tree
+    (a node scores no more than its parent, from either source)."""
+    child = {(parents[i], t): i + 1 for i, t in enumerate(tokens)}
+    toks, pars, scs = list(tokens), list(parents), list(scores)
+    node, score = 0, 1.0
+    for t, a in zip(copy, alphas):
+        score *= a
+        hit = child.get((node, t))
+        if hit is None:
+            toks.append(t)
+            pars.append(node)
+            scs.append(score)
+            hit = len(toks)
+            child[(node, t)] = hit
+        else:
+            scs[hit - 1] = max(scs[hit - 1], score)
+        node = hit
+    depth = [0] * (len(toks) + 1)
+    for i, p in enumerate(pars):
+        depth[i + 1] = depth[p] + 1  # parents come first in either source
+    order = sorted(range(len(toks)), key=lambda i: (-scs[i], depth[i + 1]))[:max_nodes]
+    pos = {0: 0, **{old + 1: new + 1 for new, old in enumerate(order)}}
+    return [toks[i] for i in order], [pos[pars[i]] for i in order], [scs[i] for i in order]
+
+
 class HeadsDrafter(Drafter):
     """Heads on a target backend that can return hidden states (``enable_hidden``).
 
@@ -55,6 +122,8 @@ class HeadsDrafter(Drafter):
         target: the target backend (``LlamaBackend``); hidden states are switched on here.
         heads: the trained heads.
         meta: the heads file's metadata (reported by benchmarks).
+        copy_min: a prompt-lookup copy whose match agrees for at least this many tokens drafts the chain
+            instead of the heads (0: heads only).
     """
 
     name = "heads"
@@ -62,7 +131,9 @@ class HeadsDrafter(Drafter):
     trees = True
     reads_last_row = True  # the runtime re-evaluates a wholly cached prompt's last cached token
 
-    def __init__(self, target, heads: Heads, meta: dict | None = None) -> None:
+    COPY_MIN = 2  # measured best of 1, 2, 3, 4, 6 on held-out answers (1 lets chance one-token matches in)
+
+    def __init__(self, target, heads: Heads, meta: dict | None = None, copy_min: int = COPY_MIN) -> None:
         d = target.enable_hidden()  # a backend without hidden states refuses in one line
         if d != heads.d:
             raise OndeviceError(f"{target.path}: heads have hidden size {heads.d} but the model has {d}; "
@@ -74,6 +145,9 @@ class HeadsDrafter(Drafter):
         self.inv = heads.index(target.vocab_size)
         self.max_gamma = heads.K
         self.branch = 4  # children considered per tree node
+        self.copy_min = copy_min
+        self.copies = NgramDrafter()
+        self.copied = False  # the last chain was a copy
         self._spt: float | None = None
 
     @classmethod
@@ -108,6 +182,12 @@ class HeadsDrafter(Drafter):
         """
         V = self.target_vocab
         none = ([], None if params.greedy else np.zeros((0, V)))
+        self.copied = False
+        if self.copy_min and gamma > 0:
+            guess = copy_guess(self.copies, context, gamma, self.copy_min, constraint)
+            if guess:
+                self.copied = True
+                return guess, None
         h = self.target.hidden(len(context) - 2) if gamma > 0 and len(context) >= 2 else None
         if h is None:
             return none
@@ -152,13 +232,20 @@ class HeadsDrafter(Drafter):
     def propose_tree(self, context: Sequence[int], max_nodes: int, params: SamplingParams, rng: np.random.Generator):
         """A best-first tree of up to ``max_nodes`` drafted nodes after ``context`` (``best_first``), as an
         ``ondevice.tree.Tree`` of point masses (deterministic, distinct siblings: exact at any temperature)
-        with ``scores``; None when there is no hidden row to draft from."""
+        with ``scores``; None when there is no hidden row to draft from. A copy (``copy_guess``, up to
+        ``max_nodes`` long) joins the heads' nodes as one more branch (``merge_copy``)."""
+        copy = copy_guess(self.copies, context, max_nodes, self.copy_min) if self.copy_min and max_nodes > 0 else []
+        self.copied = bool(copy)
         h = self.target.hidden(len(context) - 2) if max_nodes > 0 and len(context) >= 2 else None
-        if h is None:
+        if h is None and not copy:
             return None
         x = int(self._rows(context[-1:])[0])
-        rows, parents, scores = best_first(self.heads, h, x, max_nodes, self.branch)
-        return Tree([int(context[-1]), *(int(self.heads.vocab[r]) for r in rows)], [-1, *parents], scores=[1.0, *scores])
+        rows, parents, scores = best_first(self.heads, h, x, max_nodes, self.branch) if h is not None else ([], [], [])
+        tokens = [int(self.heads.vocab[r]) for r in rows]
+        if copy:
+            hint = self.copies.hint
+            tokens, parents, scores = merge_copy(tokens, parents, scores, copy, _PRIORS.alphas(hint, len(copy)), max_nodes)
+        return Tree([int(context[-1]), *tokens], [-1, *parents], scores=[1.0, *scores])
 
     def seconds_per_token(self, reps: int = 15) -> float:
         """``seconds_per_token(self.heads)``, measured once and cached."""
@@ -167,7 +254,7 @@ class HeadsDrafter(Drafter):
         return self._spt
 
     def reset(self) -> None:
-        pass  # no state of its own: the target's hidden rows go with its cache
+        self.copies.reset()  # the target's hidden rows go with its cache
 
     def close(self) -> None:
         pass  # the target belongs to the runtime

@@ -211,3 +211,32 @@ def offline_tau(hits: np.ndarray, flat: Flat, recs: np.ndarray | None = None) ->
             e += n + 1
         tokens += m
     return {"tau": tokens / passes if passes else 0.0, "tokens": int(tokens), "passes": int(passes)}
+
+
+def offline_tau_copy(hits: np.ndarray, flat: Flat, records: list[Record], gamma: int, copy_min: int) -> dict:
+    """``offline_tau`` of the heads drafter as it runs (``drafter.copy_guess`` first): at every pass a
+    prompt-lookup copy agreeing for at least ``copy_min`` tokens drafts the chain, else the heads'
+    chain (``hits``). ``records`` are the ones ``flat`` was made of, in order; exact for greedy decoding."""
+    from ondevice.drafters import NgramDrafter
+    from ondevice.heads.drafter import copy_guess
+
+    passes = tokens = 0
+    for r, rec in enumerate(records):
+        idx = np.flatnonzero(flat.rec == r)
+        ans = [int(t) for t in rec.tokens[1 : len(idx) + 1]]
+        m = len(ans)
+        ngram, ctx = NgramDrafter(), [int(t) for t in rec.prompt] + ans[:1]
+        e, passes = 1, passes + 1
+        while e < m:
+            guess = copy_guess(ngram, ctx, gamma, copy_min) if copy_min else []
+            if guess:
+                n = 0
+                while n < len(guess) and e + n < m - 1 and guess[n] == ans[e + n]:
+                    n += 1
+            else:
+                n = min(int(hits[idx[e - 1]]), gamma, m - e - 1)
+            ctx.extend(ans[e : e + n + 1])
+            e += n + 1
+            passes += 1
+        tokens += m
+    return {"tau": tokens / passes if passes else 0.0, "tokens": int(tokens), "passes": int(passes)}
