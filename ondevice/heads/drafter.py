@@ -95,7 +95,7 @@ def merge_copy(tokens: list[int], parents: list[int], scores: list[float], copy:
     child = {(parents[i], t): i + 1 for i, t in enumerate(tokens)}
     toks, pars, scs = list(tokens), list(parents), list(scores)
     node, score = 0, 1.0
-    for t, a in zip(copy, alphas):
+    for t, a in zip(copy, alphas, strict=True):
         score *= a
         hit = child.get((node, t))
         if hit is None:
