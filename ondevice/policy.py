@@ -68,6 +68,11 @@ class Policy:
         ``scores``) to verify in the next pass; 0 = a plain step."""
         return min(self.max_gamma, len(tree) - 1)
 
+    def copy_nodes(self, tree) -> int:
+        """Drafted nodes of a copy offered while the drafter itself is not asked (``tree_budget`` 0: a plain run,
+        or γ = 0); 0 = a plain step, as here."""
+        return 0
+
     def update_tree(self, expected: float, accepted: int) -> None:
         """Learn from a verified tree: the drafter expected ``expected`` accepted nodes (Σ scores), ``accepted`` were."""
 
@@ -283,6 +288,19 @@ class AdaptivePolicy(Policy):
             return 0
         self.plain_run = 0  # drafting chosen on its merits: probes, when plain runs come back, start again soon
         self.probe_every = self.base_probe_every
+        return best
+
+    def copy_nodes(self, tree) -> int:
+        """The prefix of a copy (a chain of point masses whose ``scores`` are the measured survival of such
+        guesses, ``GUESS_PRIORS``) with the largest expected gain at no drafting cost; nothing else changes
+        (a copy is free to ask for, so it is judged every step, during plain runs too)."""
+        scores = list((tree.scores or [])[1 : self.max_gamma + 1])
+        vc = self.costs.verify_costs(len(scores) + 1)
+        best, best_gain = 0, 0.0
+        for n in range(1, len(scores) + 1):
+            gain = sum(scores[:n]) - RISK * (vc[n] - 1.0)
+            if gain > best_gain + 1e-9:
+                best, best_gain = n, gain
         return best
 
     def update_tree(self, expected: float, accepted: int) -> None:

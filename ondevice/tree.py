@@ -304,7 +304,9 @@ def tree_steps(target: Backend, proposer, context: list[int], params: SamplingPa
         target: a backend; when ``tree_unsupported()`` is None the whole tree is one pass (``eval_tree`` /
             ``keep_path``), else the tree's first branch is verified as a chain (``TreeStep.mode`` gives the
             reason; the law is exact either way).
-        proposer: ``propose_tree(context, max_nodes, params, rng) -> Tree | None`` (None = a plain step).
+        proposer: ``propose_tree(context, max_nodes, params, rng) -> Tree | None`` (None = a plain step); one
+            with ``copy_tree(context, max_nodes) -> Tree | None`` (a free copy) is also offered the copy on steps
+            the policy does not ask it to draft (``Policy.copy_nodes`` sizes it).
         context: the whole sequence so far; extended in place with every emitted token.
         max_nodes: drafted nodes per step at most.
         policy: sizes each proposed tree (``Policy.tree_nodes``: a prefix of a best-first tree, 0 = a plain
@@ -324,12 +326,15 @@ def tree_steps(target: Backend, proposer, context: list[int], params: SamplingPa
         t0 = time.perf_counter()
         budget = max_nodes if policy is None else min(max_nodes, policy.tree_budget())
         tree = proposer.propose_tree(context, budget, params, rng) if proposer is not None and budget > 0 else None
+        copy_only = tree is None and policy is not None and hasattr(proposer, "copy_tree")
+        if copy_only:  # not worth asking the drafter: a free copy may still be (``Policy.copy_nodes``)
+            tree = proposer.copy_tree(context, max_nodes)
         if tree is None:
             tree = Tree([context[-1]], [-1])
         if tree.tokens[0] != context[-1]:
             raise ValueError("a proposed tree must be rooted at the pending token context[-1]")
         if policy is not None and len(tree) > 1:
-            tree = tree.prefix(1 + policy.tree_nodes(tree))
+            tree = tree.prefix(1 + (policy.copy_nodes(tree) if copy_only else policy.tree_nodes(tree)))
         tree = tree.prefix(min(len(tree), n_ctx - base))  # a node per free cache cell
         if policy is not None:  # the last row's hidden state is wanted only if the next step may draft
             target.want_hidden(policy.drafts_next())
@@ -352,7 +357,7 @@ def tree_steps(target: Backend, proposer, context: list[int], params: SamplingPa
             target.rollback(base + 1 + n_acc)
             rows = logits[: n_acc + 1]
         emitted = [*(tree.tokens[i] for i in acc), nxt]
-        if policy is not None and len(tree) > 1:
+        if policy is not None and len(tree) > 1 and not copy_only:
             policy.update_tree(sum(tree.scores[1:]) if tree.scores else float(len(tree) - 1), len(acc))
         lps = None if logprobs is None else token_logprobs(rows, emitted, params, context, logprobs)
         context.extend(emitted)

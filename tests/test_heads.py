@@ -313,6 +313,30 @@ def test_auto_draft_considers_stored_heads(trained, home, monkeypatch):
                 assert rt.generate(PROMPTS[0], max_tokens=8, temperature=0, gamma=3).stats.drafted > 0
 
 
+def test_auto_offers_free_copies_when_the_heads_do_not_pay(trained, home, monkeypatch):
+    """gamma="auto" with heads too dear to ask (a plain run every step) still drafts a copy where the context
+    repeats itself (``copy_tree``, sized by ``Policy.copy_nodes`` at no drafting cost), greedy output unchanged;
+    gamma=0 never drafts one, and a steep verify curve (the control) turns the copies down."""
+    from ondevice.costs import Costs
+    from ondevice.heads.drafter import HeadsDrafter
+
+    monkeypatch.setattr(HeadsDrafter, "seconds_per_token", lambda self, reps=15: 1.0)  # 1 s a head step
+    target = trained[0]
+    with ondevice.load(target, drafter="none", threads=1) as plain:
+        ref = plain.generate(REPEATS, max_tokens=24, temperature=0, gamma=0).tokens
+    for curve, drafts in (({1: 1e-3, 2: 1.01e-3, 4: 1.02e-3, 8: 1.05e-3}, True), ({1: 1e-3, 2: 2e-3, 4: 4e-3, 8: 8e-3}, False)):
+        monkeypatch.setattr("ondevice.costs.cached_measure", lambda target, draft=None, cancelled=None, c=curve: Costs(dict(c), 0.0))
+        with ondevice.load(target, draft="heads", threads=1) as rt:
+            asked, offered, orig = [], [], rt.drafter.copy_tree
+            rt.drafter.propose_tree = lambda *a, **kw: asked.append(1)
+            rt.drafter.copy_tree = lambda context, n: offered.append(1) or orig(context, n)
+            r = rt.generate(REPEATS, max_tokens=24, temperature=0, gamma="auto")
+            assert r.tokens == ref and not asked and offered
+            assert (r.stats.drafted > 0) == drafts, r.stats
+            offered.clear()
+            assert rt.generate(REPEATS, max_tokens=8, temperature=0, gamma=0).stats.drafted == 0 and not offered
+
+
 def test_prompt_keeps_hidden_rows_only_when_the_first_step_may_draft(trained, home):
     """A request whose first step will not draft (a plain run of gamma="auto") prefills its prompt in one batch
     without hidden rows; one that may draft gets the prompt's last row (llama.cpp then splits the batch)."""

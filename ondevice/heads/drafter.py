@@ -127,7 +127,7 @@ class HeadsDrafter(Drafter):
     """
 
     name = "heads"
-    cheap = False  # the policy asks for exactly γ tokens (at most K come back)
+    cheap = False  # the policy asks for exactly γ tokens (at most K from the heads, up to γ from a copy)
     trees = True
     reads_last_row = True  # the runtime re-evaluates a wholly cached prompt's last cached token
 
@@ -172,7 +172,8 @@ class HeadsDrafter(Drafter):
         self, context: Sequence[int], gamma: int, params: SamplingParams, rng: np.random.Generator,
         keep_drafting: Callable[[list[float]], bool] | None = None, constraint=None,
     ) -> tuple[list[int], np.ndarray | None]:
-        """Draft up to min(γ, K) tokens after ``context`` (its last token is pending, the rest cached).
+        """Draft up to min(γ, K) tokens after ``context`` (its last token is pending, the rest cached), or a
+        copy of up to γ (``copy_guess``).
 
         ``keep_drafting(confidences)`` may stop early (confidence = q of each drafted token). With a
         ``constraint`` (``ondevice.constrain``) each row's draft logits are masked to the draft rows it allows
@@ -245,6 +246,16 @@ class HeadsDrafter(Drafter):
         if copy:
             hint = self.copies.hint
             tokens, parents, scores = merge_copy(tokens, parents, scores, copy, _PRIORS.alphas(hint, len(copy)), max_nodes)
+        return Tree([int(context[-1]), *tokens], [-1, *parents], scores=[1.0, *scores])
+
+    def copy_tree(self, context: Sequence[int], max_nodes: int):
+        """The copy alone (``copy_guess``) as a scored chain ``Tree``, or None: no head step, so the runtime
+        may offer it on steps the policy does not ask the heads to draft (``tree_steps``)."""
+        copy = copy_guess(self.copies, context, max_nodes, self.copy_min) if self.copy_min and max_nodes > 0 else []
+        self.copied = bool(copy)
+        if not copy:
+            return None
+        tokens, parents, scores = merge_copy([], [], [], copy, _PRIORS.alphas(self.copies.hint, len(copy)), max_nodes)
         return Tree([int(context[-1]), *tokens], [-1, *parents], scores=[1.0, *scores])
 
     def seconds_per_token(self, reps: int = 15) -> float:
