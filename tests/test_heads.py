@@ -328,8 +328,8 @@ def test_auto_offers_free_copies_when_the_heads_do_not_pay(trained, home, monkey
         monkeypatch.setattr("ondevice.costs.cached_measure", lambda target, draft=None, cancelled=None, c=curve: Costs(dict(c), 0.0))
         with ondevice.load(target, draft="heads", threads=1) as rt:
             asked, offered, orig = [], [], rt.drafter.copy_tree
-            rt.drafter.propose_tree = lambda *a, **kw: asked.append(1)
-            rt.drafter.copy_tree = lambda context, n: offered.append(1) or orig(context, n)
+            rt.drafter.propose_tree = lambda *a, asked=asked, **kw: asked.append(1)
+            rt.drafter.copy_tree = lambda context, n, offered=offered, orig=orig: offered.append(1) or orig(context, n)
             r = rt.generate(REPEATS, max_tokens=24, temperature=0, gamma="auto")
             assert r.tokens == ref and not asked and offered
             assert (r.stats.drafted > 0) == drafts, r.stats
