@@ -101,6 +101,8 @@ def main() -> None:
     ap.add_argument("model")
     ap.add_argument("--heads", default=None, help="heads file (default: the one stored for the model)")
     ap.add_argument("--gamma", type=int, default=3)
+    ap.add_argument("--copy-min", type=int, default=HeadsDrafter.COPY_MIN,
+                    help="heads_with_copies: a copy drafts the chain when this many tokens of its match agree")
     ap.add_argument("--live", type=int, default=1, help="held-out prompts per class run live (0 = none)")
     ap.add_argument("--live-tokens", type=int, default=64)
     ap.add_argument("--tree-nodes", type=lambda v: [int(x) for x in v.split(",")], default=[4, 8],
@@ -113,7 +115,7 @@ def main() -> None:
     heads_file = Path(a.heads) if a.heads else store.find(path)
     heads, meta = store.load(heads_file, path)
     inv = heads.index(int(meta["target_vocab_size"]))
-    res = {"model": path.name, "heads_file": str(heads_file), "gamma": a.gamma,
+    res = {"model": path.name, "heads_file": str(heads_file), "gamma": a.gamma, "copy_min": a.copy_min,
            "heads": {k: meta.get(k) for k in ("K", "rank", "draft_vocab_size", "hidden_size", "training_tokens", "seed",
                                                "record_seconds", "fit_seconds", "tau_heldout_greedy_chain")},
            "heldout": {}}
@@ -124,7 +126,7 @@ def main() -> None:
         ans = np.concatenate([r.tokens[1:] for r in sub])
         drafting = max(1, int(np.sum(flat.left >= 1)))
         res["heldout"][cls] = {"answers": len(sub), "tokens": int(len(flat.H)), "heads": fit.offline_tau(hits, flat),
-                               "heads_with_copies": fit.offline_tau_copy(hits, flat, sub, a.gamma, HeadsDrafter.COPY_MIN),
+                               "heads_with_copies": fit.offline_tau_copy(hits, flat, sub, a.gamma, a.copy_min),
                                "heads_acceptance_by_position": [round(float(np.sum(hits >= i)) / drafting, 4)
                                                                 for i in range(1, a.gamma + 1)],
                                **{f"heads_tree_{n}": fit.offline_tau(fit.tree_hits(heads, flat, inv, n), flat)
