@@ -76,8 +76,8 @@ class Policy:
     def update_tree(self, expected: float, accepted: int) -> None:
         """Learn from a verified tree: the drafter expected ``expected`` accepted nodes (Σ scores), ``accepted`` were."""
 
-    def observe_step(self, drafted: int, verify_seconds: float, draft_seconds: float) -> None:
-        """A decoding step's measured timings (the prompt's pass excluded)."""
+    def observe_step(self, drafted: int, verify_seconds: float, draft_seconds: float, copied: bool = False) -> None:
+        """A decoding step's measured timings (the prompt's pass excluded; ``copied``: the drafts were a free copy)."""
 
     def restart(self) -> None:
         """A new request starts: forget what only concerned the previous one's tokens."""
@@ -319,11 +319,12 @@ class AdaptivePolicy(Policy):
             self.probe_every = min(self.probe_every * 2, 512)
             self.probing = False
 
-    def observe_step(self, drafted: int, verify_seconds: float, draft_seconds: float) -> None:
-        """Refine the cost model with a real step's timings (the probe at load can be noisy)."""
+    def observe_step(self, drafted: int, verify_seconds: float, draft_seconds: float, copied: bool = False) -> None:
+        """Refine the cost model with a real step's timings (the probe at load can be noisy); a free copy's
+        drafting time is not the drafter's cost per token."""
         if not self.learn_costs:
             return
-        per_token = draft_seconds / drafted if (drafted and self.drafter != "ngram") else None
+        per_token = draft_seconds / drafted if (drafted and self.drafter != "ngram" and not copied) else None
         self.costs.observe(drafted + 1, verify_seconds, per_token)
 
     def update(self, drafted: int, accepted: int, hint: int = 0, proposal: Sequence[int] | None = None,

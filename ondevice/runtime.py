@@ -343,7 +343,7 @@ class Runtime:
                     break
                 stats.add(step)
                 if stats.target_forwards > 1:  # the first pass holds the prompt
-                    policy.observe_step(step.drafted, step.verify_seconds, step.draft_seconds)
+                    policy.observe_step(step.drafted, step.verify_seconds, step.draft_seconds, step.copied)
                 if stats.target_forwards == 1:
                     stats.prompt_seconds = time.perf_counter() - t_start
                 chunks = step_chunks(step, t.is_eog, text, stats, max_tokens)

@@ -33,6 +33,7 @@ class Step:
     draft_seconds: float
     verify_seconds: float
     logprobs: list | None = None  # per emitted token: TokenLogprob (when asked for)
+    copied: bool = False  # the drafts were a free copy (their time says nothing of the drafter's cost)
 
 
 @dataclass
@@ -140,7 +141,8 @@ def steps(
         context: the whole sequence so far; extended in place with every emitted token.
         policy: chooses γ per step (0 = plain step) and learns from each outcome. A cheap drafter
             (n-gram) proposes its longest guess first and the policy keeps a prefix, judged by the
-            match length; a model drafter is asked for exactly γ tokens.
+            match length; a model drafter is asked for exactly γ tokens, and on steps it is not asked, one
+            with ``copy_tree`` (heads) offers a free copy that ``Policy.copy_nodes`` sizes.
         rng: draws every random number (draft sampling and verification).
         The target's p is never masked (but by a constraint): ids a draft cannot propose (beyond the pair's shared vocabulary)
         have q = 0 and still come out of the residual with exactly the target's probability.
@@ -169,6 +171,7 @@ def steps(
         proposal: list[int] = []  # a cheap drafter's whole guess (the policy learns from it even when unused)
         q = None
         hint = 0
+        copied = False
         if drafter is None:
             g = 0
         elif drafter.cheap:
@@ -183,6 +186,13 @@ def steps(
             if g > 0:
                 draft, q = drafter.propose(context, g, params, rng, keep_drafting=policy.keep_drafting,
                                            constraint=constraint)  # q from masked logits
+            elif hasattr(drafter, "copy_tree"):  # not worth asking the drafter: a free copy may still be
+                copy = drafter.copy_tree(context, min(policy.max_gamma, room))
+                if copy is not None:
+                    n = policy.copy_nodes(copy)
+                    if constraint is not None:
+                        n = min(n, constraint.valid_prefix(copy.tokens[1 : n + 1]))
+                    draft, copied = copy.tokens[1 : n + 1], n > 0
         t1 = time.perf_counter()
         logits = target.eval([context[-1], *draft])  # [len(draft)+1, V]
         if constraint is not None:  # row i: the matcher state after draft[:i]
@@ -199,13 +209,14 @@ def steps(
             observer(draft, q, p, n_acc)
         target.rollback(base + 1 + n_acc)  # keep pending + accepted drafts; nxt becomes pending
         emitted = [*draft[:n_acc], nxt]
-        policy.update(len(draft), n_acc, hint, proposal, emitted)
+        if not copied:  # a free copy's outcome says nothing about the drafter's own drafts
+            policy.update(len(draft), n_acc, hint, proposal, emitted)
         lps = None if logprobs is None else token_logprobs(logits, emitted, params, context, logprobs)
         if constraint is not None:
             constraint.advance(emitted)
         context.extend(emitted)
         t2 = time.perf_counter()
-        yield Step(emitted, [True] * n_acc + [False], g, len(draft), n_acc, t1 - t0, t2 - t1, lps)
+        yield Step(emitted, [True] * n_acc + [False], g, len(draft), n_acc, t1 - t0, t2 - t1, lps, copied)
 
 
 class TextAssembler:

@@ -363,4 +363,5 @@ def tree_steps(target: Backend, proposer, context: list[int], params: SamplingPa
         context.extend(emitted)
         t2 = time.perf_counter()
         yield TreeStep(emitted, [True] * len(acc) + [False], len(tree) - 1, len(tree) - 1, len(acc), t1 - t0,
-                       t2 - t1, lps, nodes=len(tree), path=list(acc), mode="tree" if why is None else f"chain: {why}")
+                       t2 - t1, lps, copy_only and len(tree) > 1, nodes=len(tree), path=list(acc),
+                       mode="tree" if why is None else f"chain: {why}")

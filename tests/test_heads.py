@@ -337,6 +337,37 @@ def test_auto_offers_free_copies_when_the_heads_do_not_pay(trained, home, monkey
             assert rt.generate(REPEATS, max_tokens=8, temperature=0, gamma=0).stats.drafted == 0 and not offered
 
 
+def test_auto_offers_free_copies_under_a_constraint(trained, home, monkeypatch):
+    """Under a constraint (chains, ``speculative.steps``) gamma="auto" with heads too dear to ask also drafts free
+    copies, cut where the matcher refuses; greedy output equals plain constrained decoding's, and a copy's
+    (near-zero) drafting time does not become the heads' measured cost."""
+    from test_constrain import SCHEMAS, _rf
+
+    from ondevice.costs import Costs
+    from ondevice.heads.drafter import HeadsDrafter
+
+    monkeypatch.setattr(HeadsDrafter, "seconds_per_token", lambda self, reps=15: 1.0)
+    curve = {1: 1e-3, 2: 1.01e-3, 4: 1.02e-3, 8: 1.05e-3}
+    monkeypatch.setattr("ondevice.costs.cached_measure", lambda target, draft=None, cancelled=None: Costs(dict(curve), 0.0))
+    text = 'Reply as before.\n{"name": "Ada", "age": 36}\n{"name": "Ada", "age": 36}\n{"name": "Ada", "age": 36}\n'
+    kw = dict(response_format=_rf(SCHEMAS["required_fields"]), max_tokens=24, temperature=0)
+    with ondevice.load(trained[0], drafter="none", threads=1) as plain:
+        ref = plain.generate(text, gamma=0, **kw).tokens
+    with ondevice.load(trained[0], draft="heads", threads=1) as rt:
+        asked = []
+        rt.drafter.propose = lambda *a, asked=asked, **k: asked.append(1)
+        r = rt.generate(text, gamma="auto", **kw)
+        assert r.tokens == ref and not asked
+        assert r.stats.drafted > 0, r.stats
+    from ondevice.policy import AdaptivePolicy
+
+    pol = AdaptivePolicy(Costs(dict(curve), 1e-3), "heads")
+    pol.observe_step(3, 1.02e-3, 1e-6, copied=True)
+    assert pol.costs.draft_seconds == 1e-3
+    pol.observe_step(3, 1.02e-3, 3e-6)
+    assert pol.costs.draft_seconds < 1e-3  # the control: the heads' own drafting time is learnt
+
+
 def test_prompt_keeps_hidden_rows_only_when_the_first_step_may_draft(trained, home):
     """A request whose first step will not draft (a plain run of gamma="auto") prefills its prompt in one batch
     without hidden rows; one that may draft gets the prompt's last row (llama.cpp then splits the batch)."""

@@ -82,7 +82,7 @@ class SyncedPolicy(Policy):
 
     def __init__(self, inner: Policy, world: World) -> None:
         self.inner, self.world = inner, world
-        self._pending: tuple[int, float, float] | None = None
+        self._pending: tuple[int, float, float, bool] | None = None
 
     def keep_drafting(self, confidences: list[float]) -> bool:
         return self.inner.keep_drafting(confidences)  # the draft's own probabilities: the same on every rank
@@ -91,15 +91,16 @@ class SyncedPolicy(Policy):
     def max_gamma(self) -> int:
         return self.inner.max_gamma
 
-    def observe_step(self, drafted: int, verify_seconds: float, draft_seconds: float) -> None:
-        self._pending = (drafted, verify_seconds, draft_seconds)  # applied before the next decision
+    def observe_step(self, drafted: int, verify_seconds: float, draft_seconds: float, copied: bool = False) -> None:
+        # applied before the next decision; ``copied`` is the same on every rank (same drafts, same decisions)
+        self._pending = (drafted, verify_seconds, draft_seconds, copied)
 
     def next_gamma(self, hint: int = 0, lag: int = 0) -> int:
         w, obs = self.world, self._pending
         self._pending = None
         if w.rank == 0:
             if obs is not None:  # rounded to float32 here too: that is what the other ranks receive
-                self.inner.observe_step(obs[0], float(np.float32(obs[1])), float(np.float32(obs[2])))
+                self.inner.observe_step(obs[0], float(np.float32(obs[1])), float(np.float32(obs[2])), obs[3])
             g = self.inner.next_gamma(hint, lag)
             rows = w.exchange(OP_POLICY, 0, g, _f32(obs[1]) if obs else 0, _f32(obs[2]) if obs else 0)
             if (rows[:, 0] != OP_POLICY).any():
@@ -114,7 +115,7 @@ class SyncedPolicy(Policy):
             raise DivergenceError(f"rank {w.rank}: expected rank 0's draft length, got op {rows[0, 0]}")
         if obs is not None:
             root = rows[0, 4:6].view(np.float32).astype(float)
-            self.inner.observe_step(obs[0], float(root[0]), float(root[1]))
+            self.inner.observe_step(obs[0], float(root[0]), float(root[1]), obs[3])
         self.inner.next_gamma(hint, lag)  # keeps the policy's own counters in step
         return int(rows[0, 3])
 
