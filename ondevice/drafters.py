@@ -66,6 +66,12 @@ class Drafter:
         is accepted), or None for a plain step."""
         raise NotImplementedError
 
+    def copy_tree(self, context: Sequence[int], max_nodes: int):
+        """A free copy (no drafting cost: heads' prompt lookup) as a chain ``ondevice.tree.Tree`` with
+        ``scores``, which the runtime may offer on steps it does not ask this drafter to draft (sized by
+        ``Policy.copy_nodes``); None: nothing to offer (the default)."""
+        return None
+
     def seconds_per_token(self) -> float | None:
         """Measured seconds per drafted token of a drafter without a backend (None: free, or measured on
         ``backend``); charged by the adaptive policy."""

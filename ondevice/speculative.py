@@ -141,8 +141,8 @@ def steps(
         context: the whole sequence so far; extended in place with every emitted token.
         policy: chooses γ per step (0 = plain step) and learns from each outcome. A cheap drafter
             (n-gram) proposes its longest guess first and the policy keeps a prefix, judged by the
-            match length; a model drafter is asked for exactly γ tokens, and on steps it is not asked, one
-            with ``copy_tree`` (heads) offers a free copy that ``Policy.copy_nodes`` sizes.
+            match length; a model drafter is asked for exactly γ tokens, and on steps it is not asked it may
+            offer a free copy (``Drafter.copy_tree``: heads) that ``Policy.copy_nodes`` sizes.
         rng: draws every random number (draft sampling and verification).
         The target's p is never masked (but by a constraint): ids a draft cannot propose (beyond the pair's shared vocabulary)
         have q = 0 and still come out of the residual with exactly the target's probability.
@@ -186,13 +186,13 @@ def steps(
             if g > 0:
                 draft, q = drafter.propose(context, g, params, rng, keep_drafting=policy.keep_drafting,
                                            constraint=constraint)  # q from masked logits
-            elif hasattr(drafter, "copy_tree"):  # not worth asking the drafter: a free copy may still be
+            else:  # not worth asking the drafter: a free copy may still be
                 copy = drafter.copy_tree(context, min(policy.max_gamma, room))
                 if copy is not None:
                     n = policy.copy_nodes(copy)
                     if constraint is not None:
                         n = min(n, constraint.valid_prefix(copy.tokens[1 : n + 1]))
-                    draft, copied = copy.tokens[1 : n + 1], n > 0
+                    draft, copied, g = copy.tokens[1 : n + 1], n > 0, n
         t1 = time.perf_counter()
         logits = target.eval([context[-1], *draft])  # [len(draft)+1, V]
         if constraint is not None:  # row i: the matcher state after draft[:i]

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ondevice.backends.base import Backend
+from ondevice.drafters import Drafter
 from ondevice.logprobs import token_logprobs
 from ondevice.sampling import (
     SamplingParams,
@@ -227,7 +228,7 @@ def ngram_paths(context: Sequence[int], max_depth: int, max_ngram: int = 4, min_
     return out
 
 
-class TreeNgram:
+class TreeNgram(Drafter):
     """Prompt lookup as a tree: the continuations of several matches merged into one trie (point masses).
 
     Args:
@@ -238,6 +239,7 @@ class TreeNgram:
     """
 
     name = "ngram-tree"
+    trees = True
 
     def __init__(self, max_nodes: int = 8, max_depth: int = 4, max_ngram: int = 4, min_ngram: int = 1,
                  max_paths: int = 8) -> None:
@@ -304,9 +306,9 @@ def tree_steps(target: Backend, proposer, context: list[int], params: SamplingPa
         target: a backend; when ``tree_unsupported()`` is None the whole tree is one pass (``eval_tree`` /
             ``keep_path``), else the tree's first branch is verified as a chain (``TreeStep.mode`` gives the
             reason; the law is exact either way).
-        proposer: ``propose_tree(context, max_nodes, params, rng) -> Tree | None`` (None = a plain step); one
-            with ``copy_tree(context, max_nodes) -> Tree | None`` (a free copy) is also offered the copy on steps
-            the policy does not ask it to draft (``Policy.copy_nodes`` sizes it).
+        proposer: a ``Drafter`` with ``propose_tree(context, max_nodes, params, rng) -> Tree | None`` (None = a
+            plain step); on steps the policy does not ask it to draft, its ``copy_tree`` (a free copy, or None)
+            is offered instead (``Policy.copy_nodes`` sizes it).
         context: the whole sequence so far; extended in place with every emitted token.
         max_nodes: drafted nodes per step at most.
         policy: sizes each proposed tree (``Policy.tree_nodes``: a prefix of a best-first tree, 0 = a plain
@@ -326,7 +328,7 @@ def tree_steps(target: Backend, proposer, context: list[int], params: SamplingPa
         t0 = time.perf_counter()
         budget = max_nodes if policy is None else min(max_nodes, policy.tree_budget())
         tree = proposer.propose_tree(context, budget, params, rng) if proposer is not None and budget > 0 else None
-        copy_only = tree is None and policy is not None and hasattr(proposer, "copy_tree")
+        copy_only = tree is None and policy is not None and proposer is not None
         if copy_only:  # not worth asking the drafter: a free copy may still be (``Policy.copy_nodes``)
             tree = proposer.copy_tree(context, max_nodes)
         if tree is None:
