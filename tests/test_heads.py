@@ -203,6 +203,16 @@ def test_a_copy_is_cut_before_what_a_constraint_forbids():
         def restore(self, mark):
             self.pos = mark
 
+        def valid_prefix(self, toks):  # Constraint's contract: accepted leading tokens, nothing consumed
+            n = 0
+            for t in toks:
+                if not self.allowed()[t]:
+                    break
+                n += 1
+                if t in self.eos_ids:
+                    break
+            return n
+
     ctx = [1, 2, 3, 4, 9, 5, 1, 2, 3]
     assert copy_guess(NgramDrafter(), ctx, 3, 2) == [4, 9, 5]
     c = Walk()

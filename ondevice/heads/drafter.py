@@ -59,25 +59,12 @@ def seconds_per_token(hs: Heads, reps: int = 15) -> float:
 def copy_guess(ngram: NgramDrafter, context: Sequence[int], gamma: int, copy_min: int, constraint=None) -> list[int]:
     """The prompt-lookup copy of up to ``gamma`` tokens after ``context`` when its match agrees for at least
     ``copy_min`` tokens, else []. Under a ``constraint`` the copy is cut before the first token it forbids
-    (and after an end of generation); the matcher is left where it started."""
+    (``Constraint.valid_prefix``: nothing after an end of generation; nothing consumed)."""
     guess, _ = ngram.propose(context, gamma, _GREEDY, None)
     if not guess or ngram.last_match_len < copy_min:
         return []
-    if constraint is None:
-        return [int(t) for t in guess]
-    out: list[int] = []
-    mark = constraint.checkpoint()
-    try:
-        for t in guess:
-            if not constraint.allowed()[t]:
-                break
-            out.append(int(t))
-            if t in constraint.eos_ids:
-                break
-            constraint.advance([t])
-    finally:
-        constraint.restore(mark)
-    return out
+    guess = [int(t) for t in guess]
+    return guess if constraint is None else guess[: constraint.valid_prefix(guess)]
 
 
 _GREEDY = SamplingParams(temperature=0.0)
@@ -235,27 +222,27 @@ class HeadsDrafter(Drafter):
         ``ondevice.tree.Tree`` of point masses (deterministic, distinct siblings: exact at any temperature)
         with ``scores``; None when there is no hidden row to draft from. A copy (``copy_guess``, up to
         ``max_nodes`` long) joins the heads' nodes as one more branch (``merge_copy``)."""
-        copy = copy_guess(self.copies, context, max_nodes, self.copy_min) if self.copy_min and max_nodes > 0 else []
-        self.copied = bool(copy)
         h = self.target.hidden(len(context) - 2) if max_nodes > 0 and len(context) >= 2 else None
-        if h is None and not copy:
-            return None
+        if h is None:
+            return self.copy_tree(context, max_nodes)
         x = int(self._rows(context[-1:])[0])
-        rows, parents, scores = best_first(self.heads, h, x, max_nodes, self.branch) if h is not None else ([], [], [])
-        tokens = [int(self.heads.vocab[r]) for r in rows]
-        if copy:
-            hint = self.copies.hint
-            tokens, parents, scores = merge_copy(tokens, parents, scores, copy, _PRIORS.alphas(hint, len(copy)), max_nodes)
-        return Tree([int(context[-1]), *tokens], [-1, *parents], scores=[1.0, *scores])
+        rows, parents, scores = best_first(self.heads, h, x, max_nodes, self.branch)
+        return self._with_copy(context, [int(self.heads.vocab[r]) for r in rows], parents, scores, max_nodes)
 
     def copy_tree(self, context: Sequence[int], max_nodes: int):
         """The copy alone (``copy_guess``) as a scored chain ``Tree``, or None: no head step, so the runtime
         may offer it on steps the policy does not ask the heads to draft (``tree_steps``)."""
+        tree = self._with_copy(context, [], [], [], max_nodes)
+        return tree if len(tree) > 1 else None
+
+    def _with_copy(self, context: Sequence[int], tokens: list[int], parents: list[int], scores: list[float],
+                   max_nodes: int) -> Tree:
+        """The tree of these drafted nodes (``best_first``'s layout) with the copy, if any, grafted on (``merge_copy``)."""
         copy = copy_guess(self.copies, context, max_nodes, self.copy_min) if self.copy_min and max_nodes > 0 else []
         self.copied = bool(copy)
-        if not copy:
-            return None
-        tokens, parents, scores = merge_copy([], [], [], copy, _PRIORS.alphas(self.copies.hint, len(copy)), max_nodes)
+        if copy:
+            alphas = _PRIORS.alphas(self.copies.hint, len(copy))
+            tokens, parents, scores = merge_copy(tokens, parents, scores, copy, alphas, max_nodes)
         return Tree([int(context[-1]), *tokens], [-1, *parents], scores=[1.0, *scores])
 
     def seconds_per_token(self, reps: int = 15) -> float:
