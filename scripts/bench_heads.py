@@ -133,7 +133,7 @@ def main() -> None:
                                   for n in a.tree_nodes},
                                "oracle_chain": fit.offline_tau(np.full(len(flat.H), a.gamma), flat),
                                "ngram": ngram_tau(sub, a.gamma),
-                               "draft_vocab_coverage": round(float(np.mean(inv[ans[ans < len(inv)]] >= 0)), 4)}
+                               "draft_vocab_coverage": round(float(np.mean(np.isin(ans, heads.vocab))), 4)}
     res["head_cost"] = head_cost(path, (heads, meta), recs)
     if a.live:
         h = data.load_prompts()["heldout"]

@@ -57,7 +57,7 @@ def tensors(rs):
     pos = np.concatenate([np.arange(len(r.hidden)) for r in rs])
     t_ids, t_pr = fit.teacher(heads, f.H)
     tok = inv[f.tok]
-    tok[tok < 0] = len(heads.vocab)  # the zero row
+    tok[tok < 0] = len(heads.emb)  # the zero row (after the input-only rows)
     nx = inv[f.nxt]
     tp = t_pr[:, :8] / t_pr[:, :8].sum(1, keepdims=True)
     return dict(f=f, H=f.H, E=EMBN[tok], nxt=nx, left=f.left, pos=pos, tid=t_ids[:, :8], tpr=tp, N=len(f.H))
@@ -192,7 +192,7 @@ for k in range(K):
 
 N = Tho["N"]
 hits = np.zeros(N, np.int64)
-nxt_c = np.where(Tho["nxt"] < 0, len(heads.vocab), Tho["nxt"])
+nxt_c = np.where(Tho["nxt"] < 0, len(heads.emb), Tho["nxt"])
 for s in range(0, N, 512):
     a = np.arange(s, min(s + 512, N))
     h = Tho["H"][a]

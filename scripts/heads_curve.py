@@ -66,7 +66,7 @@ def main() -> None:
                 **{f"tree_{t}": fit.offline_tau(fit.tree_hits(heads, flat, inv, int(t)), flat)["tau"]
                    for t in a.tree_nodes.split(",")},
                 "ngram": ngram_tau(sub, heads.K)["tau"],
-                "draft_vocab_coverage": round(float(np.mean(inv[ans[ans < len(inv)]] >= 0)), 4)}
+                "draft_vocab_coverage": round(float(np.mean(np.isin(ans, heads.vocab))), 4)}
         points.append(row)
         print(row, flush=True)
         emit_json({"model": path.name, "vocab": a.vocab, "rank": a.rank, "epochs": a.epochs, "K": heads.K,

@@ -31,7 +31,8 @@ def trained(tiny_gguf, tmp_path_factory):
         mp.setenv("ONDEVICE_HOME", str(home))
         target = tiny_gguf("llama")
         t0 = time.perf_counter()
-        r = train_heads(target, tokens=2000, epochs=8, K=3, rank=64, vocab=512, max_new=64, threads=1, n_ctx=512, quiet=True)
+        # a draft vocabulary below the target's 512 ids: the rest are input-only rows (embedded, never drafted)
+        r = train_heads(target, tokens=2000, epochs=8, K=3, rank=64, vocab=384, max_new=64, threads=1, n_ctx=512, quiet=True)
         r["test_seconds"] = time.perf_counter() - t0
         yield target, Path(r["path"]), r, home
 
@@ -52,6 +53,34 @@ def test_train_heads_end_to_end(trained, home):
     assert meta["target_sha256"] == store.target_sha256(target) and meta["K"] == 3 and meta["architecture"] == "llama"
     assert meta["training_tokens"] > 1000 and meta["seed"] == 0 and meta["tau_heldout_greedy_chain"]["tau"] >= 1.0
     assert store.find(target) == path
+    heads, meta = store.load(path, target)
+    assert meta["draft_vocab_size"] == 384 and meta["input_vocab_size"] == 512 == len(heads.emb)
+    assert len(np.intersect1d(heads.vocab, heads.extra)) == 0 and heads.emb.dtype == np.float16
+    inv = heads.index(512)
+    assert (inv >= 0).all() and (np.sort(inv) == np.arange(512)).all()
+    e = heads.embed(inv[heads.extra[:4]])  # an input-only id is seen, as its own embedding row
+    assert e.dtype == np.float32 and np.abs(e).sum(axis=1).min() > 0
+
+
+def test_input_only_ids_are_never_drafted(trained, home):
+    """A pending input-only id is read through its own embedding row (the drafts depend on it), and drafts come
+    from the draft vocabulary alone: sampled drafts and their q lie inside it."""
+    target, path, _, _ = trained
+    with ondevice.load(target, draft="heads", threads=1) as rt:
+        d = rt.drafter
+        d.copy_min = 0  # the heads alone
+        hs = d.heads
+        h = np.random.default_rng(3).standard_normal(hs.d).astype(np.float32) / hs.s_h
+        d.target.hidden = lambda pos: h
+        inside = np.zeros(512, bool)
+        inside[hs.vocab] = True
+        params = sampling.SamplingParams(temperature=1.5)
+        for x in (int(hs.extra[0]), int(hs.extra[-1]), int(hs.vocab[7])):
+            for seed in range(20):
+                toks, q = d.propose([1, 2, x], 3, params, np.random.default_rng(seed))
+                assert len(toks) == 3 and inside[toks].all() and (q[:, ~inside] == 0).all()
+        step = [hs.draft_logits(hs.step(0, h[None], hs.embed(np.array([r])))[0])[0] for r in (int(d.inv[hs.extra[0]]), -1)]
+        assert not np.allclose(*step)  # the input-only row is not read as "unknown"
 
 
 def test_heads_file_found_by_a_new_process(trained, home):

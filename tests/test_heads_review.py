@@ -455,7 +455,7 @@ def test_rounds_of_own_prompts_append_in_order_and_free_the_last_rounds_records(
     with pytest.raises(Stop):
         train.train_heads(target, **{**SMALL, "tokens": n0 + 5, "max_new": 2})  # 2 own prompts a round: 3 rounds
     assert [r for r, _, _ in rounds] == [0, 1, 2] and len(calls) == 3
-    assert [c for _, _, c in rounds] == ["selfprompts-0.json", "selfprompts-0-1.json", "selfprompts-0-2.json"]
+    assert [c for _, _, c in rounds] == ["selfprompts-0.json", "selfprompts-0-style1.json", "selfprompts-0-style2.json"]
     assert rounds[2][1] == ["round 0 prompt 0", "round 0 prompt 1", "round 1 prompt 0", "round 1 prompt 1"]
     assert all(calls[i + 1][: len(calls[i])] == calls[i] and len(calls[i + 1]) == len(calls[i]) + 2 for i in range(2))
 
@@ -488,3 +488,103 @@ def test_a_corrupt_shortlist_in_a_heads_file_is_one_line(tmp_path, monkeypatch):
         with pytest.raises(OndeviceError) as e:
             store.load(p, tmp_path / "model.gguf", 2048)
         assert str(p) in str(e.value) and "\n" not in str(e.value) and "train-heads" in str(e.value)
+
+
+def test_a_corrupt_input_vocabulary_in_a_heads_file_is_one_line(tmp_path, monkeypatch):
+    """Input-only ids that repeat a draft id, lie outside the target's vocabulary, or do not match the embedding
+    rows: refused in one line naming the file; a good file with them loads and maps each id to its row."""
+    import json as _json
+
+    from safetensors import safe_open
+    from safetensors.numpy import load_file, save_file
+
+    from ondevice.heads.model import Heads
+
+    rng = np.random.default_rng(2)
+    out = rng.standard_normal((64, 16)).astype(np.float32)
+    emb = rng.standard_normal((96, 16)).astype(np.float32)
+    hs = Heads.init(np.arange(64), out, emb, K=1, rank=4, s_h=1.0, s_e=1.0, seed=0, extra=np.arange(100, 132))
+    monkeypatch.setattr(store, "target_sha256", lambda model: "0" * 64)
+    good = store.save(tmp_path / "g.heads.safetensors", hs, {"target_sha256": "0" * 64})
+    back, meta = store.load(good, tmp_path / "model.gguf", 200)
+    assert meta["input_vocab_size"] == 96 and back.index(200)[120] == 84 and back.index(200)[80] == -1
+    assert np.array_equal(back.embed(np.array([84])), emb[84:85].astype(np.float16).astype(np.float32))
+    with safe_open(str(good), "np") as f:
+        meta = _json.loads(f.metadata()["ondevice.heads"])
+    t = load_file(str(good))
+    cases = [dict(t, extra=np.arange(60, 92)), dict(t, extra=np.arange(300, 332)), dict(t, extra=np.arange(100, 120)),
+             dict(t, extra=t["extra"].reshape(4, 8))]
+    for i, tensors in enumerate(cases):
+        p = tmp_path / f"bad{i}.heads.safetensors"
+        save_file(tensors, str(p), metadata={"ondevice.heads": _json.dumps(meta)})
+        with pytest.raises(OndeviceError) as e:
+            store.load(p, tmp_path / "model.gguf", 200)
+        assert str(p) in str(e.value) and "\n" not in str(e.value) and "train-heads" in str(e.value)
+
+
+def test_a_corrupt_extra_dtype_or_emb_range_in_a_heads_file_is_one_line_without_warnings(tmp_path, monkeypatch):
+    """Non-integer input-only ids (not silently truncated), an emb beyond float16 (no numpy cast warning on the
+    way to the refusal), and a huge id with no vocab_size given (the header's target_vocab_size bounds it, rather
+    than ``Heads.index`` allocating terabytes): each refused in one line."""
+    import json as _json
+    import warnings
+
+    from safetensors import safe_open
+    from safetensors.numpy import load_file, save_file
+
+    from ondevice.heads.model import Heads
+
+    rng = np.random.default_rng(2)
+    out = rng.standard_normal((64, 16)).astype(np.float32)
+    emb = rng.standard_normal((96, 16)).astype(np.float32)
+    hs = Heads.init(np.arange(64), out, emb, K=1, rank=4, s_h=1.0, s_e=1.0, seed=0, extra=np.arange(100, 132))
+    monkeypatch.setattr(store, "target_sha256", lambda model: "0" * 64)
+    good = store.save(tmp_path / "g.heads.safetensors", hs, {"target_sha256": "0" * 64, "target_vocab_size": 200})
+    with safe_open(str(good), "np") as f:
+        meta = _json.loads(f.metadata()["ondevice.heads"])
+    t = load_file(str(good))
+    big = t["emb"].astype(np.float32)
+    big[3, 2] = 1e6
+    cases = [dict(t, extra=t["extra"] + 0.5), dict(t, extra=np.full(32, np.nan)), dict(t, emb=big),
+             dict(t, extra=t["extra"] + 2**40)]
+    for i, tensors in enumerate(cases):
+        p = tmp_path / f"bad{i}.heads.safetensors"
+        save_file(tensors, str(p), metadata={"ondevice.heads": _json.dumps(meta)})
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with pytest.raises(OndeviceError) as e:
+                store.load(p, tmp_path / "model.gguf")
+        assert str(p) in str(e.value) and "\n" not in str(e.value) and "train-heads" in str(e.value)
+
+
+def test_later_rounds_of_own_prompts_ask_the_other_styles(monkeypatch):
+    """Round 0 asks each topic twice in the first style (as earlier versions did, so their caches still hold);
+    round r ≥ 1 asks each topic once in every other style of its class, with generator keys of its own."""
+    from ondevice.heads import selfprompts
+
+    asked: dict[int, tuple[list[str], list[int]]] = {}
+
+    class Rt:
+        def render_chat(self, messages):
+            texts.append(messages[0]["content"])
+            return [len(texts)]
+
+    def fake_generate(backend, prompts, *, keys, **kw):
+        asked[rnd] = (list(texts), list(keys))
+
+    monkeypatch.setattr(selfprompts, "generate_many", fake_generate)
+    topics = selfprompts.load_prompts()["topics"]
+    for rnd in (0, 1, 2):
+        texts: list[str] = []
+        assert selfprompts.write_prompts(Rt(), None, round=rnd) == []  # nothing answered: nothing kept
+    want0 = [selfprompts.ASK[c][0].format(topic=t) for _ in range(2) for c in sorted(topics) for t in topics[c]]
+    assert asked[0][0] == want0
+    styles = {c: set(v[1:]) for c, v in selfprompts.ASK.items()}
+    n1 = sum(len(styles[c]) * len(topics[c]) for c in topics)
+    assert len(asked[1][0]) == n1 and asked[1][0] == asked[2][0] and len(set(asked[1][0])) == n1
+    assert not set(asked[1][0]) & set(want0)
+    for c in topics:
+        for s in styles[c]:
+            assert all(s.format(topic=t) in asked[1][0] for t in topics[c])
+    keys = [k for r in (0, 1, 2) for k in asked[r][1]]
+    assert len(set(keys)) == len(keys)  # every request of every round draws from a generator of its own

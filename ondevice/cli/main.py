@@ -186,7 +186,8 @@ def info_cmd(
     h = info.get("heads")
     if h and "error" not in h:
         tau = h.get("tau_heldout_greedy_chain")
-        info["heads"] = (f"K={h['K']}, {h['draft_vocab_size']}-token draft vocabulary, {h['training_tokens']} training tokens"
+        info["heads"] = (f"K={h['K']}, {h['draft_vocab_size']}-token draft vocabulary ({h['input_vocab_size']} read), "
+                         f"{h['training_tokens']} training tokens"
                          f"{f', held-out τ {tau:.2f}' if tau else ''} ({h['path']})")
     elif h:
         info["heads"] = h["error"]

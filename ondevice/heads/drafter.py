@@ -148,7 +148,8 @@ class HeadsDrafter(Drafter):
         return cls(target, heads, meta)
 
     def _rows(self, ids: Sequence[int]) -> np.ndarray:
-        """Target ids → draft rows (−1 outside the draft vocabulary)."""
+        """Target ids → input rows (−1 outside the input vocabulary; rows below Vd are the draft rows, and
+        the repetition penalty ignores the others)."""
         a = np.asarray(ids, np.int64)
         out = np.full(len(a), -1, np.int64)
         ok = (a >= 0) & (a < len(self.inv))

@@ -82,7 +82,7 @@ def fit_head(
     Args:
         src: [N, d] ĥ_{t+k} inputs per anchor row (the true H for k = 0).
         t_ids, t_pr: the teacher at every row; the target of anchor a is row a + k + 1.
-        inv: target id → draft row (−1 outside the draft vocabulary).
+        inv: target id → input row (``Heads.index``; −1 outside the input vocabulary).
         train_rows, val_rows: anchors (each has at least k + 1 rows after it).
         state: a checkpoint of this head's fit to resume (from ``on_epoch``).
         on_epoch: called with the state after every epoch (checkpoint, progress).

@@ -23,7 +23,7 @@ def grow_trees(heads: Heads, H: np.ndarray, x: np.ndarray, max_nodes: int, branc
 
     Args:
         H: [B, d] the target's hidden state at the last cached position of each row.
-        x: [B] the pending token's draft row (−1 outside the draft vocabulary).
+        x: [B] the pending token's input row (``Heads.index``: may be ≥ Vd, only embedded; −1 outside).
         max_nodes: drafted nodes per tree (at most).
     Returns:
         (draft rows [B, n], parents [B, n] (0 = the root, node j + 1 is column j), scores [B, n]), n =

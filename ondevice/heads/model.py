@@ -6,8 +6,9 @@ post-norm hidden state at position t (the row whose logits chose x_{t+1}). Head 
     ĥ_{t+k} = ĥ_{t+k-1} + W2_k · silu(W1_k · [ĥ_{t+k-1} · s_h ; e(x_{t+k}) · s_e] + b1_k),   ĥ_t = h_t
 
 and drafts x_{t+k+1} from ``out · ĥ_{t+k}``, where ``out`` holds the target's own LM-head rows for a draft
-vocabulary (the most frequent tokens) and e(·) its token embedding rows (zero for ids outside that
-vocabulary). Head k is thus trained to predict the target's next hidden state from the previous one
+vocabulary (the most frequent tokens) and e(·) its token embedding rows for a larger input vocabulary
+(the draft vocabulary, then ``extra`` ids: a pending token the heads cannot draft is still seen; zero for
+ids outside both). Head k is thus trained to predict the target's next hidden state from the previous one
 and the token just drafted (Medusa heads fed the pending token, as Hydra / EAGLE do, without
 attention). Each head has its own weights; the chain stops after K steps.
 
@@ -41,11 +42,13 @@ class Heads:
     Attributes:
         vocab: [Vd] int64 target ids of the draft vocabulary (row i of ``out`` / ``emb`` is id vocab[i]).
         out: [Vd, d] float32 rows of the target's LM head for those ids.
-        emb: [Vd, d] float32 rows of the target's token embedding for those ids.
+        emb: [Vd + len(extra), d] float16 rows of the target's token embedding for ``vocab`` then ``extra``
+            (the input vocabulary: row i < Vd is draft row i).
         w1, b1, w2: per head k: [r, 2d], [r], [d, r] float32.
         s_h, s_e: input scales (1 / RMS of hidden states and of embedding rows in the training data).
         short_a, short_b: [Vd, r'] and [r', d] float32, a rank-r' factorization of ``out`` (its top singular
             directions) that picks the shortlist ``draft_logits`` scores exactly; None: every row scored.
+        extra: [Ve] int64 target ids embedded but never drafted (rows Vd.. of ``emb``).
     """
 
     vocab: np.ndarray
@@ -59,6 +62,11 @@ class Heads:
     short_a: np.ndarray | None = None
     short_b: np.ndarray | None = None
     shortlist: int = SHORTLIST
+    extra: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        self.extra = np.zeros(0, np.int64) if self.extra is None else np.asarray(self.extra, np.int64)
+        self.emb = np.ascontiguousarray(self.emb, np.float16)
 
     @property
     def K(self) -> int:
@@ -73,28 +81,33 @@ class Heads:
         return int(self.w1[0].shape[0])
 
     @classmethod
-    def init(cls, vocab, out, emb, K: int, rank: int, s_h: float, s_e: float, seed: int) -> Heads:
-        """Fresh heads: W1 small random, W2 zero (each head starts as the identity ĥ_{k} = ĥ_{k-1})."""
+    def init(cls, vocab, out, emb, K: int, rank: int, s_h: float, s_e: float, seed: int, extra=None) -> Heads:
+        """Fresh heads: W1 small random, W2 zero (each head starts as the identity ĥ_{k} = ĥ_{k-1}).
+        ``emb`` holds the rows of ``vocab`` then of ``extra`` (input-only ids)."""
         rng = np.random.default_rng(seed)
         d = out.shape[1]
         w1 = [(rng.standard_normal((rank, 2 * d)) / np.sqrt(2 * d)).astype(np.float32) for _ in range(K)]
         return cls(np.asarray(vocab, np.int64), np.ascontiguousarray(out, np.float32),
-                   np.ascontiguousarray(emb, np.float32), w1, [np.zeros(rank, np.float32) for _ in range(K)],
-                   [np.zeros((d, rank), np.float32) for _ in range(K)], float(s_h), float(s_e))
+                   emb, w1, [np.zeros(rank, np.float32) for _ in range(K)],
+                   [np.zeros((d, rank), np.float32) for _ in range(K)], float(s_h), float(s_e), extra=extra)
+
+    @property
+    def vocab_in(self) -> np.ndarray:
+        """[Vd + Ve] target ids of the input vocabulary (the draft vocabulary first, then ``extra``)."""
+        return np.concatenate([self.vocab, self.extra])
 
     def index(self, V: int) -> np.ndarray:
-        """[V] int64: target id → draft-vocabulary row, −1 outside it."""
-        inv = np.full(max(V, int(self.vocab.max()) + 1), -1, np.int64)
-        inv[self.vocab] = np.arange(len(self.vocab))
+        """[V] int64: target id → input row (< Vd: also its draft row), −1 outside the input vocabulary."""
+        ids = self.vocab_in
+        inv = np.full(max(V, int(ids.max()) + 1), -1, np.int64)
+        inv[ids] = np.arange(len(ids))
         return inv
 
     def embed(self, rows: np.ndarray) -> np.ndarray:
-        """Embedding rows for draft-vocabulary rows (−1 → zeros), [N, d]."""
+        """Embedding rows (float32) for input rows (−1 → zeros), [N, d]."""
         rows = np.asarray(rows, np.int64)
-        e = self.emb[np.maximum(rows, 0)]
-        if (rows < 0).any():
-            e = e.copy()
-            e[rows < 0] = 0.0
+        e = self.emb[np.maximum(rows, 0)].astype(np.float32)
+        e[rows < 0] = 0.0
         return e
 
     def step(self, k: int, h: np.ndarray, e: np.ndarray) -> tuple[np.ndarray, tuple]:

@@ -1,7 +1,8 @@
 """The heads file: one safetensors file whose header carries our JSON, kept beside the model in the store.
 
-Layout: tensors ``vocab`` [Vd] int64 (draft vocabulary → target ids), ``out`` / ``emb`` [Vd, d] float16
-(the target's own LM-head and token-embedding rows), and per head k ``w1.k`` [r, 2d], ``b1.k`` [r],
+Layout: tensors ``vocab`` [Vd] int64 (draft vocabulary → target ids), ``out`` [Vd, d] float16 (the target's
+own LM-head rows), ``extra`` [Ve] int64 (ids embedded but never drafted; absent: none), ``emb`` [Vd + Ve, d]
+float16 (the target's token-embedding rows of ``vocab`` then ``extra``), and per head k ``w1.k`` [r, 2d], ``b1.k`` [r],
 ``w2.k`` [d, r] float32, optionally ``short_a`` [Vd, r'] / ``short_b`` [r', d] float32 (the low-rank factors
 of ``out`` that pick the drafting shortlist, ``Heads.draft_logits``); metadata key ``ondevice.heads`` holds JSON: format, version, target sha256,
 file name, architecture, hidden size, K, rank, vocabulary sizes, input scales, training tokens, seed,
@@ -85,12 +86,14 @@ def save(path: str | os.PathLike, heads: Heads, meta: dict) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     t = {"vocab": heads.vocab.astype(np.int64), "out": heads.out.astype(np.float16), "emb": heads.emb.astype(np.float16)}
+    if len(heads.extra):
+        t["extra"] = heads.extra.astype(np.int64)
     for k in range(heads.K):
         t[f"w1.{k}"], t[f"b1.{k}"], t[f"w2.{k}"] = heads.w1[k], heads.b1[k], heads.w2[k]
     if heads.short_a is not None:
         t["short_a"], t["short_b"] = heads.short_a, heads.short_b
     full = {"format": FORMAT, "version": VERSION, **meta, "K": heads.K, "rank": heads.rank, "hidden_size": heads.d,
-            "draft_vocab_size": len(heads.vocab), "s_h": heads.s_h, "s_e": heads.s_e,
+            "draft_vocab_size": len(heads.vocab), "input_vocab_size": len(heads.vocab) + len(heads.extra), "s_h": heads.s_h, "s_e": heads.s_e,
             "shortlist": heads.shortlist if heads.short_a is not None else None}
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
@@ -129,7 +132,8 @@ def load(path: str | os.PathLike, model: str | os.PathLike, vocab_size: int | No
     Args:
         path: the heads file.
         model: the target (GGUF file or MLX directory) the heads will draft for (its sha256 must match the file's).
-        vocab_size: the target's vocabulary size (draft ids must lie below it).
+        vocab_size: the target's vocabulary size (draft and input ids must lie below it; None: the header's
+            ``target_vocab_size`` where it has one).
     Returns:
         (heads, metadata).
     """
@@ -143,29 +147,35 @@ def load(path: str | os.PathLike, model: str | os.PathLike, vocab_size: int | No
                             f"{str(meta.get('target_sha256'))[:12]}…), not {Path(model).name} (sha256 {sha[:12]}…); "
                             f"run `ondevice train-heads {shlex.quote(str(Path(model).resolve()))}` for this one")
     fix = "delete it and run `ondevice train-heads MODEL` again"
+    if vocab_size is None and type(meta.get("target_vocab_size")) is int:
+        vocab_size = meta["target_vocab_size"]  # a huge id must not make ``Heads.index`` allocate terabytes
     try:
         t = load_file(str(path))
         K, d = int(meta["K"]), int(meta["hidden_size"])
-        heads = Heads(t["vocab"].astype(np.int64), t["out"].astype(np.float32), t["emb"].astype(np.float32),
-                      [t[f"w1.{k}"] for k in range(K)], [t[f"b1.{k}"] for k in range(K)], [t[f"w2.{k}"] for k in range(K)],
-                      float(meta["s_h"]), float(meta["s_e"]))
+        if "extra" in t and t["extra"].dtype.kind not in "iu":
+            raise ValueError(f"extra ids of dtype {t['extra'].dtype}")
+        with np.errstate(over="ignore", invalid="ignore"):  # an emb beyond float16 is refused below, not warned about
+            heads = Heads(t["vocab"].astype(np.int64), t["out"].astype(np.float32), t["emb"],
+                          [t[f"w1.{k}"] for k in range(K)], [t[f"b1.{k}"] for k in range(K)], [t[f"w2.{k}"] for k in range(K)],
+                          float(meta["s_h"]), float(meta["s_e"]), extra=t.get("extra"))
         if "short_a" in t:
             heads.short_a, heads.short_b = t["short_a"], t["short_b"]
             heads.shortlist = int(meta["shortlist"])
+        ids = heads.vocab_in  # fails on an ``extra`` that is not a list of ids
     except OndeviceError:
         raise
     except Exception as e:
         raise OndeviceError(f"{path}: corrupt heads file ({type(e).__name__}: {str(e)[:80]}); {fix}") from None
     Vd, r = len(heads.vocab), heads.rank
-    shapes_ok = heads.out.shape == heads.emb.shape == (Vd, d) and all(
+    shapes_ok = heads.out.shape == (Vd, d) and heads.emb.shape == (len(ids), d) and heads.extra.ndim == 1 and all(
         w1.shape == (r, 2 * d) and b1.shape == (r,) and w2.shape == (d, r) for w1, b1, w2 in zip(heads.w1, heads.b1, heads.w2, strict=False))
     if heads.short_a is not None:
         ra = heads.short_a.shape[1] if heads.short_a.ndim == 2 else -1
         shapes_ok = shapes_ok and heads.short_a.shape == (Vd, ra) and heads.short_b.shape == (ra, d) and 0 < heads.shortlist <= Vd
     shorts = () if heads.short_a is None else (heads.short_a, heads.short_b)
     finite = all(np.isfinite(w).all() for w in (heads.out, heads.emb, *heads.w1, *heads.b1, *heads.w2, *shorts))
-    in_vocab = Vd > 0 and heads.vocab.min() >= 0 and (vocab_size is None or heads.vocab.max() < vocab_size)
-    if not (shapes_ok and finite and in_vocab and len(np.unique(heads.vocab)) == Vd):
+    in_vocab = Vd > 0 and ids.min() >= 0 and (vocab_size is None or ids.max() < vocab_size)
+    if not (shapes_ok and finite and in_vocab and len(np.unique(ids)) == len(ids)):
         raise OndeviceError(f"{path}: corrupt heads file (shapes, ids or values do not match its header); {fix}")
     return heads, meta
 
@@ -191,6 +201,7 @@ def summary(model: str | os.PathLike) -> dict | None:
         return {"path": str(p), "error": f"{p}: heads made for another model ({m.get('target_file')}); delete it and run "
                                          f"`ondevice train-heads {shlex.quote(str(Path(model).resolve()))}` for this one"}
     tau = (m.get("tau_heldout_greedy_chain") or {}).get("tau")
-    return {"path": str(p), "K": m.get("K"), "draft_vocab_size": m.get("draft_vocab_size"), "rank": m.get("rank"),
+    return {"path": str(p), "K": m.get("K"), "draft_vocab_size": m.get("draft_vocab_size"),
+            "input_vocab_size": m.get("input_vocab_size", m.get("draft_vocab_size")), "rank": m.get("rank"),
             "training_tokens": m.get("training_tokens"), "tau_heldout_greedy_chain": tau,
             "record_seconds": m.get("record_seconds"), "fit_seconds": m.get("fit_seconds")}

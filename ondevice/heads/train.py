@@ -27,8 +27,8 @@ from ondevice.errors import OndeviceError
 from ondevice.heads import batch, data, fit, selfprompts, store
 from ondevice.heads.model import Heads
 
-DEFAULTS = dict(K=3, rank=256, vocab=4096, epochs=8, max_new=192)
-MAX_ROUNDS = 16  # sets of self-written prompts at most (each: every topic of prompts.json, twice)
+DEFAULTS = dict(K=3, rank=256, vocab=4096, vocab_in=32768, epochs=8, max_new=192)
+MAX_ROUNDS = 16  # sets of self-written prompts at most (each: every topic of prompts.json, twice or once per style)
 
 
 def target_rows(gguf_path: Path, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, str]:
@@ -169,6 +169,7 @@ def train_heads(
     K: int = DEFAULTS["K"],
     rank: int = DEFAULTS["rank"],
     vocab: int = DEFAULTS["vocab"],
+    vocab_in: int = DEFAULTS["vocab_in"],
     epochs: int = DEFAULTS["epochs"],
     max_new: int = DEFAULTS["max_new"],
     threads: int | None = None,
@@ -186,6 +187,8 @@ def train_heads(
         out: folder for the heads file (default: beside the model in the store, see ``store.default_path``).
         seed: seeds the split, the initial weights and the batch order.
         K, rank, vocab: heads (chain length), hidden width of each head, draft vocabulary size.
+        vocab_in: input vocabulary size (≥ vocab): ids whose embedding the heads read when they are the
+            pending token, though never drafted (chosen like the draft vocabulary; each costs d float16s).
         epochs: passes over the data per head (the best epoch on held-out answers is kept).
         max_new: most tokens per recorded answer.
         threads, n_ctx: for the target while recording.
@@ -232,7 +235,9 @@ def train_heads(
                 for rnd in range(MAX_ROUNDS + 1):
                     # the shipped prompts first; then, while the budget is not reached, rounds of the target's own
                     if rnd or tokens > len(prompts) * max_new // 2:
-                        name = f"selfprompts-{seed}.json" if rnd == 0 else f"selfprompts-{seed}-{rnd}.json"
+                        # rounds after the first ask other styles (``selfprompts.ASK``): named apart from the
+                        # resampled rounds earlier versions wrote, so those are not read as these
+                        name = f"selfprompts-{seed}.json" if rnd == 0 else f"selfprompts-{seed}-style{rnd}.json"
                         more = _self_prompts(rt, batch_be, work / name, seed, bar, round=rnd, avoid=own)
                         own += [t for _, t in more]
                         rendered += [(c, rt.render_chat([{"role": "user", "content": t}])) for c, t in more]
@@ -263,11 +268,15 @@ def train_heads(
             val_recs = [r for i, r in enumerate(records) if i in val_set]
             train_recs += extra  # extra text trains, never judges (held-out answers are the target's own)
             vocab_ids = choose_vocab(train_recs, V, vocab)
-            out_rows, emb_rows, arch = rt.target.output_rows(vocab_ids) if mlx else target_rows(path, vocab_ids)
+            in_only = np.setdiff1d(choose_vocab(train_recs, V, vocab_in), vocab_ids) if vocab_in > vocab else np.zeros(0, np.int64)
+            ids = np.concatenate([vocab_ids, in_only])
+            out_rows, emb_rows, arch = rt.target.output_rows(ids) if mlx else target_rows(path, ids)
+            out_rows = out_rows[: len(vocab_ids)].copy()  # not a view: it would keep all Vd + Ve rows alive (tied: emb's)
         flat_tr, flat_va = fit.Flat.of(train_recs), fit.Flat.of(val_recs or train_recs[:1])
         s_h = float(1.0 / np.sqrt(np.mean(flat_tr.H.astype(np.float64) ** 2)))
-        s_e = float(1.0 / np.sqrt(np.mean(emb_rows.astype(np.float64) ** 2)))
-        heads = Heads.init(vocab_ids, out_rows, emb_rows, K, rank, s_h, s_e, seed)
+        s_e = float(1.0 / np.sqrt(np.mean(emb_rows[: len(vocab_ids)].astype(np.float64) ** 2)))
+        heads = Heads.init(vocab_ids, out_rows, emb_rows, K, rank, s_h, s_e, seed, extra=in_only)
+        del emb_rows
         inv = heads.index(V)
         cfg = fit.FitConfig(epochs=epochs, seed=seed)
         # one flat table: training rows first, then held-out rows (anchors never cross records)
@@ -277,7 +286,8 @@ def train_heads(
         n_tr = len(flat_tr.H)
         t_ids, t_pr = fit.teacher(heads, flat.H)
         n_text = int(sum(len(r.hidden) for r in extra))
-        key = hashlib.sha256(json.dumps([sha, n_tok, n_text, seed, K, rank, vocab, epochs, max_new]).encode()).hexdigest()[:12]
+        key = hashlib.sha256(json.dumps([sha, n_tok, n_text, seed, K, rank, vocab, epochs, max_new]
+                                        + ([vocab_in] if len(in_only) else [])).encode()).hexdigest()[:12]
         ckpt = work / f"fit-{key}.npz"
         done, state = 0, None
         if ckpt.is_file():  # resume: finished heads' weights, and the running head's optimiser state
