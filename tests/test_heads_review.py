@@ -460,101 +460,87 @@ def test_rounds_of_own_prompts_append_in_order_and_free_the_last_rounds_records(
     assert all(calls[i + 1][: len(calls[i])] == calls[i] and len(calls[i + 1]) == len(calls[i]) + 2 for i in range(2))
 
 
-def test_a_corrupt_shortlist_in_a_heads_file_is_one_line(tmp_path, monkeypatch):
-    """Shortlist factors of the wrong shape, with a NaN, or a shortlist size that is not a positive count up to
-    the draft vocabulary: refused in one line naming the file (the heads file is untrusted input)."""
+def _saved_heads(tmp_path, monkeypatch, hs, **meta) -> tuple:
+    """``hs`` saved as a heads file for a stand-in model: (path, its header JSON, its tensors)."""
     import json as _json
 
-    from safetensors.numpy import load_file, save_file
-
-    from ondevice.heads.model import Heads
-
-    rng = np.random.default_rng(1)
-    out = rng.standard_normal((1024, 256)).astype(np.float32)
-    hs = Heads.init(np.arange(1024), out, out, K=1, rank=8, s_h=1.0, s_e=1.0, seed=0).with_shortlist(rank=32, size=64)
-    monkeypatch.setattr(store, "target_sha256", lambda model: "0" * 64)
-    good = store.save(tmp_path / "g.heads.safetensors", hs, {"target_sha256": "0" * 64})
     from safetensors import safe_open
+    from safetensors.numpy import load_file
 
+    monkeypatch.setattr(store, "target_sha256", lambda model: "0" * 64)
+    good = store.save(tmp_path / "g.heads.safetensors", hs, {"target_sha256": "0" * 64, **meta})
     with safe_open(str(good), "np") as f:
-        meta = _json.loads(f.metadata()["ondevice.heads"])
-    t = load_file(str(good))
-    bad_b = dict(t, short_b=t["short_b"][:, :10])
-    nan_a = dict(t, short_a=np.where(np.arange(t["short_a"].size).reshape(t["short_a"].shape) == 5, np.nan, t["short_a"]).astype(np.float32))
-    for i, (tensors, m) in enumerate([(bad_b, meta), (nan_a, meta), (t, {**meta, "shortlist": -1}),
-                                      (t, {**meta, "shortlist": 5000}), (t, {**meta, "shortlist": "many"})]):
+        header = _json.loads(f.metadata()["ondevice.heads"])
+    return good, header, load_file(str(good))
+
+
+def _assert_each_refused_in_one_line(tmp_path, cases, vocab_size=None) -> None:
+    """Each (tensors, header) written as a heads file is refused by ``store.load`` in one line naming the file and
+    the fix, with no warning printed on the way."""
+    import json as _json
+    import warnings
+
+    from safetensors.numpy import save_file
+
+    for i, (tensors, header) in enumerate(cases):
         p = tmp_path / f"bad{i}.heads.safetensors"
-        save_file(tensors, str(p), metadata={"ondevice.heads": _json.dumps(m)})
-        with pytest.raises(OndeviceError) as e:
-            store.load(p, tmp_path / "model.gguf", 2048)
+        save_file(tensors, str(p), metadata={"ondevice.heads": _json.dumps(header)})
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with pytest.raises(OndeviceError) as e:
+                store.load(p, tmp_path / "model.gguf", vocab_size)
         assert str(p) in str(e.value) and "\n" not in str(e.value) and "train-heads" in str(e.value)
 
 
-def test_a_corrupt_input_vocabulary_in_a_heads_file_is_one_line(tmp_path, monkeypatch):
-    """Input-only ids that repeat a draft id, lie outside the target's vocabulary, or do not match the embedding
-    rows: refused in one line naming the file; a good file with them loads and maps each id to its row."""
-    import json as _json
-
-    from safetensors import safe_open
-    from safetensors.numpy import load_file, save_file
-
+def _heads_with_input_only_rows():
+    """Tiny heads: 64 draft ids, then 32 input-only ids (100..131); and the embedding rows they were given."""
     from ondevice.heads.model import Heads
 
     rng = np.random.default_rng(2)
     out = rng.standard_normal((64, 16)).astype(np.float32)
     emb = rng.standard_normal((96, 16)).astype(np.float32)
-    hs = Heads.init(np.arange(64), out, emb, K=1, rank=4, s_h=1.0, s_e=1.0, seed=0, extra=np.arange(100, 132))
-    monkeypatch.setattr(store, "target_sha256", lambda model: "0" * 64)
-    good = store.save(tmp_path / "g.heads.safetensors", hs, {"target_sha256": "0" * 64})
-    back, meta = store.load(good, tmp_path / "model.gguf", 200)
-    assert meta["input_vocab_size"] == 96 and back.index(200)[120] == 84 and back.index(200)[80] == -1
+    return Heads.init(np.arange(64), out, emb, K=1, rank=4, s_h=1.0, s_e=1.0, seed=0, extra=np.arange(100, 132)), emb
+
+
+def test_a_corrupt_shortlist_in_a_heads_file_is_one_line(tmp_path, monkeypatch):
+    """Shortlist factors of the wrong shape, with a NaN, or a shortlist size that is not a positive count up to
+    the draft vocabulary: refused in one line naming the file (the heads file is untrusted input)."""
+    from ondevice.heads.model import Heads
+
+    rng = np.random.default_rng(1)
+    out = rng.standard_normal((1024, 256)).astype(np.float32)
+    hs = Heads.init(np.arange(1024), out, out, K=1, rank=8, s_h=1.0, s_e=1.0, seed=0).with_shortlist(rank=32, size=64)
+    _, meta, t = _saved_heads(tmp_path, monkeypatch, hs)
+    bad_b = dict(t, short_b=t["short_b"][:, :10])
+    nan_a = dict(t, short_a=np.where(np.arange(t["short_a"].size).reshape(t["short_a"].shape) == 5, np.nan, t["short_a"]).astype(np.float32))
+    _assert_each_refused_in_one_line(tmp_path, [(bad_b, meta), (nan_a, meta), (t, {**meta, "shortlist": -1}),
+                                                (t, {**meta, "shortlist": 5000}), (t, {**meta, "shortlist": "many"})], 2048)
+
+
+def test_a_corrupt_input_vocabulary_in_a_heads_file_is_one_line(tmp_path, monkeypatch):
+    """Input-only ids that repeat a draft id, lie outside the target's vocabulary, or do not match the embedding
+    rows: refused in one line naming the file; a good file with them loads and maps each id to its row."""
+    hs, emb = _heads_with_input_only_rows()
+    good, meta, t = _saved_heads(tmp_path, monkeypatch, hs)
+    back, header = store.load(good, tmp_path / "model.gguf", 200)
+    assert header["input_vocab_size"] == 96 and back.index(200)[120] == 84 and back.index(200)[80] == -1
     assert np.array_equal(back.embed(np.array([84])), emb[84:85].astype(np.float16).astype(np.float32))
-    with safe_open(str(good), "np") as f:
-        meta = _json.loads(f.metadata()["ondevice.heads"])
-    t = load_file(str(good))
     cases = [dict(t, extra=np.arange(60, 92)), dict(t, extra=np.arange(300, 332)), dict(t, extra=np.arange(100, 120)),
              dict(t, extra=t["extra"].reshape(4, 8))]
-    for i, tensors in enumerate(cases):
-        p = tmp_path / f"bad{i}.heads.safetensors"
-        save_file(tensors, str(p), metadata={"ondevice.heads": _json.dumps(meta)})
-        with pytest.raises(OndeviceError) as e:
-            store.load(p, tmp_path / "model.gguf", 200)
-        assert str(p) in str(e.value) and "\n" not in str(e.value) and "train-heads" in str(e.value)
+    _assert_each_refused_in_one_line(tmp_path, [(c, meta) for c in cases], 200)
 
 
 def test_a_corrupt_extra_dtype_or_emb_range_in_a_heads_file_is_one_line_without_warnings(tmp_path, monkeypatch):
     """Non-integer input-only ids (not silently truncated), an emb beyond float16 (no numpy cast warning on the
     way to the refusal), and a huge id with no vocab_size given (the header's target_vocab_size bounds it, rather
     than ``Heads.index`` allocating terabytes): each refused in one line."""
-    import json as _json
-    import warnings
-
-    from safetensors import safe_open
-    from safetensors.numpy import load_file, save_file
-
-    from ondevice.heads.model import Heads
-
-    rng = np.random.default_rng(2)
-    out = rng.standard_normal((64, 16)).astype(np.float32)
-    emb = rng.standard_normal((96, 16)).astype(np.float32)
-    hs = Heads.init(np.arange(64), out, emb, K=1, rank=4, s_h=1.0, s_e=1.0, seed=0, extra=np.arange(100, 132))
-    monkeypatch.setattr(store, "target_sha256", lambda model: "0" * 64)
-    good = store.save(tmp_path / "g.heads.safetensors", hs, {"target_sha256": "0" * 64, "target_vocab_size": 200})
-    with safe_open(str(good), "np") as f:
-        meta = _json.loads(f.metadata()["ondevice.heads"])
-    t = load_file(str(good))
+    hs, _ = _heads_with_input_only_rows()
+    _, meta, t = _saved_heads(tmp_path, monkeypatch, hs, target_vocab_size=200)
     big = t["emb"].astype(np.float32)
     big[3, 2] = 1e6
     cases = [dict(t, extra=t["extra"] + 0.5), dict(t, extra=np.full(32, np.nan)), dict(t, emb=big),
              dict(t, extra=t["extra"] + 2**40)]
-    for i, tensors in enumerate(cases):
-        p = tmp_path / f"bad{i}.heads.safetensors"
-        save_file(tensors, str(p), metadata={"ondevice.heads": _json.dumps(meta)})
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
-            with pytest.raises(OndeviceError) as e:
-                store.load(p, tmp_path / "model.gguf")
-        assert str(p) in str(e.value) and "\n" not in str(e.value) and "train-heads" in str(e.value)
+    _assert_each_refused_in_one_line(tmp_path, [(c, meta) for c in cases])
 
 
 def test_later_rounds_of_own_prompts_ask_the_other_styles(monkeypatch):
