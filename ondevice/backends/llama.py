@@ -294,6 +294,7 @@ class LlamaBackend(LlamaTree, Backend):
         return rows[0] if len(rows) == 1 else np.concatenate(rows)
 
     def rollback(self, n_past: int) -> None:
+        self._drop_unkept_tree()  # Ctrl-C between eval_tree and the end of keep_path: back to the context alone
         cur = self.n_past
         if n_past > cur or n_past < 0:
             raise ValueError(f"cannot roll back to {n_past}: cache holds {cur} positions")

@@ -18,6 +18,8 @@ class LlamaTree:
     """``eval_tree`` / ``keep_path`` on a ``LlamaBackend`` context created with ``n_seq_max = TREE_SEQS`` and
     ``kv_unified = True`` (uses its ``_lib``, ``_ctx``, ``_mem``, ``n_batch``, ``n_seq_max``, ``n_past``)."""
 
+    _tree_base: int | None = None  # n_past before the last eval_tree until its keep_path has finished
+
     def tree_unsupported(self) -> str | None:
         return None if self.kv_unified else "a context with one KV buffer per sequence (kv_unified=False)"
 
@@ -56,6 +58,7 @@ class LlamaTree:
             while i >= 0:
                 seqs[i].append(j)
                 i = parents[i]
+        self._tree_base = base  # until keep_path has finished (``_drop_unkept_tree``)
         for s in range(1, len(leaves)):
             lib.llama_memory_seq_rm(self._mem, s, -1, -1)  # nothing left over from an interrupted tree
             lib.llama_memory_seq_cp(self._mem, 0, s, -1, -1)
@@ -106,9 +109,22 @@ class LlamaTree:
             lib.llama_memory_seq_rm(mem, s, -1, -1)
         if path != list(range(len(path))):
             self._compact(base)
+        self._tree_base = None
         if self.n_past != base + len(path) or lib.llama_memory_seq_pos_min(mem, 0) > (0 if base + len(path) else -1):
             raise OndeviceError(f"{self.path.name}: keeping a tree path left the cache at {self.n_past} positions, "
                                 f"not {base + len(path)}")
+
+    def _drop_unkept_tree(self) -> None:
+        """Leave sequence 0 holding the context before the last tree when that tree's ``keep_path`` never finished
+        (Ctrl-C while the tree was verified, or inside ``keep_path``): the cells of its other branches (or of the
+        copy ``_compact`` makes) would stay taken, the next tokens would go into cells after them and later ones
+        into the holes they leave, out of position order, and the logits would differ (``_compact``)."""
+        base, self._tree_base = self._tree_base, None
+        if base is None:
+            return
+        self._tree = self._tree_hidden = None
+        self._lib.llama_memory_seq_keep(self._mem, 0)
+        self._lib.llama_memory_seq_rm(self._mem, 0, base, -1)
 
     def eval_seqs(self, items: Sequence[tuple[int, int, int]], hidden: bool = False,
                   outputs: Sequence[bool] | None = None) -> tuple[np.ndarray, np.ndarray | None]:
