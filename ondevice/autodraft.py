@@ -114,7 +114,7 @@ def heads_row(target) -> dict | None:
         return None
     row = {"name": "heads", "path": str(path), "format": "heads", "ok": False}
     try:
-        meta = store.read_meta(path)
+        meta = store.read_meta(path, target.path)
         tau = (meta.get("tau_heldout_greedy_chain") or {}).get("tau")
         if not tau:
             row["reason"] = "no held-out τ recorded in the heads file"

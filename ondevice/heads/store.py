@@ -107,8 +107,14 @@ def save(path: str | os.PathLike, heads: Heads, meta: dict) -> Path:
     return path
 
 
-def read_meta(path: str | os.PathLike) -> dict:
-    """The JSON of a heads file (header only). Raises a one-line ``OndeviceError`` on a corrupt file."""
+def _retrain(model: str | os.PathLike | None) -> str:
+    """The command that writes heads for ``model`` again (MODEL when unknown), quoted to run from anywhere."""
+    return f"ondevice train-heads {shlex.quote(str(Path(model).resolve())) if model is not None else 'MODEL'}"
+
+
+def read_meta(path: str | os.PathLike, model: str | os.PathLike | None = None) -> dict:
+    """The JSON of a heads file (header only). Raises a one-line ``OndeviceError`` on a corrupt file (naming
+    ``model``, the target the file was looked up for, in the fix when given)."""
     from safetensors import safe_open
 
     path = Path(path)
@@ -120,9 +126,9 @@ def read_meta(path: str | os.PathLike) -> dict:
             meta = json.loads((f.metadata() or {})["ondevice.heads"])
     except Exception as e:
         raise OndeviceError(f"{path}: not a readable heads file ({type(e).__name__}: {str(e)[:80]}); delete it and "
-                            "run `ondevice train-heads MODEL` again") from None
+                            f"run `{_retrain(model)}` again") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("version") != VERSION:
-        raise OndeviceError(f"{path}: not an ondevice heads file of version {VERSION}; delete it and run `ondevice train-heads MODEL` again")
+        raise OndeviceError(f"{path}: not an ondevice heads file of version {VERSION}; delete it and run `{_retrain(model)}` again")
     return meta
 
 
@@ -140,13 +146,13 @@ def load(path: str | os.PathLike, model: str | os.PathLike, vocab_size: int | No
     from safetensors.numpy import load_file
 
     path = Path(path)
-    meta = read_meta(path)
+    meta = read_meta(path, model)
     sha = target_sha256(model)
     if meta.get("target_sha256") != sha:
         raise OndeviceError(f"{path}: heads made for another model ({meta.get('target_file')}, sha256 "
                             f"{str(meta.get('target_sha256'))[:12]}…), not {Path(model).name} (sha256 {sha[:12]}…); "
-                            f"run `ondevice train-heads {shlex.quote(str(Path(model).resolve()))}` for this one")
-    fix = "delete it and run `ondevice train-heads MODEL` again"
+                            f"run `{_retrain(model)}` for this one")
+    fix = f"delete it and run `{_retrain(model)}` again"
     if vocab_size is None and type(meta.get("target_vocab_size")) is int:
         vocab_size = meta["target_vocab_size"]  # a huge id must not make ``Heads.index`` allocate terabytes
     try:
@@ -194,7 +200,7 @@ def summary(model: str | os.PathLike) -> dict | None:
     if p is None:
         return None
     try:
-        m = read_meta(p)
+        m = read_meta(p, model)
     except OndeviceError as e:
         return {"path": str(p), "error": str(e)}
     if m.get("target_sha256") != target_sha256(model):  # what `--draft heads` would refuse
