@@ -143,3 +143,43 @@ def test_a_truncated_heads_file_is_one_line_naming_the_model_to_train_again(head
                           env=env, timeout=120)
     assert info.returncode == 0 and fix in info.stdout, info.stdout + info.stderr
     assert stored.read_bytes() == good.read_bytes()[:5000]  # nothing written over it
+
+
+def test_rounds_of_own_prompts_stop_at_the_first_round_that_keeps_none(tiny_gguf, tmp_path, monkeypatch):
+    """A target that writes no usable request (the tiny one writes noise) is asked one round in the other styles,
+    not MAX_ROUNDS of them (each round asks hundreds of requests: minutes spent keeping nothing)."""
+    rounds: list[int] = []
+
+    def none_kept(rt, backend, cache, seed, bar, round=0, avoid=None):
+        rounds.append(round)
+        return []
+
+    monkeypatch.setenv("ONDEVICE_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(train, "_self_prompts", none_kept)
+    r = train.train_heads(tiny_gguf("llama"), tokens=10**6, max_new=8, rank=16, epochs=1, vocab=128, threads=1,
+                          n_ctx=512, slots=8, quiet=True)
+    assert rounds == [0, 1] and 0 < r["training_tokens"] < 10**6
+
+
+def test_ctrl_c_in_train_heads_says_how_to_resume(tiny_gguf, tmp_path):
+    """SIGINT while `ondevice train-heads` records: exit 130, one line saying what is kept and how to resume
+    (it exited without a word), no traceback."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    env = {**os.environ, "ONDEVICE_HOME": str(tmp_path / "home"), "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    proc = subprocess.Popen([sys.executable, "-m", "ondevice", "train-heads", str(tiny_gguf("llama")), "--tokens", "1000000",
+                             "--threads", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    records = tmp_path / "home" / "heads" / "work"
+    t0 = time.monotonic()
+    while not list(records.glob("*/.lock")) and time.monotonic() - t0 < 120:  # the run has begun
+        time.sleep(0.2)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    lines = [ln for ln in err.splitlines() if ln.strip() and "━" not in ln and "recording" not in ln]
+    assert proc.returncode == 130 and "Traceback" not in err, err
+    assert lines and lines[-1].startswith("stopped:") and "resume" in lines[-1], err

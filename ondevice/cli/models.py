@@ -119,7 +119,12 @@ def train_heads_cmd(
     """Train heads on the target's own hidden states (self-distillation) for `--draft heads`; resumable."""
     from ondevice.heads.train import train_heads
 
-    r = train_heads(model, tokens=tokens, out=out, seed=seed, threads=threads, quiet=json_out)
+    try:
+        r = train_heads(model, tokens=tokens, out=out, seed=seed, threads=threads, quiet=json_out)
+    except KeyboardInterrupt:
+        typer.echo("stopped: the answers recorded and the fit's last epoch are kept; run the same command to resume",
+                   err=True)
+        raise typer.Exit(130) from None
     if json_out:
         return _dump(r)
     tau = (r["tau_heldout_greedy_chain"] or {}).get("tau")

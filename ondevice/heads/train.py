@@ -239,6 +239,8 @@ def train_heads(
                         # resampled rounds earlier versions wrote, so those are not read as these
                         name = f"selfprompts-{seed}.json" if rnd == 0 else f"selfprompts-{seed}-style{rnd}.json"
                         more = _self_prompts(rt, batch_be, work / name, seed, bar, round=rnd, avoid=own)
+                        if rnd and not more:  # a round kept none of its requests: later ones would not either
+                            break
                         own += [t for _, t in more]
                         rendered += [(c, rt.render_chat([{"role": "user", "content": t}])) for c, t in more]
                     records = []  # the last round's records go first: this round reads them all again
