@@ -1,3 +1,3 @@
-from ondevice.cli.main import main
+from ondevice.cli import run
 
-main()
+run()

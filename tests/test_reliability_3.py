@@ -309,3 +309,22 @@ def test_coreml_progress_shows_life_during_the_long_step(tiny_hf, tmp_path, monk
     convert(tiny_hf["llama"], to="coreml", out=tmp_path / "c", context=128, compress="int4", progress=False)
     kinds = {type(c).__name__ for c in columns}
     assert {"SpinnerColumn", "TimeElapsedColumn"} <= kinds, kinds
+
+
+def test_ctrl_c_while_the_cli_imports_exits_quietly():
+    """Ctrl-C in the first tenth of a second of `ondevice ...` lands while typer / rich import: exit 130 and no
+    traceback (as a Ctrl-C during the command), through the console script's entry point and `python -m`."""
+    import tomllib
+
+    root = Path(__file__).resolve().parent.parent
+    entry = tomllib.loads((root / "pyproject.toml").read_text())["project"]["scripts"]["ondevice"]
+    module, func = entry.split(":")
+    interrupt = ("import builtins\nreal = builtins.__import__\n"
+                 "def imp(name, *a, **kw):\n"
+                 "    if name == 'typer':\n        raise KeyboardInterrupt\n"
+                 "    return real(name, *a, **kw)\n"
+                 "builtins.__import__ = imp\n")
+    for call in (f"import {module}; {module}.{func}()", "import runpy; runpy.run_module('ondevice', run_name='__main__')"):
+        p = subprocess.run([sys.executable, "-c", interrupt + call, "--help"], capture_output=True, text=True,
+                           cwd=root, timeout=60)
+        assert p.returncode == 130 and p.stderr == "" and p.stdout == "", (call, p.returncode, p.stderr)
