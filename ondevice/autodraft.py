@@ -201,12 +201,14 @@ def choose_draft(target, *, n_ctx: int, threads: int | None = None, device: str 
             return None, choice
     measured = [r for r in rows if "expected_speedup" in r]
     choice["seconds"] = round(time.perf_counter() - t0, 3)  # judging + timing (cached after the first time)
+    # stored heads that could not be used (a corrupt file, one for another model) are named, not passed over silently
+    unusable = f"; the heads stored for this model were not used: {heads['reason']}" if heads and not heads["ok"] else ""
     if best is not None:
         backend, row = best
         choice.update(drafter="model", draft=row["name"], path=row["path"], expected_speedup=row["expected_speedup"],
                       reason=f"{row['name']}: same vocabulary, {row['size_ratio']:.2f} of the target's size, draft "
                              f"cost {row['draft_cost_ratio']:.2f} of a target pass; expected {best_speedup:.2f}× "
-                             f"plain at acceptance {ASSUMED_ACCEPTANCE} (best of {len(measured)} measured)")
+                             f"plain at acceptance {ASSUMED_ACCEPTANCE} (best of {len(measured)} measured){unusable}")
         return backend, choice
     if measured:
         top = max(measured, key=lambda r: r["expected_speedup"])
@@ -219,4 +221,5 @@ def choose_draft(target, *, n_ctx: int, threads: int | None = None, device: str 
         n = len(rows)
         choice["reason"] = (f"no compatible, much smaller model among the {n} other local model{'s' * (n != 1)} "
                             "(HF cache, LM Studio, Ollama); n-gram drafting")
+    choice["reason"] += unusable
     return None, choice

@@ -116,7 +116,8 @@ def test_rollback_after_an_unkept_tree_leaves_the_cache_a_chain_would(tiny_gguf,
 def test_a_truncated_heads_file_is_one_line_naming_the_model_to_train_again(heads_home, tmp_path):
     """A heads file cut short (a copy or download that stopped), stored beside the model or passed as --draft:
     `ondevice generate` prints one line naming the file and the command that writes it again for this model
-    (it said `ondevice train-heads MODEL`), and `ondevice info` shows the same line as the heads' status."""
+    (it said `ondevice train-heads MODEL`), `ondevice info` shows the same line as the heads' status, and
+    `--draft auto` drafts without them and says so (it passed over them without a word)."""
     import os
     import shlex
     import subprocess
@@ -142,6 +143,11 @@ def test_a_truncated_heads_file_is_one_line_naming_the_model_to_train_again(head
     info = subprocess.run([sys.executable, "-m", "ondevice", "info", str(target), "--json"], capture_output=True, text=True,
                           env=env, timeout=120)
     assert info.returncode == 0 and fix in info.stdout, info.stdout + info.stderr
+    auto = subprocess.run([sys.executable, "-m", "ondevice", "generate", str(target), "--draft", "auto", "-p", "hi",
+                           "--max-tokens", "4", "--threads", "1"], capture_output=True, text=True, env=env, timeout=120)
+    said = [ln for ln in auto.stderr.splitlines() if ln.startswith("draft:")]
+    assert auto.returncode == 0 and len(said) == 1, auto.stderr  # auto drafts without them, and says why
+    assert "heads stored for this model were not used" in said[0] and str(stored) in said[0], said
     assert stored.read_bytes() == good.read_bytes()[:5000]  # nothing written over it
 
 
