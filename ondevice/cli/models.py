@@ -110,7 +110,7 @@ def convert_cmd(
 @command("train-heads")
 def train_heads_cmd(
     model: Annotated[str, typer.Argument(help="Target: a GGUF file, an MLX model directory or a catalog name.")],
-    tokens: Annotated[int, typer.Option("--tokens", min=100, help="Answer tokens the target writes to train on.")] = 20000,
+    tokens: Annotated[int, typer.Option("--tokens", min=100, help="Answer tokens the target writes to train on (150k: ~1.5 h for a 1.5B target on a 2-core x86; resumable).")] = 150_000,
     out: Annotated[str | None, typer.Option("--out", help="Folder for the heads file (default: beside the model in the store).")] = None,
     seed: Annotated[int, typer.Option("--seed", min=0, help="Seed of the split, initial weights and batch order.")] = 0,
     threads: ThreadsOpt = None,
