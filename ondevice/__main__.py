@@ -1,3 +1,3 @@
-from ondevice.cli import run
+from ondevice.cli.entry import run
 
 run()

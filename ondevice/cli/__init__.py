@@ -1,12 +1,2 @@
 """The ``ondevice`` command: a thin typer layer over the API (``main``), the chat REPL (``repl``) and the
 local-model commands (``local``)."""
-
-
-def run() -> None:
-    """Console-script entry point: a Ctrl-C while the command's modules import (typer, rich: the first tenth of
-    a second) exits 130 quietly, as one during the command does, instead of printing an import traceback."""
-    try:
-        from ondevice.cli.main import main
-    except KeyboardInterrupt:
-        raise SystemExit(130) from None
-    main()
