@@ -205,7 +205,7 @@ def summary(model: str | os.PathLike) -> dict | None:
         return {"path": str(p), "error": str(e)}
     if m.get("target_sha256") != target_sha256(model):  # what `--draft heads` would refuse
         return {"path": str(p), "error": f"{p}: heads made for another model ({m.get('target_file')}); delete it and run "
-                                         f"`ondevice train-heads {shlex.quote(str(Path(model).resolve()))}` for this one"}
+                                         f"`{_retrain(model)}` for this one"}
     tau = (m.get("tau_heldout_greedy_chain") or {}).get("tau")
     return {"path": str(p), "K": m.get("K"), "draft_vocab_size": m.get("draft_vocab_size"),
             "input_vocab_size": m.get("input_vocab_size", m.get("draft_vocab_size")), "rank": m.get("rank"),
