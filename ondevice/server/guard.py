@@ -12,7 +12,7 @@ import hmac
 
 from starlette.responses import JSONResponse, Response
 
-from ondevice.server.openai_api import ApiError
+from ondevice.server.errors import ApiError
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
