@@ -11,6 +11,8 @@ Origin and the API key before routing). Request bodies are limited to ``driver.M
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -37,18 +39,21 @@ class Server:
         api_key: when set, /v1 routes need ``Authorization: Bearer api_key``.
         max_queue: requests that may wait behind the running one.
         cors_origins: browser origins allowed to call the API ("*" = any).
-        loopback_only: refuse requests whose Host header is not a loopback name.
+        loopback_only: refuse requests whose Host header is not a loopback name (nor in ``allowed_hosts``).
+        allowed_hosts: further Host names to answer (``ondevice.server.guard``).
     """
 
     def __init__(self, runtime, model_id: str, *, api_key: str | None = None, max_queue: int = 16,
-                 cors_origins: list[str] | None = None, loopback_only: bool = True) -> None:
+                 cors_origins: list[str] | None = None, loopback_only: bool = True,
+                 allowed_hosts: Sequence[str] = ()) -> None:
         self.rt = runtime
         self.model_id = model_id
         self.api_key = api_key
         self.engine = Engine(runtime, max_queue)
         app = Starlette(routes=routes(self),
                         exception_handlers={ApiError: _api_error, HTTPException: http_error, Exception: crash})
-        self.asgi = Guard(app, api_key=api_key, cors_origins=list(cors_origins or []), loopback_only=loopback_only)
+        self.asgi = Guard(app, api_key=api_key, cors_origins=list(cors_origins or []), loopback_only=loopback_only,
+                          allowed_hosts=allowed_hosts)
 
     async def __call__(self, scope, receive, send) -> None:
         await self.asgi(scope, receive, send)
