@@ -9,6 +9,7 @@ as tool calls, never as content.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -17,6 +18,9 @@ from ondevice.constrain import grammar_text
 from ondevice.errors import OndeviceError
 from ondevice.params import MAX_TOP_LOGPROBS
 from ondevice.server.errors import ApiError
+
+MAX_SCHEMA_CHARS = 200_000  # JSON of a response_format schema, or of all tools: about 1 s to compile on a laptop
+MAX_TOOLS = 128  # as OpenAI
 
 
 @dataclass
@@ -78,6 +82,7 @@ def response_format_args(body: dict, out: Structured) -> None:
         if not isinstance(js, dict) or not isinstance(js.get("schema", {}), dict):
             raise _bad("response_format", "json_schema needs {'name': ..., 'schema': {...}, 'strict': true}")
         rf = {"type": "json_schema", "json_schema": {**js, "schema": js.get("schema", {})}}
+        _cap_size("response_format", "the schema", rf["json_schema"]["schema"])
     if rf["type"] != "text":
         try:
             grammar_text(rf)  # a bad schema is a 400 naming response_format, before any decoding
@@ -94,6 +99,9 @@ def tool_args(body: dict, chat_template: str | None, out: Structured) -> None:
         if body.get("tool_choice") not in (None, "none", "auto"):
             raise _bad("tool_choice", "needs 'tools'")
         return
+    if isinstance(tools, list) and len(tools) > MAX_TOOLS:
+        raise _bad("tools", f"{len(tools)} tools given; the limit is {MAX_TOOLS} per request")
+    _cap_size("tools", "the list of tools", tools)
     try:
         tools = T.check_tools(tools)
         choice = T.choice_of(body.get("tool_choice"), tools)
@@ -106,6 +114,13 @@ def tool_args(body: dict, chat_template: str | None, out: Structured) -> None:
             if "response_format" in out.run:
                 raise _bad("tool_choice", f"{choice!r} forces a tool call; it cannot be combined with response_format")
             out.run["grammar"] = T.call_grammar(tools, choice, out.tool_format)
+
+
+def _cap_size(param: str, what: str, obj) -> None:
+    n = len(json.dumps(obj, ensure_ascii=False))
+    if n > MAX_SCHEMA_CHARS:
+        raise _bad(param, f"{what} is {n:,} characters of JSON; the limit is {MAX_SCHEMA_CHARS:,} (a grammar is "
+                   "compiled from it for every request): send a smaller one")
 
 
 def no_tool_args(body: dict) -> None:
