@@ -136,6 +136,8 @@ def serve_cmd(
     n_ctx: CtxOpt = DEFAULT_N_CTX,
     max_queue: Annotated[int, typer.Option("--max-queue", min=0, help="Requests that may wait behind the running one (more get 503).")] = 16,
     cors_origin: Annotated[list[str] | None, typer.Option("--cors-origin", help="Allow browser calls from this origin (repeatable; '*' = any).")] = None,
+    read_timeout: Annotated[float | None, typer.Option("--read-timeout", min=0.1, help="Seconds a client may take to send a request (head, then body) [default: 30].")] = None,
+    max_connections: Annotated[int | None, typer.Option("--max-connections", min=1, help="Open connections at most; more get 503 [default: max(64, max-queue + 16)].")] = None,
     threads: ThreadsOpt = None,
     device: DeviceOpt = None,
 ) -> None:
@@ -148,7 +150,8 @@ def serve_cmd(
     with load(model, draft, drafter=_drafter(draft, ngram, no_spec), n_ctx=n_ctx, threads=threads, device=device) as rt:
         model_id = Path(model).name.removesuffix(".gguf") if Path(model).exists() else model
         serve(rt, model_id, host=host, port=port, api_key=api_key, no_auth=no_auth, allowed_hosts=allowed_host or [],
-              max_queue=max_queue, cors_origins=cors_origin, sock=sock)
+              max_queue=max_queue, cors_origins=cors_origin, read_seconds=read_timeout, max_connections=max_connections,
+              sock=sock)
 
 
 @command("check-pair")

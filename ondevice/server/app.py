@@ -17,7 +17,7 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 
-from ondevice.server.driver import MAX_BODY
+from ondevice.server.driver import MAX_BODY, READ_SECONDS
 from ondevice.server.engine import Engine
 from ondevice.server.errors import ApiError, crash, error_response, http_error
 from ondevice.server.guard import Guard
@@ -41,12 +41,14 @@ class Server:
         cors_origins: browser origins allowed to call the API ("*" = any).
         loopback_only: refuse requests whose Host header is not a loopback name (nor in ``allowed_hosts``).
         allowed_hosts: further Host names to answer (``ondevice.server.guard``).
+        read_seconds: the longest a client may take to send its request body (408 after).
     """
 
     def __init__(self, runtime, model_id: str, *, api_key: str | None = None, max_queue: int = 16,
                  cors_origins: list[str] | None = None, loopback_only: bool = True,
-                 allowed_hosts: Sequence[str] = ()) -> None:
+                 allowed_hosts: Sequence[str] = (), read_seconds: float = READ_SECONDS) -> None:
         self.rt = runtime
+        self.read_seconds = read_seconds
         self.model_id = model_id
         self.api_key = api_key
         self.engine = Engine(runtime, max_queue)

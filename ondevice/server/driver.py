@@ -21,19 +21,28 @@ from ondevice.server.errors import ApiError, cut_short, error_response
 from ondevice.server.types import Call, Dialect, Reply
 
 MAX_BODY = 4 << 20  # bytes; a full 32k-token conversation is well under 1 MiB of JSON
+READ_SECONDS = 30.0  # the longest a client may take to send a request (--read-timeout)
 RETRY_AFTER = "1"
 
 
-async def read_body(request: Request) -> dict:
-    """The request's JSON object, at most ``MAX_BODY`` bytes (413 above), valid Unicode (400 otherwise)."""
+async def read_body(request: Request, seconds: float = READ_SECONDS) -> dict:
+    """The request's JSON object, at most ``MAX_BODY`` bytes (413 above), valid Unicode (400 otherwise), sent
+    within ``seconds`` (408 otherwise: a client trickling its body must not hold a connection for ever)."""
     n = request.headers.get("content-length")
     if n is not None and (not n.isdigit() or int(n) > MAX_BODY):
         raise ApiError(413, f"the request body is {n} bytes; the limit is {MAX_BODY}", code="body_too_large")
     data = bytearray()
-    async for part in request.stream():
-        data += part
-        if len(data) > MAX_BODY:
-            raise ApiError(413, f"the request body is over the limit of {MAX_BODY} bytes", code="body_too_large")
+    try:
+        async with asyncio.timeout(seconds):
+            async for part in request.stream():
+                data += part
+                if len(data) > MAX_BODY:
+                    raise ApiError(413, f"the request body is over the limit of {MAX_BODY} bytes",
+                                   code="body_too_large")
+    except TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within {seconds:g} s ({len(data)} bytes came); "
+                       "send it at once (the server's --read-timeout)", code="request_timeout",
+                       headers={"Connection": "close"}) from None
     try:
         body = json.loads(data)
     except (ValueError, UnicodeDecodeError) as e:
@@ -54,15 +63,17 @@ class Driver:
 
     Args:
         engine: the server's scheduler.
+        read_seconds: the longest a client may take to send its request body.
     """
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, read_seconds: float = READ_SECONDS) -> None:
         self.engine = engine
+        self.read_seconds = read_seconds
 
     async def handle(self, request: Request, dialect: Dialect) -> Response:
         """The answer to one request in ``dialect``."""
         try:
-            body = await read_body(request)
+            body = await read_body(request, self.read_seconds)
             call = await asyncio.to_thread(dialect.parse, body)
         except ApiError as e:
             return error_response(e, dialect.error(e))

@@ -2,10 +2,15 @@
 response, ``cut_short`` (an answer that did not end by itself) and the handlers Starlette calls for its own
 errors (404, 405) and for crashes.
 
+Messages name files of the server machine by their base name only (``local_names``): an engine error such as
+"/home/me/models/x.gguf: ..." tells a client "x.gguf: ...", never where the server keeps its files.
 Nothing here knows an API dialect: a dialect writes an ``ApiError`` in its own shape (``Reply.error``).
 """
 
 from __future__ import annotations
+
+import os
+import re
 
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -14,6 +19,20 @@ from starlette.responses import JSONResponse
 from ondevice.speculative import Stats
 
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}  # anything else was cut short
+# an absolute path with at least one folder: POSIX, or a Windows drive
+_PATH = re.compile(r"(?<![\w.~:/\\-])(?:/|[A-Za-z]:\\)(?:[^\s/\\'\"`]+[/\\])+[^\s/\\'\"`,;:)\]]*")
+
+
+def _base_name(m: re.Match) -> str:
+    path = m.group(0)
+    if path.startswith("/") and not os.path.exists("/" + path[1:].split("/", 1)[0]):
+        return path  # not rooted in this machine's file system: a URL path such as /v1/models
+    return re.split(r"[/\\]", path.rstrip("/\\"))[-1] or path
+
+
+def local_names(message: str) -> str:
+    """``message`` with every absolute path of this machine replaced by its base name."""
+    return _PATH.sub(_base_name, message)
 
 
 class ApiError(Exception):
@@ -21,7 +40,7 @@ class ApiError(Exception):
 
     def __init__(self, status: int, message: str, *, code: str | None = None, param: str | None = None,
                  type: str | None = None, headers: dict | None = None) -> None:
-        super().__init__(" ".join(message.split()))
+        super().__init__(local_names(" ".join(message.split())))
         self.status = status
         self.code = code
         self.param = param

@@ -16,8 +16,10 @@ from ondevice.server.openai_api import check_model
 from ondevice.server.types import Dialect
 
 DIALECTS: tuple[type[Dialect], ...] = (Completions, ChatCompletions)
-PAGE_HEADERS = {"Content-Security-Policy": "default-src 'self'; style-src 'unsafe-inline'; script-src 'unsafe-inline'; "
-                "img-src data:", "X-Content-Type-Options": "nosniff"}
+PAGE_HEADERS = {  # no other site may frame the page (clickjacking: a hidden frame clicking Send)
+    "Content-Security-Policy": "default-src 'self'; style-src 'unsafe-inline'; script-src 'unsafe-inline'; "
+                               "img-src data:; frame-ancestors 'none'",
+    "X-Frame-Options": "DENY", "X-Content-Type-Options": "nosniff"}
 
 
 def routes(server) -> list[Route]:
@@ -47,7 +49,7 @@ def routes(server) -> list[Route]:
         check_model(request.path_params["model_id"], server.model_id)
         return JSONResponse(model_obj())
 
-    driver = Driver(server.engine)
+    driver = Driver(server.engine, server.read_seconds)
     return [
         Route("/", page, methods=["GET"]),
         Route("/health", health, methods=["GET"]),

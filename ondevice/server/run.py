@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 from ondevice.errors import OndeviceError
 from ondevice.server.app import Server
+from ondevice.server.driver import READ_SECONDS
 from ondevice.server.guard import LOOPBACK
 
 GRACE_SECONDS = 30  # the longest a signal waits for the pass in progress before connections are dropped
@@ -64,7 +65,8 @@ def open_socket(host: str = "127.0.0.1", port: int = 8080):
 
 def serve(runtime, model_id: str, *, host: str = "127.0.0.1", port: int = 8080, api_key: str | None = None,
           no_auth: bool = False, allowed_hosts: Sequence[str] = (), max_queue: int = 16,
-          cors_origins: list[str] | None = None, log_level: str = "warning", sock=None) -> None:
+          cors_origins: list[str] | None = None, read_seconds: float | None = None,
+          max_connections: int | None = None, log_level: str = "warning", sock=None) -> None:
     """Serve ``runtime`` until Ctrl-C (the caller closes the runtime afterwards).
 
     Args:
@@ -77,11 +79,17 @@ def serve(runtime, model_id: str, *, host: str = "127.0.0.1", port: int = 8080, 
             (``--allowed-host``: a name this machine is reached by, e.g. through a proxy).
         max_queue: requests that may wait behind the running one (more get 503).
         cors_origins: browser origins allowed to call the API from other pages ("*" = any).
+        read_seconds: the longest a client may take to send a request (its head, then its body; default
+            ``driver.READ_SECONDS``).
+        max_connections: open connections at most (more get 503; default ``connections.max_connections``).
         sock: a socket from ``open_socket(host, port)`` (bound here when None).
     """
     import uvicorn
 
+    from ondevice.server import connections
+
     check_exposure(host, api_key, no_auth)
+    read_seconds = read_seconds or READ_SECONDS
     sock = sock or open_socket(host, port)
     port = sock.getsockname()[1]
 
@@ -92,7 +100,7 @@ def serve(runtime, model_id: str, *, host: str = "127.0.0.1", port: int = 8080, 
     if cors_origins and "*" in cors_origins:
         print("warning: --cors-origin '*': any web page you open can call this server", file=sys.stderr)
     app = Server(runtime, model_id, api_key=api_key, max_queue=max_queue, cors_origins=cors_origins,
-                 loopback_only=loopback, allowed_hosts=[host, *allowed_hosts])
+                 loopback_only=loopback, allowed_hosts=[host, *allowed_hosts], read_seconds=read_seconds)
     if runtime.target.chat_template:
         from ondevice import templates
 
@@ -100,7 +108,9 @@ def serve(runtime, model_id: str, *, host: str = "127.0.0.1", port: int = 8080, 
     # On a signal the running job is cancelled at once and ends after the native pass in progress (a long
     # prefill on a busy machine can take seconds); only then is the connection closed. A second Ctrl-C forces.
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=GRACE_SECONDS,
-                            lifespan="off", server_header=False)
+                            lifespan="off", server_header=False,
+                            **connections.uvicorn_options(max_connections or connections.max_connections(max_queue),
+                                                          read_seconds))
 
     class _Uvicorn(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:  # Ctrl-C: end the running generation now, not after a timeout
