@@ -112,3 +112,58 @@ def test_schema_size_and_tool_count_are_capped(server):
         ok = [{**tool, "function": {**tool["function"], "name": f"f{i}"}} for i in range(MAX_TOOLS)]
         r = c.post(url + "/v1/chat/completions", json={"model": model, "messages": msgs, "tools": ok, "max_tokens": 2})
         assert r.status_code == 200, r.text[:300]
+
+
+def test_a_client_leaving_while_its_stream_opens_frees_the_runtime():
+    """Engine.start opens the stream (compiles its grammar) in a worker thread; a client cancelled meanwhile
+    leaves no stream open and no runtime held: the stream is closed once made, and the next request starts."""
+    import asyncio
+
+    from ondevice.params import GenerateRequest
+    from ondevice.server.engine import Engine
+    from ondevice.speculative import Stats
+
+    opened = threading.Event()
+    release = threading.Event()
+
+    class FakeStream:
+        def __init__(self) -> None:
+            self.stats = Stats(stop_reason="eos")
+            self.closed = False
+
+        def __iter__(self):
+            return iter(())
+
+        def close(self) -> None:
+            self.closed = True
+
+        def cancel(self) -> None:
+            pass
+
+    class SlowRuntime:  # Runtime.stream compiling a large grammar
+        streams: list = []
+
+        def stream(self, ids, req):
+            opened.set()
+            assert release.wait(30)
+            self.streams.append(FakeStream())
+            return self.streams[-1]
+
+    async def main() -> None:
+        engine = Engine(SlowRuntime(), max_queue=4)
+        first = asyncio.ensure_future(engine.start([1], GenerateRequest()))
+        while not opened.is_set():
+            await asyncio.sleep(0.01)
+        first.cancel()  # the client left while the grammar compiles
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        assert engine.running == 1  # the thread still runs: the runtime is not free yet
+        release.set()
+        job = await asyncio.wait_for(engine.start([2], GenerateRequest()), 30)
+        assert SlowRuntime.streams[0].closed and len(SlowRuntime.streams) == 2
+        async for _ in job.events():
+            pass
+        await asyncio.wait_for(job.finished.wait(), 30)
+        assert engine.running == 0 and engine.counters.served == 1
+
+    asyncio.run(main())
