@@ -39,7 +39,7 @@ class Server:
         api_key: when set, /v1 routes need ``Authorization: Bearer api_key``.
         max_queue: requests that may wait behind the running one.
         cors_origins: browser origins allowed to call the API ("*" = any).
-        loopback_only: refuse requests whose Host header is not a loopback name (nor in ``allowed_hosts``).
+        loopback_only: answer only loopback names and ``allowed_hosts`` in the Host header (else IP addresses too).
         allowed_hosts: further Host names to answer (``ondevice.server.guard``).
         read_seconds: the longest a client may take to send its request body (408 after).
     """
