@@ -130,21 +130,28 @@ def serve_cmd(
     no_spec: NoSpecOpt = False,
     host: Annotated[str, typer.Option("--host", help="Address to bind; anything but loopback is reachable by others.")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", min=0, max=65535, help="TCP port.")] = 8080,
-    api_key: Annotated[str | None, typer.Option("--api-key", envvar="ONDEVICE_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1.")] = None,
+    api_key: Annotated[str | None, typer.Option("--api-key", envvar="ONDEVICE_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1 (needed off loopback).")] = None,
+    no_auth: Annotated[bool, typer.Option("--no-auth", help="Serve off loopback without --api-key (any web page a browser on the network opens could drive the API).")] = False,
+    allowed_host: Annotated[list[str] | None, typer.Option("--allowed-host", help="Also answer requests whose Host header is NAME (repeatable; against DNS rebinding only loopback names, IP addresses and --host are answered).")] = None,
     n_ctx: CtxOpt = DEFAULT_N_CTX,
     max_queue: Annotated[int, typer.Option("--max-queue", min=0, help="Requests that may wait behind the running one (more get 503).")] = 16,
     cors_origin: Annotated[list[str] | None, typer.Option("--cors-origin", help="Allow browser calls from this origin (repeatable; '*' = any).")] = None,
+    read_timeout: Annotated[float | None, typer.Option("--read-timeout", min=0.1, help="Seconds a client may take to send a request (head, then body) [default: 30].")] = None,
+    max_connections: Annotated[int | None, typer.Option("--max-connections", min=1, help="Open connections at most; more get 503 [default: max(64, max-queue + 16)].")] = None,
     threads: ThreadsOpt = None,
     device: DeviceOpt = None,
 ) -> None:
     """Serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models) and a chat page at /."""
     from ondevice.loader import load
-    from ondevice.server.run import open_socket, serve
+    from ondevice.server.run import check_exposure, open_socket, serve
 
+    check_exposure(host, api_key, no_auth)  # before anything listens
     sock = open_socket(host, port)  # fail fast on a busy port, before the model loads
     with load(model, draft, drafter=_drafter(draft, ngram, no_spec), n_ctx=n_ctx, threads=threads, device=device) as rt:
         model_id = Path(model).name.removesuffix(".gguf") if Path(model).exists() else model
-        serve(rt, model_id, host=host, port=port, api_key=api_key, max_queue=max_queue, cors_origins=cors_origin, sock=sock)
+        serve(rt, model_id, host=host, port=port, api_key=api_key, no_auth=no_auth, allowed_hosts=allowed_host or [],
+              max_queue=max_queue, cors_origins=cors_origin, read_seconds=read_timeout, max_connections=max_connections,
+              sock=sock)
 
 
 @command("check-pair")

@@ -1,2 +1,4 @@
-"""The OpenAI-compatible local server: ``app`` (routes, queue, lifecycle), ``engine`` (requests → runtime),
-``openai_api`` (request/response shapes), ``guard`` (Host/Origin/key checks)."""
+"""The OpenAI-compatible local server: ``app`` (the application), ``routes``, ``driver`` (one request path for
+every dialect), the dialects (``chat_completions``, ``completions``; shared OpenAI fields in ``openai_api`` and
+``structured``), ``types`` (what a dialect is), ``errors``, ``engine`` (requests → runtime), ``guard``
+(Host/Origin/key checks) and ``run`` (the process)."""

@@ -134,7 +134,7 @@ class Engine:
         """Wait for the runtime (FIFO), then start generating ``ids`` with ``Runtime.stream(ids, req)``.
 
         Raises:
-            Busy: ``max_queue`` requests are already waiting.
+            Busy: ``max_queue`` requests are already waiting, or the server is shutting down.
             OndeviceError: the runtime rejected the arguments (nothing was started).
         """
         if self.closing:
@@ -147,15 +147,37 @@ class Engine:
             await self._lock.acquire()
         finally:
             self.waiting -= 1
+        # Runtime.stream compiles the request's grammar (and, the first time, the vocabulary's): seconds for a
+        # large schema, so in a worker thread; the event loop keeps serving other clients meanwhile.
+        made = asyncio.ensure_future(asyncio.to_thread(self._open, ids, req))
         try:
-            if self.closing:
-                raise Busy("the server is shutting down")
-            stream = self.rt.stream(list(ids), req)
-            self.current = Job(self, stream)
+            stream = await asyncio.shield(made)
+        except asyncio.CancelledError:  # the client left: the runtime is free once the thread has finished
+            made.add_done_callback(self._discard)
+            raise
         except BaseException:
             self._lock.release()
             raise
+        try:
+            self.current = Job(self, stream)
+        except BaseException:
+            stream.close()
+            self._lock.release()
+            raise
         return self.current
+
+    def _open(self, ids: Sequence[int], req: GenerateRequest):
+        if self.closing:
+            raise Busy("the server is shutting down")
+        return self.rt.stream(list(ids), req)
+
+    def _discard(self, made: asyncio.Future) -> None:
+        """A stream opened for a client that left: close it (nothing ran), then free the runtime."""
+        try:
+            if not made.cancelled() and made.exception() is None:
+                made.result().close()
+        finally:
+            self._lock.release()
 
     def _release(self, job: Job) -> None:
         """Called on the event loop once the worker has closed ``job``'s stream."""

@@ -1,18 +1,22 @@
 """The server's front door: Host, Origin and API-key checks, and CORS, before any route runs.
 
-On a loopback address only requests whose Host header is a loopback name are answered (a web page
-cannot reach the server through DNS rebinding). A browser request from another origin is refused
-unless that origin was allowed with ``--cors-origin``; allowed origins get CORS headers on every
-answer, errors included. ``--api-key`` makes every ``/v1`` route require ``Authorization: Bearer KEY``.
+Host allow-list against DNS rebinding (a web page whose name an attacker points at this machine's address
+reaches the server with that name as its Host): on a loopback address only loopback names are answered;
+off loopback also IP addresses and the bound address. Names given with ``--allowed-host`` are answered
+either way. A browser request from another origin is refused unless that origin was allowed with
+``--cors-origin``; allowed origins get CORS headers on every answer, errors included. ``--api-key`` makes
+every ``/v1`` route require ``Authorization: Bearer KEY``.
 """
 
 from __future__ import annotations
 
 import hmac
+import ipaddress
+from collections.abc import Sequence
 
 from starlette.responses import JSONResponse, Response
 
-from ondevice.server.openai_api import ApiError
+from ondevice.server.errors import ApiError
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -21,7 +25,16 @@ def _host_name(host_header: str) -> str:
     h = host_header.strip().lower()
     if h.startswith("["):
         return h[1:].split("]", 1)[0]
-    return h.rsplit(":", 1)[0] if h.count(":") == 1 else h
+    return (h.rsplit(":", 1)[0] if h.count(":") == 1 else h).rstrip(".")
+
+
+def _is_address(name: str) -> bool:
+    """An IP literal: a browser sends one only for a page loaded from that address, never after DNS rebinding."""
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
 
 
 class Guard:
@@ -31,14 +44,18 @@ class Guard:
         app: the ASGI application to protect.
         api_key: when set, /v1 routes need ``Authorization: Bearer api_key``.
         cors_origins: browser origins allowed to call the API ("*" = any).
-        loopback_only: refuse requests whose Host header is not a loopback name.
+        loopback_only: answer only loopback names (and ``allowed_hosts``) in the Host header; else also IP
+            addresses.
+        allowed_hosts: further names the Host header may hold (the bound address, ``--allowed-host``).
     """
 
-    def __init__(self, app, *, api_key: str | None, cors_origins: list[str], loopback_only: bool) -> None:
+    def __init__(self, app, *, api_key: str | None, cors_origins: list[str], loopback_only: bool,
+                 allowed_hosts: Sequence[str] = ()) -> None:
         self.app = app
         self.api_key = api_key
         self.cors = list(cors_origins)
         self.loopback_only = loopback_only
+        self.hosts = {*LOOPBACK, *(_host_name(h) for h in allowed_hosts)}
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http":
@@ -59,10 +76,15 @@ class Guard:
 
     def _guard(self, scope, headers: dict, origin: str | None) -> None:
         host = _host_name(headers.get("host", ""))
-        if self.loopback_only and host not in LOOPBACK:
-            raise ApiError(403, f"Host header {headers.get('host', '')!r} is not a loopback name; this server "
-                           "only answers http://127.0.0.1 or http://localhost (use --host to serve elsewhere)",
-                           code="forbidden_host")
+        if host not in self.hosts and (self.loopback_only or not _is_address(host)):
+            given = headers.get("host", "")
+            if self.loopback_only and self.hosts == set(LOOPBACK):
+                raise ApiError(403, f"Host header {given!r} is not a loopback name; this server only answers "
+                               "http://127.0.0.1 or http://localhost (use --host to serve elsewhere, or "
+                               f"--allowed-host {host or 'NAME'} to answer this name)", code="forbidden_host")
+            raise ApiError(403, f"Host header {given!r} is not a name this server answers (a web page may be "
+                           f"trying DNS rebinding); start the server with --allowed-host {host or 'NAME'} to "
+                           "answer it", code="forbidden_host")
         if origin and not self._origin_allowed(origin, headers.get("host", "")):
             raise ApiError(403, f"requests from the web origin {origin!r} are not allowed; start the server "
                            f"with --cors-origin {origin} to allow it", code="forbidden_origin")

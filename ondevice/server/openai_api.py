@@ -1,7 +1,10 @@
-"""The OpenAI wire format: request validation → runtime arguments, and stats → response objects.
+"""The OpenAI family's shared request fields and response envelope, used by every OpenAI dialect
+(``chat_completions``, ``completions``; later ``responses``).
 
-Nothing here touches HTTP or threads; ``ondevice.server.app`` does. Every rejected request raises
-``ApiError`` with the status, OpenAI ``type`` and ``code``, and a one-line message naming the field.
+Request side: ``check_model``, ``stream_args``, ``generation_args`` (sampling, limits, stop, γ),
+``chat_messages``; every rejected request raises ``ApiError`` with the status, OpenAI ``type`` and ``code``,
+and a one-line message naming the field. Response side: ``usage``, ``timings`` and ``OpenAIReply``, the
+envelope (id, object, created, model) of whole answers and stream chunks. Nothing here touches HTTP or threads.
 """
 
 from __future__ import annotations
@@ -10,30 +13,43 @@ import dataclasses
 import math
 import time
 import uuid
-from typing import Any
+from typing import Any, ClassVar
 
 from ondevice.errors import OndeviceError
 from ondevice.params import DEFAULT_GAMMA, GenerateRequest, gamma_value
+from ondevice.server.errors import FINISH, ApiError
+from ondevice.server.types import Reply
 from ondevice.speculative import Stats
 
-FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}  # anything else was cut short
+__all__ = ["ApiError", "FINISH", "OpenAIReply", "chat_messages", "check_context", "check_model", "generation_args",
+           "stream_args", "timings", "usage"]
+
 MAX_STOPS = 16
 
 
-class ApiError(Exception):
-    """An error answered in OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``."""
+def check_model(name: Any, model_id: str) -> None:
+    """Refuse a ``model`` this server does not serve (404 naming the served one)."""
+    if name != model_id:
+        raise ApiError(404, f"the model {name!r} is not served here; this server serves {model_id!r} "
+                       "(see GET /v1/models)", param="model", code="model_not_found")
 
-    def __init__(self, status: int, message: str, *, code: str | None = None, param: str | None = None,
-                 type: str | None = None, headers: dict | None = None) -> None:
-        super().__init__(" ".join(message.split()))
-        self.status = status
-        self.code = code
-        self.param = param
-        self.type = type or ("invalid_request_error" if status < 500 else "server_error")
-        self.headers = headers or {}
 
-    def body(self) -> dict:
-        return {"error": {"message": str(self), "type": self.type, "param": self.param, "code": self.code}}
+def stream_args(body: dict, model_id: str) -> tuple[bool, bool]:
+    """The fields every OpenAI generation request starts with: ``model`` (required, the served one),
+    ``stream`` and ``stream_options.include_usage``.
+
+    Returns:
+        (stream, with_usage).
+    """
+    if body.get("model") is None:
+        raise ApiError(400, f"'model' is required; this server serves {model_id!r}", param="model",
+                       code="missing_required_parameter")
+    check_model(body.get("model"), model_id)
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise ApiError(400, "'stream' must be true or false", param="stream")
+    opts = body.get("stream_options") or {}
+    return stream, bool(isinstance(opts, dict) and opts.get("include_usage"))
 
 
 def _bad(param: str, rule: str) -> ApiError:
@@ -126,37 +142,11 @@ def chat_messages(body: dict) -> list[dict]:
         raise ApiError(400, str(e), param="messages", code=code) from None
 
 
-def completion_prompt(body: dict) -> str | list[int]:
-    """``prompt`` of /v1/completions: a string or token ids (a batch of one is accepted)."""
-    p = body.get("prompt")
-    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str | list):
-        p = p[0]
-    if isinstance(p, str):
-        return p
-    if isinstance(p, list) and p and all(isinstance(x, int) and not isinstance(x, bool) for x in p):
-        return p
-    if isinstance(p, list) and len(p) > 1 and all(isinstance(x, str | list) for x in p):
-        raise ApiError(400, f"'prompt': batches are not supported (got {len(p)} prompts); send one per request",
-                       param="prompt", code="unsupported_value")
-    raise ApiError(400, "'prompt' must be a string or a list of token ids", param="prompt", code="invalid_value")
-
-
 def check_context(n_prompt: int, n_ctx: int) -> None:
     if n_prompt >= n_ctx:
         raise ApiError(400, f"the prompt is {n_prompt} tokens but the context is {n_ctx} (--n-ctx); "
                        "shorten the prompt or restart the server with a larger --n-ctx", param="messages",
                        code="context_length_exceeded")
-
-
-def cut_short(s: Stats) -> ApiError | None:
-    """The error to answer instead of a finish_reason when generation did not end by itself (stop string, EOS,
-    token limit, full context) but was cut (the server shutting down, a failure): OpenAI clients must not store
-    a truncated answer as complete."""
-    if s.stop_reason in FINISH:
-        return None
-    why = "the server is shutting down" if s.stop_reason == "cancelled" else f"it ended by {s.stop_reason or 'error'}"
-    return ApiError(503, f"the answer was cut short after {s.tokens} tokens: {why}; retry the request",
-                    code="generation_interrupted")
 
 
 def timings(s: Stats) -> dict:
@@ -181,54 +171,48 @@ def usage(s: Stats) -> dict:
             "prompt_tokens_details": {"cached_tokens": s.prompt_tokens - s.prompt_eval_tokens}}
 
 
-class Reply:
-    """Builds the response objects of one request (chat or text completion, whole or streamed)."""
+class OpenAIReply(Reply):
+    """The envelope of an OpenAI answer: whole (``object``) or streamed chunks (``chunk_object``) ending with
+    ``data: [DONE]``; a subclass writes the choices.
 
-    def __init__(self, chat: bool, model: str) -> None:
-        self.chat = chat
+    Args:
+        model: the served model's name.
+        with_usage: streamed: every chunk carries ``usage: null`` and a last chunk holds the usage.
+    """
+
+    prefix: ClassVar[str]  # of the answer's id
+    object: ClassVar[str]
+    chunk_object: ClassVar[str]
+    done = b"data: [DONE]\n\n"
+
+    def __init__(self, model: str, with_usage: bool = False) -> None:
         self.model = model
-        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        self.with_usage = with_usage
+        self.id = self.prefix + uuid.uuid4().hex[:24]
         self.created = int(time.time())
 
     def _base(self, chunk: bool) -> dict:
-        obj = ("chat.completion" if self.chat else "text_completion") + (".chunk" if chunk and self.chat else "")
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "system_fingerprint": None}
+        return {"id": self.id, "object": self.chunk_object if chunk else self.object, "created": self.created,
+                "model": self.model, "system_fingerprint": None}
 
-    def _choice(self, text: str | None, finish: str | None, chunk: bool, role: bool = False, logprobs: dict | None = None,
-                tool_calls: list | None = None) -> dict:
-        if not self.chat:
-            return {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
-        if chunk:
-            delta = {"role": "assistant", "content": text or ""} if role else ({"content": text} if text else {})
-            if tool_calls:
-                delta["tool_calls"] = tool_calls
-            return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-        msg = {"role": "assistant", "content": text, "refusal": None, **({"tool_calls": tool_calls} if tool_calls else {})}
-        return {"index": 0, "message": msg, "logprobs": logprobs, "finish_reason": finish}
+    def answer(self, choice: dict, s: Stats) -> dict:
+        """The whole answer around its one ``choice``."""
+        return {**self._base(False), "choices": [choice], "usage": usage(s), "timings": timings(s),
+                "ondevice": dataclasses.asdict(s)}
 
-    def whole(self, text: str | None, s: Stats, logprobs: dict | None = None, tool_calls: list | None = None) -> dict:
-        finish = "tool_calls" if tool_calls else FINISH.get(s.stop_reason, "stop")
-        return {**self._base(False), "choices": [self._choice(text, finish, False, logprobs=logprobs, tool_calls=tool_calls)],
-                "usage": usage(s), "timings": timings(s), "ondevice": dataclasses.asdict(s)}
+    def head(self, choice: dict) -> dict:
+        """A streamed chunk without generated text (a chat stream's opening role)."""
+        return {**self._base(True), "choices": [choice], **({"usage": None} if self.with_usage else {})}
 
-    def first(self, with_usage: bool) -> dict | None:
-        """The chat stream's opening chunk (role only); None for text completions."""
-        if not self.chat:
-            return None
-        return {**self._base(True), "choices": [self._choice("", None, True, role=True)],
-                **({"usage": None} if with_usage else {})}
-
-    def piece(self, text: str, from_draft: list[bool], drafted: int, accepted: int, with_usage: bool,
-              logprobs: dict | None = None, tool_calls: list | None = None) -> dict:
-        return {**self._base(True), "choices": [self._choice(text, None, True, logprobs=logprobs, tool_calls=tool_calls)],
-                **({"usage": None} if with_usage else {}),
+    def chunk(self, choice: dict, from_draft: list[bool], drafted: int, accepted: int) -> dict:
+        """A streamed chunk of generated text (with the running draft counters)."""
+        return {**self._base(True), "choices": [choice], **({"usage": None} if self.with_usage else {}),
                 "ondevice": {"from_draft": from_draft, "drafted": drafted, "accepted": accepted}}
 
-    def last(self, s: Stats, with_usage: bool, tool_calls: bool = False) -> list[dict]:
-        """The finishing chunk (finish_reason, timings, full stats) and, if asked, the usage chunk."""
-        finish = "tool_calls" if tool_calls else FINISH.get(s.stop_reason, "stop")
-        out = [{**self._base(True), "choices": [self._choice(None, finish, True)],
-                **({"usage": None} if with_usage else {}), "timings": timings(s), "ondevice": dataclasses.asdict(s)}]
-        if with_usage:
+    def finish(self, choice: dict, s: Stats) -> list[dict]:
+        """The finishing chunk (``choice`` holds finish_reason; timings, full stats) and, if asked, the usage chunk."""
+        out = [{**self._base(True), "choices": [choice], **({"usage": None} if self.with_usage else {}),
+                "timings": timings(s), "ondevice": dataclasses.asdict(s)}]
+        if self.with_usage:
             out.append({**self._base(True), "choices": [], "usage": usage(s)})
         return out

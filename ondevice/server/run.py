@@ -4,12 +4,38 @@ and ``launch`` (a subprocess for tests and benchmarks)."""
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 
 from ondevice.errors import OndeviceError
 from ondevice.server.app import Server
+from ondevice.server.driver import READ_SECONDS
 from ondevice.server.guard import LOOPBACK
 
 GRACE_SECONDS = 30  # the longest a signal waits for the pass in progress before connections are dropped
+NO_AUTH_WHY = ("without an API key (--no-auth): anyone on the network can use the model, and so can any web page "
+               "that a browser on the network opens (it can send requests to this address)")
+
+
+def check_exposure(host: str, api_key: str | None, no_auth: bool = False) -> None:
+    """Refuse to serve other machines without an API key unless ``no_auth`` says so explicitly.
+
+    Raises:
+        OndeviceError: ``host`` is not loopback and neither ``api_key`` nor ``no_auth`` is given, or both are.
+    """
+    if api_key and no_auth:
+        raise OndeviceError("--api-key and --no-auth contradict each other; give one of them")
+    if host not in LOOPBACK and not api_key and not no_auth:
+        raise OndeviceError(f"--host {host} lets other machines reach the server: set --api-key KEY (or "
+                            "ONDEVICE_API_KEY) so only clients holding it can use the model, or pass --no-auth to "
+                            "serve without one")
+
+
+def exposure_warning(host: str, port: int, api_key: str | None) -> str | None:
+    """The warning printed when serving off loopback (None on loopback)."""
+    if host in LOOPBACK:
+        return None
+    return (f"warning: serving on {host}:{port}: anyone who can reach this machine can use the model"
+            + ("" if api_key else "; " + NO_AUTH_WHY))
 
 
 def open_socket(host: str = "127.0.0.1", port: int = 8080):
@@ -38,31 +64,43 @@ def open_socket(host: str = "127.0.0.1", port: int = 8080):
 
 
 def serve(runtime, model_id: str, *, host: str = "127.0.0.1", port: int = 8080, api_key: str | None = None,
-          max_queue: int = 16, cors_origins: list[str] | None = None, log_level: str = "warning", sock=None) -> None:
+          no_auth: bool = False, allowed_hosts: Sequence[str] = (), max_queue: int = 16,
+          cors_origins: list[str] | None = None, read_seconds: float | None = None,
+          max_connections: int | None = None, log_level: str = "warning", sock=None) -> None:
     """Serve ``runtime`` until Ctrl-C (the caller closes the runtime afterwards).
 
     Args:
         runtime: a loaded ``Runtime``.
         model_id: the model name clients use.
         host, port: where to listen (127.0.0.1 by default; anything else prints a warning).
-        api_key: require ``Authorization: Bearer api_key`` on /v1 routes.
+        api_key: require ``Authorization: Bearer api_key`` on /v1 routes (needed off loopback).
+        no_auth: serve off loopback without an API key (a warning says what that exposes).
+        allowed_hosts: Host header names to answer besides loopback names, IP addresses and ``host``
+            (``--allowed-host``: a name this machine is reached by, e.g. through a proxy).
         max_queue: requests that may wait behind the running one (more get 503).
         cors_origins: browser origins allowed to call the API from other pages ("*" = any).
+        read_seconds: the longest a client may take to send a request (its head, then its body; default
+            ``driver.READ_SECONDS``).
+        max_connections: open connections at most (more get 503; default ``connections.max_connections``).
         sock: a socket from ``open_socket(host, port)`` (bound here when None).
     """
     import uvicorn
 
+    from ondevice.server import connections
+
+    check_exposure(host, api_key, no_auth)
+    read_seconds = read_seconds or READ_SECONDS
     sock = sock or open_socket(host, port)
     port = sock.getsockname()[1]
 
     loopback = host in LOOPBACK
-    if not loopback:
-        print(f"warning: serving on {host}:{port}: anyone who can reach this machine can use the model"
-              + ("" if api_key else " (no --api-key set)"), file=sys.stderr)
+    warning = exposure_warning(host, port, api_key)
+    if warning:
+        print(warning, file=sys.stderr)
     if cors_origins and "*" in cors_origins:
         print("warning: --cors-origin '*': any web page you open can call this server", file=sys.stderr)
     app = Server(runtime, model_id, api_key=api_key, max_queue=max_queue, cors_origins=cors_origins,
-                 loopback_only=loopback)
+                 loopback_only=loopback, allowed_hosts=[host, *allowed_hosts], read_seconds=read_seconds)
     if runtime.target.chat_template:
         from ondevice import templates
 
@@ -70,7 +108,9 @@ def serve(runtime, model_id: str, *, host: str = "127.0.0.1", port: int = 8080, 
     # On a signal the running job is cancelled at once and ends after the native pass in progress (a long
     # prefill on a busy machine can take seconds); only then is the connection closed. A second Ctrl-C forces.
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=GRACE_SECONDS,
-                            lifespan="off", server_header=False)
+                            lifespan="off", server_header=False,
+                            **connections.uvicorn_options(max_connections or connections.max_connections(max_queue),
+                                                          read_seconds))
 
     class _Uvicorn(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:  # Ctrl-C: end the running generation now, not after a timeout

@@ -1,23 +1,26 @@
 """OpenAI's structured-output fields: ``response_format``, ``tools`` / ``tool_choice``, ``logprobs`` / ``top_logprobs``.
 
-Request side: ``structured_args`` validates them (``ApiError`` 400 in OpenAI's shape, naming the field) and
-returns what the runtime and the reply need. Response side: ``chat_logprobs`` / ``completion_logprobs``
-write ``TokenLogprob`` lists in OpenAI's two shapes, and ``ToolStream`` holds back streamed text from the
-start of a tool call so calls arrive as ``tool_calls`` deltas, never as content.
+Request side: one function per field group (``chat_logprobs_args``, ``completion_logprobs_args``,
+``response_format_args``, ``tool_args``, ``no_tool_args``) validates it (``ApiError`` 400 in OpenAI's shape,
+naming the field) into a ``Structured``: what the runtime and the reply need; each dialect calls the ones it
+speaks. Response side: ``ToolStream`` holds back streamed text from the start of a tool call so calls arrive
+as tool calls, never as content.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Sequence
+import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ondevice import tools as T
 from ondevice.constrain import grammar_text
 from ondevice.errors import OndeviceError
-from ondevice.logprobs import TokenLogprob
 from ondevice.params import MAX_TOP_LOGPROBS
-from ondevice.server.openai_api import ApiError
+from ondevice.server.errors import ApiError
+
+MAX_SCHEMA_CHARS = 200_000  # JSON of a response_format schema, or of all tools: about 1 s to compile on a laptop
+MAX_TOOLS = 128  # as OpenAI
 
 
 @dataclass
@@ -41,93 +44,91 @@ def _bad(param: str, message: str, code: str = "invalid_value") -> ApiError:
     return ApiError(400, f"'{param}': {message}", param=param, code=code)
 
 
-def structured_args(body: dict, chat: bool, chat_template: str | None) -> Structured:
-    """Validate ``response_format``, ``tools``, ``tool_choice``, ``logprobs``, ``top_logprobs`` of a request.
-
-    Args:
-        body: the request JSON.
-        chat: /v1/chat/completions (logprobs is a boolean there, an integer 0-5 for /v1/completions).
-        chat_template: the model's template (which tool-call format it speaks).
-    Raises:
-        ApiError: 400 naming the field.
-    """
-    out = Structured()
+def chat_logprobs_args(body: dict, out: Structured) -> None:
+    """Chat's ``logprobs`` (a boolean) and ``top_logprobs`` (an integer 0-20, needs logprobs)."""
     lp, top = body.get("logprobs"), body.get("top_logprobs")
-    if chat:
-        if lp not in (None, True, False):
-            raise _bad("logprobs", "must be a boolean")
-        if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_TOP_LOGPROBS):
-            raise _bad("top_logprobs", f"must be an integer in [0, {MAX_TOP_LOGPROBS}]")
-        if top and not lp:
-            raise _bad("top_logprobs", "needs 'logprobs': true")
-        out.logprobs = bool(lp)
-        n_top = top or 0
-    else:
-        if lp is not None and (isinstance(lp, bool) or not isinstance(lp, int) or not 0 <= lp <= 5):
-            raise _bad("logprobs", "must be an integer in [0, 5] (alternatives per token)")
-        out.logprobs = lp is not None
-        n_top = lp or 0
-    if out.logprobs:
+    if lp not in (None, True, False):
+        raise _bad("logprobs", "must be a boolean")
+    if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_TOP_LOGPROBS):
+        raise _bad("top_logprobs", f"must be an integer in [0, {MAX_TOP_LOGPROBS}]")
+    if top and not lp:
+        raise _bad("top_logprobs", "needs 'logprobs': true")
+    _logprobs(out, bool(lp), top or 0)
+
+
+def completion_logprobs_args(body: dict, out: Structured) -> None:
+    """A text completion's ``logprobs``: an integer 0-5, the alternatives per token."""
+    lp = body.get("logprobs")
+    if lp is not None and (isinstance(lp, bool) or not isinstance(lp, int) or not 0 <= lp <= 5):
+        raise _bad("logprobs", "must be an integer in [0, 5] (alternatives per token)")
+    _logprobs(out, lp is not None, lp or 0)
+
+
+def _logprobs(out: Structured, on: bool, n_top: int) -> None:
+    out.logprobs = on
+    if on:
         out.run.update(logprobs=True, top_logprobs=n_top)
+
+
+def response_format_args(body: dict, out: Structured) -> None:
+    """``response_format``: text, json_object or json_schema (compiled here: a bad schema is a 400)."""
     rf = body.get("response_format")
-    if rf is not None:
-        if not isinstance(rf, dict) or rf.get("type") not in ("text", "json_object", "json_schema"):
-            raise _bad("response_format", "must be {'type': 'text' | 'json_object' | 'json_schema', ...}")
-        if rf["type"] == "json_schema":
-            js = rf.get("json_schema")
-            if not isinstance(js, dict) or not isinstance(js.get("schema", {}), dict):
-                raise _bad("response_format", "json_schema needs {'name': ..., 'schema': {...}, 'strict': true}")
-            rf = {"type": "json_schema", "json_schema": {**js, "schema": js.get("schema", {})}}
-        if rf["type"] != "text":
-            try:
-                grammar_text(rf)  # a bad schema is a 400 naming response_format, before any decoding
-            except OndeviceError as e:
-                raise _bad("response_format", str(e)) from None
-            out.run["response_format"] = rf
-    tools = body.get("tools")
-    if tools is not None and chat:
+    if rf is None:
+        return
+    if not isinstance(rf, dict) or rf.get("type") not in ("text", "json_object", "json_schema"):
+        raise _bad("response_format", "must be {'type': 'text' | 'json_object' | 'json_schema', ...}")
+    if rf["type"] == "json_schema":
+        js = rf.get("json_schema")
+        if not isinstance(js, dict) or not isinstance(js.get("schema", {}), dict):
+            raise _bad("response_format", "json_schema needs {'name': ..., 'schema': {...}, 'strict': true}")
+        rf = {"type": "json_schema", "json_schema": {**js, "schema": js.get("schema", {})}}
+        _cap_size("response_format", "the schema", rf["json_schema"]["schema"])
+    if rf["type"] != "text":
         try:
-            tools = T.check_tools(tools)
-            choice = T.choice_of(body.get("tool_choice"), tools)
+            grammar_text(rf)  # a bad schema is a 400 naming response_format, before any decoding
         except OndeviceError as e:
-            raise _bad("tools" if "tool_choice" not in str(e) else "tool_choice", str(e)) from None
-        if choice != "none":
-            out.tools = tools
-            out.tool_format = T.call_format(chat_template)
-            if choice != "auto":
-                if "response_format" in out.run:
-                    raise _bad("tool_choice", f"{choice!r} forces a tool call; it cannot be combined with response_format")
-                out.run["grammar"] = T.call_grammar(tools, choice, out.tool_format)
-    elif tools is not None:
+            raise _bad("response_format", str(e)) from None
+        out.run["response_format"] = rf
+
+
+def tool_args(body: dict, chat_template: str | None, out: Structured) -> None:
+    """``tools`` and ``tool_choice``: the tools to render and, for 'required' or a named function, the grammar
+    of one call (``chat_template``: the model's template, which says the call format)."""
+    tools = body.get("tools")
+    if tools is None:
+        if body.get("tool_choice") not in (None, "none", "auto"):
+            raise _bad("tool_choice", "needs 'tools'")
+        return
+    if isinstance(tools, list) and len(tools) > MAX_TOOLS:
+        raise _bad("tools", f"{len(tools)} tools given; the limit is {MAX_TOOLS} per request")
+    _cap_size("tools", "the list of tools", tools)
+    try:
+        tools = T.check_tools(tools)
+        choice = T.choice_of(body.get("tool_choice"), tools)
+    except OndeviceError as e:
+        raise _bad("tools" if "tool_choice" not in str(e) else "tool_choice", str(e)) from None
+    if choice != "none":
+        out.tools = tools
+        out.tool_format = T.call_format(chat_template)
+        if choice != "auto":
+            if "response_format" in out.run:
+                raise _bad("tool_choice", f"{choice!r} forces a tool call; it cannot be combined with response_format")
+            out.run["grammar"] = T.call_grammar(tools, choice, out.tool_format)
+
+
+def _cap_size(param: str, what: str, obj) -> None:
+    n = len(json.dumps(obj, ensure_ascii=False))
+    if n > MAX_SCHEMA_CHARS:
+        raise _bad(param, f"{what} is {n:,} characters of JSON; the limit is {MAX_SCHEMA_CHARS:,} (a grammar is "
+                   "compiled from it for every request): send a smaller one")
+
+
+def no_tool_args(body: dict) -> None:
+    """An API without tools: refuse ``tools`` and a ``tool_choice`` that asks for a call."""
+    if body.get("tools") is not None:
         raise _bad("tools", "tools are for /v1/chat/completions", code="unsupported_parameter")
-    elif body.get("tool_choice") not in (None, "none", "auto"):
+    if body.get("tool_choice") not in (None, "none", "auto"):
         raise _bad("tool_choice", "needs 'tools'")
-    return out
-
-
-def _bytes_entry(token_bytes: Callable[[int], bytes], tid: int, lp: float) -> dict:
-    b = token_bytes(tid)
-    return {"token": b.decode("utf-8", "replace"), "logprob": lp if math.isfinite(lp) else -9999.0, "bytes": list(b)}
-
-
-def chat_logprobs(lps: Sequence[TokenLogprob], token_bytes: Callable[[int], bytes]) -> dict:
-    """``choices[i].logprobs`` of a chat completion: {"content": [{token, logprob, bytes, top_logprobs}]}."""
-    return {"content": [{**_bytes_entry(token_bytes, x.token, x.logprob),
-                         "top_logprobs": [_bytes_entry(token_bytes, i, v) for i, v in x.top]} for x in lps],
-            "refusal": None}
-
-
-def completion_logprobs(lps: Sequence[TokenLogprob], token_bytes: Callable[[int], bytes], offset: int = 0) -> dict:
-    """``choices[i].logprobs`` of a text completion: tokens, token_logprobs, top_logprobs, text_offset."""
-    tokens, offsets = [], []
-    for x in lps:
-        offsets.append(offset)
-        t = token_bytes(x.token).decode("utf-8", "replace")
-        tokens.append(t)
-        offset += len(t)
-    return {"tokens": tokens, "token_logprobs": [x.logprob for x in lps],
-            "top_logprobs": [{token_bytes(i).decode("utf-8", "replace"): v for i, v in x.top} for x in lps],
-            "text_offset": offsets}
 
 
 class ToolStream:
@@ -156,9 +157,3 @@ class ToolStream:
         tail = (before[self.sent :] + after) if calls else self.text[self.sent :]
         self.sent = len(self.text)
         return tail, calls
-
-
-def tool_call_deltas(calls: Sequence[dict]) -> list[dict]:
-    """Streamed ``delta.tool_calls`` entries (one per call, with its index)."""
-    return [{"index": i, "id": c["id"], "type": "function", "function": dict(c["function"])} for i, c in enumerate(calls)]
-
