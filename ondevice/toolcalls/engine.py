@@ -1,0 +1,188 @@
+"""``CallStream``: content passed through, calls parsed by the family's regions, whole or in pieces."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from ondevice.toolcalls.base import Region, RegionFactory, Sink, partial, skip_ws
+
+FENCE = "```"
+
+
+@dataclass(frozen=True)
+class Family:
+    """A tool-call format.
+
+    Attributes:
+        name: the family's name (``ondevice.toolcalls.FAMILIES``).
+        openers: marker → region parser; the marker opens a call anywhere in the text.
+        bare: opening character ('{' or '[') → region parser, for calls written without a marker: they open
+            only at the start of a line.
+        id_style: 'openai' or 'mistral' (the ids the family's template accepts).
+    """
+
+    name: str
+    openers: dict[str, RegionFactory]
+    bare: dict[str, RegionFactory] = field(default_factory=dict)
+    id_style: str = "openai"
+
+    def opener_re(self) -> re.Pattern:
+        alts = [re.escape(m) for m in sorted(self.openers, key=len, reverse=True)]
+        starts = "".join(re.escape(c) for c in self.bare) + "`"
+        alts.append(rf"(?<=\n)[ \t]*[{starts}]")  # line-start openers (and fences: ``` at a line start)
+        return re.compile("|".join(alts))
+
+
+class _Fence(Region):
+    """A markdown code fence (```lang) around the family's call(s): the calls are parsed, the fence dropped."""
+
+    def __init__(self, b: str, start: int, opener: str, sink: Sink, family: Family) -> None:
+        super().__init__(b, start, opener, sink)
+        self.family, self.inner, self.phase = family, None, "lang"
+
+    def advance(self, b: str, final: bool) -> tuple[str, int] | None:
+        if self.phase == "lang":
+            nl = b.find("\n", self.pos, self.pos + 33)
+            if nl < 0:
+                return None if len(b) < self.pos + 33 and not final else self.reject()
+            if not re.fullmatch(r"[\w+.-]*[ \t]*", b[self.pos:nl]):
+                return self.reject()
+            i = skip_ws(b, nl + 1)
+            rest = b[i:i + 64]
+            opener = next((m for m in self.family.openers if rest.startswith(m)), None)
+            if opener is not None:
+                self.inner = self.family.openers[opener](b, i, opener, self.sink)
+            elif not final and (i >= len(b) or any(m.startswith(rest) for m in self.family.openers)):
+                return None
+            elif rest[:1] in self.family.bare:
+                self.inner = self.family.bare[rest[0]](b, i, "", self.sink)
+            else:
+                return self.reject()
+            self.phase = "inner"
+        if self.phase == "inner":
+            r = self.inner.advance(b, final)
+            if r is None:
+                return None
+            if r[0] == "reject":
+                return self.reject()
+            self.pos, self.phase = r[1], "close"
+        i = skip_ws(b, self.pos)  # the closing fence, if it is there
+        if b.startswith(FENCE, i):
+            return "done", i + len(FENCE)
+        if not final and FENCE.startswith(b[i:i + 3]):
+            return None
+        return "done", self.pos
+
+    def reject(self) -> tuple[str, int]:
+        if self.inner is not None and self.inner.started:
+            return "done", self.inner.pos
+        return "reject", self.start + len(FENCE)
+
+
+class _Backticks(Region):
+    """One or two backticks at a line start at the end of the text so far: a fence may follow."""
+
+    def advance(self, b: str, final: bool) -> tuple[str, int] | None:
+        if not final and len(b) - self.start < len(FENCE):
+            return None
+        return "reject", self.start + 1
+
+
+class CallStream:
+    """Streamed parse of a model's answer into content and OpenAI tool calls.
+
+    ``feed(piece)`` returns the OpenAI ``delta`` objects that may be sent now, in order: ``{"content": s}``
+    or ``{"tool_calls": [{"index", "id", "type", "function": {"name", "arguments"}}]}`` for a call's start
+    and ``{"tool_calls": [{"index", "function": {"arguments": s}}]}`` for more of its arguments.
+    ``finish()`` returns the rest; then ``content`` (str) and ``calls`` (complete OpenAI calls) hold the whole.
+
+    Args:
+        family: the format (``ondevice.toolcalls.family``).
+        tools: the request's tools; only calls to these names are calls.
+    """
+
+    def __init__(self, family: Family, tools: Sequence[dict] | None) -> None:
+        self.family = family
+        self.sink = Sink(tools, family.id_style)
+        self.opener = family.opener_re()
+        self.markers = tuple(family.openers)
+        self.buf = "\n"  # one character of context before the unread text: the output starts a line
+        self.p = 1  # where the unread text starts in buf
+        self.region: Region | None = None
+        self.done = False
+
+    @property
+    def content(self) -> str:
+        return "".join(self.sink.content)
+
+    @property
+    def calls(self) -> list[dict]:
+        return self.sink.calls
+
+    def feed(self, piece: str) -> list[dict]:
+        """Add generated text; return the deltas that may be sent now."""
+        b, self.buf = self.buf, ""
+        b += piece  # a local with one reference: CPython appends in place, so long calls stay linear
+        return self._run(b, final=False)
+
+    def finish(self) -> list[dict]:
+        """The deltas held back until the end (a call cut short keeps the arguments written so far)."""
+        if self.done:
+            return []
+        self.done = True
+        return self._run(self.buf, final=True)
+
+    def _run(self, b: str, final: bool) -> list[dict]:
+        p, sink = self.p, self.sink
+        n0 = len(sink.deltas)
+        while p < len(b) or (final and self.region is not None):
+            if self.region is None:
+                m = self.opener.search(b, p)
+                if m is None:
+                    keep = 0 if final else self._hold(b, p)
+                    sink.text(b[p:len(b) - keep])
+                    p = len(b) - keep
+                    break
+                g = m.group()
+                i = m.start() if g in self.family.openers else m.end() - 1
+                sink.text(b[p:i])
+                p = i
+                self.region = self._open(b, i, g)
+                if self.region is None:  # a backtick that opens no fence
+                    sink.text(b[i])
+                    p = i + 1
+                    continue
+            r = self.region.advance(b, final)
+            if r is None:
+                break
+            self.region = None
+            if r[0] == "reject":
+                sink.text(b[p:r[1]])
+            p = r[1]
+        if self.region is None:  # nothing holds indices into the buffer: drop what was read
+            b, p = b[p - 1:], 1
+        self.buf, self.p = b, p
+        return sink.deltas[n0:]
+
+    def _open(self, b: str, i: int, opener: str) -> Region | None:
+        if opener in self.family.openers:
+            return self.family.openers[opener](b, i, opener, self.sink)
+        ch = b[i]
+        if ch != "`":
+            return self.family.bare[ch](b, i, "", self.sink)
+        if b.startswith(FENCE, i):
+            return _Fence(b, i, FENCE, self.sink, self.family)
+        if FENCE.startswith(b[i:]):
+            return _Backticks(b, i, "", self.sink)
+        return None
+
+    def _hold(self, b: str, p: int) -> int:
+        """How much of the end of ``b`` to hold back: a start of a marker, or a line's leading blanks (a
+        bare call or a fence may follow them)."""
+        keep = partial(b[max(p, len(b) - 64):], self.markers)
+        nl = b.rfind("\n", p - 1)
+        if nl >= 0 and len(b) - nl - 1 < 64 and b[nl + 1:].strip(" \t") == "":
+            keep = max(keep, len(b) - nl - 1)
+        return keep
