@@ -53,15 +53,17 @@ def skip_ws(b: str, i: int) -> int:
 
 
 class Sink:
-    """Collects the stream's output: content, calls, and the OpenAI ``delta`` objects in order."""
+    """Collects the stream's output: content, calls, and the OpenAI ``delta`` objects of each run (pieces
+    are kept in lists and joined once, so many small pieces stay linear)."""
 
     def __init__(self, tools: Sequence[dict] | None, id_style: str) -> None:
         self.names = {t["function"]["name"] for t in tools or ()}
         self.params = {t["function"]["name"]: t["function"].get("parameters") or {} for t in tools or ()}
         self.id_style = id_style
-        self.deltas: list[dict] = []
         self.content: list[str] = []
-        self.calls: list[dict] = []
+        self.heads: list[tuple[str, str]] = []  # (id, name) per call
+        self.args: list[list[str]] = []
+        self.events: list[tuple] = []  # this run's: ('content', s) | ('start', i) | ('args', i, s)
 
     def known(self, name: str) -> bool:
         return name in self.names
@@ -69,27 +71,49 @@ class Sink:
     def text(self, s: str) -> None:
         if s:
             self.content.append(s)
-            if self.deltas and "content" in self.deltas[-1]:
-                self.deltas[-1]["content"] += s
-            else:
-                self.deltas.append({"content": s})
+            self.events.append(("content", s))
 
     def start(self, name: str) -> int:
-        i = len(self.calls)
-        cid = call_id(self.id_style)
-        self.calls.append({"id": cid, "type": "function", "function": {"name": name, "arguments": ""}})
-        self.deltas.append({"tool_calls": [{"index": i, "id": cid, "type": "function",
-                                            "function": {"name": name, "arguments": ""}}]})
-        return i
+        self.heads.append((call_id(self.id_style), name))
+        self.args.append([])
+        self.events.append(("start", len(self.heads) - 1))
+        return len(self.heads) - 1
 
-    def args(self, i: int, s: str) -> None:
+    def add_args(self, i: int, s: str) -> None:
         if s:
-            self.calls[i]["function"]["arguments"] += s
-            last = self.deltas[-1].get("tool_calls") if self.deltas else None
-            if last and last[0]["index"] == i:
-                last[0]["function"]["arguments"] += s
+            self.args[i].append(s)
+            self.events.append(("args", i, s))
+
+    def calls(self) -> list[dict]:
+        return [{"id": cid, "type": "function", "function": {"name": name, "arguments": "".join(a)}}
+                for (cid, name), a in zip(self.heads, self.args, strict=True)]
+
+    def take(self) -> list[dict]:
+        """This run's events as OpenAI deltas, consecutive pieces of one kind joined."""
+        out: list[dict] = []
+        k = 0
+        ev = self.events
+        while k < len(ev):
+            e = ev[k]
+            if e[0] == "content":
+                j = k
+                while j < len(ev) and ev[j][0] == "content":
+                    j += 1
+                out.append({"content": "".join(x[1] for x in ev[k:j])})
             else:
-                self.deltas.append({"tool_calls": [{"index": i, "function": {"arguments": s}}]})
+                i = e[1]
+                j = k + (e[0] == "start")
+                while j < len(ev) and ev[j][0] == "args" and ev[j][1] == i:
+                    j += 1
+                args = "".join(x[2] for x in ev[k:j] if x[0] == "args")
+                tc = {"index": i, "function": {"arguments": args}}
+                if e[0] == "start":
+                    cid, name = self.heads[i]
+                    tc = {"index": i, "id": cid, "type": "function", "function": {"name": name, "arguments": args}}
+                out.append({"tool_calls": [tc]})
+            k = j
+        self.events = []
+        return out
 
 
 _STR_STOP = re.compile(r'["\\]')

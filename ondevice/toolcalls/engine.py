@@ -81,15 +81,6 @@ class _Fence(Region):
         return "reject", self.start + len(FENCE)
 
 
-class _Backticks(Region):
-    """One or two backticks at a line start at the end of the text so far: a fence may follow."""
-
-    def advance(self, b: str, final: bool) -> tuple[str, int] | None:
-        if not final and len(b) - self.start < len(FENCE):
-            return None
-        return "reject", self.start + 1
-
-
 class CallStream:
     """Streamed parse of a model's answer into content and OpenAI tool calls.
 
@@ -119,7 +110,7 @@ class CallStream:
 
     @property
     def calls(self) -> list[dict]:
-        return self.sink.calls
+        return self.sink.calls()
 
     def feed(self, piece: str) -> list[dict]:
         """Add generated text; return the deltas that may be sent now."""
@@ -136,7 +127,7 @@ class CallStream:
 
     def _run(self, b: str, final: bool) -> list[dict]:
         p, sink = self.p, self.sink
-        n0 = len(sink.deltas)
+
         while p < len(b) or (final and self.region is not None):
             if self.region is None:
                 m = self.opener.search(b, p)
@@ -149,8 +140,15 @@ class CallStream:
                 i = m.start() if g in self.family.openers else m.end() - 1
                 sink.text(b[p:i])
                 p = i
-                self.region = self._open(b, i, g)
-                if self.region is None:  # a backtick that opens no fence
+                if g in self.family.openers:
+                    self.region = self.family.openers[g](b, i, g, sink)
+                elif b[i] != "`":
+                    self.region = self.family.bare[b[i]](b, i, "", sink)
+                elif b.startswith(FENCE, i):
+                    self.region = _Fence(b, i, FENCE, sink, self.family)
+                elif not final and FENCE.startswith(b[i:]):
+                    break  # '`' or '``' at the end so far: a fence may follow
+                else:
                     sink.text(b[i])
                     p = i + 1
                     continue
@@ -164,19 +162,7 @@ class CallStream:
         if self.region is None:  # nothing holds indices into the buffer: drop what was read
             b, p = b[p - 1:], 1
         self.buf, self.p = b, p
-        return sink.deltas[n0:]
-
-    def _open(self, b: str, i: int, opener: str) -> Region | None:
-        if opener in self.family.openers:
-            return self.family.openers[opener](b, i, opener, self.sink)
-        ch = b[i]
-        if ch != "`":
-            return self.family.bare[ch](b, i, "", self.sink)
-        if b.startswith(FENCE, i):
-            return _Fence(b, i, FENCE, self.sink, self.family)
-        if FENCE.startswith(b[i:]):
-            return _Backticks(b, i, "", self.sink)
-        return None
+        return sink.take()
 
     def _hold(self, b: str, p: int) -> int:
         """How much of the end of ``b`` to hold back: a start of a marker, or a line's leading blanks (a

@@ -32,12 +32,12 @@ class _Args:
         if b[span[0]] in "{[":
             end = span[1] if span[1] is not None else upto
             start = span[0] if self.sent is None else self.sent
-            self.sink.args(self.index, b[start:end])
+            self.sink.add_args(self.index, b[start:end])
             self.sent = end
         elif span[1] is not None and self.sent is None:  # a string or a literal: sent whole, decoded
             raw = value_text(b, span)
             s = json_str(raw)
-            self.sink.args(self.index, "{}" if raw == "null" else (s if s is not None else raw))
+            self.sink.add_args(self.index, "{}" if raw == "null" else (s if s is not None else raw))
             self.sent = span[1]
 
 
@@ -85,7 +85,7 @@ class JsonCall(Region):
                 return self.reject()
             if self.out is None:  # a call without arguments
                 self.out, self.started = _Args(self.sink, self.name), True
-                self.sink.args(self.out.index, "{}")
+                self.sink.add_args(self.out.index, "{}")
             self.pos = sc.end
         end = _closers(b, self.pos, self.closers, final)
         return None if end is None else ("done", end)

@@ -82,7 +82,7 @@ class XmlCall(Region):
                 v = b[self.pos:j]
                 v = v[1:] if v.startswith("\n") else v
                 v = v[:-1] if v.endswith("\n") else v
-                self.sink.args(self.index, ("{" if self.n == 0 else ", ") + json.dumps(self.key, ensure_ascii=False)
+                self.sink.add_args(self.index, ("{" if self.n == 0 else ", ") + json.dumps(self.key, ensure_ascii=False)
                                + ": " + json.dumps(self._typed(v), ensure_ascii=False))
                 self.n += 1
                 self.pos, self.phase = j + len("</parameter>"), "param"
@@ -97,7 +97,7 @@ class XmlCall(Region):
             return v
 
     def _close(self, end: int) -> tuple[str, int]:
-        self.sink.args(self.index, "}" if self.n else "{}")
+        self.sink.add_args(self.index, "}" if self.n else "{}")
         return "done", end
 
 
@@ -158,7 +158,7 @@ class GemmaCall(Region):
         if not isinstance(args, dict):
             return self.reject()
         self.started = True
-        self.sink.args(self.sink.start(m.group(1)), json.dumps(args, ensure_ascii=False))
+        self.sink.add_args(self.sink.start(m.group(1)), json.dumps(args, ensure_ascii=False))
         return "done", j + len(self.END)
 
 
@@ -234,5 +234,5 @@ class PythonicCall(Region):
                 text = json.dumps(args, ensure_ascii=False)
             except (TypeError, ValueError):  # a set or bytes literal: not JSON
                 text = json.dumps({k: repr(v) for k, v in args.items()}, ensure_ascii=False)
-            self.sink.args(self.sink.start(name), text)
+            self.sink.add_args(self.sink.start(name), text)
         return "done", end
