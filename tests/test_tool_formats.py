@@ -10,10 +10,10 @@ import pytest
 
 from ondevice import toolcalls as TC
 
-WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
                                      "tags": {"type": "array", "items": {"type": "string"}}}}}}
-TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+TIME = {"type": "function", "function": {"name": "get_time", "description": "Time", "parameters": {
     "type": "object", "properties": {"zone": {"type": "string"}}}}}
 TOOLS = [WEATHER, TIME]
 PARIS = {"city": "Paris"}
@@ -197,3 +197,394 @@ def test_hostile_text_is_bounded_and_never_raises(family, text):
     c, cs, _ = _stream(family, [text[i:i + 4096] for i in range(0, len(text), 4096)])
     assert (c, [x["function"] for x in cs]) == (content, [x["function"] for x in calls])
     assert time.perf_counter() - t0 < 60, family  # ~1 MB: seconds (linear); quadratic work would take hours
+
+
+# Each family's rendering of past calls and tool results, copied from its real template (llama.cpp's
+# models/templates copies of the models' own): the loop over messages and the generation prompt.
+QWEN25 = """{%- for message in messages %}
+    {%- if (message.role == "user") or (message.role == "assistant" and not message.tool_calls) %}
+        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}
+    {%- elif message.role == "assistant" %}
+        {{- '<|im_start|>' + message.role }}
+        {%- if message.content %}
+            {{- '\\n' + message.content }}
+        {%- endif %}
+        {%- for tool_call in message.tool_calls %}
+            {%- if tool_call.function is defined %}
+                {%- set tool_call = tool_call.function %}
+            {%- endif %}
+            {{- '\\n<tool_call>\\n{"name": "' }}
+            {{- tool_call.name }}
+            {{- '", "arguments": ' }}
+            {{- tool_call.arguments | tojson }}
+            {{- '}\\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\\n<tool_response>\\n' }}
+        {{- message.content }}
+        {{- '\\n</tool_response>' }}
+        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
+            {{- '<|im_end|>\\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+{%- endif %}"""
+QWEN3_CODER = """{%- for message in messages %}
+    {%- if message.role == "assistant" and message.tool_calls is defined and message.tool_calls is iterable and message.tool_calls | length > 0 %}
+        {{- '<|im_start|>' + message.role }}
+        {%- for tool_call in message.tool_calls %}
+            {%- if tool_call.function is defined %}
+                {%- set tool_call = tool_call.function %}
+            {%- endif %}
+            {{- '\\n<tool_call>\\n<function=' + tool_call.name + '>\\n' }}
+            {%- if tool_call.arguments is defined %}
+                {%- for args_name, args_value in tool_call.arguments|items %}
+                    {{- '<parameter=' + args_name + '>\\n' }}
+                    {%- set args_value = args_value | tojson | safe if args_value is mapping or (args_value is sequence and args_value is not string) else args_value | string %}
+                    {{- args_value }}
+                    {{- '\\n</parameter>\\n' }}
+                {%- endfor %}
+            {%- endif %}
+            {{- '</function>\\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\\n' }}
+    {%- elif message.role == "user" or message.role == "system" or message.role == "assistant" %}
+        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if loop.previtem and loop.previtem.role != "tool" %}
+            {{- '<|im_start|>user\\n' }}
+        {%- endif %}
+        {{- '<tool_response>\\n' }}
+        {{- message.content }}
+        {{- '\\n</tool_response>\\n' }}
+        {%- if loop.last %}
+            {{- '<|im_end|>\\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+{%- endif %}"""
+LLAMA32 = """{%- for message in messages %}
+    {%- if not (message.role == 'ipython' or message.role == 'tool' or 'tool_calls' in message) %}
+        {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'+ message['content'] | trim + '<|eot_id|>' }}
+    {%- elif 'tool_calls' in message %}
+        {%- if not message.tool_calls|length == 1 %}
+            {{- raise_exception("This model only supports single tool-calls at once!") }}
+        {%- endif %}
+        {%- set tool_call = message.tool_calls[0].function %}
+        {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}
+        {{- '{"name": "' + tool_call.name + '", ' }}
+        {{- '"parameters": ' }}
+        {{- tool_call.arguments | tojson }}
+        {{- "}" }}
+        {{- "<|eot_id|>" }}
+    {%- elif message.role == "tool" or message.role == "ipython" %}
+        {{- "<|start_header_id|>ipython<|end_header_id|>\\n\\n" }}
+        {%- if message.content is mapping or message.content is iterable %}
+            {{- message.content | tojson }}
+        {%- else %}
+            {{- message.content }}
+        {%- endif %}
+        {{- "<|eot_id|>" }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}
+{%- endif %}"""
+MISTRAL_NEMO = """{%- for message in messages %}
+    {%- if message["role"] == "user" %}
+        {{- "[INST]" + message["content"] + "[/INST]" }}
+    {%- elif (message.tool_calls is defined and message.tool_calls is not none) %}
+        {{- "[TOOL_CALLS][" }}
+        {%- for tool_call in message.tool_calls %}
+            {%- set out = tool_call.function|tojson %}
+            {{- out[:-1] }}
+            {%- if not tool_call.id is defined or tool_call.id|length != 9 %}
+                {{- raise_exception("Tool call IDs should be alphanumeric strings with length 9!") }}
+            {%- endif %}
+            {{- ', "id": "' + tool_call.id + '"}' }}
+            {%- if not loop.last %}
+                {{- ", " }}
+            {%- else %}
+                {{- "]" + eos_token }}
+            {%- endif %}
+        {%- endfor %}
+    {%- elif message["role"] == "assistant" %}
+        {{- message["content"] + eos_token}}
+    {%- elif message["role"] == "tool_results" or message["role"] == "tool" %}
+        {%- if message.content is defined and message.content.content is defined %}
+            {%- set content = message.content.content %}
+        {%- else %}
+            {%- set content = message.content %}
+        {%- endif %}
+        {{- '[TOOL_RESULTS]{"content": ' + content|string + ", " }}
+        {%- if not message.tool_call_id is defined or message.tool_call_id|length != 9 %}
+            {{- raise_exception("Tool call IDs should be alphanumeric strings with length 9!") }}
+        {%- endif %}
+        {{- '"call_id": "' + message.tool_call_id + '"}[/TOOL_RESULTS]' }}
+    {%- endif %}
+{%- endfor %}"""
+MISTRAL_SMALL32 = """{%- for message in messages %}
+    {%- if message['role'] == 'user' %}
+        {{- '[INST]' + message['content'] + '[/INST]' }}
+    {%- elif message['role'] == 'assistant' %}
+        {%- if message.get('tool_calls') %}
+            {%- for tool_call in message.tool_calls %}
+                {{- '[TOOL_CALLS]' + tool_call.function.name }}
+                {%- if not tool_call.id is defined or tool_call.id is not string or tool_call.id|length != 9 %}
+                    {{- raise_exception("Tool call IDs should be alphanumeric strings with length 9!") }}
+                {%- endif %}
+                {{- '[CALL_ID]' + tool_call.id }}
+                {{- '[ARGS]' + tool_call['function']['arguments']|tojson }}
+            {%- endfor %}
+            {{- eos_token }}
+        {%- elif message['content'] is string %}
+            {{- message['content'] + eos_token }}
+        {%- endif %}
+    {%- elif message['role'] == 'tool_results' or message['role'] == 'tool' %}
+        {%- if message.content is defined and message.content.content is defined %}
+            {%- set content = message.content.content %}
+        {%- else %}
+            {%- set content = message.content %}
+        {%- endif %}
+        {%- if not message.tool_call_id is defined or message.tool_call_id is not string or message['tool_call_id']|length != 9 %}
+            {{- raise_exception("Tool call IDs should be alphanumeric strings with length 9!") }}
+        {%- endif %}
+        {{- '[TOOL_RESULTS]' + message.tool_call_id + '[TOOL_CONTENT]' + content|string + '[/TOOL_RESULTS]' }}
+    {%- endif %}
+{%- endfor %}"""
+DEEPSEEK_V31 = """{%- set ns = namespace(is_first=false, is_tool=false, is_last_user=false) -%}
+{%- for message in messages -%}
+  {%- if message['role'] == 'user' -%}
+    {%- set ns.is_tool = false -%}
+    {%- set ns.is_first = false -%}
+    {%- set ns.is_last_user = true -%}
+    {{'<｜User｜>' + message['content']}}
+  {%- endif -%}
+  {%- if message['role'] == 'assistant' and message['tool_calls'] -%}
+    {%- if ns.is_last_user -%}{{'<｜Assistant｜><think></think>'}}
+    {%- endif -%}
+    {%- set ns.is_last_user = false -%}
+    {%- set ns.is_first = false -%}
+    {%- set ns.is_tool = false -%}
+    {%- for tool in message['tool_calls'] -%}
+      {%- if not ns.is_first -%}
+        {%- if not message['content'] -%}{{'<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>'+ tool['function']['name'] + '<｜tool▁sep｜>' + tool['function']['arguments'] | tojson + '<｜tool▁call▁end｜>'}}
+          {%- else -%}{{message['content'] + '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + tool['function']['name'] + '<｜tool▁sep｜>' + tool['function']['arguments'] | tojson + '<｜tool▁call▁end｜>'}}
+        {%- endif -%}
+        {%- set ns.is_first = true -%}
+        {%- else -%}{{'<｜tool▁call▁begin｜>'+ tool['function']['name'] + '<｜tool▁sep｜>' + tool['function']['arguments'] | tojson + '<｜tool▁call▁end｜>'}}
+      {%- endif -%}
+    {%- endfor -%}
+    {{'<｜tool▁calls▁end｜><｜end▁of▁sentence｜>'}}
+  {%- endif -%}
+  {%- if message['role'] == 'tool' -%}
+    {%- set ns.is_last_user = false -%}
+    {%- set ns.is_tool = true -%}{{'<｜tool▁output▁begin｜>' + message['content'] + '<｜tool▁output▁end｜>'}}
+  {%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt and ns.is_last_user and not ns.is_tool -%}{{'<｜Assistant｜>'}}{{'<think></think>'}}
+{%- endif %}"""
+GPT_OSS = """{%- set last_tool_call = namespace(name=none) %}
+{%- for message in messages -%}
+    {%- if message.role == 'assistant' -%}
+        {%- if "tool_calls" in message %}
+            {%- set tool_call = message.tool_calls[0] %}
+            {%- if tool_call.function %}
+                {%- set tool_call = tool_call.function %}
+            {%- endif %}
+            {{- "<|start|>assistant to=" }}
+            {{- "functions." + tool_call.name + "<|channel|>commentary " }}
+            {{- (tool_call.content_type if tool_call.content_type is defined else "json") + "<|message|>" }}
+            {{- tool_call.arguments|tojson }}
+            {{- "<|call|>" }}
+            {%- set last_tool_call.name = tool_call.name %}
+        {%- else %}
+            {{- "<|start|>assistant<|channel|>final<|message|>" + message.content + "<|end|>" }}
+            {%- set last_tool_call.name = none %}
+        {%- endif %}
+    {%- elif message.role == 'tool' -%}
+        {%- if last_tool_call.name is none %}
+            {{- raise_exception("Message has tool role, but there was no previous assistant message with a tool call!") }}
+        {%- endif %}
+        {{- "<|start|>functions." + last_tool_call.name }}
+        {{- " to=assistant<|channel|>commentary<|message|>" + message.content|tojson + "<|end|>" }}
+    {%- elif message.role == 'user' -%}
+        {{- "<|start|>user<|message|>" + message.content + "<|end|>" }}
+    {%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+<|start|>assistant
+{%- endif -%}"""
+GEMMA4 = """{%- macro format_argument(argument, escape_keys=True) -%}
+    {%- if argument is string -%}
+        {{- '<|"|>' + argument + '<|"|>' -}}
+    {%- elif argument is boolean -%}
+        {{- 'true' if argument else 'false' -}}
+    {%- elif argument is mapping -%}
+        {{- '{' -}}
+        {%- set ns = namespace(found_first=false) -%}
+        {%- for key, value in argument | dictsort -%}
+            {%- if ns.found_first %},{% endif -%}
+            {%- set ns.found_first = true -%}
+            {%- if escape_keys -%}
+                {{- '<|"|>' + key + '<|"|>' -}}
+            {%- else -%}
+                {{- key -}}
+            {%- endif -%}
+            :{{- format_argument(value, escape_keys=escape_keys) -}}
+        {%- endfor -%}
+        {{- '}' -}}
+    {%- elif argument is sequence -%}
+        {{- '[' -}}
+        {%- for item in argument -%}
+            {{- format_argument(item, escape_keys=escape_keys) -}}
+            {%- if not loop.last %},{% endif -%}
+        {%- endfor -%}
+        {{- ']' -}}
+    {%- else -%}
+        {{- argument -}}
+    {%- endif -%}
+{%- endmacro -%}
+{%- set ns = namespace(prev_message_type=None) -%}
+{%- for message in messages -%}
+    {%- set ns.prev_message_type = None -%}
+    {%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}
+        {{- '<|turn>' + role + '\\n' }}
+            {%- if message['tool_calls'] -%}
+                {%- for tool_call in message['tool_calls'] -%}
+                    {%- set function = tool_call['function'] -%}
+                    {{- '<|tool_call>call:' + function['name'] + '{' -}}
+                    {%- if function['arguments'] is mapping -%}
+                        {%- set ns_args = namespace(found_first=false) -%}
+                        {%- for key, value in function['arguments'] | dictsort -%}
+                            {%- if ns_args.found_first %},{% endif -%}
+                            {%- set ns_args.found_first = true -%}
+                            {{- key -}}:{{- format_argument(value, escape_keys=False) -}}
+                        {%- endfor -%}
+                    {%- elif function['arguments'] is string -%}
+                        {{- function['arguments'] -}}
+                    {%- endif -%}
+                    {{- '}<tool_call|>' -}}
+                {%- endfor -%}
+                {%- set ns.prev_message_type = 'tool_call' -%}
+            {%- endif -%}
+            {%- if message['tool_responses'] -%}
+                {%- for tool_response in message['tool_responses'] -%}
+                    {{- '<|tool_response>' -}}
+                    {%- if tool_response['response'] is mapping -%}
+                        {{- 'response:' + tool_response['name'] | default('unknown') + '{' -}}
+                        {%- for key, value in tool_response['response'] | dictsort -%}
+                            {{- key -}}:{{- format_argument(value, escape_keys=False) -}}
+                            {%- if not loop.last %},{% endif -%}
+                        {%- endfor -%}
+                        {{- '}' -}}
+                    {%- else -%}
+                        {{- 'response:' + tool_response['name'] | default('unknown') + '{value:' + format_argument(tool_response['response'], escape_keys=False) + '}' -}}
+                    {%- endif -%}
+                    {{- '<tool_response|>' -}}
+                {%- endfor -%}
+                {%- set ns.prev_message_type = 'tool_response' -%}
+            {%- endif -%}
+            {%- if message['content'] is string -%}
+                {{- message['content'] | trim -}}
+            {%- endif -%}
+        {%- if not (message['tool_responses'] and not message['content']) -%}
+            {{- '<turn|>\\n' -}}
+        {%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {%- if ns.prev_message_type != 'tool_response' -%}
+        {{- '<|turn>model\\n' -}}
+    {%- endif -%}
+{%- endif -%}"""
+
+TOJSON = pytest.mark.xfail(strict=True, reason=(
+    "jinja2's tojson returns Markup, so `'<marker>' + x|tojson` HTML-escapes the marker; transformers and "
+    "llama.cpp render tojson as plain json.dumps: ondevice/templates.py needs that filter"))
+ROUND_TRIP = [  # (family, template, what the tool result must render as)
+    ("hermes", QWEN25, "<tool_response>\n18 C, sunny\n</tool_response>"),
+    ("qwen3_coder", QWEN3_CODER, "<tool_response>\n18 C, sunny\n</tool_response>"),
+    ("llama3", LLAMA32, '<|start_header_id|>ipython<|end_header_id|>\n\n"18 C, sunny"<|eot_id|>'),
+    ("mistral", MISTRAL_NEMO, '[TOOL_RESULTS]{"content": 18 C, sunny, "call_id": "'),
+    ("mistral", MISTRAL_SMALL32, "[TOOL_CONTENT]18 C, sunny[/TOOL_RESULTS]"),
+    pytest.param("deepseek", DEEPSEEK_V31, "<｜tool▁output▁begin｜>18 C, sunny<｜tool▁output▁end｜>", marks=TOJSON),
+    pytest.param("harmony", GPT_OSS, '<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>'
+                 '"18 C, sunny"<|end|>', marks=TOJSON),
+    ("gemma4", GEMMA4, "<|tool_response>response:get_weather{value:<|\"|>18 C, sunny<|\"|>}<tool_response|>"),
+]
+
+
+@pytest.mark.parametrize("family,template,result", ROUND_TRIP)
+def test_calls_round_trip_through_the_family_template(family, template, result):
+    """Our message shapes render through the family's template (ondevice's own sandboxed renderer); the
+    call as the template writes it (what the model learned to write) parses back to the same call, whole
+    and streamed; the tool's result renders the family's way."""
+    from ondevice.chat import render
+
+    user = {"role": "user", "content": "Weather in Paris for 3 days?"}
+    args = {"city": "Paris", "days": 3, "tags": ["a<b", "ü"]}
+    call = {"role": "assistant", "content": None, "tool_calls": [{"id": "call_0123456789abcdef01234567",
+            "type": "function", "function": {"name": "get_weather", "arguments": json.dumps(args)}}]}
+    tool = {"role": "tool", "tool_call_id": "call_0123456789abcdef01234567", "content": "18 C, sunny"}
+    prompt = render(template, TC.template_messages([user], family), eos_token="</s>")
+    history = render(template, TC.template_messages([user, call], family), add_generation_prompt=False,
+                     eos_token="</s>")
+    assert history.startswith(prompt), (prompt, history)
+    written = history[len(prompt):]  # the model's turn, as the template writes it
+    content, calls = TC.parse(written, family, TOOLS)
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [("get_weather", args)]
+    c, cs, _ = _stream(family, list(written))
+    assert [x["function"] for x in cs] == [x["function"] for x in calls]
+    full = render(template, TC.template_messages([user, call, tool], family), eos_token="</s>")
+    assert result in full
+
+
+REAL = {  # llama.cpp's models/templates file → family (DeepSeek's wait for the tojson fix above)
+    "Qwen-Qwen2.5-7B-Instruct.jinja": "hermes", "Qwen-Qwen3-0.6B.jinja": "hermes", "Qwen-QwQ-32B.jinja": "hermes",
+    "NousResearch-Hermes-3-Llama-3.1-8B-tool_use.jinja": "hermes", "ibm-granite-granite-4.0.jinja": "hermes",
+    "Qwen3-Coder.jinja": "qwen3_coder", "Qwen3.5-4B.jinja": "qwen3_coder",
+    "NVIDIA-Nemotron-3-Nano-30B-A3B-BF16.jinja": "qwen3_coder",
+    "meta-llama-Llama-3.1-8B-Instruct.jinja": "llama3", "meta-llama-Llama-3.2-3B-Instruct.jinja": "llama3",
+    "meta-llama-Llama-3.3-70B-Instruct.jinja": "llama3",
+    "mistralai-Mistral-Nemo-Instruct-2407.jinja": "mistral", "Mistral-Small-3.2-24B-Instruct-2506.jinja": "mistral",
+    "mistralai-Ministral-3-14B-Reasoning-2512.jinja": "mistral", "unsloth-mistral-Devstral-Small-2507.jinja": "mistral",
+    "openai-gpt-oss-120b.jinja": "harmony", "google-gemma-4-31B-it.jinja": "gemma4",
+    "google-gemma-4-31B-it-interleaved.jinja": "gemma4", "LFM2-8B-A1B.jinja": "pythonic",
+}
+
+
+@pytest.mark.skipif(not __import__("os").environ.get("ONDEVICE_TEMPLATES_DIR"),
+                    reason="set ONDEVICE_TEMPLATES_DIR to a copy of llama.cpp's models/templates")
+def test_real_templates_round_trip():
+    """With the models' full templates: each is detected as its family, and a past call renders through it
+    (ondevice's renderer, our message shapes) and parses back."""
+    import os
+    from pathlib import Path
+
+    from ondevice.chat import render
+
+    user = {"role": "user", "content": "Weather in Paris?"}
+    call = {"role": "assistant", "content": None, "tool_calls": [{"id": "call_0123456789abcdef01234567",
+            "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]}
+    checked = 0
+    for name, family in REAL.items():
+        f = Path(os.environ["ONDEVICE_TEMPLATES_DIR"]) / name
+        if not f.exists():
+            continue
+        src = f.read_text()
+        assert TC.detect(src) == family, name
+        if family == "pythonic":
+            continue  # LFM2's template does not write calls back
+        history = render(src, TC.template_messages([user, call], family), tools=TOOLS, add_generation_prompt=False)
+        _, calls = TC.parse(history, family, TOOLS)
+        assert [c["function"]["name"] for c in calls][-1:] == ["get_weather"], name
+        checked += 1
+    assert checked
