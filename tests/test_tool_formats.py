@@ -588,3 +588,33 @@ def test_real_templates_round_trip():
         assert [c["function"]["name"] for c in calls][-1:] == ["get_weather"], name
         checked += 1
     assert checked
+
+
+@pytest.mark.parametrize("convention,family,text,reasoning", [
+    (("harmony", "<|channel|>analysis<|message|>", "<|end|>"), "harmony",
+     "<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary "
+     'to=functions.get_weather <|constrain|>json<|message|>{"city":"Paris"}<|call|>', "Need the weather."),
+    (("tags", "<think>", "</think>"), "hermes",
+     '<think>\nThe user wants weather.\n</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": '
+     '"Paris"}}\n</tool_call>', "\nThe user wants weather.\n"),
+    (("tags", "<think>", "</think>"), "qwen3_coder",
+     "<think>\nhm <tool_call> is a tag\n</think>\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n"
+     "</parameter>\n</function>\n</tool_call>", "\nhm <tool_call> is a tag\n"),
+])
+def test_thinking_then_calls_pipeline(convention, family, text, reasoning):
+    """The server's order: the reasoning splitter first, its content deltas into the call stream; a tag
+    inside thinking is not a call, and every cut gives the whole result."""
+    from ondevice import reasoning as R
+
+    thinking = R.Thinking(*convention)
+    for cuts in [[len(text)], *[[i] for i in range(0, len(text), 3)]]:
+        split, calls = R.Splitter(thinking), TC.CallStream(TC.get(family), TOOLS)
+        r = []
+        for piece in [text[:cuts[0]], text[cuts[0]:], None]:
+            rd, cd = split.feed(piece) if piece is not None else split.finish()
+            r.append(rd)
+            calls.feed(cd)
+        calls.finish()
+        assert "".join(r) == reasoning and calls.content.strip() == ""
+        assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls.calls] == [
+            ("get_weather", PARIS)]
