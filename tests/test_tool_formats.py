@@ -45,6 +45,11 @@ CASES = [
      [("get_time", {"zone": "UTC"})]),
     ("qwen3_coder", "<tool_call>\n<function=nope>\n</function>\n</tool_call>",
      "<tool_call>\n<function=nope>\n</function>\n</tool_call>", []),
+    ("glm", "Let me see.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n"
+            "<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n<arg_key>tags</arg_key>\n<arg_value>[\"x\"]</arg_value>\n"
+            "</tool_call>", "Let me see.", [("get_weather", {"city": "Paris", "days": 3, "tags": ["x"]})]),
+    ("glm", "<tool_call>get_time\n</tool_call>", None, [("get_time", {})]),
+    ("glm", "<tool_call>nope\n</tool_call>", "<tool_call>nope\n</tool_call>", []),
     ("llama3", '{"name": "get_weather", "parameters": {"city": "Paris"}}', None, [("get_weather", PARIS)]),
     ("llama3", '<|python_tag|>{"name": "get_time", "parameters": {"zone": "PST"}}', None,
      [("get_time", {"zone": "PST"})]),
@@ -152,6 +157,7 @@ def test_content_before_a_call_streams_before_it_ends():
 def test_detect_families_from_template_markers():
     assert TC.detect("{{- '<tool_call>\\n{\"name\": \"' }}") == "hermes"
     assert TC.detect("<tool_call>\\n<function=example_function_name>") == "qwen3_coder"
+    assert TC.detect("<tool_call>{function-name}\n<arg_key>{arg-key-1}</arg_key>") == "glm"
     assert TC.detect("{{- '<|start_header_id|>ipython<|end_header_id|>\\n\\n' }}") == "llama3"
     assert TC.detect('{{- "[TOOL_CALLS][" }}') == "mistral"
     assert TC.detect("{{'<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>'}}") == "deepseek"
@@ -183,6 +189,7 @@ HOSTILE = [
     ("harmony", "<|channel|>commentary to=functions." * 30_000),
     ("gemma4", "<|tool_call>call:get_weather{" + "<|\"|>" * 200_000),
     ("pythonic", "[get_weather(" + "(" * 1_000_000),
+    ("glm", "<tool_call>get_weather\n" + "<arg_key>city</arg_key><arg_value>" * 40_000),
     ("pythonic", "\n[" * 500_000),
     ("pythonic", "<|tool_call_start|>[" + "get_weather(city=1)," * 50_000 + "]<|tool_call_end|>"),
     ("hermes", "```" + "`" * 1_000_000),
@@ -547,7 +554,7 @@ def test_calls_round_trip_through_the_family_template(family, template, result):
     assert result in full
 
 
-REAL = {  # llama.cpp's models/templates file → family (DeepSeek's wait for the tojson fix above)
+REAL = {  # llama.cpp's models/templates file → family (DeepSeek and GLM wait for the tojson fix above)
     "Qwen-Qwen2.5-7B-Instruct.jinja": "hermes", "Qwen-Qwen3-0.6B.jinja": "hermes", "Qwen-QwQ-32B.jinja": "hermes",
     "NousResearch-Hermes-3-Llama-3.1-8B-tool_use.jinja": "hermes", "ibm-granite-granite-4.0.jinja": "hermes",
     "Qwen3-Coder.jinja": "qwen3_coder", "Qwen3.5-4B.jinja": "qwen3_coder",

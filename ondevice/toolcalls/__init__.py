@@ -6,6 +6,7 @@ Families (``detect`` reads the template text):
   - ``hermes``: Hermes / Qwen2.5 / Qwen3 ``<tool_call>{"name", "arguments"}</tool_call>`` (and the bare
     object a template with special-token tags leaves);
   - ``qwen3_coder``: Qwen3-Coder / Qwen3.5 ``<tool_call><function=f><parameter=k>v</parameter>…``;
+  - ``glm``: GLM-4.5 / 4.6 / 4.7 ``<tool_call>f\n<arg_key>k</arg_key>\n<arg_value>v</arg_value></tool_call>``;
   - ``llama3``: Llama 3.x ``{"name", "parameters"}``, bare or after ``<|python_tag|>``;
   - ``mistral``: ``[TOOL_CALLS][{...}, ...]`` (v0.3, Nemo) and ``[TOOL_CALLS]f[ARGS]{...}`` (Small 3.2,
     Ministral, Magistral, Devstral); ids of 9 letters / digits, as their templates require;
@@ -32,7 +33,7 @@ from collections.abc import Sequence
 from ondevice.toolcalls.base import call_id
 from ondevice.toolcalls.engine import CallStream, Family
 from ondevice.toolcalls.json_calls import DeepSeekCall, Drop, HarmonyCall, HermesCall, JsonCall, MistralCalls
-from ondevice.toolcalls.text_calls import GemmaCall, PythonicCall, XmlCall
+from ondevice.toolcalls.text_calls import GemmaCall, GlmCall, PythonicCall, XmlCall
 
 __all__ = ["FAMILIES", "CallStream", "Family", "call_id", "detect", "get", "parse", "template_messages"]
 
@@ -44,6 +45,7 @@ class _LlamaCall(JsonCall):
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("hermes", {"<tool_call>": HermesCall}, {"{": JsonCall}),
     Family("qwen3_coder", {"<tool_call>": XmlCall, "<function=": XmlCall}),
+    Family("glm", {"<tool_call>": GlmCall}),
     Family("llama3", {"<|python_tag|>": _LlamaCall}, {"{": _LlamaCall}),
     Family("mistral", {"[TOOL_CALLS]": MistralCalls}, id_style="mistral"),
     Family("deepseek", {"<｜tool▁calls▁begin｜>": Drop, "<｜tool▁calls▁end｜>": Drop,
@@ -62,6 +64,8 @@ def detect(template: str | None) -> str:
         return "harmony"
     if "<|tool_call>" in t:
         return "gemma4"
+    if "<arg_key>" in t:
+        return "glm"
     if "<tool_call>" in t:
         return "qwen3_coder" if "<function=" in t else "hermes"
     if "[TOOL_CALLS]" in t:

@@ -83,18 +83,9 @@ class XmlCall(Region):
                 v = v[1:] if v.startswith("\n") else v
                 v = v[:-1] if v.endswith("\n") else v
                 self.sink.add_args(self.index, ("{" if self.n == 0 else ", ") + json.dumps(self.key, ensure_ascii=False)
-                               + ": " + json.dumps(self._typed(v), ensure_ascii=False))
+                               + ": " + json.dumps(_typed(self.sink, self.name, self.key, v), ensure_ascii=False))
                 self.n += 1
                 self.pos, self.phase = j + len("</parameter>"), "param"
-
-    def _typed(self, v: str):
-        spec = ((self.sink.params.get(self.name) or {}).get("properties") or {}).get(self.key)
-        if not isinstance(spec, dict) or spec.get("type", "string") == "string":
-            return v
-        try:
-            return json.loads(v)
-        except json.JSONDecodeError:
-            return v
 
     def _close(self, end: int) -> tuple[str, int]:
         self.sink.add_args(self.index, "}" if self.n else "{}")
@@ -236,3 +227,70 @@ class PythonicCall(Region):
                 text = json.dumps({k: repr(v) for k, v in args.items()}, ensure_ascii=False)
             self.sink.add_args(self.sink.start(name), text)
         return "done", end
+
+
+class GlmCall(Region):
+    """GLM-4.5 / 4.6 / 4.7: ``<tool_call>name\\n<arg_key>k</arg_key>\\n<arg_value>v</arg_value>\\n</tool_call>``;
+    a value is text, JSON by the parameter's schema type (as ``XmlCall``); streamed a parameter at a time."""
+
+    def __init__(self, b: str, start: int, opener: str, sink: Sink) -> None:
+        super().__init__(b, start, opener, sink)
+        self.phase, self.index, self.n, self.key, self.name, self.search = "name", 0, 0, "", "", 0
+
+    def advance(self, b: str, final: bool) -> tuple[str, int] | None:
+        while True:
+            if self.phase == "name":
+                m = _GLM_NAME_END.search(b, self.pos, self.pos + MAX_HEAD)
+                if m is None:
+                    return None if not final and len(b) < self.pos + MAX_HEAD else self.reject()
+                self.name = b[self.pos:m.start()].strip()
+                if not NAME.fullmatch(self.name) or not self.sink.known(self.name):
+                    return self.reject()
+                self.index, self.started = self.sink.start(self.name), True
+                self.pos, self.phase = m.start(), "key"
+                continue
+            i = skip_ws(b, self.pos)
+            if self.phase == "key":
+                lit = _wait_or(b, i, ("<arg_key>", "</tool_call>"), final)
+                if lit is None:
+                    return None
+                if lit != "<arg_key>":
+                    return self._close(i + len(lit))
+                j = b.find("</arg_key>", i, i + MAX_HEAD)
+                if j < 0:
+                    return None if not final and len(b) < i + MAX_HEAD else self._close(i)
+                self.key, self.pos, self.phase = b[i + len(lit):j].strip(), j + len("</arg_key>"), "value"
+            else:
+                lit = _wait_or(b, i, ("<arg_value>",), final)
+                if lit is None:
+                    return None
+                if not lit:
+                    return self._close(i)
+                self.search = max(self.search, i + len(lit))
+                j = b.find("</arg_value>", self.search)
+                if j < 0:
+                    self.search = max(self.search, len(b) - len("</arg_value>") + 1)
+                    return self._close(len(b)) if final else None
+                v = b[i + len(lit):j]
+                self.sink.add_args(self.index, ("{" if self.n == 0 else ", ") + json.dumps(self.key, ensure_ascii=False)
+                                   + ": " + json.dumps(_typed(self.sink, self.name, self.key, v), ensure_ascii=False))
+                self.n += 1
+                self.pos, self.phase, self.search = j + len("</arg_value>"), "key", 0
+
+    def _close(self, end: int) -> tuple[str, int]:
+        self.sink.add_args(self.index, "}" if self.n else "{}")
+        return "done", end
+
+
+_GLM_NAME_END = re.compile(r"\n|<arg_key>|</tool_call>")
+
+
+def _typed(sink: Sink, name: str, key: str, v: str):
+    """A parameter's text as its schema type: strings (or no schema) stay text, others are JSON if they parse."""
+    spec = ((sink.params.get(name) or {}).get("properties") or {}).get(key)
+    if not isinstance(spec, dict) or spec.get("type", "string") == "string":
+        return v
+    try:
+        return json.loads(v)
+    except json.JSONDecodeError:
+        return v
