@@ -62,6 +62,7 @@ CASES = [
     ("mistral", 'Checking.[TOOL_CALLS]get_weather[CALL_ID]a1b2c3d4e[ARGS]{"city": "Paris"}', "Checking.",
      [("get_weather", PARIS)]),
     ("mistral", "[TOOL_CALLS]oops no args", "[TOOL_CALLS]oops no args", []),
+    ("mistral", 'Run:\n```\n{"name": "get_time", "arguments": {"zone": "CET"}}\n```', "Run:", [("get_time", {"zone": "CET"})]),
     ("deepseek", "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
                  '{"city": "Paris"}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_time\n```json\n'
                  '{"zone": "CET"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>', None,
@@ -79,6 +80,8 @@ CASES = [
      None, [("get_time", {}), ("get_time", {"zone": "UTC"})]),
     ("gemma4", "<|tool_call>call:get_time{zone:<|\"|>unclosed}<tool_call|>",
      "<|tool_call>call:get_time{zone:<|\"|>unclosed}<tool_call|>", []),
+    ("function_gemma", "<start_function_call>call:get_weather{city:<escape>Paris<escape>,days:3}<end_function_call>",
+     None, [("get_weather", {"city": "Paris", "days": 3})]),
     ("pythonic", '<|tool_call_start|>[get_weather(city="Paris", days=3), get_time(zone=\'CET\')]<|tool_call_end|>'
                  "Done.", "Done.", [("get_weather", {"city": "Paris", "days": 3}), ("get_time", {"zone": "CET"})]),
     ("pythonic", 'Calling.\n[get_weather(city="Paris")]\n', "Calling.", [("get_weather", PARIS)]),
@@ -131,7 +134,7 @@ def test_parse_whole_and_every_cut(family, text, content, calls):
     c, cs, deltas = _stream(family, list(text))
     assert (c, [x["function"] for x in cs]) == whole
     name_first = text.find('"name"') < text.find('"arguments"') or '"name"' not in text
-    if family not in ("gemma4", "pythonic") and calls and calls[0][1] and name_first:  # arguments in pieces
+    if family not in ("gemma4", "function_gemma", "pythonic") and calls and calls[0][1] and name_first:
         assert sum(1 for d in deltas for tc in d.get("tool_calls", []) if tc["index"] == 0) > 2
 
 
@@ -164,6 +167,7 @@ def test_detect_families_from_template_markers():
     assert TC.detect('{{- "<|start|>assistant<|channel|>final<|message|>" }}') == "harmony"
     assert TC.detect("{{- '<|tool_call>call:' + function['name'] + '{' -}}") == "gemma4"
     assert TC.detect('"List of tools: <|tool_list_start|>["') == "pythonic"
+    assert TC.detect("{{- '<start_function_call>call:' + function['name'] }}") == "function_gemma"
     assert TC.detect("{{ message.content }}") == "json" and TC.detect(None) == "json"
     with pytest.raises(KeyError, match="unknown tool-call family 'x'"):
         TC.get("x")

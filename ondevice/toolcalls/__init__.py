@@ -13,7 +13,9 @@ Families (``detect`` reads the template text):
   - ``deepseek``: ``<｜tool▁call▁begin｜>`` in R1's and V3.1's forms;
   - ``harmony``: gpt-oss ``<|channel|>commentary to=functions.f <|constrain|>json<|message|>{...}<|call|>``
     (run ``ondevice.reasoning.Splitter`` first: it passes these through and takes the analysis out);
-  - ``gemma4``: ``<|tool_call>call:f{k:<|"|>v<|"|>}<tool_call|>``;
+  - ``gemma4``: ``<|tool_call>call:f{k:<|"|>v<|"|>}<tool_call|>``; ``function_gemma`` (FunctionGemma, the
+    Gemma 3 tool model): ``<start_function_call>call:f{k:<escape>v<escape>}<end_function_call>`` (Gemma 3's
+    own template has no tool format);
   - ``pythonic``: ``[f(a=1), g(b="x")]`` (LFM2 / LFM2.5, Llama 4), read with ``ast``, never evaluated;
   - ``json``: any other template: a bare ``{"name", "arguments"}`` object on its own line.
 Every family also finds its calls inside a markdown code fence.
@@ -33,7 +35,7 @@ from collections.abc import Sequence
 from ondevice.toolcalls.base import call_id
 from ondevice.toolcalls.engine import CallStream, Family
 from ondevice.toolcalls.json_calls import DeepSeekCall, Drop, HarmonyCall, HermesCall, JsonCall, MistralCalls
-from ondevice.toolcalls.text_calls import GemmaCall, GlmCall, PythonicCall, XmlCall
+from ondevice.toolcalls.text_calls import FunctionGemmaCall, GemmaCall, GlmCall, PythonicCall, XmlCall
 
 __all__ = ["FAMILIES", "CallStream", "Family", "call_id", "detect", "get", "parse", "template_messages"]
 
@@ -52,6 +54,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
                         "<｜tool▁call▁begin｜>": DeepSeekCall}),
     Family("harmony", {"<|channel|>": HarmonyCall, "to=functions.": HarmonyCall}),
     Family("gemma4", {"<|tool_call>": GemmaCall}),
+    Family("function_gemma", {"<start_function_call>": FunctionGemmaCall}),
     Family("pythonic", {"<|tool_call_start|>": PythonicCall}, {"[": PythonicCall}),
     Family("json", {}, {"{": JsonCall}),
 )}
@@ -64,6 +67,8 @@ def detect(template: str | None) -> str:
         return "harmony"
     if "<|tool_call>" in t:
         return "gemma4"
+    if "<start_function_call>" in t:
+        return "function_gemma"
     if "<arg_key>" in t:
         return "glm"
     if "<tool_call>" in t:

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ondevice.toolcalls.base import Region, RegionFactory, Sink, partial, skip_ws
+from ondevice.toolcalls.json_calls import JsonCall
 
 FENCE = "```"
 
@@ -58,6 +59,8 @@ class _Fence(Region):
                 return None
             elif rest[:1] in self.family.bare:
                 self.inner = self.family.bare[rest[0]](b, i, "", self.sink)
+            elif rest[:1] == "{":  # a JSON call object in a fence, whatever the family's own format
+                self.inner = JsonCall(b, i, "", self.sink)
             else:
                 return self.reject()
             self.phase = "inner"
@@ -154,7 +157,9 @@ class CallStream:
                     continue
             r = self.region.advance(b, final)
             if r is None:
-                break
+                if not final:
+                    break
+                r = ("done", len(b)) if self.region.started else self.region.reject()  # regions decide at the end
             self.region = None
             if r[0] == "reject":
                 sink.text(b[p:r[1]])

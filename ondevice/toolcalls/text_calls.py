@@ -92,10 +92,9 @@ class XmlCall(Region):
         return "done", end
 
 
-def gemma_to_json(text: str) -> str:
-    """Gemma 4's argument syntax (bare keys, strings between ``<|"|>``) as JSON text; ValueError if it is
-    not that syntax."""
-    q = '<|"|>'
+def gemma_to_json(text: str, q: str = '<|"|>') -> str:
+    """Gemma's argument syntax (bare keys, strings between ``q``: Gemma 4's ``<|"|>``, FunctionGemma's
+    ``<escape>``) as JSON text; ValueError if it is not that syntax."""
     out, i, n = [], 0, len(text)
     while i < n:
         if text.startswith(q, i):
@@ -128,7 +127,7 @@ def gemma_to_json(text: str) -> str:
 class GemmaCall(Region):
     """Gemma 4: ``<|tool_call>call:name{key:<|"|>text<|"|>,n:3}<tool_call|>``; sent when complete."""
 
-    END = "<tool_call|>"
+    END, QUOTE = "<tool_call|>", '<|"|>'
 
     def __init__(self, b: str, start: int, opener: str, sink: Sink) -> None:
         super().__init__(b, start, opener, sink)
@@ -143,7 +142,7 @@ class GemmaCall(Region):
         if m is None or not self.sink.known(m.group(1)):
             return self.reject()
         try:
-            args = json.loads(gemma_to_json(m.group(2)))
+            args = json.loads(gemma_to_json(m.group(2), self.QUOTE))
         except (ValueError, RecursionError):
             return self.reject()
         if not isinstance(args, dict):
@@ -151,6 +150,12 @@ class GemmaCall(Region):
         self.started = True
         self.sink.add_args(self.sink.start(m.group(1)), json.dumps(args, ensure_ascii=False))
         return "done", j + len(self.END)
+
+
+class FunctionGemmaCall(GemmaCall):
+    """FunctionGemma (Gemma 3 270M): ``<start_function_call>call:name{k:<escape>v<escape>}<end_function_call>``."""
+
+    END, QUOTE = "<end_function_call>", "<escape>"
 
 
 def _dotted(node: ast.AST) -> str | None:
