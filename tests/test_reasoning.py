@@ -154,3 +154,21 @@ def test_hostile_text_is_linear(thinking, text):
     rs, cs = _stream(thinking, [text[i:i + 7] for i in range(0, len(text), 7)])
     assert ("".join(rs) or None, "".join(cs)) == whole
     assert time.perf_counter() - t0 < 10  # ~1 MB cut in 7-character pieces; quadratic work would take minutes
+
+
+def test_fuzz_any_cut_gives_the_whole_split():
+    """Seeded random texts built from the markers' pieces, for every convention, cut at random places."""
+    import random
+
+    rng = random.Random(38)
+    parts = ["<think>", "</think>", "<thi", "</", "[THINK]", "[/THINK]", "<|channel>thought", "<channel|>", "<|start|>",
+             "<|channel|>", "analysis", "final", "commentary to=functions.f", "<|message|>", "<|end|>", "<|return|>",
+             "<|call|>", "<|", "|>", " ", "\n", "x", "hello"]
+    conventions = [THINK, OPENED, HARMONY, R.detect(MAGISTRAL), R.detect(GEMMA4), None]
+    for _ in range(3000):
+        text = "".join(rng.choice(parts) for _ in range(rng.randint(0, 12)))
+        thinking = rng.choice(conventions)
+        whole = R.split(text, thinking)
+        cuts = sorted(rng.randint(0, len(text)) for _ in range(rng.randint(1, 4)))
+        rs, cs = _stream(thinking, _pieces(text, cuts))
+        assert ("".join(rs) or None, "".join(cs)) == whole, (thinking, text, cuts)

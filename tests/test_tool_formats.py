@@ -62,6 +62,10 @@ CASES = [
     ("mistral", 'Checking.[TOOL_CALLS]get_weather[CALL_ID]a1b2c3d4e[ARGS]{"city": "Paris"}', "Checking.",
      [("get_weather", PARIS)]),
     ("mistral", "[TOOL_CALLS]oops no args", "[TOOL_CALLS]oops no args", []),
+    # a committed call whose JSON then breaks keeps its arguments as written; the rest is content
+    ("mistral", '[TOOL_CALLS]get_time[ARGS]{"zone": "CET "x"}', 'x"}', [("get_time", None)]),
+    ("hermes", '<tool_call>\n{"name": "get_time", "arguments": {"zone": "a"}<bad>}\n</tool_call>',
+     "<bad>}\n</tool_call>", [("get_time", {"zone": "a"})]),
     ("mistral", 'Run:\n```\n{"name": "get_time", "arguments": {"zone": "CET"}}\n```', "Run:", [("get_time", {"zone": "CET"})]),
     ("deepseek", "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
                  '{"city": "Paris"}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_time\n```json\n'
@@ -629,3 +633,29 @@ def test_thinking_then_calls_pipeline(convention, family, text, reasoning):
         assert "".join(r) == reasoning and calls.content.strip() == ""
         assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls.calls] == [
             ("get_weather", PARIS)]
+
+
+def test_fuzz_mutated_outputs_never_raise_and_any_cut_gives_the_whole():
+    """Seeded random edits of every case (markers, brackets, quotes inserted, characters dropped), parsed
+    by its own family and a random other one, cut at three random places."""
+    import random
+
+    rng = random.Random(38)
+    alphabet = [*'{}[]":,<>|\\\n `', "<tool_call>", "</tool_call>", "[TOOL_CALLS]", "[ARGS]", "<|channel|>",
+                "<|message|>", "<|call|>", "```", "<function=", "</parameter>", '<|"|>', "<tool_call|>", "call:",
+                "get_weather", '"name"', '"arguments"', "<arg_key>", "</arg_value>", "<｜tool▁sep｜>"]
+    for _ in range(600):
+        family, text = rng.choice(CASES)[:2]
+        t = list(text)
+        for _ in range(rng.randint(1, 4)):
+            k = rng.randrange(len(t) + 1)
+            if rng.random() < 0.4 and t:
+                del t[min(k, len(t) - 1)]
+            else:
+                t.insert(k, rng.choice(alphabet))
+        text = "".join(t)
+        for fam in (family, rng.choice(list(TC.FAMILIES))):
+            whole = TC.parse(text, fam, TOOLS)
+            cuts = sorted(rng.sample(range(len(text) + 1), 3))
+            c, cs, _ = _stream(fam, [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)])
+            assert (c, [x["function"] for x in cs]) == (whole[0], [x["function"] for x in whole[1]]), (fam, text, cuts)

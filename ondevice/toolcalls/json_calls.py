@@ -64,9 +64,7 @@ class JsonCall(Region):
             self.scan = ObjectScan(i)
         sc = self.scan
         if sc.end is None:
-            sc.advance(b)
-            if sc.bad:
-                return self.reject() if not self.started else ("done", sc.pos)
+            sc.advance(b)  # the commit below depends only on the text before any bad character: cut-invariant
             if self.name is None and (raw := value_text(b, sc.members.get("name"))) is not None:
                 name = json_str(raw)
                 if name is None or not self.sink.known(name):
@@ -77,6 +75,8 @@ class JsonCall(Region):
                 if self.out is None:
                     self.out, self.started = _Args(self.sink, self.name), True
                 self.out.send(b, sc.members[key], sc.pos)
+            if sc.bad:
+                return self.reject() if not self.started else ("done", sc.pos)
             if sc.end is None:
                 if not final:
                     return None
@@ -121,9 +121,9 @@ class HeadArgs(Region):
         sc = self.scan
         if sc.end is None:
             sc.advance(b)
+            self.out.send(b, [self.obj, sc.end], sc.pos)  # up to a bad character too: cut-invariant
             if sc.bad:
                 return "done", sc.pos
-            self.out.send(b, [self.obj, sc.end], sc.pos)
             if sc.end is None:
                 return ("done", len(b)) if final else None
             self.pos = sc.end
