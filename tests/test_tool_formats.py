@@ -30,6 +30,10 @@ CASES = [
     ("hermes", '<tool_call>\n{"name": "get_time"}\n</tool_call>', None, [("get_time", {})]),
     ("hermes", 'I will call:\n```json\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n```', "I will call:",
      [("get_weather", PARIS)]),
+    ("hermes", 'Two:\n```json\n{"name": "get_time", "arguments": {"zone": "CET"}}\n{"name": "get_time", "arguments": {}}\n```\n'
+               "ok", "Two:\n\nok", [("get_time", {"zone": "CET"}), ("get_time", {})]),
+    ("llama3", '```\n<|python_tag|>{"name": "get_time", "parameters": {}}\n{"x": 1}\n```', '{"x": 1}\n```',
+     [("get_time", {})]),
     ("hermes", "<tool_call>\n{\"name\": \"launch\", \"arguments\": {}}\n</tool_call>",
      "<tool_call>\n{\"name\": \"launch\", \"arguments\": {}}\n</tool_call>", []),
     ("hermes", '{"answer": 42}\nplain', '{"answer": 42}\nplain', []),

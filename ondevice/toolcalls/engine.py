@@ -50,37 +50,47 @@ class _Fence(Region):
                 return None if len(b) < self.pos + 33 and not final else self.reject()
             if not re.fullmatch(r"[\w+.-]*[ \t]*", b[self.pos:nl]):
                 return self.reject()
-            i = skip_ws(b, nl + 1)
-            rest = b[i:i + 64]
-            opener = next((m for m in self.family.openers if rest.startswith(m)), None)
-            if opener is not None:
-                self.inner = self.family.openers[opener](b, i, opener, self.sink)
-            elif not final and (i >= len(b) or any(m.startswith(rest) for m in self.family.openers)):
+            inner = self._inner(b, skip_ws(b, nl + 1), final)
+            if inner is None:
                 return None
-            elif rest[:1] in self.family.bare:
-                self.inner = self.family.bare[rest[0]](b, i, "", self.sink)
-            elif rest[:1] == "{":  # a JSON call object in a fence, whatever the family's own format
-                self.inner = JsonCall(b, i, "", self.sink)
-            else:
+            if inner is False:
                 return self.reject()
-            self.phase = "inner"
-        if self.phase == "inner":
-            r = self.inner.advance(b, final)
-            if r is None:
+            self.inner, self.phase = inner, "inner"
+        while True:
+            if self.phase == "inner":
+                r = self.inner.advance(b, final)
+                if r is None:
+                    return None
+                if r[0] == "reject":  # text after the fence's calls, or no call at all
+                    return ("done", self.inner.start) if self.started else self.reject()
+                self.started, self.pos, self.phase = True, r[1], "close"
+            i = skip_ws(b, self.pos)  # the closing fence, or another call
+            if b.startswith(FENCE, i):
+                return "done", i + len(FENCE)
+            if not final and FENCE.startswith(b[i:i + 3]):
                 return None
-            if r[0] == "reject":
-                return self.reject()
-            self.pos, self.phase = r[1], "close"
-        i = skip_ws(b, self.pos)  # the closing fence, if it is there
-        if b.startswith(FENCE, i):
-            return "done", i + len(FENCE)
-        if not final and FENCE.startswith(b[i:i + 3]):
+            inner = self._inner(b, i, final)
+            if inner is None:
+                return None
+            if inner is False:
+                return "done", self.pos
+            self.inner, self.phase = inner, "inner"
+
+    def _inner(self, b: str, i: int, final: bool) -> Region | None | bool:
+        """The call region starting at ``i``; None: more text may tell; False: no call starts there."""
+        rest = b[i:i + 64]
+        opener = next((m for m in self.family.openers if rest.startswith(m)), None)
+        if opener is not None:
+            return self.family.openers[opener](b, i, opener, self.sink)
+        if not final and (i >= len(b) or any(m.startswith(rest) for m in self.family.openers)):
             return None
-        return "done", self.pos
+        if rest[:1] in self.family.bare:
+            return self.family.bare[rest[0]](b, i, "", self.sink)
+        if rest[:1] == "{":  # a JSON call object in a fence, whatever the family's own format
+            return JsonCall(b, i, "", self.sink)
+        return False
 
     def reject(self) -> tuple[str, int]:
-        if self.inner is not None and self.inner.started:
-            return "done", self.inner.pos
         return "reject", self.start + len(FENCE)
 
 
