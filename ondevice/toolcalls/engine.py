@@ -10,6 +10,8 @@ from ondevice.toolcalls.base import Region, RegionFactory, Sink, partial, skip_w
 from ondevice.toolcalls.json_calls import JsonCall
 
 FENCE = "```"
+# a bare opener followed by what no call has next: a JSON call's first key is a string; a pythonic call a name
+_NO_CALL = {"{": re.compile(r'\{[ \t\r\n]*[^ \t\r\n"}]'), "[": re.compile(r"\[\s*[^\sA-Za-z0-9_.\-]")}
 
 
 @dataclass(frozen=True)
@@ -156,6 +158,10 @@ class CallStream:
                 if g in self.family.openers:
                     self.region = self.family.openers[g](b, i, g, sink)
                 elif b[i] != "`":
+                    if _NO_CALL[b[i]].match(b, i):  # what the region would reject at once, without one
+                        sink.text(b[i])
+                        p = i + 1
+                        continue
                     self.region = self.family.bare[b[i]](b, i, "", sink)
                 elif b.startswith(FENCE, i):
                     self.region = _Fence(b, i, FENCE, sink, self.family)
