@@ -93,7 +93,7 @@ CASES = [  # (convention, model output, expected thinking, expected answer)
 ]
 
 
-@pytest.mark.parametrize("thinking,text,want_r,want_c", CASES)
+@pytest.mark.parametrize("thinking,text,want_r,want_c", CASES, ids=[f"case{i}" for i in range(len(CASES))])
 def test_exact_split_and_every_cut_gives_the_same(thinking, text, want_r, want_c):
     assert R.split(text, thinking) == (want_r, want_c)
     for i in range(len(text) + 1):  # two pieces, cut at every boundary
@@ -108,7 +108,8 @@ def test_exact_split_and_every_cut_gives_the_same(thinking, text, want_r, want_c
                 assert ("".join(rs) or None, "".join(cs)) == (want_r, want_c), (i, j)
 
 
-@pytest.mark.parametrize("thinking,text", [(c[0], c[1]) for c in CASES if c[0] is not None])
+@pytest.mark.parametrize("thinking,text", [(c[0], c[1]) for c in CASES if c[0] is not None],
+                         ids=[f"case{i}" for i, c in enumerate(CASES) if c[0] is not None])
 def test_markers_never_reach_content_deltas(thinking, text):
     """No content delta, however the text is cut, carries a marker or a start of one that the text later
     completes (a held-back tail that turns out to be text goes out in a later delta)."""
@@ -147,7 +148,7 @@ def test_in_thinking_tracks_the_block():
     (HARMONY, ("<|start|>" + "a" * 200) * 5000),
     (HARMONY, "<|start|>" + "a" * 250 + "<|message|>x"),
     (THINK, " " * (1 << 20) + "<think>x"),
-])
+], ids=[f"hostile{i}" for i in range(8)])
 def test_hostile_text_is_linear(thinking, text):
     t0 = time.perf_counter()
     whole = R.split(text, thinking)

@@ -131,7 +131,7 @@ def _stream(family, pieces):
     return s.content.strip() or None, s.calls, deltas
 
 
-@pytest.mark.parametrize("family,text,content,calls", CASES)
+@pytest.mark.parametrize("family,text,content,calls", CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
 def test_parse_whole_and_every_cut(family, text, content, calls):
     got_content, got_calls = TC.parse(text, family, TOOLS)
     assert (got_content, _shape(got_calls)) == (content, calls)
@@ -541,7 +541,9 @@ ROUND_TRIP = [  # (family, template, what the tool result must render as)
 ]
 
 
-@pytest.mark.parametrize("family,template,result", ROUND_TRIP)
+@pytest.mark.parametrize("family,template,result", ROUND_TRIP,
+                         ids=["hermes", "qwen3_coder", "llama3", "mistral_nemo", "mistral_small", "deepseek", "harmony",
+                              "gemma4"])
 def test_calls_round_trip_through_the_family_template(family, template, result):
     """Our message shapes render through the family's template (ondevice's own sandboxed renderer); the
     call as the template writes it (what the model learned to write) parses back to the same call, whole
@@ -609,7 +611,7 @@ def test_real_templates_round_trip():
     assert checked
 
 
-@pytest.mark.parametrize("convention,family,text,reasoning", [
+@pytest.mark.parametrize("convention,family,text,reasoning", ids=["harmony", "hermes", "qwen3_coder"], argvalues=[
     (("harmony", "<|channel|>analysis<|message|>", "<|end|>"), "harmony",
      "<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary "
      'to=functions.get_weather <|constrain|>json<|message|>{"city":"Paris"}<|call|>', "Need the weather."),
