@@ -1,0 +1,337 @@
+"""A target's own MTP (NextN) head, run through llama.cpp's graph (``LLAMA_CONTEXT_TYPE_MTP``).
+
+Models such as Qwen3.5 / 3.6 and GLM-4.5+ store, after their trunk blocks, ``nextn_predict_layers`` extra
+blocks trained to predict one token further. llama.cpp loads them with ``llama_model_params.load_mtp`` and
+runs them in a second context of type MTP on the same model: its input at position p is the token x_p and
+the target's final-norm hidden state h_{p-1} (``h_nextn``), its output the logits of x_{p+1} and its own
+``h_nextn``, which feeds the next step of a chain (deeper than the model's trained depth).
+
+The protocol (what llama.cpp's reference driver does, written against our loop):
+
+- the target context outputs ``h_nextn`` for every token it decodes (``llama_set_embeddings_nextn(ctx, True,
+  masked=False)``); after each target decode the caller passes those rows to ``MtpHead.observe``, which
+  writes the pairs (x_p, h_{p-1}) into the MTP context's own KV cache (one MTP pass, no LM head);
+- ``MtpHead.draft`` chains from the bonus token at position n_past: the head's logits pick each next
+  token (the caller's ``choose``), and its KV entries for the drafted positions are dropped afterwards (the
+  verify pass's ``observe`` writes the true pairs);
+- after acceptance ``MtpHead.rollback(n_past)`` keeps the MTP cache below n_past and takes h_{n_past-1} from
+  the rows last observed.
+
+The C++-linkage functions of ``llama-ext.h`` are bound here from the loaded libllama by their mangled names
+(``_ext``); a build without them is refused in one line. ``MtpTarget`` is a minimal target (load with MTP
+layers, decode, roll back) for tests and measurements; the runtime's ``LlamaBackend`` needs the same three
+things: ``load_mtp``, the nextn rows after each decode, and ``n_rs_seq`` for hybrid (recurrent) trunks.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from ondevice.errors import OndeviceError
+
+# (plain name, Itanium mangled name, MSVC mangled name), argtypes, restype — from llama-ext.h.
+_EXT = {
+    "set_embeddings_nextn": (("llama_set_embeddings_nextn", "_Z26llama_set_embeddings_nextnP13llama_contextbb",
+                              "?llama_set_embeddings_nextn@@YAXPEAUllama_context@@_N1@Z"),
+                             [ctypes.c_void_p, ctypes.c_bool, ctypes.c_bool], None),
+    "get_embeddings_nextn_ith": (("llama_get_embeddings_nextn_ith", "_Z30llama_get_embeddings_nextn_ithP13llama_contexti",
+                                  "?llama_get_embeddings_nextn_ith@@YAPEAMPEAUllama_context@@H@Z"),
+                                 [ctypes.c_void_p, ctypes.c_int32], ctypes.POINTER(ctypes.c_float)),
+    "set_nextn_layer_offset": (("llama_set_nextn_layer_offset", "_Z28llama_set_nextn_layer_offsetP13llama_contexti",
+                                "?llama_set_nextn_layer_offset@@YAXPEAUllama_context@@H@Z"),
+                               [ctypes.c_void_p, ctypes.c_int32], None),
+}
+_BOUND: dict[str, object] = {}
+
+
+def _ext(name: str):
+    """The C++-linkage function ``name`` of libllama, bound once; a one-line error when this build lacks it."""
+    if name not in _BOUND:
+        import llama_cpp
+
+        symbols, argtypes, restype = _EXT[name]
+        for sym in symbols:
+            fn = getattr(llama_cpp.llama_cpp._lib, sym, None)
+            if fn is not None:
+                fn.argtypes, fn.restype = argtypes, restype
+                _BOUND[name] = fn
+                break
+        else:
+            raise OndeviceError(f"this llama.cpp build has no llama_{name} (llama-ext.h); MTP heads need "
+                                "llama-cpp-python 0.3.36 or newer")
+    return _BOUND[name]
+
+
+def n_layer_nextn(model) -> int:
+    """MTP (NextN) blocks of a loaded llama.cpp model (0: none)."""
+    import llama_cpp
+
+    return int(llama_cpp.llama_model_n_layer_nextn(model))
+
+
+def nextn_rows(ctx, n: int, n_embd: int) -> np.ndarray:
+    """The target's ``h_nextn`` rows of every token of its last decode (a copy, [n, n_embd] float32).
+
+    ``ctx`` must output them unmasked (``enable_nextn``): llama.cpp stores one row per token of the batch.
+    """
+    ptr = _ext("get_embeddings_nextn_ith")(ctx, 0)
+    if not ptr:
+        raise OndeviceError("the target context has no nextn rows; call enable_nextn(ctx) before decoding")
+    return np.ctypeslib.as_array(ptr, shape=(n, n_embd)).copy()
+
+
+def enable_nextn(ctx) -> None:
+    """Make a target context output ``h_nextn`` for every token it decodes (read with ``nextn_rows``)."""
+    _ext("set_embeddings_nextn")(ctx, True, False)
+
+
+class MtpHead:
+    """The MTP head of a model loaded with ``load_mtp``, in its own MTP context beside the target's.
+
+    Args:
+        model: the llama.cpp model (``llama_model_load_from_file`` with ``params.load_mtp = True``).
+        n_ctx: context length (the target's).
+        threads: CPU threads.
+        n_batch: most pairs per MTP decode.
+        name: the model's name for error messages.
+    Attributes:
+        depth: trained MTP blocks (chains deeper than this reuse the first block on its own output).
+        n_embd, vocab_size: row widths of ``observe``'s h and of the logits.
+    """
+
+    def __init__(self, model, *, n_ctx: int, threads: int, n_batch: int = 512, name: str = "model") -> None:
+        import llama_cpp
+
+        self._lib, self.name = llama_cpp, name
+        self._ctx = self._batch = None
+        self.depth = n_layer_nextn(model)
+        if self.depth <= 0:
+            raise OndeviceError(f"{name}: this model has no MTP (nextn) layers; use another --draft")
+        cp = llama_cpp.llama_context_default_params()
+        cp.ctx_type = llama_cpp.LLAMA_CONTEXT_TYPE_MTP
+        cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max = int(n_ctx), int(n_batch), int(n_batch), 1
+        cp.n_threads = cp.n_threads_batch = int(threads)
+        cp.no_perf = True
+        self._ctx = llama_cpp.llama_init_from_model(model, cp)
+        if not self._ctx:
+            raise OndeviceError(f"{name}: llama.cpp could not create the MTP context (MTP layers not loaded? "
+                                "load the model with load_mtp)")
+        _ext("set_embeddings_nextn")(self._ctx, True, True)  # h_nextn of the output rows: a chain's next input
+        self.n_batch = int(llama_cpp.llama_n_batch(self._ctx))
+        self._batch = llama_cpp.llama_batch_ext_init(self._ctx)
+        self._mem = llama_cpp.llama_get_memory(self._ctx)
+        self.n_embd = int(llama_cpp.llama_model_n_embd_out(model))
+        self.vocab_size = int(llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model)))
+        self._pending = np.zeros(self.n_embd, np.float32)  # h_{p-1} for the next pair (zeros before position 0)
+        self._rows: tuple[int, np.ndarray] | None = None  # (position of row 0, h rows) of the last observe
+        self._pos = ctypes.c_int32 * 4  # llama_pos[4]: M-RoPE models read four, text tokens use the first
+
+    # -- cache ----------------------------------------------------------------------------------
+    @property
+    def n_past(self) -> int:
+        """Positions in the MTP cache (the target's n_past once every decoded token was observed)."""
+        return int(self._lib.llama_memory_seq_pos_max(self._mem, 0)) + 1
+
+    @property
+    def rows(self) -> tuple[int, np.ndarray]:
+        """(position of the first row, the target's h rows) passed to the last ``observe``."""
+        if self._rows is None:
+            raise OndeviceError(f"{self.name}: the MTP head has observed no target decode yet")
+        return self._rows
+
+    def _decode(self, tokens: Sequence[int], h: np.ndarray, pos0: int, outputs: bool) -> None:
+        lib, b = self._lib, self._batch
+        lib.llama_batch_ext_clear(b)
+        h = np.ascontiguousarray(h, dtype=np.float32)
+        fp = ctypes.POINTER(ctypes.c_float)
+        for i, t in enumerate(tokens):
+            idx = lib.llama_batch_ext_add_token(b, 0, int(t))
+            if idx < 0:
+                raise OndeviceError(f"{self.name}: MTP batch rejected token {t} (code {idx})")
+            lib.llama_batch_ext_set_pos(b, idx, self._pos(pos0 + i, 0, 0, 0))
+            row = lib.llama_embd(h[i].ctypes.data_as(fp), 1, self.n_embd)
+            if not lib.llama_batch_ext_set_embd_token(b, idx, row):
+                raise OndeviceError(f"{self.name}: MTP batch rejected a hidden row of width {h.shape[-1]}")
+            if outputs:
+                lib.llama_batch_ext_set_output_logits(b, idx, True)
+        rc = lib.llama_process(self._ctx, lib.LLAMA_PROCESS_TYPE_DECODE, b)
+        if rc != 0:
+            raise OndeviceError(f"{self.name}: MTP decode failed (code {rc}) at position {pos0}")
+
+    def observe(self, tokens: Sequence[int], h: np.ndarray, pos0: int) -> None:
+        """Record a target decode: ``tokens`` at positions pos0.., ``h`` their target ``h_nextn`` rows.
+
+        Writes the pairs (x_p, h_{p-1}) into the MTP cache (the first token pairs with the row kept from
+        before); anything the cache held from pos0 on (a draft's positions) is dropped first.
+        """
+        h = np.asarray(h, dtype=np.float32).reshape(len(tokens), self.n_embd)
+        if pos0 > self.n_past:
+            raise OndeviceError(f"{self.name}: MTP cache holds {self.n_past} positions, cannot observe from {pos0}")
+        self._lib.llama_memory_seq_rm(self._mem, 0, pos0, -1)
+        prev = np.concatenate([self._pending[None], h[:-1]])
+        for s in range(0, len(tokens), self.n_batch):
+            self._decode(tokens[s : s + self.n_batch], prev[s : s + self.n_batch], pos0 + s, outputs=False)
+        self._pending = h[-1].copy()
+        self._rows = (pos0, h)
+
+    def rollback(self, n_past: int) -> None:
+        """Keep positions below ``n_past`` (the target's, after acceptance); h_{n_past-1} from the last observe."""
+        if n_past == 0:
+            self._lib.llama_memory_clear(self._mem, False)
+            self._pending[:] = 0.0
+            self._rows = None
+            return
+        first, rows = self._rows if self._rows is not None else (0, np.zeros((0, self.n_embd), np.float32))
+        if not first <= n_past - 1 < first + len(rows) or n_past > self.n_past:
+            raise OndeviceError(f"{self.name}: MTP rollback to {n_past} outside the last observed rows "
+                                f"{first}..{first + len(rows) - 1}")
+        if not self._lib.llama_memory_seq_rm(self._mem, 0, n_past, -1):
+            raise OndeviceError(f"{self.name}: MTP cache cannot roll back to position {n_past}")
+        self._pending = rows[n_past - 1 - first].copy()
+
+    # -- drafting -------------------------------------------------------------------------------
+    def step(self, token: int, h: np.ndarray, pos: int) -> tuple[np.ndarray, np.ndarray]:
+        """One MTP pass: the pair (token, h) at ``pos``; returns (logits [vocab] of position pos + 1, the
+        head's ``h_nextn`` [n_embd], the ``h`` of a chained next step). Leaves the pair in the cache."""
+        self._decode([token], h[None], pos, outputs=True)
+        lib = self._lib
+        logits = np.ctypeslib.as_array(lib.llama_get_logits_ith(self._ctx, 0), shape=(self.vocab_size,)).copy()
+        h_out = np.ctypeslib.as_array(_ext("get_embeddings_nextn_ith")(self._ctx, 0), shape=(self.n_embd,)).copy()
+        return logits, h_out
+
+    def draft(self, token: int, k: int, choose: Callable[[np.ndarray, int], int]) -> tuple[list[int], np.ndarray]:
+        """Chain ``k`` tokens after ``token`` (the next token of the target, at position ``n_past``).
+
+        Args:
+            token: the token the target produced last (not yet decoded by it).
+            k: tokens to draft (any depth: after the trained blocks, the first block reads its own output).
+            choose: ``choose(logits, depth) -> token`` picks each drafted token from the head's raw logits
+                (greedy argmax, or a sample of the caller's processed q).
+        Returns:
+            (drafted tokens [k], raw logits [k, vocab] of each depth). The MTP cache is left as before.
+        """
+        pos0 = self.n_past
+        h, out, logits = self._pending, [], np.empty((k, self.vocab_size), np.float32)
+        try:
+            for d in range(k):
+                logits[d], h = self.step(token, h, pos0 + d)
+                token = int(choose(logits[d], d))
+                out.append(token)
+        finally:
+            self._lib.llama_memory_seq_rm(self._mem, 0, pos0, -1)
+        return out, logits
+
+    def close(self) -> None:
+        if self._batch is not None:
+            self._lib.llama_batch_ext_free(self._batch)
+            self._batch = None
+        if self._ctx:
+            self._lib.llama_free(self._ctx)
+            self._ctx = None
+
+    def __del__(self) -> None:  # pragma: no cover - best effort
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+class MtpTarget:
+    """A target GGUF loaded with its MTP layers: trunk context + ``MtpHead``, kept in step (tests, benches).
+
+    Args:
+        path: the .gguf file.
+        n_ctx, threads, n_batch: as ``LlamaBackend``.
+        n_rs_seq: recurrent-state snapshots per sequence, so a hybrid trunk (qwen35's gated delta net) can
+            roll back that many positions; attention-only trunks ignore it.
+        nextn: output the target's h rows and keep the MTP head in step (False: a plain target, to time
+            the verify overhead).
+    """
+
+    def __init__(self, path: str | Path, *, n_ctx: int = 1024, threads: int = 2, n_batch: int = 256,
+                 n_rs_seq: int = 8, nextn: bool = True) -> None:
+        import llama_cpp
+
+        from ondevice.backends.llama import init_llama
+
+        self._lib, self.path = llama_cpp, Path(path)
+        self._model = self._ctx = self._batch = None
+        self.head: MtpHead | None = None
+        init_llama()
+        mp = llama_cpp.llama_model_default_params()
+        mp.load_mtp = True
+        mp.n_gpu_layers = 0
+        self._model = llama_cpp.llama_model_load_from_file(str(self.path).encode(), mp)
+        if not self._model:
+            raise OndeviceError(f"{self.path}: llama.cpp could not load this GGUF with its MTP layers")
+        cp = llama_cpp.llama_context_default_params()
+        cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max, cp.n_rs_seq = n_ctx, n_batch, n_batch, 1, n_rs_seq
+        cp.n_threads = cp.n_threads_batch = threads
+        cp.no_perf = True
+        self._ctx = llama_cpp.llama_init_from_model(self._model, cp)
+        if not self._ctx:
+            self.close()
+            raise OndeviceError(f"{self.path}: llama.cpp could not create a context of n_ctx={n_ctx}")
+        self._mem = llama_cpp.llama_get_memory(self._ctx)
+        self.n_batch = int(llama_cpp.llama_n_batch(self._ctx))
+        self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
+        self.vocab_size = int(llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self._model)))
+        self.n_embd = int(llama_cpp.llama_model_n_embd_out(self._model))
+        if nextn:
+            self.head = MtpHead(self._model, n_ctx=n_ctx, threads=threads, n_batch=n_batch, name=self.path.name)
+            enable_nextn(self._ctx)
+
+    @property
+    def n_past(self) -> int:
+        return int(self._lib.llama_memory_seq_pos_max(self._mem, 0)) + 1
+
+    def eval(self, tokens: Sequence[int]) -> np.ndarray:
+        """Decode ``tokens`` at n_past..; returns every token's logits [n, vocab]; the head observes them."""
+        lib, b = self._lib, self._batch
+        rows = []
+        for s in range(0, len(tokens), self.n_batch):
+            chunk, pos0 = tokens[s : s + self.n_batch], self.n_past
+            for i, t in enumerate(chunk):
+                b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = int(t), pos0 + i, 1, True
+                b.seq_id[i][0] = 0
+            b.n_tokens = len(chunk)
+            rc = lib.llama_decode(self._ctx, b)
+            if rc != 0:
+                raise OndeviceError(f"{self.path.name}: llama_decode failed (code {rc}) at position {pos0}")
+            rows.append(np.ctypeslib.as_array(lib.llama_get_logits(self._ctx), shape=(len(chunk), self.vocab_size)).copy())
+            if self.head is not None:
+                self.head.observe(chunk, nextn_rows(self._ctx, len(chunk), self.n_embd), pos0)
+        return np.concatenate(rows)
+
+    def rollback(self, n_past: int) -> None:
+        """Keep positions below ``n_past`` in the trunk's cache and the head's."""
+        if n_past < self.n_past and not self._lib.llama_memory_seq_rm(self._mem, 0, n_past, -1):
+            raise OndeviceError(f"{self.path.name}: the trunk cache cannot roll back to {n_past} "
+                                "(a recurrent trunk rolls back at most n_rs_seq positions)")
+        if self.head is not None:
+            self.head.rollback(n_past)
+
+    def close(self) -> None:
+        lib = self._lib
+        if self.head is not None:
+            self.head.close()
+            self.head = None
+        if self._batch is not None:
+            lib.llama_batch_free(self._batch)
+            self._batch = None
+        if self._ctx:
+            lib.llama_free(self._ctx)
+            self._ctx = None
+        if self._model:
+            lib.llama_model_free(self._model)
+            self._model = None
+
+    def __del__(self) -> None:  # pragma: no cover - best effort
+        try:
+            self.close()
+        except Exception:
+            pass
