@@ -285,9 +285,19 @@ class MtpTarget:
             self.head = MtpHead(self._model, n_ctx=n_ctx, threads=threads, n_batch=n_batch, name=self.path.name)
             enable_nextn(self._ctx)
 
+        self._nextn = nextn
+
     @property
     def n_past(self) -> int:
         return int(self._lib.llama_memory_seq_pos_max(self._mem, 0)) + 1
+
+    def set_nextn(self, on: bool) -> None:
+        """Output h rows and feed the head (on), or decode as a plain target (off: to time the overhead).
+        Turning it back on leaves the head behind the trunk: only for measurements that stop there."""
+        if self.head is None:
+            raise OndeviceError(f"{self.path.name}: loaded with nextn=False; no MTP head to feed")
+        self._nextn = bool(on)
+        _ext("set_embeddings_nextn")(self._ctx, self._nextn, False)
 
     def eval(self, tokens: Sequence[int]) -> np.ndarray:
         """Decode ``tokens`` at n_past..; returns every token's logits [n, vocab]; the head observes them."""
@@ -303,7 +313,7 @@ class MtpTarget:
             if rc != 0:
                 raise OndeviceError(f"{self.path.name}: llama_decode failed (code {rc}) at position {pos0}")
             rows.append(np.ctypeslib.as_array(lib.llama_get_logits(self._ctx), shape=(len(chunk), self.vocab_size)).copy())
-            if self.head is not None:
+            if self.head is not None and self._nextn:
                 self.head.observe(chunk, nextn_rows(self._ctx, len(chunk), self.n_embd), pos0)
         return np.concatenate(rows)
 

@@ -53,12 +53,13 @@ class MtpShape:
     n_expert_used: int = 2
     n_ff_exp: int = 128
     n_dense_lead: int = 1
+    tie: bool = False  # no output.weight: the LM head is the token embedding (Qwen3.5 small models)
 
 
 # Qwen3.5-0.8B (config.json of Qwen/Qwen3.5-0.8B): 24 layers, 3 linear : 1 full attention.
 QWEN35_08B = MtpShape(n_embd=1024, n_layer=24, n_ff=3584, n_head=8, n_head_kv=2, head_dim=256, n_rot=64,
                       vocab_size=248320, full_attention_interval=4, ssm_head_dim=128, ssm_k_heads=16,
-                      ssm_v_heads=16)
+                      ssm_v_heads=16, tie=True)
 
 
 def _qwen35_tensors(s: MtpShape, rng, dtype) -> dict[str, np.ndarray]:
@@ -75,7 +76,9 @@ def _qwen35_tensors(s: MtpShape, rng, dtype) -> dict[str, np.ndarray]:
         return (np.ones(n) if big else 1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
 
     t = {"token_embd.weight": (rng.standard_normal((s.vocab_size, h), dtype=np.float32) * 0.5).astype(dtype),
-         "output_norm.weight": norm(h), "output.weight": lin(s.vocab_size, h, 4.0)}
+         "output_norm.weight": norm(h)}
+    if not s.tie:
+        t["output.weight"] = lin(s.vocab_size, h, 4.0)
     for i in range(s.n_layer + s.n_nextn):
         p = f"blk.{i}."
         t[p + "attn_norm.weight"] = norm(h)
@@ -297,7 +300,7 @@ def qwen35_mtp_reference(path: str | Path, tokens: list[int], h: np.ndarray, pos
     s = shape or MtpShape()
     il = s.n_layer
     p = f"blk.{il}."
-    names = ["token_embd.weight", "output_norm.weight", "output.weight"] + [
+    names = ["token_embd.weight", "output_norm.weight", *([] if s.tie else ["output.weight"])] + [
         p + n for n in ("nextn.eh_proj.weight", "nextn.enorm.weight", "nextn.hnorm.weight", "attn_norm.weight",
                         "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_q_norm.weight", "attn_k_norm.weight",
                         "attn_output.weight", "post_attention_norm.weight", "ffn_gate.weight", "ffn_up.weight",
@@ -327,4 +330,4 @@ def qwen35_mtp_reference(path: str | Path, tokens: list[int], h: np.ndarray, pos
     g = f @ w[p + "ffn_gate.weight"].T
     x = x + ((g / (1.0 + np.exp(-g))) * (f @ w[p + "ffn_up.weight"].T)) @ w[p + "ffn_down.weight"].T
     h_out = _rms(x, w["output_norm.weight"])
-    return h_out @ w["output.weight"].T, h_out
+    return h_out @ w["token_embd.weight" if s.tie else "output.weight"].T, h_out
