@@ -18,7 +18,7 @@ The protocol (what llama.cpp's reference driver does, written against our loop):
   the rows last observed.
 
 The C++-linkage functions of ``llama-ext.h`` are bound here from the loaded libllama by their mangled names
-(``_ext``); a build without them is refused in one line. ``MtpTarget`` is a minimal target (load with MTP
+(``ext``); a build without them is refused in one line. ``MtpTarget`` is a minimal target (load with MTP
 layers, decode, roll back) for tests and measurements; the runtime's ``LlamaBackend`` needs the same three
 things: ``load_mtp``, the nextn rows after each decode, and ``n_rs_seq`` for hybrid (recurrent) trunks.
 """
@@ -44,11 +44,23 @@ _EXT = {
     "set_nextn_layer_offset": (("llama_set_nextn_layer_offset", "_Z28llama_set_nextn_layer_offsetP13llama_contexti",
                                 "?llama_set_nextn_layer_offset@@YAXPEAUllama_context@@H@Z"),
                                [ctypes.c_void_p, ctypes.c_int32], None),
+    "set_embeddings_layer_inp": (("llama_set_embeddings_layer_inp", "_Z30llama_set_embeddings_layer_inpP13llama_contextjb",
+                                  "?llama_set_embeddings_layer_inp@@YAXPEAUllama_context@@I_N@Z"),
+                                 [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_bool], None),
+    "get_embeddings_layer_inp": (("llama_get_embeddings_layer_inp", "_Z30llama_get_embeddings_layer_inpP13llama_contextj",
+                                  "?llama_get_embeddings_layer_inp@@YAPEAMPEAUllama_context@@I@Z"),
+                                 [ctypes.c_void_p, ctypes.c_uint32], ctypes.POINTER(ctypes.c_float)),
+    "model_target_layer_ids": (("llama_model_target_layer_ids", "_Z28llama_model_target_layer_idsPK11llama_model",
+                                "?llama_model_target_layer_ids@@YAPEBHPEBUllama_model@@@Z"),
+                               [ctypes.c_void_p], ctypes.POINTER(ctypes.c_int32)),
+    "model_target_layer_ids_n": (("llama_model_target_layer_ids_n", "_Z30llama_model_target_layer_ids_nPK11llama_model",
+                                  "?llama_model_target_layer_ids_n@@YAIPEBUllama_model@@@Z"),
+                                 [ctypes.c_void_p], ctypes.c_uint32),
 }
 _BOUND: dict[str, object] = {}
 
 
-def _ext(name: str):
+def ext(name: str):
     """The C++-linkage function ``name`` of libllama, bound once; a one-line error when this build lacks it."""
     if name not in _BOUND:
         import llama_cpp
@@ -78,7 +90,7 @@ def nextn_rows(ctx, n: int, n_embd: int) -> np.ndarray:
 
     ``ctx`` must output them unmasked (``enable_nextn``): llama.cpp stores one row per token of the batch.
     """
-    ptr = _ext("get_embeddings_nextn_ith")(ctx, 0)
+    ptr = ext("get_embeddings_nextn_ith")(ctx, 0)
     if not ptr:
         raise OndeviceError("the target context has no nextn rows; call enable_nextn(ctx) before decoding")
     return np.ctypeslib.as_array(ptr, shape=(n, n_embd)).copy()
@@ -86,7 +98,7 @@ def nextn_rows(ctx, n: int, n_embd: int) -> np.ndarray:
 
 def enable_nextn(ctx) -> None:
     """Make a target context output ``h_nextn`` for every token it decodes (read with ``nextn_rows``)."""
-    _ext("set_embeddings_nextn")(ctx, True, False)
+    ext("set_embeddings_nextn")(ctx, True, False)
 
 
 class MtpHead:
@@ -120,7 +132,7 @@ class MtpHead:
         if not self._ctx:
             raise OndeviceError(f"{name}: llama.cpp could not create the MTP context (MTP layers not loaded? "
                                 "load the model with load_mtp)")
-        _ext("set_embeddings_nextn")(self._ctx, True, True)  # h_nextn of the output rows: a chain's next input
+        ext("set_embeddings_nextn")(self._ctx, True, True)  # h_nextn of the output rows: a chain's next input
         self.n_batch = int(llama_cpp.llama_n_batch(self._ctx))
         self._batch = llama_cpp.llama_batch_ext_init(self._ctx)
         self._mem = llama_cpp.llama_get_memory(self._ctx)
@@ -200,7 +212,7 @@ class MtpHead:
         self._decode([token], h[None], pos, outputs=True)
         lib = self._lib
         logits = np.ctypeslib.as_array(lib.llama_get_logits_ith(self._ctx, 0), shape=(self.vocab_size,)).copy()
-        h_out = np.ctypeslib.as_array(_ext("get_embeddings_nextn_ith")(self._ctx, 0), shape=(self.n_embd,)).copy()
+        h_out = np.ctypeslib.as_array(ext("get_embeddings_nextn_ith")(self._ctx, 0), shape=(self.n_embd,)).copy()
         return logits, h_out
 
     def draft(self, token: int, k: int, choose: Callable[[np.ndarray, int], int]) -> tuple[list[int], np.ndarray]:
@@ -297,7 +309,7 @@ class MtpTarget:
         if self.head is None:
             raise OndeviceError(f"{self.path.name}: loaded with nextn=False; no MTP head to feed")
         self._nextn = bool(on)
-        _ext("set_embeddings_nextn")(self._ctx, self._nextn, False)
+        ext("set_embeddings_nextn")(self._ctx, self._nextn, False)
 
     def eval(self, tokens: Sequence[int]) -> np.ndarray:
         """Decode ``tokens`` at n_past..; returns every token's logits [n, vocab]; the head observes them."""

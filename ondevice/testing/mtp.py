@@ -184,7 +184,7 @@ def _hparams(w, arch: str, s: MtpShape) -> None:
         w.add_uint32(f"{a}.expert_gating_func", 2)  # sigmoid
 
 
-def _vocab(w, vocab_size: int) -> None:
+def add_test_vocab(w, vocab_size: int) -> None:
     """The trained byte-level BPE of the test suite (family ``qwen2``), padded to ``vocab_size`` rows."""
     import gguf
 
@@ -243,7 +243,7 @@ def make_tiny_mtp_gguf(out: str | Path, arch: str = "qwen35", *, shape: MtpShape
         w.add_name(f"tiny-{arch}-mtp")
         w.add_file_type(gguf.LlamaFileType.ALL_F32 if dtype == "f32" else gguf.LlamaFileType.MOSTLY_F16)
         _hparams(w, arch, s)
-        _vocab(w, s.vocab_size)
+        add_test_vocab(w, s.vocab_size)
         for name, t in tensors.items():
             w.add_tensor(name, np.ascontiguousarray(t))
         w.write_header_to_file()
