@@ -63,9 +63,9 @@ def main() -> None:
     src = a.out / f"{tag}-f16.gguf"
     if not src.exists():
         make_tiny_mtp_gguf(src, "qwen35", shape=s, dtype="f16")
-    path = _quantize(src, a.out / f"{tag}-{a.quant}.gguf", a.quant, a.threads) if a.quant != "f16" else src
+    path = src if a.quant == "f16" else a.out / f"{tag}-{a.quant}.gguf"
     if not path.exists():
-        path = _quantize(src, path, a.quant, a.threads)
+        _quantize(src, path, a.quant, a.threads)
 
     t = MtpTarget(path, n_ctx=4096, threads=a.threads, n_batch=64, n_rs_seq=a.k + 1)
     plain = MtpTarget(path, n_ctx=4096, threads=a.threads, n_batch=64, nextn=False)  # same weights (mmap)

@@ -113,8 +113,13 @@ def test_rollback_outside_the_observed_rows_is_refused(mtp_files):
         t.close()
 
 
-def test_a_model_without_mtp_layers_is_refused_in_one_line(tmp_path):
+def test_a_model_without_mtp_layers_is_refused_in_one_line(tmp_path, mtp_files):
+    from ondevice.backends.llama_mtp import file_mtp_layers
+
     path = make_tiny_mtp_gguf(tmp_path / "plain.gguf", "qwen35", shape=MtpShape(n_nextn=0))
+    assert [file_mtp_layers(mtp_files[a]) for a in MTP_ARCHS] == [1, 1] and file_mtp_layers(path) == 0
+    with pytest.raises(OndeviceError, match="carries no MTP"):
+        file_mtp_layers(path, strict=True)
     with pytest.raises(OndeviceError, match="no MTP") as e:
         _target(path)
     assert "\n" not in str(e.value)

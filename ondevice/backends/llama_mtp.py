@@ -78,6 +78,35 @@ def ext(name: str):
     return _BOUND[name]
 
 
+# GGUF architectures whose graphs in llama-cpp-python 0.3.36 have an MTP head (LLM_GRAPH_TYPE_DECODER_MTP).
+# glm4 (dense) and exaone4 load NextN tensors but never run them; gemma4 drafts with a separate
+# gemma4-assistant model sharing the target's KV cache (another protocol, not this one).
+MTP_GRAPH_ARCHS = frozenset({"qwen35", "qwen35moe", "qwen3next", "glm4moe", "glm-dsa", "glm5-next", "deepseek2",
+                             "deepseek32", "deepseek4", "mimo2", "step35", "hy_v3", "bailingmoe3", "cohere2moe",
+                             "nemotron_h_moe"})
+
+
+def file_mtp_layers(path: str | Path, *, strict: bool = False) -> int:
+    """MTP blocks of a GGUF file that this llama.cpp can run, from its header alone (no load).
+
+    Args:
+        path: the .gguf file.
+        strict: raise (one line naming the architecture) where the file has none usable, instead of 0.
+    Returns:
+        ``{arch}.nextn_predict_layers`` when the architecture has an MTP graph here, else 0.
+    """
+    from ondevice.formats.gguf import read_header
+
+    meta, _ = read_header(path)
+    arch = str(meta.get("general.architecture", "?"))
+    n = int(meta.get(f"{arch}.nextn_predict_layers", 0) or 0)
+    usable = n if arch in MTP_GRAPH_ARCHS else 0
+    if strict and not usable:
+        why = "carries no MTP (nextn) layers" if n == 0 else f"has {n} MTP layers but llama.cpp has no MTP graph for {arch!r}"
+        raise OndeviceError(f"{Path(path).name}: {why}; draft with another drafter")
+    return usable
+
+
 def n_layer_nextn(model) -> int:
     """MTP (NextN) blocks of a loaded llama.cpp model (0: none)."""
     import llama_cpp
