@@ -134,3 +134,47 @@ def test_writer_refuses_unknown_arch_and_leaves_nothing(tmp_path):
     with pytest.raises(ValueError, match="unsupported MTP arch"):
         make_tiny_mtp_gguf(tmp_path / "x.gguf", "llama")
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("arch", MTP_ARCHS)
+def test_greedy_rounds_with_varied_acceptance_keep_head_and_trunk_exact(mtp_files, arch):
+    """A greedy speculative loop over the head (its chooser replaced by the plain answer 60 % of the time, so
+    rounds accept 0..k tokens, all of them included): the output equals plain greedy decoding, and the
+    head's next draft equals a fresh run's over the same text (its cache and h rows followed every round)."""
+    path, k, n_new = mtp_files[arch], 3, 18
+    plain = _target(path, nextn=False)
+    try:
+        want = [int(np.argmax(plain.eval(PROMPT)[-1]))]
+        while len(want) < n_new + k + 2:
+            want.append(int(np.argmax(plain.eval(want[-1:])[-1])))
+    finally:
+        plain.close()
+    rng = np.random.default_rng(0)
+    t = _target(path)
+    accepted = []
+    try:
+        out = [int(np.argmax(t.eval(PROMPT)[-1]))]
+        while len(out) < n_new:
+            j = len(out)
+            toks, _ = t.head.draft(out[-1], k, lambda q, d, j=j: want[j + d] if rng.random() < 0.6 else int(np.argmax(q)))
+            verify = t.eval([out[-1], *toks])
+            a = 0
+            while a < k and toks[a] == int(np.argmax(verify[a])):
+                a += 1
+            accepted.append(a)
+            t.rollback(len(PROMPT) + j + a)
+            out += toks[:a] + [int(np.argmax(verify[a]))]
+            assert t.head.n_past == t.n_past == len(PROMPT) + len(out) - 1
+        assert out == want[: len(out)]
+        assert {0, k} <= set(accepted) and len(set(accepted)) >= 3
+        got, q_got = t.head.draft(out[-1], k, _greedy)
+    finally:
+        t.close()
+    fresh = _target(path)
+    try:
+        fresh.eval([*PROMPT, *out[:-1]])
+        exp, q_exp = fresh.head.draft(out[-1], k, _greedy)
+    finally:
+        fresh.close()
+    assert got == exp
+    np.testing.assert_allclose(q_got, q_exp, rtol=1e-4, atol=1e-4 * np.abs(q_exp).max())
