@@ -107,7 +107,7 @@ def test_rollback_outside_the_observed_rows_is_refused(mtp_files):
     try:
         t.eval(PROMPT)
         t.eval([1, 2, 3])
-        with pytest.raises(OndeviceError, match="outside the last observed rows"):
+        with pytest.raises(OndeviceError, match="no target row for position"):
             t.head.rollback(len(PROMPT) - 2)
     finally:
         t.close()

@@ -6,8 +6,7 @@ runs them in a second context of type MTP on the same model: its input at positi
 the target's final-norm hidden state h_{p-1} (``h_nextn``), its output the logits of x_{p+1} and its own
 ``h_nextn``, which feeds the next step of a chain (deeper than the model's trained depth).
 
-The protocol (what llama.cpp's reference driver does, written against our loop):
-
+The protocol (llama.cpp's reference driver's, written against our loop; docs/mtp.md):
 - the target context outputs ``h_nextn`` for every token it decodes (``llama_set_embeddings_nextn(ctx, True,
   masked=False)``); after each target decode the caller passes those rows to ``MtpHead.observe``, which
   writes the pairs (x_p, h_{p-1}) into the MTP context's own KV cache (one MTP pass, no LM head);
@@ -17,10 +16,10 @@ The protocol (what llama.cpp's reference driver does, written against our loop):
 - after acceptance ``MtpHead.rollback(n_past)`` keeps the MTP cache below n_past and takes h_{n_past-1} from
   the rows last observed.
 
-The C++-linkage functions of ``llama-ext.h`` are bound here from the loaded libllama by their mangled names
-(``ext``); a build without them is refused in one line. ``MtpTarget`` is a minimal target (load with MTP
-layers, decode, roll back) for tests and measurements; the runtime's ``LlamaBackend`` needs the same three
-things: ``load_mtp``, the nextn rows after each decode, and ``n_rs_seq`` for hybrid (recurrent) trunks.
+The C++-linkage functions of ``llama-ext.h`` are bound from the loaded libllama by their mangled names
+(``ext``); a build without them is refused in one line. ``MtpTarget`` is a minimal target for tests and
+benches; ``LlamaBackend`` needs the same: ``load_mtp``, the nextn rows after each decode, ``n_rs_seq`` for
+hybrid (recurrent) trunks.
 """
 
 from __future__ import annotations
@@ -167,7 +166,8 @@ class MtpHead:
         self._mem = llama_cpp.llama_get_memory(self._ctx)
         self.n_embd = int(llama_cpp.llama_model_n_embd_out(model))
         self.vocab_size = int(llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model)))
-        self._pending = np.zeros(self.n_embd, np.float32)  # h_{p-1} for the next pair (zeros before position 0)
+        self._pending = np.zeros(self.n_embd, np.float32)  # the target's h row of position _pending_pos
+        self._pending_pos = -1
         self._rows: tuple[int, np.ndarray] | None = None  # (position of row 0, h rows) of the last observe
         self._pos = ctypes.c_int32 * 4  # llama_pos[4]: M-RoPE models read four, text tokens use the first
 
@@ -203,36 +203,48 @@ class MtpHead:
         if rc != 0:
             raise OndeviceError(f"{self.name}: MTP decode failed (code {rc}) at position {pos0}")
 
+    def _h_before(self, pos: int) -> np.ndarray:
+        """h_{pos-1}: the target row paired with the token at ``pos`` (zeros at position 0)."""
+        if pos == 0:
+            return np.zeros(self.n_embd, np.float32)
+        if pos - 1 == self._pending_pos:
+            return self._pending
+        if self._rows is not None and 0 <= pos - 1 - self._rows[0] < len(self._rows[1]):
+            return self._rows[1][pos - 1 - self._rows[0]]
+        last = "none" if self._rows is None else f"{self._rows[0]}..{self._rows[0] + len(self._rows[1]) - 1}"
+        raise OndeviceError(f"{self.name}: the MTP head has no target row for position {pos - 1} "
+                            f"(last observed rows: {last}); observe every target decode")
+
     def observe(self, tokens: Sequence[int], h: np.ndarray, pos0: int) -> None:
         """Record a target decode: ``tokens`` at positions pos0.., ``h`` their target ``h_nextn`` rows.
 
-        Writes the pairs (x_p, h_{p-1}) into the MTP cache (the first token pairs with the row kept from
-        before); anything the cache held from pos0 on (a draft's positions) is dropped first.
+        Writes the pairs (x_p, h_{p-1}) into the MTP cache (the first token pairs with the target row of
+        pos0 - 1, kept from an earlier observe); anything the cache held from pos0 on is dropped first.
         """
+        if not len(tokens):
+            return
         h = np.asarray(h, dtype=np.float32).reshape(len(tokens), self.n_embd)
         if pos0 > self.n_past:
             raise OndeviceError(f"{self.name}: MTP cache holds {self.n_past} positions, cannot observe from {pos0}")
+        prev = np.concatenate([self._h_before(pos0)[None], h[:-1]])
         self._lib.llama_memory_seq_rm(self._mem, 0, pos0, -1)
-        prev = np.concatenate([self._pending[None], h[:-1]])
         for s in range(0, len(tokens), self.n_batch):
             self._decode(tokens[s : s + self.n_batch], prev[s : s + self.n_batch], pos0 + s, outputs=False)
-        self._pending = h[-1].copy()
+        self._pending, self._pending_pos = h[-1].copy(), pos0 + len(tokens) - 1
         self._rows = (pos0, h)
 
     def rollback(self, n_past: int) -> None:
         """Keep positions below ``n_past`` (the target's, after acceptance); h_{n_past-1} from the last observe."""
+        if n_past > self.n_past or n_past < 0:
+            raise OndeviceError(f"{self.name}: cannot roll the MTP cache back to {n_past}: it holds {self.n_past}")
         if n_past == 0:
             self._lib.llama_memory_clear(self._mem, False)
-            self._pending[:] = 0.0
-            self._rows = None
+            self._pending, self._pending_pos, self._rows = np.zeros(self.n_embd, np.float32), -1, None
             return
-        first, rows = self._rows if self._rows is not None else (0, np.zeros((0, self.n_embd), np.float32))
-        if not first <= n_past - 1 < first + len(rows) or n_past > self.n_past:
-            raise OndeviceError(f"{self.name}: MTP rollback to {n_past} outside the last observed rows "
-                                f"{first}..{first + len(rows) - 1}")
+        h = self._h_before(n_past).copy()
         if not self._lib.llama_memory_seq_rm(self._mem, 0, n_past, -1):
             raise OndeviceError(f"{self.name}: MTP cache cannot roll back to position {n_past}")
-        self._pending = rows[n_past - 1 - first].copy()
+        self._pending, self._pending_pos = h, n_past - 1
 
     # -- drafting -------------------------------------------------------------------------------
     def step(self, token: int, h: np.ndarray, pos: int) -> tuple[np.ndarray, np.ndarray]:
@@ -256,7 +268,7 @@ class MtpHead:
             (drafted tokens [k], raw logits [k, vocab] of each depth). The MTP cache is left as before.
         """
         pos0 = self.n_past
-        h, out, logits = self._pending, [], np.empty((k, self.vocab_size), np.float32)
+        h, out, logits = self._h_before(pos0), [], np.empty((k, self.vocab_size), np.float32)
         try:
             for d in range(k):
                 logits[d], h = self.step(token, h, pos0 + d)
