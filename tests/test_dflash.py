@@ -90,3 +90,27 @@ def test_a_draft_for_another_vocabulary_is_refused_in_one_line(files, tmp_path):
         assert "\n" not in str(e.value)
     finally:
         t.close()
+
+
+def test_a_draft_without_its_own_embeddings_reads_the_targets(files, tmp_path):
+    """Published DFlash drafts ship no embeddings / LM head: llama.cpp reads the target's via ctx_other."""
+    from ondevice.backends.llama_dflash import DFlashDrafter
+    from ondevice.backends.llama_mtp import MtpTarget
+
+    shared = make_tiny_dflash_gguf(tmp_path / "shared.gguf", seed=6, own_head=False)
+    t = MtpTarget(files[0], n_ctx=256, threads=2, n_batch=64, nextn=False)
+    d = DFlashDrafter(shared, t._model, t._ctx, n_ctx=256, threads=2, n_batch=64)
+    try:
+        bonus = int(np.argmax(_eval(t, d, PROMPT)[-1]))
+        q = d.draft(bonus, 3)
+        assert q.shape == (3, 512) and np.isfinite(q).all()
+    finally:
+        d.close()
+        t.close()
+    t, d = _pair(files)  # same layers and seed, its own head: other logits, so the target's head was read
+    try:
+        _eval(t, d, PROMPT)
+        assert np.abs(d.draft(bonus, 3) - q).max() > 1e-2
+    finally:
+        d.close()
+        t.close()

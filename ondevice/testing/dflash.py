@@ -22,7 +22,7 @@ from ondevice.testing.mtp import MtpShape, add_test_vocab
 def make_tiny_dflash_gguf(out: str | Path, *, target: MtpShape | None = None, target_layers: tuple[int, ...] = (0, 1),
                           n_layer: int = 1, n_embd: int = 256, n_ff: int = 512, n_head: int = 4, n_head_kv: int = 2,
                           head_dim: int = 64, block_size: int = 4, mask_token_id: int | None = None,
-                          seed: int = 0) -> Path:
+                          own_head: bool = True, seed: int = 0) -> Path:
     """Write a random DFlash draft for targets of shape ``target`` (their hidden size and vocabulary).
 
     Args:
@@ -31,6 +31,8 @@ def make_tiny_dflash_gguf(out: str | Path, *, target: MtpShape | None = None, ta
         target_layers: target layer ids whose inputs the draft fuses (each < the target's trunk layers).
         block_size: the trained block (drafts at most block_size - 1 tokens per pass).
         mask_token_id: the noise token (default: the last vocabulary id).
+        own_head: write ``token_embd`` / ``output``; False leaves them out, as published drafts do (they read
+            the target's through ``ctx_other``; ``n_embd`` must then be the target's).
     Returns:
         ``out`` as a Path.
     """
@@ -51,6 +53,10 @@ def make_tiny_dflash_gguf(out: str | Path, *, target: MtpShape | None = None, ta
     t = {"token_embd.weight": (0.5 * rng.standard_normal((v, h))).astype(np.float32),
          "output.weight": lin(v, h, 4.0), "output_norm.weight": norm(h),
          "fc.weight": lin(h, len(target_layers) * t_shape.n_embd), "enc.output_norm.weight": norm(h)}
+    if not own_head:
+        if n_embd != t_shape.n_embd:
+            raise ValueError(f"a draft sharing the target's embeddings needs n_embd {t_shape.n_embd}, not {n_embd}")
+        del t["token_embd.weight"], t["output.weight"]
     for i in range(n_layer):
         p = f"blk.{i}."
         t.update({p + "attn_norm.weight": norm(h), p + "attn_q.weight": lin(n_head * head_dim, h, 2.0),
