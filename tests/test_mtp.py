@@ -9,7 +9,13 @@ import numpy as np
 import pytest
 
 from ondevice.errors import OndeviceError
-from ondevice.testing.mtp import MTP_ARCHS, MtpShape, make_tiny_mtp_gguf, qwen35_mtp_reference
+from ondevice.testing.mtp import (
+    MTP_ARCHS,
+    MtpShape,
+    glm4moe_mtp_reference,
+    make_tiny_mtp_gguf,
+    qwen35_mtp_reference,
+)
 
 PROMPT = [5, 77, 301, 12, 9, 140, 260, 33, 400, 18, 71, 222]
 
@@ -48,9 +54,13 @@ def test_tiny_target_loads_with_its_mtp_layers(mtp_files, arch):
         t.close()
 
 
-def test_qwen35_mtp_logits_match_numpy_reference_chained(mtp_files):
+REFERENCE = {"qwen35": qwen35_mtp_reference, "glm4moe": glm4moe_mtp_reference}
+
+
+@pytest.mark.parametrize("arch", MTP_ARCHS)
+def test_mtp_logits_match_numpy_reference_chained(mtp_files, arch):
     """Depth 1 reads the target's h rows (pair (x_p, h_{p-1})); depths 2..4 feed the head its own output."""
-    path = mtp_files["qwen35"]
+    path, reference = mtp_files[arch], REFERENCE[arch]
     t = _target(path)
     try:
         logits = t.eval(PROMPT)
@@ -64,13 +74,13 @@ def test_qwen35_mtp_logits_match_numpy_reference_chained(mtp_files):
     seq = [*PROMPT, bonus]
     h = np.concatenate([np.zeros((1, 256)), rows])  # h_{-1} = 0 pairs with the first token
     for d in range(4):
-        ref, h_out = qwen35_mtp_reference(path, seq, h, 0, MtpShape())
+        ref, h_out = reference(path, seq, h, 0, MtpShape())
         np.testing.assert_allclose(q[d], ref[n + d], rtol=2e-3, atol=2e-3 * np.abs(ref[n + d]).max())
         assert int(np.argmax(ref[n + d])) == toks[d]
         seq.append(toks[d])
         h = np.concatenate([h, h_out[-1:]])
     # the reference can fail: pairing x_p with h_p instead of h_{p-1} gives other logits
-    shifted, _ = qwen35_mtp_reference(path, seq[: n + 1], np.concatenate([rows, rows[-1:]]), 0, MtpShape())
+    shifted, _ = reference(path, seq[: n + 1], np.concatenate([rows, rows[-1:]]), 0, MtpShape())
     assert np.abs(shifted[n] - q[0]).max() > 0.1 * np.abs(q[0]).max()
 
 

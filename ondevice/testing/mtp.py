@@ -284,6 +284,65 @@ def _neox(x: np.ndarray, pos: np.ndarray, n_rot: int, base: float) -> np.ndarray
     return np.concatenate([a * c - b * s, a * s + b * c, x[..., n_rot:]], axis=-1)
 
 
+def _causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """Causal GQA attention over a whole run: q [T, nh, hd], k / v [T, nkv, hd] → [T, nh·hd]."""
+    T, nh, hd = q.shape
+    rep = nh // k.shape[1]
+    k, v = np.repeat(k, rep, axis=1), np.repeat(v, rep, axis=1)
+    scores = np.einsum("thd,shd->hts", q, k) / np.sqrt(hd)
+    scores = np.where(np.tril(np.ones((T, T), bool))[None], scores, -np.inf)
+    pr = np.exp(scores - scores.max(-1, keepdims=True))
+    pr /= pr.sum(-1, keepdims=True)
+    return np.einsum("hts,shd->thd", pr, v).reshape(T, nh * hd)
+
+
+def _silu(x: np.ndarray) -> np.ndarray:
+    return x / (1.0 + np.exp(-x))
+
+
+def glm4moe_mtp_reference(path: str | Path, tokens: list[int], h: np.ndarray, pos0: int,
+                          shape: MtpShape | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The glm4moe MTP block in numpy (float64); arguments and result as ``qwen35_mtp_reference``.
+
+    Attention with q/k/v biases and partial NEOX rotary; an MoE FFN: sigmoid router, experts chosen by
+    probability + correction bias, weighted by their probabilities normalised to sum 1, plus a shared expert.
+    """
+    s = shape or MtpShape()
+    p = f"blk.{s.n_layer}."
+    names = ["token_embd.weight", "output_norm.weight", "output.weight"] + [p + n for n in (
+        "nextn.eh_proj.weight", "nextn.enorm.weight", "nextn.hnorm.weight", "attn_norm.weight", "attn_q.weight",
+        "attn_q.bias", "attn_k.weight", "attn_k.bias", "attn_v.weight", "attn_v.bias", "attn_output.weight",
+        "post_attention_norm.weight", "ffn_gate_inp.weight", "exp_probs_b.bias", "ffn_gate_exps.weight",
+        "ffn_up_exps.weight", "ffn_down_exps.weight", "ffn_gate_shexp.weight", "ffn_up_shexp.weight",
+        "ffn_down_shexp.weight")]
+    w = {k: v.astype(np.float64) for k, v in read_tensors(path, names).items()}
+    T, hd = len(tokens), s.head_dim
+    e = w["token_embd.weight"][np.asarray(tokens)]
+    x = np.concatenate([_rms(e, w[p + "nextn.enorm.weight"]), _rms(h.astype(np.float64), w[p + "nextn.hnorm.weight"])], -1)
+    x = x @ w[p + "nextn.eh_proj.weight"].T
+    a = _rms(x, w[p + "attn_norm.weight"])
+    pos = np.arange(pos0, pos0 + T, dtype=np.float64)
+
+    def proj(name: str, heads: int) -> np.ndarray:
+        return (a @ w[p + name + ".weight"].T + w[p + name + ".bias"]).reshape(T, heads, hd)
+
+    q = _neox(proj("attn_q", s.n_head), pos, s.n_rot, 1e6)
+    k = _neox(proj("attn_k", s.n_head_kv), pos, s.n_rot, 1e6)
+    x = x + _causal_attention(q, k, proj("attn_v", s.n_head_kv)) @ w[p + "attn_output.weight"].T
+    f = _rms(x, w[p + "post_attention_norm.weight"])
+    probs = 1.0 / (1.0 + np.exp(-(f @ w[p + "ffn_gate_inp.weight"].T)))
+    top = np.argsort(-(probs + w[p + "exp_probs_b.bias"]), axis=-1)[:, : s.n_expert_used]
+    ffn = _silu(f @ w[p + "ffn_gate_shexp.weight"].T) * (f @ w[p + "ffn_up_shexp.weight"].T) @ w[p + "ffn_down_shexp.weight"].T
+    for t in range(T):
+        wt = probs[t, top[t]] / probs[t, top[t]].sum()
+        for ex, c in zip(top[t], wt, strict=True):
+            g = w[p + "ffn_gate_exps.weight"][ex] @ f[t]
+            u = w[p + "ffn_up_exps.weight"][ex] @ f[t]
+            ffn[t] += c * (w[p + "ffn_down_exps.weight"][ex] @ (_silu(g) * u))
+    h_out = _rms(x + ffn, w["output_norm.weight"])
+    return h_out @ w["output.weight"].T, h_out
+
+
 def qwen35_mtp_reference(path: str | Path, tokens: list[int], h: np.ndarray, pos0: int,
                          shape: MtpShape | None = None) -> tuple[np.ndarray, np.ndarray]:
     """The qwen35 MTP block in numpy (float64) over a run of (token, h) pairs at positions pos0, pos0 + 1, …
@@ -318,16 +377,9 @@ def qwen35_mtp_reference(path: str | Path, tokens: list[int], h: np.ndarray, pos
     pos = np.arange(pos0, pos0 + T, dtype=np.float64)
     q = _neox(_rms(q, w[p + "attn_q_norm.weight"]), pos, s.n_rot, 1e7)
     k = _neox(_rms(k, w[p + "attn_k_norm.weight"]), pos, s.n_rot, 1e7)
-    rep = nh // nkv
-    k, v = np.repeat(k, rep, axis=1), np.repeat(v, rep, axis=1)
-    scores = np.einsum("thd,shd->hts", q, k) / np.sqrt(hd)
-    scores = np.where(np.tril(np.ones((T, T), bool))[None], scores, -np.inf)
-    pr = np.exp(scores - scores.max(-1, keepdims=True))
-    pr /= pr.sum(-1, keepdims=True)
-    att = np.einsum("hts,shd->thd", pr, v).reshape(T, nh * hd) * (1.0 / (1.0 + np.exp(-gate)))
+    att = _causal_attention(q, k, v) * (1.0 / (1.0 + np.exp(-gate)))
     x = x + att @ w[p + "attn_output.weight"].T
     f = _rms(x, w[p + "post_attention_norm.weight"])
-    g = f @ w[p + "ffn_gate.weight"].T
-    x = x + ((g / (1.0 + np.exp(-g))) * (f @ w[p + "ffn_up.weight"].T)) @ w[p + "ffn_down.weight"].T
+    x = x + (_silu(f @ w[p + "ffn_gate.weight"].T) * (f @ w[p + "ffn_up.weight"].T)) @ w[p + "ffn_down.weight"].T
     h_out = _rms(x, w["output_norm.weight"])
     return h_out @ w["token_embd.weight" if s.tie else "output.weight"].T, h_out
