@@ -107,6 +107,8 @@ class DFlashDrafter:
     def observe(self, feats: np.ndarray, pos0: int) -> None:
         """Inject the fused target features of positions pos0.. into the draft's cache (drops pos0.. first)."""
         lib, b = self._lib, self._batch
+        if pos0 > self.n_past:
+            raise OndeviceError(f"{self.path.name}: DFlash cache holds {self.n_past} positions, cannot inject at {pos0}")
         self._lib.llama_memory_seq_rm(self._mem, 0, pos0, -1)
         feats = np.ascontiguousarray(feats, dtype=np.float32)
         fp = ctypes.POINTER(ctypes.c_float)
