@@ -22,7 +22,7 @@ def main() -> None:
     import llama_cpp
 
     from ondevice.backends.llama_dflash import DFlashDrafter
-    from ondevice.backends.llama_mtp import MtpTarget
+    from ondevice.backends.llama_mtp_target import MtpTarget
     from ondevice.testing.dflash import make_tiny_dflash_gguf
     from ondevice.testing.mtp import QWEN35_08B
 

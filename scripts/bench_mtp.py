@@ -42,7 +42,7 @@ def _timed(fn) -> tuple[float, float]:
 
 
 def main() -> None:
-    from ondevice.backends.llama_mtp import MtpTarget
+    from ondevice.backends.llama_mtp_target import MtpTarget
     from ondevice.testing.mtp import QWEN35_08B, make_tiny_mtp_gguf
 
     ap = argparse.ArgumentParser()

@@ -23,7 +23,7 @@ def files(tmp_path_factory):
 
 def _pair(files):
     from ondevice.backends.llama_dflash import DFlashDrafter
-    from ondevice.backends.llama_mtp import MtpTarget
+    from ondevice.backends.llama_mtp_target import MtpTarget
 
     t = MtpTarget(files[0], n_ctx=256, threads=2, n_batch=64, nextn=False)
     return t, DFlashDrafter(files[1], t._model, t._ctx, n_ctx=256, threads=2, n_batch=64)
@@ -80,7 +80,7 @@ def test_draft_cache_follows_verify_and_rollback_like_a_fresh_run(files):
 
 def test_a_draft_for_another_vocabulary_is_refused_in_one_line(files, tmp_path):
     from ondevice.backends.llama_dflash import DFlashDrafter
-    from ondevice.backends.llama_mtp import MtpTarget
+    from ondevice.backends.llama_mtp_target import MtpTarget
 
     other = make_tiny_mtp_gguf(tmp_path / "other.gguf", "qwen35", shape=MtpShape(vocab_size=768))
     t = MtpTarget(other, n_ctx=256, threads=2, n_batch=64, nextn=False)
@@ -95,7 +95,7 @@ def test_a_draft_for_another_vocabulary_is_refused_in_one_line(files, tmp_path):
 def test_a_draft_without_its_own_embeddings_reads_the_targets(files, tmp_path):
     """Published DFlash drafts ship no embeddings / LM head: llama.cpp reads the target's via ctx_other."""
     from ondevice.backends.llama_dflash import DFlashDrafter
-    from ondevice.backends.llama_mtp import MtpTarget
+    from ondevice.backends.llama_mtp_target import MtpTarget
 
     shared = make_tiny_dflash_gguf(tmp_path / "shared.gguf", seed=6, own_head=False)
     t = MtpTarget(files[0], n_ctx=256, threads=2, n_batch=64, nextn=False)

@@ -27,7 +27,7 @@ def mtp_files(tmp_path_factory):
 
 
 def _target(path, **kw):
-    from ondevice.backends.llama_mtp import MtpTarget
+    from ondevice.backends.llama_mtp_target import MtpTarget
 
     return MtpTarget(path, n_ctx=256, threads=2, n_batch=64, **kw)
 
