@@ -133,3 +133,48 @@ def test_one_bad_gguf_in_a_store_is_listed_with_its_error_the_rest_still_work(st
     assert out.returncode == 0, out.stderr
     names = {m["name"] for m in json.loads(out.stdout)["models"]}
     assert {"lmstudio:org/small-GGUF/small-Q8_0.gguf", "lmstudio:org/evil-GGUF/evil-Q8_0.gguf"} <= names
+
+
+# -- model folders that carry code ----------------------------------------------------------------
+EVIL = '''
+import pathlib
+pathlib.Path({marker!r}).write_text("code from the model folder ran")
+from transformers import PreTrainedTokenizerFast, PretrainedConfig
+class EvilTokenizerFast(PreTrainedTokenizerFast):
+    pass
+class EvilConfig(PretrainedConfig):
+    model_type = "qwen2"
+'''
+
+
+def with_auto_map(src: Path, dst: Path, marker: Path) -> Path:
+    """A copy of the model folder ``src`` whose config and tokenizer config point (``auto_map``) at a module
+    of the folder that writes ``marker`` when imported."""
+    import shutil
+
+    shutil.copytree(src, dst)
+    (dst / "evil.py").write_text(EVIL.format(marker=str(marker)))
+    for name, auto_map in (("config.json", {"AutoConfig": "evil.EvilConfig", "AutoTokenizer": [None, "evil.EvilTokenizerFast"]}),
+                           ("tokenizer_config.json", {"AutoTokenizer": [None, "evil.EvilTokenizerFast"]})):
+        f = dst / name
+        f.write_text(json.dumps({**(json.loads(f.read_text()) if f.is_file() else {}), "auto_map": auto_map}))
+    return dst
+
+
+def test_no_code_from_a_model_folder_runs_when_mlx_or_coreml_load_its_tokenizer(tiny_hf, tmp_path, monkeypatch):
+    pytest.importorskip("mlx.core", reason="MLX is not installed (pip install 'ondevice[mlx]')")
+    from ondevice.backends.hf_vocab import load_tokenizer
+    from ondevice.backends.mlx import MLXBackend
+
+    monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "modules"))
+    marker = tmp_path / "MARKER"
+    model = with_auto_map(tiny_hf["qwen2"], tmp_path / "evil", marker)
+    b = MLXBackend(model, n_ctx=64, device="cpu")
+    assert len(b.tokenize("hello")) > 0
+    b.close()
+    tok, _ = load_tokenizer(model)  # the Core ML / static backends' tokenizer
+    assert tok.encode("hello")
+    assert not marker.exists()
+    grep = subprocess.run(["git", "grep", "-n", "trust_remote_code.*True", "--", "ondevice", "converters"], cwd=ROOT,
+                          capture_output=True, text=True)
+    assert grep.stdout == "", grep.stdout
