@@ -178,3 +178,49 @@ def test_no_code_from_a_model_folder_runs_when_mlx_or_coreml_load_its_tokenizer(
     grep = subprocess.run(["git", "grep", "-n", "trust_remote_code.*True", "--", "ondevice", "converters"], cwd=ROOT,
                           capture_output=True, text=True)
     assert grep.stdout == "", grep.stdout
+
+
+# -- Core ML packages that declare more than memory holds ----------------------------------------
+def _package(tmp_path: Path, kind: str) -> Path:
+    """A tiny iOS18 program saved as an .mlpackage, then made to declare a 2**20 × 2**20 value: a state
+    (``state``), or a ``fill`` whose constant shape and declared output are edited in the protobuf (``fill``)."""
+    ct = pytest.importorskip("coremltools")
+    from coremltools.converters.mil import Builder as mb
+    from coremltools.converters.mil.mil import types
+
+    n = 1 << 20
+    x = mb.TensorSpec((1,), dtype=types.fp16)
+    if kind == "state":
+        @mb.program(input_specs=[mb.StateTensorSpec((n, n), dtype=types.fp16), x], opset_version=ct.target.iOS18)
+        def prog(state, x):
+            y = mb.slice_by_size(x=mb.read_state(input=state), begin=[0, 0], size=[1, 1])
+            return mb.add(x=mb.reshape(x=y, shape=[1]), y=x)
+    else:
+        @mb.program(input_specs=[x], opset_version=ct.target.iOS18)
+        def prog(x):
+            y = mb.slice_by_size(x=mb.fill(shape=[2, 2], value=0.0, name="big"), begin=[0, 0], size=[1, 1])
+            return mb.add(x=mb.reshape(x=mb.cast(x=y, dtype="fp16"), shape=[1]), y=x)
+    model = ct.convert(prog, convert_to="mlprogram", minimum_deployment_target=ct.target.iOS18, skip_model_load=True,
+                       pass_pipeline=ct.PassPipeline.EMPTY)
+    spec = model.get_spec()
+    if kind == "fill":
+        fn = spec.mlProgram.functions["main"]
+        for op in next(iter(fn.block_specializations.values())).operations:
+            if op.type == "const" and op.outputs[0].name == "big_shape_0":
+                op.attributes["val"].immediateValue.tensor.ints.values[:] = [n, n]
+            if op.type == "fill":
+                for d in op.outputs[0].type.tensorType.dimensions:
+                    d.constant.size = n
+    out = tmp_path / f"{kind}.mlpackage"
+    ct.models.MLModel(spec, weights_dir=model.weights_dir, skip_model_load=True).save(str(out))
+    return out
+
+
+@pytest.mark.parametrize("kind", ["state", "fill"])
+def test_mil_interpreter_refuses_declared_sizes_beyond_memory(tmp_path, kind):
+    from ondevice.formats.mil import MILError, MILProgram
+
+    package = _package(tmp_path, kind)
+    what = "its states declare 2,199,023,255,552" if kind == "state" else "big is declared 4,398,046,511,104"
+    with pytest.raises(MILError, match=rf"{kind}\.mlpackage: main: {what} bytes, more than this machine's"):
+        MILProgram(package).new_state()
