@@ -224,3 +224,21 @@ def test_mil_interpreter_refuses_declared_sizes_beyond_memory(tmp_path, kind):
     what = "its states declare 2,199,023,255,552" if kind == "state" else "big is declared 4,398,046,511,104"
     with pytest.raises(MILError, match=rf"{kind}\.mlpackage: main: {what} bytes, more than this machine's"):
         MILProgram(package).new_state()
+
+
+def test_atomic_writes_reach_the_disk_before_their_name(tmp_path, monkeypatch):
+    """fsync of the data, then the rename, then fsync of the folder: a crash never leaves an empty file."""
+    from ondevice import atomic
+
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+    monkeypatch.setattr(atomic.os, "fsync", lambda fd: events.append(("fsync", os.path.realpath(f"/proc/self/fd/{fd}")
+                                                                       if sys.platform == "linux" else fd))
+                        or real_fsync(fd))
+    monkeypatch.setattr(atomic.os, "replace", lambda a, b: events.append(("replace", str(b))) or real_replace(a, b))
+    target = tmp_path / "kept.json"
+    atomic.write_text(target, "{}")
+    assert target.read_text() == "{}"
+    assert [e[0] for e in events] == ["fsync", "replace", "fsync"]
+    if sys.platform == "linux":
+        assert events[0][1].startswith(str(tmp_path / ".kept.json.")) and events[2][1] == str(tmp_path)
