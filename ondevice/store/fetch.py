@@ -111,8 +111,13 @@ def _locked(dest: Path, name: str, quiet: bool) -> Iterator[None]:
     """Hold the entry's pull lock (``flock`` on ``DEST.lock`` beside it): one process pulls, others wait for it."""
     import fcntl
 
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    with open(dest.with_name(dest.name + ".lock"), "a") as f:
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(dest.with_name(dest.name + ".lock"), "a")  # noqa: SIM115 (closed by the with below)
+    except OSError as e:
+        raise OndeviceError(f"{name}: cannot write in the model cache {dest.parent} ({e.strerror or type(e).__name__}); "
+                            "fix its permissions or set ONDEVICE_HOME to a folder of yours") from e
+    with lock as f:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

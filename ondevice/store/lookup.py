@@ -26,7 +26,7 @@ def resolve(spec: str | os.PathLike, *, auto_pull: bool = True) -> Path:
     Say ``./NAME`` (or pass a ``Path``) for the local one.
     """
     path = Path(spec).expanduser()
-    if isinstance(spec, str) and _catalog_name(spec) and not looks_like_path(spec):
+    if isinstance(spec, str) and not looks_like_path(spec) and _catalog_name(spec):
         if path.exists() or path.is_symlink():  # the pinned, verified model wins over an unverified local one
             kind = "folder" if path.is_dir() else "file"
             print(f"ondevice: using the catalog model {spec} (pinned, sha256-checked), not the {kind} ./{spec} "
