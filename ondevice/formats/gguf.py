@@ -174,12 +174,16 @@ def _walk(buf, path: Path) -> tuple[dict, list[str] | None, int]:
     meta: dict = {}
     tokens = None
 
-    def string(p: int) -> tuple[str, int]:
+    def string_end(p: int) -> int:
         n = u64.unpack_from(buf, p)[0]
         if n > MAX_STRING or p + 8 + n > size:
             raise _Corrupt(f"a string of {n} bytes at offset {p}" + (f" (at most {MAX_STRING})" if n > MAX_STRING else
                                                                       f" in a file of {size} bytes"))
-        return bytes(buf[p + 8 : p + 8 + n]).decode("utf-8", "replace"), p + 8 + n
+        return p + 8 + n
+
+    def string(p: int) -> tuple[str, int]:
+        end = string_end(p)
+        return bytes(buf[p + 8 : end]).decode("utf-8", "replace"), end
 
     def array_head(p: int, key: str) -> tuple[int, int, int]:
         """(item type, item count, offset of the first item) of the array at ``p``."""
@@ -205,7 +209,7 @@ def _walk(buf, path: Path) -> tuple[dict, list[str] | None, int]:
                     stack.append((sub_type, sub_count))
             elif itype == 8:
                 for _ in range(left):
-                    p = string(p)[1]
+                    p = string_end(p)
             else:
                 p += left * struct.calcsize(_SCALARS[itype])
         return p
