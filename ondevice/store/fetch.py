@@ -7,6 +7,7 @@ so later checks need not hash it again.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -108,23 +109,40 @@ class _BadArchive(Exception):
 
 @contextmanager
 def _locked(dest: Path, name: str, quiet: bool) -> Iterator[None]:
-    """Hold the entry's pull lock (``flock`` on ``DEST.lock`` beside it): one process pulls, others wait for it."""
+    """Hold the entry's pull lock (``flock`` on ``DEST.lock`` beside it): one process pulls, others wait for it.
+
+    The holder removes the lock file before it lets go, so none is left behind; a waiter that then holds a
+    removed file's lock sees that the name no longer points at it and locks the new one instead.
+    """
     import fcntl
 
-    try:
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        lock = open(dest.with_name(dest.name + ".lock"), "a")  # noqa: SIM115 (closed by the with below)
-    except OSError as e:
-        raise OndeviceError(f"{name}: cannot write in the model cache {dest.parent} ({e.strerror or type(e).__name__}); "
-                            "fix its permissions or set ONDEVICE_HOME to a folder of yours") from e
-    with lock as f:
+    path, said = dest.with_name(dest.name + ".lock"), False
+    while True:
+        try:
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            f = open(path, "a")  # noqa: SIM115 (closed below, after the lock file is removed)
+        except OSError as e:
+            raise OndeviceError(f"{name}: cannot write in the model cache {dest.parent} "
+                                f"({e.strerror or type(e).__name__}); fix its permissions or set ONDEVICE_HOME "
+                                "to a folder of yours") from e
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            if not quiet:
+            if not quiet and not said:
                 _console().print(f"[dim]waiting for another ondevice process that is pulling {name}…[/dim]")
+                said = True
             fcntl.flock(f, fcntl.LOCK_EX)
-        yield  # closing the file releases the lock (also when the process dies)
+        try:
+            if os.path.samestat(os.fstat(f.fileno()), os.stat(path)):
+                break
+        except FileNotFoundError:
+            pass
+        f.close()  # the holder removed this file as it finished: lock the current one
+    try:
+        yield
+    finally:
+        path.unlink(missing_ok=True)  # while still holding it: a waiter on this file sees it is gone
+        f.close()  # releases the lock (a process that dies releases it too, leaving the file)
 
 
 def _assemble(entry: Entry, wheels: list[Path], out, advance) -> str:
