@@ -333,3 +333,17 @@ def test_plan_sharding_names_what_mlx_lm_offers(tmp_path):
     with pytest.raises(OndeviceError, match="ONDEVICE_SHARD='rows'"):
         plan_sharding(tensor_only, cfg, 2, "rows", tmp_path)
     assert plan_sharding(tensor_only, cfg, 2, "auto", tmp_path) == "tensor"
+
+
+@pytest.mark.parametrize("shard", ["tensor", "pipeline"])
+def test_no_code_from_a_model_folder_runs_when_sharded(tiny_hf, tmp_path, shard):
+    """mlx-lm's sharded_load trusts a folder's auto_map; the sharded backend loads its tokenizer without it."""
+    from test_security_store import with_auto_map
+
+    marker = tmp_path / "MARKER"
+    model = with_auto_map(tiny_hf["qwen2"], tmp_path / "evil", marker)
+    job = {"model": str(model), "drafter": "none", "requests": {"r": {"prompt": PROMPT, "kw": {"max_tokens": 4}}}}
+    results, err, rcs = _run(tmp_path, {"jobs": [job]}, env={"ONDEVICE_SHARD": shard,
+                                                              "HF_MODULES_CACHE": str(tmp_path / "modules")})
+    assert rcs == [0, 0] and len(results[0]["r"]["tokens"]) == 4, (results, err)
+    assert not marker.exists(), "the model folder's code ran"

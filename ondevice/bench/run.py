@@ -115,8 +115,9 @@ def _mlx_anchor_runs(model_path: Path, draft_path: Path | None, num_draft: int) 
     from ondevice.backends.mlx import pick_device
 
     pick_device(None)
-    model, tokenizer = mlx_load(str(model_path))
-    draft = mlx_load(str(draft_path))[0] if draft_path else None
+    no_code = {"trust_remote_code": False}  # never run a model folder's auto_map code (#41)
+    model, tokenizer = mlx_load(str(model_path), tokenizer_config=no_code)
+    draft = mlx_load(str(draft_path), tokenizer_config=no_code)[0] if draft_path else None
 
     def run(draft_model):
         def go(ids: list[int], max_tokens: int, temperature: float) -> dict:
