@@ -1,0 +1,132 @@
+"""ctypes bindings of the C++-linkage functions of llama.cpp's ``src/llama-ext.h`` (EAGLE-3 / MTP features).
+
+llama-cpp-python 0.3.36's libllama exports them with mangled names (``nm -D --defined-only libllama.so``);
+each is looked up under its C name, then its Itanium-ABI name (Linux, macOS), from the library
+``llama_cpp`` already loaded. A library without them is refused in one line when first asked for.
+
+Layer inputs: ``set_embeddings_layer_inp(ctx, il, True)`` makes the target's graph keep the input of layer
+``il`` (the residual stream after layer il − 1) of *every* token of each later ``llama_decode``;
+``layer_inputs`` reads them back. Only architectures whose graph records them may be asked
+(``LAYER_INP_ARCHS``): llama.cpp aborts the whole process (GGML_ASSERT) when another one is.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from functools import cache
+
+import numpy as np
+
+from ondevice.errors import OndeviceError
+
+# GGUF architectures whose graph in llama-cpp-python 0.3.36 records every layer's input (res->t_layer_inp);
+# read from vendor/llama.cpp/src/models/*.cpp. qwen2 (Qwen2.5), gemma3, phi3 … do not.
+LAYER_INP_ARCHS = frozenset({
+    "llama", "qwen3", "qwen3moe", "qwen35", "qwen35moe", "qwen3next", "qwen4exp", "gemma4", "gpt-oss", "lfm2",
+    "mimo2", "minimax-01", "minimax-m2", "bailingmoe3", "nemotron_h", "nanbeige", "hunyuan_vl", "muse-glimmer",
+    "deepseek4",
+})
+
+_CTX, _MODEL = "P13llama_context", "PK11llama_model"
+# C name → (Itanium parameter encoding, argtypes (ctx / model pointers as void*), restype)
+_SIGNATURES = {
+    "llama_set_embeddings_layer_inp": (_CTX + "jb", [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_bool], None),
+    "llama_get_embeddings_layer_inp": (_CTX + "j", [ctypes.c_void_p, ctypes.c_uint32], ctypes.POINTER(ctypes.c_float)),
+    "llama_set_embeddings_nextn": (_CTX + "bb", [ctypes.c_void_p, ctypes.c_bool, ctypes.c_bool], None),
+    "llama_get_embeddings_nextn": (_CTX, [ctypes.c_void_p], ctypes.POINTER(ctypes.c_float)),
+    "llama_get_embeddings_nextn_ith": (_CTX + "i", [ctypes.c_void_p, ctypes.c_int32], ctypes.POINTER(ctypes.c_float)),
+    "llama_set_nextn_layer_offset": (_CTX + "i", [ctypes.c_void_p, ctypes.c_int32], None),
+    "llama_get_ctx_other": (_CTX, [ctypes.c_void_p], ctypes.c_void_p),
+    "llama_model_target_layer_ids": (_MODEL, [ctypes.c_void_p], ctypes.POINTER(ctypes.c_int32)),
+    "llama_model_target_layer_ids_n": (_MODEL, [ctypes.c_void_p], ctypes.c_uint32),
+    "llama_model_get_tok_embd": (_MODEL + "Pf", [ctypes.c_void_p, ctypes.POINTER(ctypes.c_float)], ctypes.c_uint32),
+}
+
+
+def mangled(name: str) -> str:
+    """The Itanium-ABI symbol of one of ``_SIGNATURES`` (e.g. ``_Z26llama_get_embeddings_nextnP13llama_context``)."""
+    return f"_Z{len(name)}{name}{_SIGNATURES[name][0]}"
+
+
+@cache
+def fn(name: str):
+    """The bound function ``name`` of ``_SIGNATURES`` from llama-cpp-python's loaded libllama.
+
+    Raises:
+        OndeviceError: this libllama exports it under neither name (another llama-cpp-python version).
+    """
+    import llama_cpp
+
+    lib = llama_cpp.llama_cpp._lib
+    _, argtypes, restype = _SIGNATURES[name]
+    for symbol in (name, mangled(name)):
+        try:
+            f = getattr(lib, symbol)
+        except AttributeError:
+            continue
+        f.argtypes, f.restype = argtypes, restype
+        return f
+    raise OndeviceError(f"libllama of llama-cpp-python {getattr(llama_cpp, '__version__', '?')} does not export {name}; "
+                        "EAGLE-3 drafting needs llama-cpp-python 0.3.36's llama.cpp (pip install 'llama-cpp-python==0.3.36')")
+
+
+def _ptr(handle) -> int:
+    """A llama_context / llama_model handle (ctypes pointer or int) as an int address."""
+    if isinstance(handle, int):
+        return handle
+    return ctypes.cast(handle, ctypes.c_void_p).value or 0
+
+
+def model_arch(model) -> str:
+    """``general.architecture`` of a loaded llama_model."""
+    import llama_cpp
+
+    buf = ctypes.create_string_buffer(64)
+    n = llama_cpp.llama_model_meta_val_str(model, b"general.architecture", buf, len(buf))
+    return buf.value.decode() if n > 0 else "?"
+
+
+def target_layer_ids(draft_model) -> list[int]:
+    """The target layer ids a loaded EAGLE-3 / DFlash draft model reads (its ``*.target_layers``)."""
+    n = int(fn("llama_model_target_layer_ids_n")(_ptr(draft_model)))
+    p = fn("llama_model_target_layer_ids")(_ptr(draft_model))
+    return [int(p[i]) for i in range(n)] if n and p else []
+
+
+def check_layer_inputs(model, ids: list[int], name: str = "target") -> None:
+    """Refuse, in one line, recording layer inputs ``ids`` on a model whose graph would abort the process."""
+    import llama_cpp
+
+    arch = model_arch(model)
+    if arch not in LAYER_INP_ARCHS:
+        raise OndeviceError(f"{name}: architecture {arch!r} does not expose its layer inputs in this llama.cpp "
+                            f"(EAGLE-3 needs them; supported: {', '.join(sorted(LAYER_INP_ARCHS))})")
+    n_layer = int(llama_cpp.llama_model_n_layer(model))
+    bad = [i for i in ids if not 0 <= i < n_layer]
+    if bad:
+        raise OndeviceError(f"{name}: has {n_layer} layers; layer {bad[0]} asked for (a draft made for another target)")
+
+
+def record_layer_inputs(ctx, model, ids: list[int], on: bool = True, name: str = "target") -> None:
+    """Make the context's later decodes keep (``on``) or drop the inputs of layers ``ids`` for every token.
+
+    Raises:
+        OndeviceError: the architecture does not record them (``check_layer_inputs``), or a bad layer id.
+    """
+    check_layer_inputs(model, ids, name)
+    f = fn("llama_set_embeddings_layer_inp")
+    for i in sorted(set(ids)):
+        f(_ptr(ctx), int(i), bool(on))
+
+
+def layer_inputs(ctx, ids: list[int], n_tokens: int, n_embd: int) -> np.ndarray:
+    """[n_tokens, len(ids) × n_embd] float32: the recorded inputs of layers ``ids`` (concatenated in that order,
+    as EAGLE-3's ``fc`` reads them) of the tokens of the last ``llama_decode`` (at most n_batch of them)."""
+    f = fn("llama_get_embeddings_layer_inp")
+    out = np.empty((n_tokens, len(ids) * n_embd), dtype=np.float32)
+    for k, i in enumerate(ids):
+        p = f(_ptr(ctx), int(i))
+        if not p:
+            raise OndeviceError(f"layer {i}'s input was not recorded by the last decode (record_layer_inputs first)")
+        out[:, k * n_embd:(k + 1) * n_embd] = np.ctypeslib.as_array(p, shape=(n_tokens, n_embd))
+    return out
