@@ -8,8 +8,8 @@ speaks the target's tokens), and the keys ``eagle3.target_layers`` / ``target_hi
 ``norm_before_residual`` / ``norm_before_fc``. A draft without ``embed_tokens`` is written without
 ``token_embd``: llama.cpp embeds its tokens with the target's table through ``ctx_other`` at run time.
 
-Reading the checkpoint: ``converters.eagle3_source``. Everything is checked against the target (hidden size, vocabulary, layer ids) before a byte is written; a
-pickle checkpoint is refused unread.
+Reading the checkpoint: ``converters.eagle3_source``. Everything is checked against the target (hidden size,
+vocabulary, layer ids) before a byte is written; a pickle checkpoint is refused unread.
 """
 
 from __future__ import annotations
