@@ -188,3 +188,51 @@ def test_bindings_resolve_mangled_names():
     assert llama_ext.mangled("llama_get_embeddings_layer_inp") == "_Z30llama_get_embeddings_layer_inpP13llama_contextj"
     for name in llama_ext._SIGNATURES:
         assert llama_ext.fn(name) is not None
+
+
+def test_chain_drafting_matches_the_reference_over_two_rounds(target, tmp_path):
+    """Greedy chains drafted from a real target's layer features (the draft embedding with the target's table
+    through ctx_other) equal the numpy forward's, after a prefill and after a verify pass that kept one draft."""
+    from converters.eagle3 import convert_eagle3, open_eagle3
+    from converters.eagle3_check import encode, reference, target_embedding
+    from ondevice.backends import llama_ext
+    from ondevice.backends.eagle3 import Eagle3Graph, draft_chain
+    from ondevice.backends.llama import LlamaBackend
+
+    src_dir = _draft(tmp_path, own_embeddings=False, dtype="float32", draft_vocab=256, layer_ids=[0, 2, 3])
+    convert_eagle3(src_dir, target=target[1], out=tmp_path / "out", dtype="f32")
+    src, emb = open_eagle3(src_dir), target_embedding(target[1])
+    b = LlamaBackend(target[1], n_ctx=256, n_batch=32)
+    g = Eagle3Graph(tmp_path / "out" / "model.gguf", b._ctx, b._model, n_ctx=256, exact=True)
+    try:
+        ids = g.layer_ids
+        llama_ext.record_layer_inputs(b._ctx, b._model, ids)
+        prompt = [5, 77, 300, 12, 9, 410]
+        x = int(np.argmax(b.eval(prompt, "all")[-1]))
+        f1 = llama_ext.layer_inputs(b._ctx, ids, len(prompt), 256)
+        d1, q1 = draft_chain(g, f1, prompt, 0, x, 3)
+
+        def ref_chain(T, G, k):
+            T, G, out = list(T), list(G), []
+            for _ in range(k):
+                logits, pre = reference(src, np.array(G), T, emb, 512)
+                out.append(int(np.argmax(logits[-1])))
+                T.append(out[-1])
+                G.append(pre[-1])
+            return out
+
+        T, G = prompt[1:] + [x], list(encode(src, f1))
+        assert d1 == ref_chain(T, G, 3)
+        assert q1.shape == (3, 512) and np.array_equal(q1.argmax(-1), d1)
+        # verify pass over [x, d1...]; the target keeps d1[0] and then chooses y
+        rows = b.eval([x, *d1], "all")
+        f2 = llama_ext.layer_inputs(b._ctx, ids, 4, 256)
+        y = int(np.argmax(rows[1]))
+        b.rollback(len(prompt) + 2)
+        d2, _ = draft_chain(g, f2[:2], [x, d1[0]], len(prompt), y, 3)
+        assert d2 == ref_chain(T + [d1[0], y], G + list(encode(src, f2[:2])), 3)
+        # the same rows from a fresh draft cache (nothing left over from the rejected drafts)
+        assert draft_chain(g, np.concatenate([f1, f2[:2]]), [*prompt, x, d1[0]], 0, y, 3)[0] == d2
+    finally:
+        g.close()
+        b.close()

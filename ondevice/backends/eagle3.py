@@ -16,8 +16,9 @@ target's (through ``ctx_other``, so the target context must outlive this one).
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 
@@ -136,13 +137,14 @@ class Eagle3Graph:
             raise ValueError(f"features of shape {feats.shape}; expected [n, {width}]")
         out = np.empty((feats.shape[0], self.n_embd), np.float32)
         get = llama_ext.fn("llama_get_embeddings_nextn")
+        base = self.n_past
         for s in range(0, feats.shape[0], self.n_batch):
             chunk = feats[s:s + self.n_batch]
             lib.llama_batch_ext_clear(self._batch)
             for i, row in enumerate(chunk):
                 e = lib.llama_embd(row.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), 1, width)
                 idx = lib.llama_batch_ext_add_embd(self._batch, 0, e)
-                self._pos[0] = i  # the per-token encoder ignores positions
+                self._pos[0] = base + i  # ignored by the per-token encoder, but checked against the cache
                 if idx < 0 or not lib.llama_batch_ext_set_pos(self._batch, idx, self._pos):
                     raise OndeviceError(f"{self.path.name}: could not build the encoder batch (code {idx})")
                 lib.llama_batch_ext_set_output_embd(self._batch, idx, True)
@@ -156,18 +158,19 @@ class Eagle3Graph:
         return out
 
     def decode(self, tokens: Sequence[int], g: np.ndarray, pos0: int,
-               outputs: Sequence[bool] | None = None) -> tuple[np.ndarray, np.ndarray]:
+               outputs: Literal["all", "last", "none"] = "all") -> tuple[np.ndarray, np.ndarray]:
         """Run the decoder layer on rows (token i, g[i]) at positions pos0 + i, adding them to the cache.
 
         Args:
             tokens: the token of each row (by the convention above: the token *after* the g row's position).
             g: [n, n_embd] rows: encoder output for target positions, or a previous pre-norm output.
             pos0: position of the first row; the cache must hold exactly pos0 positions (``rollback``).
-            outputs: which rows to return (default: all).
+            outputs: which rows to return. llama.cpp's eagle3 graph computes every row and its context copies
+                the first n_outputs of them, so any selection other than a prefix would return the wrong rows:
+                "last" decodes the rows before the last without outputs, then the last alone.
         Returns:
             (logits [n_out, vocab_size] over the target vocabulary, pre-norm rows [n_out, n_embd]).
         """
-        lib = self._lib
         g = np.ascontiguousarray(g, dtype=np.float32)
         n = len(tokens)
         if g.shape != (n, self.n_embd):
@@ -176,7 +179,14 @@ class Eagle3Graph:
             raise ValueError(f"{n} rows; the draft's context takes at most {self.n_batch} per call")
         if self.n_past != pos0:
             raise ValueError(f"the draft's cache holds {self.n_past} positions, not {pos0}; roll back first")
-        outs = [True] * n if outputs is None else [bool(o) for o in outputs]
+        if outputs == "last" and n > 1:
+            self._decode(tokens[:-1], g[:-1], pos0, False)
+            return self._decode(tokens[-1:], g[-1:], pos0 + n - 1, True)
+        return self._decode(tokens, g, pos0, outputs != "none")
+
+    def _decode(self, tokens: Sequence[int], g: np.ndarray, pos0: int, out: bool) -> tuple[np.ndarray, np.ndarray]:
+        lib = self._lib
+        n = len(tokens)
         lib.llama_batch_ext_clear(self._batch)
         for i, t in enumerate(tokens):
             idx = lib.llama_batch_ext_add_token(self._batch, 0, int(t))
@@ -185,17 +195,17 @@ class Eagle3Graph:
             if idx < 0 or not lib.llama_batch_ext_set_pos(self._batch, idx, self._pos) \
                     or not lib.llama_batch_ext_set_embd_token(self._batch, idx, e):
                 raise OndeviceError(f"{self.path.name}: could not build the decoder batch at row {i} (code {idx})")
-            lib.llama_batch_ext_set_output_logits(self._batch, idx, outs[i])
+            lib.llama_batch_ext_set_output_logits(self._batch, idx, out)
         rc = lib.llama_process(self._ctx, lib.LLAMA_PROCESS_TYPE_DECODE, self._batch)
         if rc != 0:
             raise OndeviceError(f"{self.path.name}: the EAGLE-3 decoder failed (code {rc}) at position {pos0}")
-        rows = [i for i in range(n) if outs[i]]
-        logits = np.empty((len(rows), self.vocab_size), np.float32)
-        pre = np.empty((len(rows), self.n_embd), np.float32)
+        m = n if out else 0
+        logits = np.empty((m, self.vocab_size), np.float32)
+        pre = np.empty((m, self.n_embd), np.float32)
         get_h = llama_ext.fn("llama_get_embeddings_nextn_ith")
-        for j, i in enumerate(rows):
-            logits[j] = np.ctypeslib.as_array(lib.llama_get_logits_ith(self._ctx, i), shape=(self.vocab_size,))
-            pre[j] = np.ctypeslib.as_array(get_h(llama_ext._ptr(self._ctx), i), shape=(self.n_embd,))
+        for i in range(m):
+            logits[i] = np.ctypeslib.as_array(lib.llama_get_logits_ith(self._ctx, i), shape=(self.vocab_size,))
+            pre[i] = np.ctypeslib.as_array(get_h(llama_ext._ptr(self._ctx), i), shape=(self.n_embd,))
         return logits, pre
 
     def close(self) -> None:
@@ -215,6 +225,59 @@ class Eagle3Graph:
             self.close()
         except Exception:
             pass
+
+
+def greedy_pick(logits: np.ndarray) -> tuple[int, np.ndarray]:
+    """The default ``pick``: the argmax and a one-hot q row."""
+    t = int(np.argmax(logits))
+    q = np.zeros(logits.shape[-1], np.float64)
+    q[t] = 1.0
+    return t, q
+
+
+def draft_chain(graph: Eagle3Graph, features: np.ndarray, tokens: Sequence[int], pos0: int, next_token: int,
+                k: int, pick: Callable[[np.ndarray], tuple[int, np.ndarray]] = greedy_pick,
+                keep_drafting: Callable[[list[int], np.ndarray], bool] | None = None) -> tuple[list[int], np.ndarray]:
+    """Draft a chain of up to ``k`` tokens after a target pass, with the draft's own KV cache.
+
+    The target has just processed ``tokens`` at positions pos0.. (a prefill chunk, or the accepted prefix of a
+    verify pass: the token before the drafts and the accepted drafts) and recorded their layer ``features``;
+    ``next_token`` is what it chose after them. The draft's cache is rolled back to pos0 (dropping the last
+    round's speculative rows; position pos0 − 1 stays as written), the pairs (tokens[i + 1], g[i]) and
+    (next_token, g[n − 1]) are decoded in one pass, and each later depth decodes (its drafted token, the
+    previous depth's pre-norm output) at the next position, as llama.cpp's ``common/speculative.cpp`` does.
+
+    Args:
+        graph: the draft (``Eagle3Graph``).
+        features: [n, 3 × target hidden] layer inputs of ``tokens`` (``llama_ext.layer_inputs``).
+        pick: logits row over the target vocabulary (−inf outside the draft's) → (token, q row): the request's
+            processed distribution and a draw from it (``ondevice.sampling.probs_sparse`` and a sampler), so
+            the rejection rule keeps the target's law; the default is greedy with a one-hot q.
+        keep_drafting: asked after each drafted token with (tokens so far, q rows so far); False stops.
+    Returns:
+        (drafted tokens [k'], q rows [k', V]), k' ≤ k.
+    """
+    n = len(tokens)
+    if features.shape[0] != n or n < 1:
+        raise ValueError(f"{features.shape[0]} feature rows for {n} tokens")
+    graph.rollback(pos0)
+    g = graph.encode(features)
+    shifted = [int(t) for t in tokens[1:]] + [int(next_token)]
+    for s in range(0, n, graph.n_batch):  # a long prefill in chunks; only the last row's logits are read
+        e = min(n, s + graph.n_batch)
+        logits, pre = graph.decode(shifted[s:e], g[s:e], pos0 + s, "last" if e == n else "none")
+    drafted: list[int] = []
+    qs: list[np.ndarray] = []
+    pos = pos0 + n
+    while True:
+        t, q = pick(logits[-1])
+        drafted.append(t)
+        qs.append(q)
+        if len(drafted) >= k or (keep_drafting is not None and not keep_drafting(drafted, np.array(qs))):
+            break
+        logits, pre = graph.decode([t], pre[-1:], pos)
+        pos += 1
+    return drafted, np.array(qs)
 
 
 def _meta_int(model, key: str) -> int | None:
