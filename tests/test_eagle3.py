@@ -236,3 +236,87 @@ def test_chain_drafting_matches_the_reference_over_two_rounds(target, tmp_path):
     finally:
         g.close()
         b.close()
+
+
+def _raw_context(path, tap=None, n_ubatch=64):
+    """(model, context) through llama-cpp-python's low-level API, with ``tap.callback`` as cb_eval."""
+    import llama_cpp
+
+    from ondevice.backends.llama import init_llama
+
+    init_llama()
+    model = llama_cpp.llama_model_load_from_file(str(path).encode(), llama_cpp.llama_model_default_params())
+    cp = llama_cpp.llama_context_default_params()
+    cp.n_ctx, cp.n_batch, cp.n_ubatch = 256, 64, n_ubatch
+    if tap is not None:
+        cp.cb_eval, cp.cb_eval_user_data = tap.callback, None
+    return model, llama_cpp.llama_init_from_model(model, cp)
+
+
+def _decode(ctx, toks):
+    import llama_cpp
+
+    arr = (llama_cpp.llama_token * len(toks))(*toks)
+    assert llama_cpp.llama_decode(ctx, llama_cpp.llama_batch_get_one(arr, len(toks))) == 0
+
+
+def _free(model, ctx):
+    import llama_cpp
+
+    llama_cpp.llama_free(ctx)
+    llama_cpp.llama_model_free(model)
+
+
+def test_cb_eval_tap_reads_what_llama_cpp_records(target):
+    """The public cb_eval route gives exactly llama.cpp's own recorded layer inputs on a llama target (here over
+    a decode split into ubatches of 4), so it can stand in for it on architectures that record none."""
+    from ondevice.backends import llama_ext
+
+    ids, toks = [1, 3, 1], [5, 77, 300, 12, 9, 410, 33, 2, 100, 101]
+    tap = llama_ext.EvalTap(ids, 256, 4)
+    m1, c1 = _raw_context(target[1], tap, n_ubatch=4)
+    m2, c2 = _raw_context(target[1])
+    try:
+        llama_ext.record_layer_inputs(c2, m2, ids)
+        _decode(c1, toks)
+        _decode(c2, toks)
+        got = tap.read()
+        assert got.shape == (len(toks), 3 * 256)
+        assert np.abs(got - llama_ext.layer_inputs(c2, ids, len(toks), 256)).max() <= 1e-5 * np.abs(got).max()
+        with pytest.raises(OndeviceError, match="not seen by cb_eval"):
+            tap.read()
+    finally:
+        _free(m1, c1)
+        _free(m2, c2)
+
+
+def test_cb_eval_tap_on_qwen2(tmp_path):
+    """qwen2 records nothing itself; through cb_eval its layer inputs come out, the same for a batch as for the
+    tokens one at a time."""
+    from converters import convert
+    from ondevice.backends import llama_ext
+    from ondevice.testing import make_tiny_hf
+
+    convert(make_tiny_hf(tmp_path / "hf", arch="qwen2", n_layers=4), to="gguf", quant="f16", out=tmp_path / "q",
+            progress=False)
+    ids, toks = [1, 3], [5, 77, 300, 12, 9]
+    tap = llama_ext.EvalTap(ids, 256, 4)
+    m, c = _raw_context(tmp_path / "q" / "model.gguf", tap)
+    try:
+        _decode(c, toks)
+        batch = tap.read()
+        import llama_cpp
+
+        llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(c), False)
+        one = []
+        for t in toks:
+            _decode(c, [t])
+            one.append(tap.read()[0])
+        assert np.abs(batch - np.array(one)).max() <= 1e-3 * np.abs(batch).max()
+        assert np.abs(batch[:, :256] - batch[:, 256:]).max() > 0.1
+    finally:
+        _free(m, c)
+    with pytest.raises(OndeviceError, match="layer 0"):
+        llama_ext.EvalTap([0, 1, 2], 256, 4)
+    with pytest.raises(OndeviceError, match="has 4 layers"):
+        llama_ext.EvalTap([1, 2, 4], 256, 4)

@@ -130,3 +130,64 @@ def layer_inputs(ctx, ids: list[int], n_tokens: int, n_embd: int) -> np.ndarray:
             raise OndeviceError(f"layer {i}'s input was not recorded by the last decode (record_layer_inputs first)")
         out[:, k * n_embd:(k + 1) * n_embd] = np.ctypeslib.as_array(p, shape=(n_tokens, n_embd))
     return out
+
+
+class EvalTap:
+    """Layer inputs read through llama.cpp's public scheduler callback (``cb_eval``), for targets whose graph
+    does not record them (qwen2 / Qwen2.5 in this llama.cpp): the input of layer il is the tensor the graph
+    names ``l_out-{il - 1}`` (the previous layer's output), copied out as it is computed.
+
+    It costs more than ``record_layer_inputs``: llama.cpp asks the callback about every node of every graph
+    (hundreds per decode) and splits the computation at each tensor taken.
+
+    Usage: ``cp.cb_eval = tap.callback`` (and ``cp.cb_eval_user_data = None``) on the llama_context_params the
+    target's context is created with; after each ``llama_decode``, ``tap.read()``.
+
+    Args:
+        ids: target layer ids, 1 ≤ id < n_layer (layer 0's input, the embedding, has no named tensor to take).
+        n_embd, n_layer: the target's hidden size and layer count.
+    """
+
+    def __init__(self, ids: list[int], n_embd: int, n_layer: int) -> None:
+        import os
+
+        import llama_cpp
+
+        if any(i < 1 for i in ids):
+            raise OndeviceError(f"layer ids {ids}: layer 0's input cannot be read through cb_eval (ids ≥ 1 only)")
+        if any(i >= n_layer for i in ids):
+            raise OndeviceError(f"layer ids {ids}: the target has {n_layer} layers (a draft made for another target)")
+        self.ids, self.n_embd = list(ids), int(n_embd)
+        lib = ctypes.CDLL(os.path.join(os.path.dirname(llama_cpp.__file__), "lib", "libggml-base.so"))
+        lib.ggml_get_name.restype, lib.ggml_get_name.argtypes = ctypes.c_char_p, [ctypes.c_void_p]
+        lib.ggml_nbytes.restype, lib.ggml_nbytes.argtypes = ctypes.c_size_t, [ctypes.c_void_p]
+        lib.ggml_backend_tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
+        want = {f"l_out-{i - 1}".encode(): i for i in set(self.ids)}
+        self._rows: dict[int, list[np.ndarray]] = {i: [] for i in want.values()}
+
+        def cb(t, ask, _user):  # pragma: no cover - called from C
+            il = want.get(lib.ggml_get_name(t))
+            if ask or il is None:
+                return il is not None if ask else True
+            nb = lib.ggml_nbytes(t)
+            buf = np.empty(nb // 4, np.float32)
+            lib.ggml_backend_tensor_get(t, buf.ctypes.data, 0, nb)
+            self._rows[il].append(buf.reshape(-1, self.n_embd))
+            return True
+
+        self.callback = llama_cpp.ggml_backend_sched_eval_callback(cb)
+
+    def clear(self) -> None:
+        for rows in self._rows.values():
+            rows.clear()
+
+    def read(self) -> np.ndarray:
+        """[n_tokens, len(ids) × n_embd]: the inputs of ``ids`` for the tokens decoded since the last read."""
+        parts = []
+        for i in self.ids:
+            if not self._rows[i]:
+                raise OndeviceError(f"layer {i}'s input was not seen by cb_eval (no decode since the last read, or "
+                                    "this architecture does not name its layer outputs l_out)")
+            parts.append(np.concatenate(self._rows[i]))
+        self.clear()
+        return np.concatenate(parts, axis=1)
