@@ -88,7 +88,8 @@ def gguf_tensors(src: Eagle3Source):
     factors = rope_factors(src.config)
     if factors is not None:
         yield "rope_freqs.weight", factors
-    yield "d2t", src.d2t
+    if src.has("d2t"):
+        yield "d2t", src.d2t
 
 
 def write_eagle3_gguf(src: Eagle3Source, target: Target, ids: list[int], out: Path, *, dtype: str = "f16") -> dict:

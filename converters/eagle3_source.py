@@ -192,8 +192,11 @@ def open_eagle3(path: str | Path) -> Eagle3Source:
             names[file_name.removeprefix("model.")] = file_name
     src = Eagle3Source(path, layout, config, names, st, np.zeros(0, np.int64))
     _check_shapes(src, cfg_path)
-    d2t = np.asarray(st.raw(names["d2t"]), dtype=np.int64).reshape(-1)
-    src.d2t = d2t + np.arange(d2t.size, dtype=np.int64)
+    if "d2t" in names:
+        d2t = np.asarray(st.raw(names["d2t"]), dtype=np.int64).reshape(-1)
+        src.d2t = d2t + np.arange(d2t.size, dtype=np.int64)
+    else:  # a draft over the whole target vocabulary (llama.cpp: no d2t tensor, logits row i is token i)
+        src.d2t = np.arange(int(config["draft_vocab_size"]), dtype=np.int64)
     if np.unique(src.d2t).size != src.d2t.size:
         raise OndeviceError(f"{path}: d2t maps two draft tokens to the same target token; the checkpoint is damaged")
     return src
@@ -210,6 +213,8 @@ def _check_shapes(src: Eagle3Source, cfg_path: Path) -> None:
         "layer.mlp.gate_proj.weight": (f, h), "layer.mlp.up_proj.weight": (f, h), "layer.mlp.down_proj.weight": (h, f),
         "fc.weight": (h, 3 * th), "norm.weight": (h,), "lm_head.weight": (dv, h), "d2t": (dv,),
     }
+    if "d2t" not in src.names and dv == int(src.config.get("vocab_size") or dv):
+        del want["d2t"]  # no vocabulary reduction: nothing to map
     if src.norm_before_fc:
         want["input_norm.weight"] = (3 * th,)
     for name, shape in want.items():

@@ -11,16 +11,26 @@ import pytest
 from ondevice.errors import OndeviceError
 
 
-@pytest.fixture(scope="module")
-def target(tmp_path_factory):
-    """A 4-layer tiny llama target (hidden 256, vocabulary 512) as an f16 GGUF; returns (HF dir, GGUF)."""
+def _target(tmp_path_factory, arch):
     from converters import convert
     from ondevice.testing import make_tiny_hf
 
-    base = tmp_path_factory.mktemp("eagle3-target")
-    hf = make_tiny_hf(base / "hf", arch="llama", n_layers=4)
+    base = tmp_path_factory.mktemp(f"eagle3-{arch}")
+    hf = make_tiny_hf(base / "hf", arch=arch, n_layers=4)
     convert(hf, to="gguf", quant="f16", out=base / "gguf", progress=False)
     return hf, base / "gguf" / "model.gguf"
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    """A 4-layer tiny llama target (hidden 256, vocabulary 512) as an f16 GGUF; returns (HF dir, GGUF)."""
+    return _target(tmp_path_factory, "llama")
+
+
+@pytest.fixture(scope="module")
+def qwen3_target(tmp_path_factory):
+    """The same as a qwen3 (q/k norms, head_dim 128): EAGLE-3 drafts are published for Qwen3 targets."""
+    return _target(tmp_path_factory, "qwen3")
 
 
 def _draft(tmp_path, name="draft", **kw):
@@ -32,6 +42,8 @@ def _draft(tmp_path, name="draft", **kw):
 CASES = {
     "specforge-own-f32": dict(layout="specforge", dtype="f32", own_embeddings=True, layer_ids=[1, 2, 3]),
     "specforge-shared-f16": dict(layout="specforge", dtype="f16", own_embeddings=False),
+    "specforge-bf16-source-f16": dict(layout="specforge", dtype="f16", src_dtype="bfloat16", own_embeddings=True),
+    "specforge-no-d2t-f32": dict(layout="specforge", dtype="f32", with_d2t=False, own_embeddings=False),
     "speculators-own-f16": dict(layout="speculators", dtype="f16", own_embeddings=True),
     "speculators-shared-f32-fcnorm-llama3": dict(
         layout="speculators", dtype="f32", own_embeddings=False, norm_before_fc=True, norm_before_residual=False,
@@ -49,7 +61,8 @@ def test_convert_and_logits_match_source(target, tmp_path, case):
 
     kw = dict(CASES[case])
     dtype = kw.pop("dtype")
-    src = _draft(tmp_path, **kw, dtype="float32" if dtype == "f32" else "float16")
+    src_dtype = kw.pop("src_dtype", "float32" if dtype == "f32" else "float16")
+    src = _draft(tmp_path, **kw, dtype=src_dtype)
     s = convert_eagle3(src, target=target[1], out=tmp_path / "out", dtype=dtype)
     v = s["verify"]
     assert v["ok"] and v["inf_pattern_ok"] and v["argmax_agree"] == 1.0
@@ -59,6 +72,16 @@ def test_convert_and_logits_match_source(target, tmp_path, case):
     assert s["layout"] == kw["layout"] and s["own_embeddings"] == kw["own_embeddings"]
     assert s["target_layers"] == (kw.get("layer_ids") or [2, 2, 1])
     assert (tmp_path / "out" / "model.gguf").is_file() and (tmp_path / "out" / "manifest.json").is_file()
+    from ondevice.formats.gguf import GGUFFile
+
+    g = GGUFFile(tmp_path / "out" / "model.gguf")
+    names = {t.name for t in g.reader.tensors}
+    assert g.arch == "eagle3" and list(g.get("eagle3.target_layers")) == s["target_layers"]
+    assert ("d2t" in names) == kw.get("with_d2t", True) and ("token_embd.weight" in names) == kw["own_embeddings"]
+    if src_dtype == "bfloat16":
+        from converters.eagle3 import open_eagle3
+
+        assert open_eagle3(src).tensors.index["fc.weight"][1] == "BF16"
 
 
 @pytest.mark.parametrize("bug", ["no_rope_permutation", "residual_flag_flipped", "d2t_as_offsets"])
@@ -190,9 +213,11 @@ def test_bindings_resolve_mangled_names():
         assert llama_ext.fn(name) is not None
 
 
-def test_chain_drafting_matches_the_reference_over_two_rounds(target, tmp_path):
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_chain_drafting_matches_the_reference_over_two_rounds(request, tmp_path, arch):
     """Greedy chains drafted from a real target's layer features (the draft embedding with the target's table
     through ctx_other) equal the numpy forward's, after a prefill and after a verify pass that kept one draft."""
+    target = request.getfixturevalue("target" if arch == "llama" else "qwen3_target")
     from converters.eagle3 import convert_eagle3, open_eagle3
     from converters.eagle3_check import encode, reference, target_embedding
     from ondevice.backends import llama_ext

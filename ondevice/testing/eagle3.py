@@ -38,6 +38,7 @@ def make_tiny_eagle3(
     rope_scaling: dict | None = None,
     rope_theta: float = 10000.0,
     dtype: str = "float16",
+    with_d2t: bool = True,
     seed: int = 0,
 ) -> Path:
     """Write a random-weight EAGLE-3 checkpoint for a target of hidden size ``target_hidden`` and vocabulary
@@ -54,16 +55,16 @@ def make_tiny_eagle3(
         norm_before_residual: written to the config (None: not written; speculators' default is True).
         norm_before_fc: write ``input_norm.weight`` and set the flag (EAGLE-3.1 drafts).
         rope_scaling: e.g. llama-3.1's ``{"rope_type": "llama3", "factor": 8.0, ...}``.
-        dtype: "float16" or "float32" storage of the float tensors.
+        dtype: "float16", "bfloat16" (what trained checkpoints ship) or "float32" storage of the float tensors.
+        with_d2t: False: no vocabulary reduction (``draft_vocab`` is the target's, no d2t / t2d tensors).
     """
-    from safetensors.numpy import save_file
-
     if layout not in LAYOUTS:
         raise ValueError(f"layout {layout!r}: one of {', '.join(LAYOUTS)}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
     h = hidden or target_hidden
+    draft_vocab = draft_vocab if with_d2t else vocab_size
     hd = h // n_heads
 
     def lin(o: int, i: int, gain: float = 1.0) -> np.ndarray:
@@ -93,14 +94,15 @@ def make_tiny_eagle3(
         w["embed_tokens.weight"] = rng.normal(0.0, 1.0, (vocab_size, h))
     if norm_before_fc:
         w["input_norm.weight"] = norm(3 * target_hidden)
-    store = np.float16 if dtype == "float16" else np.float32
-    tensors = {k: np.ascontiguousarray(v, dtype=store) for k, v in w.items()}
-    ids = np.sort(rng.choice(vocab_size, size=draft_vocab, replace=False))
-    tensors["d2t"] = (ids - np.arange(draft_vocab)).astype(np.int64)
-    mask = np.zeros(vocab_size, dtype=bool)
-    mask[ids] = True
-    tensors["t2d"] = mask
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    tensors = {k: _stored(v, dtype) for k, v in w.items()}
+    if with_d2t:
+        ids = np.sort(rng.choice(vocab_size, size=draft_vocab, replace=False))
+        d2t = (ids - np.arange(draft_vocab)).astype(np.int64)
+        tensors["d2t"] = ("I64", d2t.tobytes(), d2t.shape)
+        mask = np.zeros(vocab_size, dtype=bool)
+        mask[ids] = True
+        tensors["t2d"] = ("BOOL", mask.tobytes(), mask.shape)
+    _save(tensors, out / "model.safetensors")
 
     llama = {
         "model_type": "llama",
@@ -136,3 +138,28 @@ def make_tiny_eagle3(
         cfg["eagle_aux_hidden_state_layer_ids"] = list(layer_ids)
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     return out
+
+
+def _stored(a: np.ndarray, dtype: str) -> tuple[str, bytes, tuple[int, ...]]:
+    """(safetensors dtype, bytes, shape) of ``a`` stored as ``dtype`` (bfloat16 rounded to nearest even)."""
+    if dtype == "bfloat16":
+        u = np.ascontiguousarray(a, np.float32).view(np.uint32)
+        bits = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+        return "BF16", bits.tobytes(), a.shape
+    store, name = {"float16": (np.float16, "F16"), "float32": (np.float32, "F32")}[dtype]
+    return name, np.ascontiguousarray(a, store).tobytes(), a.shape
+
+
+def _save(tensors: dict[str, tuple[str, bytes, tuple[int, ...]]], path: Path) -> None:
+    """Write a safetensors file by hand (the numpy binding cannot store bfloat16)."""
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, (dt, data, shape) in tensors.items():
+        header[name] = {"dtype": dt, "shape": list(shape), "data_offsets": [offset, offset + len(data)]}
+        offset += len(data)
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little") + raw)
+        for _, data, _ in tensors.values():
+            f.write(data)
