@@ -33,6 +33,12 @@ def qwen3_target(tmp_path_factory):
     return _target(tmp_path_factory, "qwen3")
 
 
+@pytest.fixture(scope="module")
+def qwen2_target(tmp_path_factory):
+    """A 4-layer tiny qwen2 target (Qwen2.5's architecture: its graph records no layer inputs)."""
+    return _target(tmp_path_factory, "qwen2")
+
+
 def _draft(tmp_path, name="draft", **kw):
     from ondevice.testing.eagle3 import make_tiny_eagle3
 
@@ -191,13 +197,13 @@ def test_llama_target_records_the_layer_inputs(target):
         b.close()
 
 
-def test_qwen2_target_refused_before_llama_cpp_would_abort(tiny_gguf):
+def test_qwen2_target_refused_before_llama_cpp_would_abort(qwen2_target):
     """qwen2's graph in this llama.cpp records no layer inputs; asking would abort the process (GGML_ASSERT),
     so the request is refused in one line naming the architecture."""
     from ondevice.backends import llama_ext
     from ondevice.backends.llama import LlamaBackend
 
-    b = LlamaBackend(tiny_gguf("qwen2", "q8_0"), n_ctx=128, n_batch=16)
+    b = LlamaBackend(qwen2_target[1], n_ctx=128, n_batch=16)
     try:
         with pytest.raises(OndeviceError, match="architecture 'qwen2' does not expose its layer inputs"):
             llama_ext.record_layer_inputs(b._ctx, b._model, [1])
@@ -315,18 +321,14 @@ def test_cb_eval_tap_reads_what_llama_cpp_records(target):
         _free(m2, c2)
 
 
-def test_cb_eval_tap_on_qwen2(tmp_path):
+def test_cb_eval_tap_on_qwen2(qwen2_target):
     """qwen2 records nothing itself; through cb_eval its layer inputs come out, the same for a batch as for the
     tokens one at a time."""
-    from converters import convert
     from ondevice.backends import llama_ext
-    from ondevice.testing import make_tiny_hf
 
-    convert(make_tiny_hf(tmp_path / "hf", arch="qwen2", n_layers=4), to="gguf", quant="f16", out=tmp_path / "q",
-            progress=False)
     ids, toks = [1, 3], [5, 77, 300, 12, 9]
     tap = llama_ext.EvalTap(ids, 256, 4)
-    m, c = _raw_context(tmp_path / "q" / "model.gguf", tap)
+    m, c = _raw_context(qwen2_target[1], tap)
     try:
         _decode(c, toks)
         batch = tap.read()
@@ -345,3 +347,38 @@ def test_cb_eval_tap_on_qwen2(tmp_path):
         llama_ext.EvalTap([0, 1, 2], 256, 4)
     with pytest.raises(OndeviceError, match="has 4 layers"):
         llama_ext.EvalTap([1, 2, 4], 256, 4)
+
+
+def test_chain_drafting_on_qwen2_through_cb_eval(qwen2_target, tmp_path):
+    """A qwen2 target drafts with EAGLE-3 through the cb_eval route: the chain equals the numpy forward's."""
+    import llama_cpp
+
+    from converters.eagle3 import convert_eagle3, open_eagle3
+    from converters.eagle3_check import encode, reference, target_embedding
+    from ondevice.backends import llama_ext
+    from ondevice.backends.eagle3 import Eagle3Graph, draft_chain
+
+    src_dir = _draft(tmp_path, own_embeddings=False, dtype="float32", layer_ids=[1, 2, 3])
+    convert_eagle3(src_dir, target=qwen2_target[1], out=tmp_path / "out", dtype="f32")
+    src, emb = open_eagle3(src_dir), target_embedding(qwen2_target[1])
+    tap = llama_ext.EvalTap([1, 2, 3], 256, 4)
+    m, c = _raw_context(qwen2_target[1], tap)
+    g = Eagle3Graph(tmp_path / "out" / "model.gguf", c, m, n_ctx=256, exact=True)
+    try:
+        with pytest.raises(OndeviceError, match="'qwen2' does not expose"):
+            llama_ext.record_layer_inputs(c, m, g.layer_ids)
+        prompt = [5, 77, 300, 12, 9, 410]
+        _decode(c, prompt)
+        x = int(np.argmax(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(c, -1), shape=(512,))))
+        feats = tap.read()
+        drafted, _ = draft_chain(g, feats, prompt, 0, x, 3)
+        T, G, want = prompt[1:] + [x], list(encode(src, feats)), []
+        for _ in range(3):
+            logits, pre = reference(src, np.array(G), T, emb, 512)
+            want.append(int(np.argmax(logits[-1])))
+            T.append(want[-1])
+            G.append(pre[-1])
+        assert drafted == want
+    finally:
+        g.close()
+        _free(m, c)

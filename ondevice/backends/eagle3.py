@@ -46,8 +46,7 @@ class Eagle3Graph:
         n_embd: the draft's hidden size (g and pre-norm rows); n_embd_target: the target's.
         vocab_size: the target vocabulary (logit row width).
     Raises:
-        OndeviceError: not an eagle3 GGUF, a target of another hidden size / vocabulary / depth, or a target
-            architecture that does not expose its layer inputs (one line each).
+        OndeviceError: not an eagle3 GGUF, or a target of another hidden size / vocabulary / depth (one line each).
     """
 
     def __init__(self, path: str | Path, target_ctx, target_model, *, n_ctx: int = 4096, n_batch: int = 512,
@@ -105,14 +104,18 @@ class Eagle3Graph:
         self._pos = (ctypes.c_int32 * 4)()
 
     def _check_target(self, target_model) -> None:
+        """Hidden size, vocabulary and depth of the target. Whether its graph records layer inputs is checked
+        where they are asked for (``llama_ext.record_layer_inputs``; ``llama_ext.EvalTap`` for those that do not)."""
         lib, name = self._lib, self.path.name
         n_embd = int(lib.llama_model_n_embd(target_model))
         n_vocab = int(lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(target_model)))
+        n_layer = int(lib.llama_model_n_layer(target_model))
         if n_embd != self.n_embd_target:
             raise OndeviceError(f"{name}: made for a target of hidden size {self.n_embd_target}, this target has {n_embd}")
         if n_vocab != self.vocab_size:
             raise OndeviceError(f"{name}: made for a vocabulary of {self.vocab_size} tokens, this target has {n_vocab}")
-        llama_ext.check_layer_inputs(target_model, self.layer_ids)
+        if any(not 0 <= i < n_layer for i in self.layer_ids):
+            raise OndeviceError(f"{name}: reads target layers {self.layer_ids}, this target has {n_layer}")
 
     # -- cache -------------------------------------------------------------------------------------------
     @property
