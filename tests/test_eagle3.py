@@ -382,3 +382,17 @@ def test_chain_drafting_on_qwen2_through_cb_eval(qwen2_target, tmp_path):
     finally:
         g.close()
         _free(m, c)
+
+
+def test_convert_entry_point(target, tmp_path):
+    """``ondevice convert EAGLE_DIR --to gguf --target TARGET --out DIR`` goes through converters.convert."""
+    from converters import convert
+
+    src = _draft(tmp_path)
+    with pytest.raises(OndeviceError, match="--to gguf --target TARGET"):
+        convert(src, to="gguf", out=tmp_path / "a", progress=False)
+    with pytest.raises(OndeviceError, match="--target is for EAGLE-3 drafts"):
+        convert(target[0], to="gguf", out=tmp_path / "b", target=target[1], progress=False)
+    s = convert(src, to="gguf", out=tmp_path / "c", target=target[1].parent, progress=False)
+    assert s["arch"] == "eagle3" and s["dtype"] == "f16" and s["verify"]["ok"]
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
