@@ -396,3 +396,41 @@ def test_convert_entry_point(target, tmp_path):
     s = convert(src, to="gguf", out=tmp_path / "c", target=target[1].parent, progress=False)
     assert s["arch"] == "eagle3" and s["dtype"] == "f16" and s["verify"]["ok"]
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_sampled_chain_q_is_the_processed_draft_distribution(target, tmp_path):
+    """With a sampling pick (the request's processing via ondevice.sampling), each q row is the draft's processed
+    distribution: it sums to 1, lives on d2t's target ids only, and equals probs() of the draft's logits row
+    (recomputed by feeding the drawn tokens back through the graph); draws follow it."""
+    from converters.eagle3 import convert_eagle3, open_eagle3
+    from ondevice.backends.eagle3 import Eagle3Graph, draft_chain
+    from ondevice.sampling import SamplingParams, probs, probs_sparse, sample_sparse
+
+    src_dir = _draft(tmp_path, own_embeddings=True, dtype="float32")
+    convert_eagle3(src_dir, target=target[1], out=tmp_path / "out", dtype="f32")
+    d2t = open_eagle3(src_dir).d2t
+    params = SamplingParams(temperature=0.8, top_k=0, top_p=1.0, min_p=0.0)
+    rng = np.random.default_rng(0)
+
+    def pick(row):
+        ids, pr = probs_sparse(row, params, [])
+        q = np.zeros(row.shape[-1])
+        q[ids] = pr
+        return sample_sparse(ids, pr, rng), q
+
+    g = Eagle3Graph(tmp_path / "out" / "model.gguf", None, None, n_ctx=128, exact=True)
+    try:
+        feats = np.random.default_rng(1).normal(size=(4, 768)).astype(np.float32)
+        toks, q = draft_chain(g, feats, [5, 6, 7, 8], 0, 9, 4, pick=pick)
+        assert len(toks) == 4 and q.shape == (4, 512)
+        assert np.allclose(q.sum(-1), 1.0) and not q[:, np.setdiff1d(np.arange(512), d2t)].any()
+        assert all(q[i, t] > 0 for i, t in enumerate(toks))
+        assert (q > 1e-6).sum(-1).min() > 10  # a real distribution, not one-hot
+        # depths 1 and 2 again, from the graph directly: the same processed distributions
+        g.rollback(0)
+        logits, pre = g.decode([6, 7, 8, 9], g.encode(feats), 0, "last")
+        assert np.allclose(probs(logits[0], params), q[0])
+        logits, _ = g.decode([toks[0]], pre, 4)
+        assert np.allclose(probs(logits[0], params), q[1])
+    finally:
+        g.close()
