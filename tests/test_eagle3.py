@@ -181,6 +181,8 @@ def test_llama_target_records_the_layer_inputs(target):
     b = LlamaBackend(target[1], n_ctx=256, n_batch=32)
     try:
         ids, h = [0, 1, 3], 256
+        with pytest.raises(OndeviceError, match="layer 0's input is not recorded"):
+            llama_ext.layer_inputs(b._ctx, ids, 1, h)  # llama.cpp itself would abort the process
         llama_ext.record_layer_inputs(b._ctx, b._model, ids)
         toks = [5, 77, 300, 12, 9, 410]
         b.eval(toks, "all")

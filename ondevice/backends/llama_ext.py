@@ -43,6 +43,10 @@ _SIGNATURES = {
 }
 
 
+# llama_context address → layer ids recording is on for (llama.cpp aborts when asked for one that is not)
+_RECORDING: dict[int, set[int]] = {}
+
+
 def mangled(name: str) -> str:
     """The Itanium-ABI symbol of one of ``_SIGNATURES`` (e.g. ``_Z26llama_get_embeddings_nextnP13llama_context``)."""
     return f"_Z{len(name)}{name}{_SIGNATURES[name][0]}"
@@ -115,13 +119,23 @@ def record_layer_inputs(ctx, model, ids: list[int], on: bool = True, name: str =
     """
     check_layer_inputs(model, ids, name)
     f = fn("llama_set_embeddings_layer_inp")
+    on_now = _RECORDING.setdefault(_ptr(ctx), set())
     for i in sorted(set(ids)):
         f(_ptr(ctx), int(i), bool(on))
+        (on_now.add if on else on_now.discard)(int(i))
 
 
 def layer_inputs(ctx, ids: list[int], n_tokens: int, n_embd: int) -> np.ndarray:
     """[n_tokens, len(ids) × n_embd] float32: the recorded inputs of layers ``ids`` (concatenated in that order,
-    as EAGLE-3's ``fc`` reads them) of the tokens of the last ``llama_decode`` (at most n_batch of them)."""
+    as EAGLE-3's ``fc`` reads them) of the tokens of the last ``llama_decode`` (at most n_batch of them: a decode
+    split into several calls keeps only the last call's rows).
+
+    Only after a decode with recording on: llama.cpp aborts the process when asked before its buffer exists.
+    Layers not switched on by ``record_layer_inputs`` are refused here for the same reason.
+    """
+    missing = sorted(set(ids) - _RECORDING.get(_ptr(ctx), set()))
+    if missing:
+        raise OndeviceError(f"layer {missing[0]}'s input is not recorded on this context (record_layer_inputs first)")
     f = fn("llama_get_embeddings_layer_inp")
     out = np.empty((n_tokens, len(ids) * n_embd), dtype=np.float32)
     for k, i in enumerate(ids):
