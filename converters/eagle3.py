@@ -92,6 +92,16 @@ def gguf_tensors(src: Eagle3Source):
         yield "d2t", src.d2t
 
 
+def tensor_shapes(src: Eagle3Source) -> list[tuple[str, tuple[int, ...]]]:
+    """(GGUF name, numpy shape) of what ``gguf_tensors`` yields, in its order, read from the headers only."""
+    out = [(g, src.tensors.shape(src.names[n])) for n, g in GGUF_NAMES.items() if src.has(n)]
+    if rope_factors(src.config) is not None:
+        out.append(("rope_freqs.weight", (src.head_dim // 2,)))
+    if src.has("d2t"):
+        out.append(("d2t", src.d2t.shape))
+    return out
+
+
 def write_eagle3_gguf(src: Eagle3Source, target: Target, ids: list[int], out: Path, *, dtype: str = "f16") -> dict:
     """Write the GGUF at ``out`` (matrices ``dtype`` f16 | f32, vectors f32, d2t int64); returns counts per tensor."""
     import gguf
@@ -124,16 +134,22 @@ def write_eagle3_gguf(src: Eagle3Source, target: Target, ids: list[int], out: Pa
         w.add_bool(f"{arch}.norm_before_fc", src.norm_before_fc)
         w.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if dtype == "f16" else gguf.LlamaFileType.ALL_F32)
         write_vocab(w, target.vocab)
-        for name, t in gguf_tensors(src):
-            if name == "d2t":
-                w.add_tensor(name, np.ascontiguousarray(t, np.int64), raw_dtype=gguf.GGMLQuantizationType.I64)
-            else:
-                store = np.float16 if dtype == "f16" and t.ndim >= 2 else np.float32
-                w.add_tensor(name, np.ascontiguousarray(t, dtype=store))
-            counts[name] = int(t.size)
+        # header first (shapes from the safetensors headers), then one tensor at a time: memory stays at one
+        # tensor whatever the draft's size (add_tensor would hold them all until the end)
+        order = []
+        for name, shape in tensor_shapes(src):
+            store = np.dtype(np.int64 if name == "d2t" else
+                             np.float16 if dtype == "f16" and len(shape) >= 2 else np.float32)
+            w.add_tensor_info(name, shape, store, int(np.prod(shape)) * store.itemsize)
+            order.append((name, store))
+            counts[name] = int(np.prod(shape))
         w.write_header_to_file()
         w.write_kv_data_to_file()
-        w.write_tensors_to_file()
+        w.write_ti_data_to_file()
+        for (want, store), (name, t) in zip(order, gguf_tensors(src), strict=True):
+            if name != want:
+                raise OndeviceError(f"{src.path}: tensor {name} came out of order (expected {want})")
+            w.write_tensor_data(np.ascontiguousarray(t, dtype=store))
     finally:
         w.close()
     return counts
