@@ -436,3 +436,38 @@ def test_sampled_chain_q_is_the_processed_draft_distribution(target, tmp_path):
         assert np.allclose(probs(logits[0], params), q[1])
     finally:
         g.close()
+
+
+def test_tree_drafting_matches_the_reference(target, tmp_path):
+    """A top-3 × depth-3 tree: its first level is the draft's 3 most likely tokens, each branch the greedy
+    continuation the numpy forward gives; it forms a valid ondevice.tree.Tree with path scores."""
+    from converters.eagle3 import convert_eagle3, open_eagle3
+    from converters.eagle3_check import encode, reference
+    from ondevice.backends.eagle3 import Eagle3Graph, draft_tree
+    from ondevice.tree import Tree
+
+    src_dir = _draft(tmp_path, dtype="float32", draft_vocab=256)
+    convert_eagle3(src_dir, target=target[1], out=tmp_path / "out", dtype="f32")
+    src = open_eagle3(src_dir)
+    emb = src.float32("embed_tokens.weight")
+    g = Eagle3Graph(tmp_path / "out" / "model.gguf", None, None, n_ctx=128, exact=True)
+    try:
+        feats = np.random.default_rng(2).normal(size=(5, 768)).astype(np.float32)
+        prompt, x = [5, 6, 7, 8, 9], 10
+        toks, parents, scores = draft_tree(g, feats, prompt, 0, x, 3, 3)
+        tree = Tree([x, *toks], [-1, *parents], scores=[1.0, *scores])
+        assert len(toks) == 9 and tree.children[0] == [1, 4, 7]
+        T0, G0 = prompt[1:] + [x], list(encode(src, feats))
+        logits, pre = reference(src, np.array(G0), T0, emb, 512)
+        assert [toks[i - 1] for i in tree.children[0]] == list(np.argsort(-logits[-1], kind="stable")[:3])
+        for b, first in enumerate(tree.children[0]):
+            T, G, path = T0 + [toks[first - 1]], G0 + [pre[-1]], []
+            for _ in range(2):
+                lg, pr = reference(src, np.array(G), T, emb, 512)
+                path.append(int(np.argmax(lg[-1])))
+                T.append(path[-1])
+                G.append(pr[-1])
+            assert toks[first:first + 2] == path, b
+        assert all(scores[i] <= scores[parents[i] - 1] for i in range(len(toks)) if parents[i])
+    finally:
+        g.close()

@@ -230,6 +230,22 @@ class Eagle3Graph:
             pass
 
 
+def absorb(graph: Eagle3Graph, features: np.ndarray, tokens: Sequence[int], pos0: int,
+           next_token: int) -> tuple[np.ndarray, np.ndarray]:
+    """Bring the draft's cache up to a target pass (see ``draft_chain``) and return the depth-1 row:
+    (logits [1, V], pre-norm [1, n_embd]) of the pair (next_token, g of tokens[-1])."""
+    n = len(tokens)
+    if features.shape[0] != n or n < 1:
+        raise ValueError(f"{features.shape[0]} feature rows for {n} tokens")
+    graph.rollback(pos0)
+    g = graph.encode(features)
+    shifted = [int(t) for t in tokens[1:]] + [int(next_token)]
+    for s in range(0, n, graph.n_batch):  # a long prefill in chunks; only the last row's logits are read
+        e = min(n, s + graph.n_batch)
+        logits, pre = graph.decode(shifted[s:e], g[s:e], pos0 + s, "last" if e == n else "none")
+    return logits, pre
+
+
 def greedy_pick(logits: np.ndarray) -> tuple[int, np.ndarray]:
     """The default ``pick``: the argmax and a one-hot q row."""
     t = int(np.argmax(logits))
@@ -260,18 +276,10 @@ def draft_chain(graph: Eagle3Graph, features: np.ndarray, tokens: Sequence[int],
     Returns:
         (drafted tokens [k'], q rows [k', V]), k' ≤ k.
     """
-    n = len(tokens)
-    if features.shape[0] != n or n < 1:
-        raise ValueError(f"{features.shape[0]} feature rows for {n} tokens")
-    graph.rollback(pos0)
-    g = graph.encode(features)
-    shifted = [int(t) for t in tokens[1:]] + [int(next_token)]
-    for s in range(0, n, graph.n_batch):  # a long prefill in chunks; only the last row's logits are read
-        e = min(n, s + graph.n_batch)
-        logits, pre = graph.decode(shifted[s:e], g[s:e], pos0 + s, "last" if e == n else "none")
+    logits, pre = absorb(graph, features, tokens, pos0, next_token)
+    pos = pos0 + len(tokens)
     drafted: list[int] = []
     qs: list[np.ndarray] = []
-    pos = pos0 + n
     while True:
         t, q = pick(logits[-1])
         drafted.append(t)
@@ -281,6 +289,51 @@ def draft_chain(graph: Eagle3Graph, features: np.ndarray, tokens: Sequence[int],
         logits, pre = graph.decode([t], pre[-1:], pos)
         pos += 1
     return drafted, np.array(qs)
+
+
+def _softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - x.max())
+    return e / e.sum()
+
+
+def draft_tree(graph: Eagle3Graph, features: np.ndarray, tokens: Sequence[int], pos0: int, next_token: int,
+               branches: int, depth: int) -> tuple[list[int], list[int], list[float]]:
+    """A top-``branches`` tree after a target pass: the draft's ``branches`` most likely first tokens, each
+    continued greedily to ``depth`` tokens (arguments as ``draft_chain``).
+
+    Every drafted token is a deterministic guess (distinct siblings, a point-mass q), which ``ondevice.tree``'s
+    multi-draft rejection rule keeps exact at any temperature. Branches are decoded one after another from the
+    shared rows (the cache is rolled back between them), so a node costs what a chain's token costs.
+
+    Returns:
+        (tokens, parents, scores) in ``ondevice.tree.Tree``'s order without the root: node i's parent index
+        counts the root as 0 (parents[i] ≤ i); scores[i] is the product of the draft's softmax probabilities
+        along node i's path (its estimate that the whole path is accepted).
+    """
+    n = len(tokens)
+    logits, pre0 = absorb(graph, features, tokens, pos0, next_token)
+    row = logits[0]
+    p0 = _softmax(row.astype(np.float64))
+    top = [int(t) for t in np.argsort(-p0, kind="stable")[:branches] if np.isfinite(row[t])]
+    shared = graph.n_past  # pos0 + n: every row up to the pending token's pair
+    out_t, out_p, out_s = [], [], []
+    for t in top:
+        graph.rollback(shared)
+        out_t.append(t)
+        out_p.append(0)
+        out_s.append(float(p0[t]))
+        parent, score, pos = len(out_t), float(p0[t]), pos0 + n
+        g = pre0
+        for _ in range(depth - 1):
+            logits, pre = graph.decode([t], g, pos)
+            pr = _softmax(logits[0].astype(np.float64))
+            t = int(np.argmax(logits[0]))
+            score *= float(pr[t])
+            out_t.append(t)
+            out_p.append(parent)
+            out_s.append(score)
+            parent, g, pos = len(out_t), pre, pos + 1
+    return out_t, out_p, out_s
 
 
 def _meta_int(model, key: str) -> int | None:
