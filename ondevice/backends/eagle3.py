@@ -11,6 +11,11 @@ llama.cpp builds two graphs for the arch (``src/models/eagle3.cpp``):
 Convention (as llama.cpp's driver, common/speculative.cpp): the draft's cache position P holds the pair
 (token at P + 1, g of the target's features at P). Tokens are embedded with the draft's own table, or with the
 target's (through ``ctx_other``, so the target context must outlive this one).
+
+API: ``Eagle3Graph`` (encode / decode / rollback), ``absorb`` (bring the draft's cache up to a target pass),
+``draft_chain`` (a chain with q rows from a ``pick``), ``draft_tree`` (top-b branches, greedy continuations).
+The target's features come from ``ondevice.backends.llama_ext``: ``record_layer_inputs`` + ``layer_inputs``
+(llama, qwen3, … : ``LAYER_INP_ARCHS``) or ``EvalTap`` (cb_eval; qwen2).
 """
 
 from __future__ import annotations
