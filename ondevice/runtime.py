@@ -12,13 +12,14 @@ import numpy as np
 from ondevice import inputs
 from ondevice.backends.base import Backend
 from ondevice.costs import Costs, ProbeCancelled
-from ondevice.drafters import Drafter, _common_prefix
+from ondevice.drafters.base import Drafter, common_prefix
 from ondevice.errors import OndeviceError
 from ondevice.params import GenerateRequest
 from ondevice.policy import AdaptivePolicy, FixedGamma
-from ondevice.speculative import Chunk, Result, Stats, TextAssembler, step_chunks, steps
+from ondevice.results import Chunk, Result, Stats
+from ondevice.speculative import steps
 from ondevice.streams import AsyncStream, Request, Stream
-from ondevice.tree import tree_steps
+from ondevice.text import TextAssembler, step_chunks
 
 
 class Runtime:
@@ -259,7 +260,7 @@ class Runtime:
             spt = self.drafter.seconds_per_token()
             if spt is not None:  # a drafter without a backend (heads): its own measured cost per token
                 costs = dataclasses.replace(costs, target_seconds=dict(costs.target_seconds), draft_seconds=spt)
-            self._adaptive = AdaptivePolicy(costs, self.drafter.name)
+            self._adaptive = AdaptivePolicy(costs, self.drafter.traits)
             stats.probe_seconds = time.perf_counter() - t0
         return self._adaptive
 
@@ -282,12 +283,13 @@ class Runtime:
         ``drafts``: the first step may draft, so a drafter that reads the last cached row (heads) gets it;
         else the prompt is evaluated in one batch without hidden rows (llama.cpp would output every row
         with them on, so a prompt with them is split: its prefix, then its last token)."""
-        keep = min(_common_prefix(self._kv, ids), len(ids) - 1, self.target.n_past)
-        reads = drafts and self.drafter is not None and self.drafter.reads_last_row
-        if self.drafter is not None and self.drafter.reads_last_row:
-            self.target.want_hidden(reads)  # on: the first step drafts from the prompt's last row
-        if reads and keep == len(ids) - 1 and keep > 0 \
-                and self.target.hidden(keep - 1) is None:  # heads draft from that row: evaluate it again
+        keep = min(common_prefix(self._kv, ids), len(ids) - 1, self.target.n_past)
+        needs = self.drafter.traits.needs if self.drafter is not None else frozenset()
+        reads = drafts and bool(needs)
+        if needs:
+            self.target.keep_features(reads)  # on: the first step drafts from the prompt's last row
+        if reads and keep == len(ids) - 1 and keep > 0 and any(
+                self.target.feature(f, keep - 1) is None for f in needs):  # drafts read that row: evaluate it again
             keep -= 1
         self._kv = self._kv[:keep]
         self.target.rollback(keep)
@@ -316,18 +318,15 @@ class Runtime:
             t_start = time.perf_counter()
             context = list(ids)
             drafter = self.drafter if use_draft else None
-            trees = drafter is not None and drafter.trees and constraint is None and self.observer is None \
+            trees = drafter is not None and drafter.traits.trees and constraint is None and self.observer is None \
                 and t.tree_unsupported() is None  # best-first trees sized by the policy (a chain is one)
             # trees switch hidden rows per step (``drafts_next``); chains keep them on for the whole request
             with self._lock:
                 stats.prompt_eval_tokens = len(ids) - self._prefill(ids, drafts=use_draft and (not trees or policy.drafts_next()))
             rng = np.random.default_rng(params.seed)
             text = TextAssembler(t.token_bytes, req.stop)
-            if trees:
-                it = tree_steps(t, drafter, context, params, rng, n_ctx=self.n_ctx, policy=policy, logprobs=n_logprobs)
-            else:
-                it = steps(t, drafter, context, params, policy, rng, self.observer, n_ctx=self.n_ctx,
-                           constraint=constraint, logprobs=n_logprobs)
+            it = steps(t, drafter, context, params, policy, rng, self.observer, n_ctx=self.n_ctx,
+                       constraint=constraint, logprobs=n_logprobs, trees=trees)
             if n_logprobs is not None:
                 out.logprobs = []
             while True:
