@@ -106,8 +106,8 @@ def heads_row(target) -> dict | None:
     """The heads stored for ``target`` judged as a drafter: their held-out τ (as α), their measured cost per
     drafted token and the expected speedup on this machine's verify curve; None when none are stored."""
     from ondevice.costs import cached_measure
-    from ondevice.heads import store
     from ondevice.drafters.heads import seconds_per_token
+    from ondevice.heads import store
 
     path = store.find(target.path)
     if path is None:

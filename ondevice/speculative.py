@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ondevice import tree as trees_rule  # looked up per call: a test can plant a wrong rule there
 from ondevice.backends.base import Backend
 from ondevice.constrain import Constraint
 from ondevice.drafters.base import Ask, Drafter, Proposal
@@ -20,7 +21,6 @@ from ondevice.logprobs import token_logprobs
 from ondevice.policy import Policy
 from ondevice.results import Chunk, Result, Stats  # noqa: F401 - re-exported (the server imports them here)
 from ondevice.sampling import SamplingParams, probs_batch, verify, verify_logits
-from ondevice import tree as trees_rule  # looked up per call: a test can plant a wrong rule there
 from ondevice.tree import Tree
 
 TREE_NODES = 8  # drafted nodes per tree step at most
