@@ -134,7 +134,7 @@ def plan_chain(drafter: Drafter | None, policy: Policy, *, context: list[int], p
     if drafter is None:
         return Proposal.plain(root)
     if drafter.traits.cheap:
-        p = drafter.draft(Ask(context=context, budget=min(policy.max_gamma, room), params=params, rng=rng))
+        p = drafter.proposal(Ask(context=context, budget=min(policy.max_gamma, room), params=params, rng=rng))
         guess = p.guess if p is not None else drafter.guess
         whole = p.tree.tokens[1:] if p is not None else []
         if constraint is not None and whole:  # a guess the constraint refuses is cut, never proposed
@@ -143,10 +143,10 @@ def plan_chain(drafter: Drafter | None, policy: Policy, *, context: list[int], p
         return Proposal.chain(root, whole[:g], None if p is None else p.q, asked=g, guess=guess, whole=tuple(whole))
     g = max(0, min(policy.next_gamma(0, drafter.lag(context)), room))
     if g > 0:  # q from masked logits under a constraint
-        p = drafter.draft(Ask(context=context, budget=g, params=params, rng=rng, keep_drafting=policy.keep_drafting,
+        p = drafter.proposal(Ask(context=context, budget=g, params=params, rng=rng, keep_drafting=policy.keep_drafting,
                               constraint=constraint))
         return Proposal.plain(root, asked=g) if p is None else Proposal(tree=p.tree, q=p.q, asked=g)
-    copy = drafter.draft(Ask(context=context, budget=min(policy.max_gamma, room), params=params, rng=rng,
+    copy = drafter.proposal(Ask(context=context, budget=min(policy.max_gamma, room), params=params, rng=rng,
                              copy_only=True))  # not worth asking the drafter: a free copy may still be
     if copy is None:
         return Proposal.plain(root)
@@ -162,11 +162,11 @@ def plan_tree(drafter: Drafter | None, policy: Policy, *, context: list[int], pa
     asked a free copy; a prefix sized by ``Policy.tree_nodes`` (``copy_nodes`` for a copy) and the free cells."""
     root = context[-1]
     budget = min(max_nodes, policy.tree_budget())
-    p = drafter.draft(Ask(context=context, budget=budget, params=params, rng=rng, shape="tree")) \
+    p = drafter.proposal(Ask(context=context, budget=budget, params=params, rng=rng, shape="tree")) \
         if drafter is not None and budget > 0 else None
     copy_only = p is None and drafter is not None
     if copy_only:  # not worth asking the drafter: a free copy may still be (``Policy.copy_nodes``)
-        p = drafter.draft(Ask(context=context, budget=max_nodes, params=params, rng=rng, copy_only=True))
+        p = drafter.proposal(Ask(context=context, budget=max_nodes, params=params, rng=rng, copy_only=True))
     tree = Tree([root], [-1]) if p is None else p.tree
     if tree.tokens[0] != root:
         raise ValueError("a proposed tree must be rooted at the pending token context[-1]")

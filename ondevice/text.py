@@ -9,6 +9,41 @@ from collections.abc import Callable, Sequence
 from ondevice.results import Chunk, Stats
 
 
+class StopMatcher:
+    """One stop string matched as the text grows (Knuth–Morris–Pratt): each character is looked at once, so a
+    step costs time linear in the new text, whatever the stop's length.
+
+    ``state`` is the length of the longest prefix of the stop the text scanned so far ends with.
+    """
+
+    def __init__(self, stop: str) -> None:
+        self.stop = stop
+        self.fail = fail = [0] * len(stop)  # fail[i]: the longest proper border of stop[: i + 1]
+        k = 0
+        for i in range(1, len(stop)):
+            while k and stop[i] != stop[k]:
+                k = fail[k - 1]
+            if stop[i] == stop[k]:
+                k += 1
+            fail[i] = k
+        self.state = 0
+
+    def scan(self, text: str, start: int) -> int | None:
+        """Advance over ``text[start:]``; where the first occurrence completed there starts, or None."""
+        s, fail, k, n = self.stop, self.fail, self.state, len(self.stop)
+        for i in range(start, len(text)):
+            c = text[i]
+            while k and c != s[k]:
+                k = fail[k - 1]
+            if c == s[k]:
+                k += 1
+                if k == n:
+                    self.state = k
+                    return i + 1 - n
+        self.state = k
+        return None
+
+
 class TextAssembler:
     """Bytes of tokens → text, holding back incomplete UTF-8 and anything that may begin a stop string."""
 
@@ -16,8 +51,10 @@ class TextAssembler:
         self._bytes = token_bytes
         self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.stop = [s for s in stop if s]
+        self._matchers = [StopMatcher(s) for s in self.stop]
         self.text = ""  # everything decoded so far
         self.emitted = 0  # characters of text already released
+        self._scanned = 0  # characters of text the stop matchers have seen
         self.stopped = False
 
     def feed(self, token: int) -> str:
@@ -31,22 +68,17 @@ class TextAssembler:
         self._dec.reset()
         return self._release(final=True)
 
-    def _stop_prefix(self, s: str) -> int:
-        """Length of the longest proper prefix of ``s`` that the text ends with (0 if none)."""
-        for k in range(min(len(s) - 1, len(self.text)), 0, -1):
-            if self.text.endswith(s[:k]):
-                return k
-        return 0
-
     def _release(self, final: bool) -> str:
-        hits = [i for s in self.stop if (i := self.text.find(s, max(0, self.emitted - len(s)))) >= 0]
-        if hits:  # cut at the earliest occurrence of any stop string
-            self.text = self.text[: min(hits)]
-            self.stopped = True
-            final = True
+        if not self.stopped:
+            start, self._scanned = self._scanned, len(self.text)
+            hits = [i for m in self._matchers if (i := m.scan(self.text, start)) is not None]
+            if hits:  # cut at the earliest occurrence of any stop string
+                self.text = self.text[: min(hits)]
+                self.stopped = True
+                final = True
         end = len(self.text)
         if not final:  # hold back the longest suffix that could still grow into any stop string
-            end -= max((self._stop_prefix(s) for s in self.stop), default=0)
+            end -= max((m.state for m in self._matchers), default=0)
         out = self.text[self.emitted : end]
         self.emitted = max(self.emitted, end)
         return out
@@ -78,3 +110,11 @@ def step_chunks(step, is_eog: Callable[[int], bool], text: TextAssembler, stats:
             stats.stop_reason = "length"
             break
     return chunks
+
+
+def add_tail(chunks: list[Chunk], tail: str) -> None:
+    """Append the text released at the end (``TextAssembler.flush``) to the last chunk, or as a chunk of its own."""
+    if tail and chunks:
+        chunks[-1].text += tail
+    elif tail:
+        chunks.append(Chunk(tail, [], []))

@@ -143,7 +143,7 @@ class Drafter:
         """Tokens of ``context`` the drafter must evaluate before it can draft (charged to a drafting step)."""
         return 0
 
-    def draft(self, ask: Ask) -> Proposal | None:
+    def proposal(self, ask: Ask) -> Proposal | None:
         """The one entry the loop calls: a ``Proposal`` rooted at ``ask.context[-1]``, or None (a plain step).
 
         The default builds it from the kind's hooks: ``copy_tree`` for ``ask.copy_only``, ``propose_tree`` for
