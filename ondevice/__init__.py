@@ -38,8 +38,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from ondevice.errors import OndeviceError
     from ondevice.loader import load
     from ondevice.params import GenerateRequest, SamplingParams
-    from ondevice.runtime import Runtime
     from ondevice.results import Chunk, Result, Stats
+    from ondevice.runtime import Runtime
 
 
 def __getattr__(name: str) -> Any:
