@@ -19,7 +19,7 @@ class NgramDrafter(Drafter):
     ``last_match_len`` reports how far back the chosen occurrence really agrees with the context (up
     to ``max_report``): a long agreement means a verbatim copy is under way, which the policy uses.
     The n-grams are indexed incrementally as the context grows, so a step costs O(new tokens), not a
-    scan of the whole context (which cost 2 % of a 135M model's decode time).
+    scan of the whole context.
     A copy survives a one-token divergence (a renamed identifier, a changed number): unless a longer
     n-gram match elsewhere wins, the copy the last guess came from continues, aligned past the token
     that differed, as long as at most one of the tokens since that guess differs from the source and the
