@@ -80,6 +80,20 @@ class Tree:
         return len(self.tokens)
 
     @classmethod
+    def chain(cls, tokens: list[int], q: list | None = None) -> Tree:
+        """A chain (node i's parent is node i − 1; ``tokens[0]`` the root), built without the general checks:
+        the decode loop makes one every step."""
+        n = len(tokens)
+        if not n:
+            raise ValueError("a tree needs a root")
+        t = cls.__new__(cls)
+        t.tokens, t.parents, t.scores = tokens, list(range(-1, n - 1)), None
+        t.q = q if q is not None else [None] * n
+        t.children = [[i] for i in range(1, n)] + [[]]
+        t.depth = list(range(n))
+        return t
+
+    @classmethod
     def from_paths(cls, root: int, paths: Sequence[Sequence[int]], max_nodes: int) -> Tree:
         """A trie of deterministic continuations of ``root``, in priority order: paths[0] first (it is the
         first child at every depth), then each later path shares the prefix already there and adds

@@ -99,14 +99,13 @@ class Proposal:
     @classmethod
     def plain(cls, root: int, **kw) -> Proposal:
         """No drafts: the step emits the target's own token."""
-        return cls(tree=Tree([int(root)], [-1]), **kw)
+        return cls(tree=Tree.chain([int(root)]), **kw)
 
     @classmethod
     def chain(cls, root: int, tokens: Sequence[int], q: np.ndarray | None = None, **kw) -> Proposal:
         """A chain of ``tokens`` after ``root`` with q rows ``q`` [len(tokens), V] (None: point masses)."""
         n = len(tokens)
-        rows = [None] * (n + 1) if q is None else [None, *q[:n]]
-        tree = Tree([int(root), *(int(t) for t in tokens)], list(range(-1, n)), rows)
+        tree = Tree.chain([int(root), *map(int, tokens)], None if q is None else [None, *q[:n]])
         return cls(tree=tree, q=None if q is None else q[:n], **kw)
 
     @property
