@@ -2,7 +2,7 @@
 drafter hands back (``Proposal``: a token tree rooted at the pending token; a chain is a tree with one branch).
 
 A new kind subclasses ``Drafter``, declares its ``traits`` and implements the hooks it needs — ``propose`` (a
-chain), ``propose_tree`` (a best-first tree) or ``copy_tree`` (a free copy) — or overrides ``draft`` whole;
+chain), ``propose_tree`` (a best-first tree) or ``copy_tree`` (a free copy) — or overrides ``proposal`` whole;
 then it is registered by name in ``ondevice.drafters.registry``. Nothing outside the registry looks at its name.
 """
 
