@@ -30,18 +30,26 @@ def fsync_dir(directory: str | os.PathLike) -> None:
         os.close(fd)
 
 
+def _fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 @contextmanager
-def replacing(path: str | os.PathLike, mode: str = "wb", *, suffix: str = ".tmp") -> Iterator:
-    """A file open for writing on a temp file of our own (a unique name beside ``path``); when the block ends
-    without an exception its data is flushed and fsynced, then it is renamed over ``path``. On an exception
-    the temp file is removed and ``path`` is untouched.
+def replacing(path: str | os.PathLike, *, suffix: str = ".tmp") -> Iterator[str]:
+    """A temp file of our own beside ``path`` (a unique name) to write whole; when the block ends without an
+    exception its data is fsynced, it is renamed onto ``path`` and the folder is synced; when the block raises
+    it is removed and ``path`` is untouched. Concurrent writers each rename a whole file of their own: the last
+    one wins, none is corrupted.
 
     Args:
         path: the file to (re)place.
-        mode: 'wb' or 'w'.
         suffix: the temp file's suffix (``.partial`` for downloads).
     Yields:
-        The open file object.
+        the temp file's path (empty, mode 0666 less the umask, like any file the user makes).
     """
     import tempfile  # lazily: not needed at start-up
 
@@ -49,11 +57,10 @@ def replacing(path: str | os.PathLike, mode: str = "wb", *, suffix: str = ".tmp"
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=suffix, dir=path.parent)
     try:
-        with os.fdopen(fd, mode) as f:
-            os.fchmod(f.fileno(), 0o666 & ~_umask())  # mkstemp makes 0600; the file is the user's like any other
-            yield f
-            f.flush()
-            os.fsync(f.fileno())  # the data reaches the disk before the name does
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; the file is the user's like any other
+        os.close(fd)
+        yield tmp
+        _fsync_file(tmp)  # the data reaches the disk before the name does
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -62,9 +69,6 @@ def replacing(path: str | os.PathLike, mode: str = "wb", *, suffix: str = ".tmp"
 
 
 def write_text(path: str | os.PathLike, text: str) -> None:
-    """Write ``text`` to ``path`` through ``replacing``.
-
-    Concurrent writers each rename a whole file of their own: the last one wins, none is corrupted.
-    """
-    with replacing(path, "w") as f:
+    """Write ``text`` to ``path`` whole (``replacing``)."""
+    with replacing(path) as tmp, open(tmp, "w") as f:
         f.write(text)

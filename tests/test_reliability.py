@@ -429,7 +429,7 @@ def test_09_a_draft_with_a_smaller_vocabulary_keeps_the_target_law(tiny_gguf):
 # -- 10. stop strings ---------------------------------------------------------------------------------
 def _assemble(pieces: list[str], stop: list[str]) -> tuple[str, list[str]]:
     """Feed ``pieces`` (one token each) through the TextAssembler: (the whole output, what each step released)."""
-    from ondevice.speculative import TextAssembler
+    from ondevice.text import TextAssembler
 
     table = {i: p.encode() for i, p in enumerate(pieces)}
     t = TextAssembler(table.__getitem__, stop)

@@ -164,7 +164,7 @@ def test_cli_error_prints_colon_words_as_written(tmp_path):
 
 
 def test_a_character_cut_by_max_tokens_is_dropped_not_replaced():
-    from ondevice.speculative import TextAssembler
+    from ondevice.text import TextAssembler
 
     pieces = {1: b"ok ", 2: "🙂".encode()[:2], 3: "🙂".encode()[2:]}
     t = TextAssembler(pieces.__getitem__, [])

