@@ -297,8 +297,9 @@ class Projector:
                 e.g. a chat's earlier turn: compare ``prompt.key``); the cache is rolled back to there, or to
                 the start of an image that ``n_past`` cuts, and everything after is evaluated.
         Returns:
-            (the cache's new position count, the tail: the text tokens after the last image, not yet
-            evaluated — evaluate them with ``backend.eval(tail, "last")`` for the next token's logits).
+            (the cache's new position count, the tail: the text tokens after the last image that the cache
+            does not hold yet — at least one when the prompt ends with text; evaluate them with
+            ``backend.eval(tail, "last")`` for the next token's logits).
         Raises:
             OndeviceError: the context is too small, or llama.cpp / libmtmd fails to decode.
         """
@@ -314,10 +315,12 @@ class Projector:
         for c in prompt.chunks:
             start.append(pos)
             pos += c.n_pos
-        keep = n_past
+        tail_start = prompt.n_pos - len(prompt.tail)
+        # An image is evaluated whole; a cached tail still gives back its last token (the caller's logits).
+        keep = min(n_past, prompt.n_pos - 1) if prompt.tail else n_past
         for c, s in zip(prompt.chunks, start, strict=True):
-            if c.kind == "image" and s < n_past < s + c.n_pos:
-                keep = s  # an image is evaluated whole
+            if c.kind == "image" and s < keep < s + c.n_pos:
+                keep = s
         b.rollback(keep)
         for i in range(prompt.n_prefix_chunks):
             c, s = prompt.chunks[i], start[i]
@@ -334,7 +337,7 @@ class Projector:
             if rc != 0 or b.n_past != s + c.n_pos:
                 raise OndeviceError(f"{b.path.name}: encoding or decoding image {c.image_id[:12] if c.image_id else ''} "
                                     f"failed (code {rc}){_why()}")
-        return b.n_past, list(prompt.tail)
+        return b.n_past, list(prompt.tail[max(0, keep - tail_start) :])
 
     def eval(self, prompt: MultimodalPrompt, n_past: int = 0) -> np.ndarray:
         """``eval_prefix`` and then the tail: the logits row of the prompt's last position.

@@ -1,0 +1,213 @@
+"""Images in through libmtmd: a tiny random-weight projector beside a tiny text model (#38 item 2).
+
+The image must reach the logits (different pixels → different logits; the same pixels in another file →
+the same logits), greedy decoding after the image prefix is deterministic and equals a batched verify
+(what speculation does on the text after the image), and bad images / missing projectors are one-line
+OndeviceErrors that leave the projector usable.
+"""
+
+from __future__ import annotations
+
+import base64
+import shutil
+import struct
+import zlib
+
+import numpy as np
+import pytest
+
+from ondevice.errors import OndeviceError
+from ondevice.images import load_image
+from ondevice.testing.vision import ProjectorShape, make_tiny_mmproj, png_bytes, png_header_only, random_image
+
+pytest.importorskip("llama_cpp.mtmd_cpp")
+
+USER = "<|im_start|>user\nWhat is in this picture? "
+AFTER = "\nAnswer briefly.<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.fixture(scope="module")
+def vlm(tiny_gguf, tmp_path_factory):
+    """A folder as LM Studio keeps a VLM: the text model and its mmproj*.gguf side by side."""
+    d = tmp_path_factory.mktemp("vlm")
+    shutil.copy(tiny_gguf("llama"), d / "tiny-llama-q8_0.gguf")
+    make_tiny_mmproj(d / "mmproj-tiny-f16.gguf", seed=3)
+    return d / "tiny-llama-q8_0.gguf"
+
+
+@pytest.fixture(scope="module")
+def proj(vlm):
+    from ondevice.backends.llama import LlamaBackend
+    from ondevice.backends.llama_mtmd import attach
+
+    b = LlamaBackend(vlm, n_ctx=512, device="cpu")
+    p = attach(b)  # found beside the model
+    yield p
+    p.close()
+    b.close()
+
+
+def _img(seed: int, level: int = 6):
+    return load_image(png_bytes(random_image(seed)) if level == 6 else _png(random_image(seed), level))
+
+
+def _png(rgb: np.ndarray, level: int) -> bytes:
+    """The same pixels as ``png_bytes`` with another zlib level: other bytes (another SHA-256), same image."""
+    data = png_bytes(rgb)
+    raw = b"".join(b"\x00" + rgb[y].tobytes() for y in range(rgb.shape[0]))
+    idat = zlib.compress(raw, level)
+    ihdr_end = 8 + 25
+    chunk = struct.pack(">I", len(idat)) + b"IDAT" + idat + struct.pack(">I", zlib.crc32(b"IDAT" + idat))
+    return data[:ihdr_end] + chunk + data[-12:]
+
+
+def _logits(proj, image) -> np.ndarray:
+    with proj.tokenize([USER, image, AFTER]) as p:
+        return proj.eval(p).copy()
+
+
+def _greedy(proj, image, n: int = 12) -> list[int]:
+    with proj.tokenize([USER, image, AFTER]) as p:
+        logits = proj.eval(p)
+    out = []
+    for _ in range(n):
+        out.append(int(np.argmax(logits)))
+        logits = proj.backend.eval(out[-1:], "last")[-1]
+    return out
+
+
+def test_tiny_projector_loads_beside_the_model(vlm, proj):
+    from ondevice.backends.llama_mtmd import find_mmproj
+
+    assert find_mmproj(vlm) == vlm.parent / "mmproj-tiny-f16.gguf"
+    with proj.tokenize([USER, _img(1), AFTER]) as p:
+        kinds = [(c.kind, c.n_tokens) for c in p.chunks]
+        assert kinds[1] == ("image", 16) and [k for k, _ in kinds] == ["text", "image", "text"]
+        assert p.chunks[1].image_id == __import__("hashlib").sha256(png_bytes(random_image(1))).hexdigest()
+        n_past, tail = proj.eval_prefix(p)
+        assert n_past == p.chunks[0].n_tokens + 16 == proj.backend.n_past
+        assert tail == list(p.chunks[2].tokens) and len(p.key) == p.n_pos
+
+
+def test_find_mmproj_prefers_f16_and_ignores_other_files(tmp_path):
+    from ondevice.backends.llama_mtmd import find_mmproj
+
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"")
+    assert find_mmproj(model) is None
+    for n in ("mmproj-F32.gguf", "mmproj-model-f16.gguf", "mmproj-notes.txt", "model-Q4_K_M.gguf"):
+        (tmp_path / n).write_bytes(b"")
+    assert find_mmproj(model) == tmp_path / "mmproj-model-f16.gguf"
+
+
+def test_same_image_same_greedy_continuation(proj):
+    first = _greedy(proj, _img(1))
+    _greedy(proj, _img(2))
+    assert _greedy(proj, _img(1)) == first  # after another image in between: nothing of it left behind
+
+
+def test_the_image_reaches_the_logits_and_the_hidden_state(proj):
+    a, b = _logits(proj, _img(1)), _logits(proj, _img(2))
+    assert np.abs(a - b).max() > 1e-2
+    # The same pixels in a differently compressed file (another SHA-256): the same logits, bit for bit.
+    same = _img(1, level=1)
+    assert same.data != _img(1).data
+    np.testing.assert_array_equal(_logits(proj, same), a)
+    # The post-norm hidden state of the last prompt position differs too (what heads drafters read).
+    be = proj.backend
+    be.enable_hidden()
+    try:
+        hs = []
+        for seed in (1, 2):
+            with proj.tokenize([USER, _img(seed), AFTER]) as p:
+                proj.eval(p)
+            hs.append(be.hidden(be.n_past - 1).copy())
+        assert np.abs(hs[0] - hs[1]).max() > 1e-3
+    finally:
+        be.want_hidden(False)
+
+
+def test_greedy_after_the_image_equals_a_batched_verify_and_rollback(proj):
+    """Speculation on the text after the image: verifying k drafted tokens in one batch gives the logits of
+    decoding them one by one, and rolling back inside the text tail leaves the image prefix intact."""
+    seq = _greedy(proj, _img(4), n=8)
+    be = proj.backend
+    with proj.tokenize([USER, _img(4), AFTER]) as p:
+        first = proj.eval(p)
+        base = be.n_past
+        rows = be.eval(seq[:-1], "all")  # a verify step over the drafted chain
+        assert int(np.argmax(first)) == seq[0]
+        assert [int(np.argmax(r)) for r in rows] == seq[1:]
+        be.rollback(base + 3)  # rejected drafts
+        again = be.eval(seq[3:7], "all")
+        assert [int(np.argmax(r)) for r in again] == seq[4:8]
+        np.testing.assert_allclose(again, rows[3:7], rtol=0, atol=1e-3)
+        # Prefix reuse: the cache still holds this prompt; evaluating from a position inside the last text
+        # chunk (or inside the image: re-done whole) reproduces the same first logits.
+        np.testing.assert_array_equal(proj.eval(p, n_past=base - 2), first)
+        np.testing.assert_array_equal(proj.eval(p, n_past=p.chunks[0].n_tokens + 5), first)
+
+
+def _one_line_error(fn, *words):
+    with pytest.raises(OndeviceError) as e:
+        fn()
+    msg = str(e.value)
+    assert "\n" not in msg, msg
+    for w in words:
+        assert w.lower() in msg.lower(), (w, msg)
+    return msg
+
+
+def test_bad_images_are_one_clear_error_and_the_projector_keeps_working(proj, tmp_path):
+    good = png_bytes(random_image(5))
+    cut = good[: len(good) // 2]  # truncated inside IDAT: passes the header checks, stb_image refuses it
+    _one_line_error(lambda: proj.tokenize([USER, load_image(cut), AFTER]), "cannot be decoded")
+    _one_line_error(lambda: load_image(b"\x89PNG\r\n\x1a\n" + b"\0" * 40), "png")
+    _one_line_error(lambda: load_image(b"hello, I am not an image"), "not a png, jpeg", "convert")
+    _one_line_error(lambda: load_image(b"RIFF\0\0\0\0WEBPVP8 " + b"\0" * 32), "webp", "convert")
+    _one_line_error(lambda: load_image(b"\xff\xd8\xff\xe0\x00\x10JFIF\0" + b"\0" * 16), "jpeg")
+    _one_line_error(lambda: load_image(png_header_only(100_000, 100_000, zlib.compress(b"\0" * 99))), "100000×100000",
+                    "limit")
+    bomb = zlib.compress(b"\0" * (64 << 20), 9)  # 64 MiB of zeros for a 4×4 image, ~64 KB on disk
+    _one_line_error(lambda: load_image(png_header_only(4, 4, bomb)), "decompression bomb")
+    _one_line_error(lambda: load_image(png_header_only(4, 4, b"not zlib at all")), "corrupt")
+    _one_line_error(lambda: load_image(good, max_bytes=100), "limit")
+    gguf = proj.path.read_bytes()[:4096]
+    _one_line_error(lambda: load_image(gguf), "not a png")
+    _one_line_error(lambda: load_image(tmp_path / "nope.png"), "no such image file")
+    _one_line_error(lambda: load_image("https://example.com/cat.png"), "not fetched")
+    _one_line_error(lambda: load_image("data:text/plain;base64,aGk="), "not an image")
+    _one_line_error(lambda: load_image("data:image/png;base64,@@@@"), "base64")
+    _one_line_error(lambda: proj.tokenize([USER, good, AFTER]), "checked image")
+    # …and the same projector still answers, identically.
+    assert _greedy(proj, _img(1), n=4) == _greedy(proj, _img(1), n=4)
+
+
+def test_images_by_path_file_url_and_data_url_are_the_same_image(proj, tmp_path):
+    data = png_bytes(random_image(6))
+    f = tmp_path / "photo.png"
+    f.write_bytes(data)
+    url = "data:image/png;base64," + base64.b64encode(data).decode()
+    imgs = [load_image(f), load_image(str(f)), load_image("file://" + str(f)), load_image(url), load_image(data)]
+    assert {i.data for i in imgs} == {data} and {(i.format, i.width, i.height) for i in imgs} == {("png", 48, 48)}
+    assert imgs[0].name == str(f) and imgs[3].name == "data URL"
+
+
+def test_a_text_only_model_asked_with_an_image_names_the_missing_projector(tiny_gguf, tmp_path):
+    from ondevice.backends.llama import LlamaBackend
+    from ondevice.backends.llama_mtmd import attach
+
+    shutil.copy(tiny_gguf("llama"), tmp_path / "text-only.gguf")
+    b = LlamaBackend(tmp_path / "text-only.gguf", n_ctx=256, device="cpu")
+    try:
+        _one_line_error(lambda: attach(b), "text-only.gguf", "projector", "--mmproj")
+        # --mmproj pointing at a text model, at nothing, or at a projector for another width: one line each.
+        _one_line_error(lambda: attach(b, tmp_path / "text-only.gguf"), "not a vision projector", "mmproj")
+        _one_line_error(lambda: attach(b, tmp_path / "missing.gguf"), "no such projector file", "--mmproj")
+        other = make_tiny_mmproj(tmp_path / "mmproj-other.gguf", shape=ProjectorShape(n_embd_text=128))
+        _one_line_error(lambda: attach(b, other), "mmproj-other.gguf", "another model", "n_embd")
+        cut = tmp_path / "mmproj-cut.gguf"
+        cut.write_bytes(other.read_bytes()[:-1000])
+        _one_line_error(lambda: attach(b, cut), "truncated")
+    finally:
+        b.close()
