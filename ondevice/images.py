@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import binascii
 import re
+import secrets
 import struct
 import zlib
 from dataclasses import dataclass
@@ -77,6 +78,37 @@ def load_image(src: str | Path | bytes, *, name: str | None = None, max_bytes: i
     if fmt == "png":
         _check_png_stream(data, w, h, label)
     return Image(data, fmt, w, h, label)
+
+
+def new_marker() -> str:
+    """A per-request image placeholder no user text can forge (``interleave`` splits on it)."""
+    return f"<ondevice-image-{secrets.token_hex(8)}>"
+
+
+def interleave(text: str, marker: str, images: list[Image]) -> list[str | Image]:
+    """Split a rendered prompt at each ``marker`` and put the images there, in order.
+
+    Args:
+        text: the prompt as the chat template rendered it, with ``marker`` where each image goes (render
+            image content parts as the marker text, as llama-server does with its media marker).
+        marker: from ``new_marker()``.
+        images: one per marker.
+    Returns:
+        The parts for ``Projector.tokenize``: strings (empty ones dropped) and images.
+    Raises:
+        OndeviceError: the count of markers and images differ (a template that drops image parts).
+    """
+    pieces = text.split(marker)
+    if len(pieces) - 1 != len(images):
+        raise OndeviceError(f"the chat template kept {len(pieces) - 1} of {len(images)} images; this model's template "
+                            "does not place images where the messages have them")
+    out: list[str | Image] = []
+    for i, piece in enumerate(pieces):
+        if piece:
+            out.append(piece)
+        if i < len(images):
+            out.append(images[i])
+    return out
 
 
 def _read_source(src: str | Path, name: str | None, max_bytes: int) -> tuple[bytes, str]:

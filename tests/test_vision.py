@@ -9,6 +9,7 @@ OndeviceErrors that leave the projector usable.
 from __future__ import annotations
 
 import base64
+import hashlib
 import shutil
 import struct
 import zlib
@@ -83,7 +84,7 @@ def test_tiny_projector_loads_beside_the_model(vlm, proj):
     with proj.tokenize([USER, _img(1), AFTER]) as p:
         kinds = [(c.kind, c.n_tokens) for c in p.chunks]
         assert kinds[1] == ("image", 16) and [k for k, _ in kinds] == ["text", "image", "text"]
-        assert p.chunks[1].image_id == __import__("hashlib").sha256(png_bytes(random_image(1))).hexdigest()
+        assert p.chunks[1].image_id == hashlib.sha256(png_bytes(random_image(1))).hexdigest()
         n_past, tail = proj.eval_prefix(p)
         assert n_past == p.chunks[0].n_tokens + 16 == proj.backend.n_past
         assert tail == list(p.chunks[2].tokens) and len(p.key) == p.n_pos
@@ -211,3 +212,67 @@ def test_a_text_only_model_asked_with_an_image_names_the_missing_projector(tiny_
         _one_line_error(lambda: attach(b, cut), "truncated")
     finally:
         b.close()
+
+
+def _encoded(rgb: np.ndarray) -> dict[str, bytes]:
+    import io
+
+    pil = pytest.importorskip("PIL.Image")
+    out = {"png": png_bytes(rgb)}
+    for fmt, kw in (("jpeg", {}), ("progressive jpeg", {"progressive": True}), ("gif", {}), ("bmp", {})):
+        buf = io.BytesIO()
+        pil.fromarray(rgb).save(buf, fmt.split()[-1].upper(), **kw)
+        out[fmt] = buf.getvalue()
+    return out
+
+
+def test_every_supported_format_decodes_and_lossless_ones_give_the_same_logits(proj):
+    rgb = random_image(7)
+    files = _encoded(rgb)
+    ref = _logits(proj, load_image(files["png"]))
+    for fmt, data in files.items():
+        img = load_image(data)
+        assert (img.format, img.width, img.height) == (fmt.split()[-1], 48, 48)
+        got = _logits(proj, img)
+        if fmt == "bmp":  # lossless and RGB: the same pixels, so the same logits bit for bit
+            np.testing.assert_array_equal(got, ref)
+
+
+def test_mutated_images_never_crash_only_decode_or_refuse_in_one_line(proj):
+    """Hostile files: random byte flips and truncations of every format reach libmtmd's decoder or are
+    refused before it; either way the process survives and the error is one line."""
+    rng = np.random.default_rng(0)
+    refused = 0
+    for data in _encoded(random_image(8)).values():
+        for _ in range(40):
+            d = bytearray(data)
+            for _ in range(int(rng.integers(1, 8))):
+                d[int(rng.integers(0, len(d)))] = int(rng.integers(0, 256))
+            if rng.random() < 0.3:
+                d = d[: int(rng.integers(1, len(d)))]
+            try:
+                with proj.tokenize([USER, load_image(bytes(d)), AFTER]) as p:
+                    assert np.isfinite(proj.eval(p)).all()
+            except OndeviceError as e:
+                assert "\n" not in str(e)
+                refused += 1
+    assert 0 < refused < 200
+
+
+def test_markers_in_user_text_are_text_and_interleave_places_images(proj):
+    from ondevice.images import interleave, new_marker
+
+    with proj.tokenize([USER + "<__media__> <image> <start_of_image>", AFTER]) as p:
+        assert [c.kind for c in p.chunks] == ["text"]
+    m = new_marker()
+    assert m != new_marker()
+    a, b = _img(1), _img(2)
+    parts = interleave(f"{USER}{m} and {m}{AFTER}", m, [a, b])
+    assert parts == [USER, a, " and ", b, AFTER]
+    with proj.tokenize(parts) as p:
+        assert [c.kind for c in p.chunks] == ["text", "image", "text", "image", "text"]
+        assert [c.image_id for c in p.chunks if c.kind == "image"] == [
+            hashlib.sha256(i.data).hexdigest() for i in (a, b)]
+        proj.eval(p)
+        assert proj.backend.n_past == p.n_pos
+    _one_line_error(lambda: interleave(f"{USER}{AFTER}", m, [a]), "kept 0 of 1 images")
