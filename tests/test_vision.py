@@ -78,7 +78,7 @@ def _greedy(proj, image, n: int = 12) -> list[int]:
 
 
 def test_tiny_projector_loads_beside_the_model(vlm, proj):
-    from ondevice.backends.llama_mtmd import find_mmproj
+    from ondevice.backends.mmproj import find_mmproj
 
     assert find_mmproj(vlm) == vlm.parent / "mmproj-tiny-f16.gguf"
     with proj.tokenize([USER, _img(1), AFTER]) as p:
@@ -91,7 +91,7 @@ def test_tiny_projector_loads_beside_the_model(vlm, proj):
 
 
 def test_find_mmproj_prefers_f16_and_ignores_other_files(tmp_path):
-    from ondevice.backends.llama_mtmd import find_mmproj
+    from ondevice.backends.mmproj import find_mmproj
 
     model = tmp_path / "m.gguf"
     model.write_bytes(b"")
@@ -276,3 +276,23 @@ def test_markers_in_user_text_are_text_and_interleave_places_images(proj):
         proj.eval(p)
         assert proj.backend.n_past == p.n_pos
     _one_line_error(lambda: interleave(f"{USER}{AFTER}", m, [a]), "kept 0 of 1 images")
+
+
+def test_find_mmproj_in_ollamas_store(tmp_path):
+    """Ollama keeps a VLM's projector as a layer of the model's manifest, in a blob of its own."""
+    import json
+
+    from ondevice.backends.mmproj import find_mmproj
+
+    blobs, model, projector = tmp_path / "blobs", "a" * 64, "b" * 64
+    blobs.mkdir()
+    for d in (model, projector, "c" * 64):
+        (blobs / f"sha256-{d}").write_bytes(b"GGUF")
+    manifest = tmp_path / "manifests" / "registry.ollama.ai" / "library" / "llava" / "7b"
+    manifest.parent.mkdir(parents=True)
+    layers = [{"mediaType": "application/vnd.ollama.image.model", "digest": f"sha256:{model}"},
+              {"mediaType": "application/vnd.ollama.image.projector", "digest": f"sha256:{projector}"}]
+    manifest.write_text(json.dumps({"layers": layers}))
+    (manifest.parent / "broken").write_text("{not json")
+    assert find_mmproj(blobs / f"sha256-{model}") == blobs / f"sha256-{projector}"
+    assert find_mmproj(blobs / f"sha256-{'c' * 64}") is None  # a text-only model's blob

@@ -26,14 +26,14 @@ import numpy as np
 
 from ondevice.backends.base import check_room
 from ondevice.backends.llama import LlamaBackend, _ctrl_c_deferred, init_llama
+from ondevice.backends.mmproj import find_mmproj, missing_projector
 from ondevice.errors import OndeviceError
 from ondevice.formats.gguf import check_tensor_data, read_header
-from ondevice.images import Image, load_image
+from ondevice.images import Image
 
 _LOG_CB = None
 _DEBUG = False
 _ERRORS: list[str] = []  # libmtmd's error lines since the last _clear(), quoted in our one-line errors
-_RANK = ("f16", "bf16", "f32", "q8_0")  # which of several mmproj files beside a model to take first
 
 
 def _init_log(debug: bool) -> None:
@@ -62,35 +62,6 @@ def _why() -> str:
     text = " ".join(e for e in _ERRORS if e)
     _ERRORS.clear()
     return f" (libmtmd: {text[-300:]})" if text else ""
-
-
-def find_mmproj(model_path: str | Path) -> Path | None:
-    """The vision projector kept beside a model, as LM Studio and Hugging Face repos keep it.
-
-    Args:
-        model_path: the model's .gguf file.
-    Returns:
-        A ``*mmproj*.gguf`` file in the same folder (several: F16, then BF16, F32, Q8_0, then by name), or None.
-    """
-    model = Path(model_path)
-    try:
-        found = [p for p in model.parent.iterdir() if "mmproj" in p.name.lower() and p.suffix.lower() == ".gguf"
-                 and p.is_file() and p.resolve() != model.resolve()]
-    except OSError:
-        return None
-
-    def rank(p: Path) -> tuple[int, str]:
-        name = p.stem.lower().replace("-", "_").replace(".", "_").split("_")
-        return next((i for i, r in enumerate(_RANK) if r in name), len(_RANK)), p.name
-
-    return min(found, key=rank) if found else None
-
-
-def missing_projector(model_path: str | Path) -> OndeviceError:
-    """The one-line error for an image sent to a model without a projector."""
-    name = Path(model_path).name
-    return OndeviceError(f"{name}: this model has no vision projector (no mmproj*.gguf beside it), so it cannot read "
-                         "images; pass --mmproj FILE (the model's mmproj GGUF) or send text only")
 
 
 @dataclass(frozen=True)
@@ -374,8 +345,3 @@ def attach(backend: LlamaBackend, mmproj: str | Path | None = None, *, debug: bo
         raise missing_projector(backend.path)
     return Projector(backend, path, debug=debug)
 
-
-def load_images(srcs: Sequence[str | Path | bytes], **limits) -> list[Image]:
-    """``ondevice.images.load_image`` for each source, named "image 1", "image 2", … in errors about bytes."""
-    return [load_image(s, name=None if isinstance(s, (str, Path)) else f"image {i + 1}", **limits)
-            for i, s in enumerate(srcs)]
