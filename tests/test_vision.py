@@ -296,3 +296,56 @@ def test_find_mmproj_in_ollamas_store(tmp_path):
     (manifest.parent / "broken").write_text("{not json")
     assert find_mmproj(blobs / f"sha256-{model}") == blobs / f"sha256-{projector}"
     assert find_mmproj(blobs / f"sha256-{'c' * 64}") is None  # a text-only model's blob
+
+
+G_USER = "<start_of_turn>user\nWhat is in this picture? "
+G_AFTER = "<end_of_turn>\n<start_of_turn>model\n"
+
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory):
+    """A tiny Gemma 3 text model with a Gemma 3 projector beside it (libmtmd decodes its images
+    non-causally, between <start_of_image> and <end_of_image>)."""
+    from converters import convert
+    from ondevice.backends.llama import LlamaBackend
+    from ondevice.backends.llama_mtmd import attach
+    from ondevice.testing import make_tiny_hf
+
+    d = tmp_path_factory.mktemp("gemma3-vlm")
+    make_tiny_hf(d / "hf", arch="gemma3_text", seed=0)
+    convert(d / "hf", to="gguf", quant="q8_0", out=d / "gguf", progress=False)
+    make_tiny_mmproj(d / "gguf" / "mmproj-gemma3-f32.gguf", kind="gemma3", seed=5)
+    b = LlamaBackend(d / "gguf" / "model.gguf", n_ctx=512, device="cpu")
+    p = attach(b)
+    yield p
+    p.close()
+    b.close()
+
+
+def test_gemma3_projector_and_causal_text_after_its_non_causal_image(gemma):
+    """After a non-causally decoded image the text must be causal again: greedy one by one equals a
+    batched verify (what speculation relies on). The control turns causal attention off after the image
+    and shows the same check then fails."""
+    be, lib = gemma.backend, gemma.backend._lib
+    assert gemma._mtmd.mtmd_decode_use_non_causal(gemma._ctx, None)  # libmtmd's own Gemma 3 rule
+    outs = {}
+    for seed in (1, 2):
+        with gemma.tokenize([G_USER, _img(seed), G_AFTER]) as p:
+            assert [(c.kind, c.n_tokens) for c in p.chunks if c.kind == "image"] == [("image", 4)]
+            logits = gemma.eval(p)
+            outs[seed] = logits.copy()
+            seq = [int(np.argmax(logits))]
+            for _ in range(7):
+                seq.append(int(np.argmax(be.eval(seq[-1:], "last")[-1])))
+            gemma.eval(p)  # back to the prompt alone
+            rows = be.eval(seq[:-1], "all")
+            assert [int(np.argmax(r)) for r in rows] == seq[1:]
+            if seed == 1:  # the control: a context left non-causal after the image
+                gemma.eval(p)
+                lib.llama_set_causal_attn(be._ctx, False)
+                try:
+                    bad = be.eval(seq[:-1], "all")
+                finally:
+                    lib.llama_set_causal_attn(be._ctx, True)
+                assert np.abs(bad - rows).max() > 1e-3
+    assert np.abs(outs[1] - outs[2]).max() > 1e-3

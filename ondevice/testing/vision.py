@@ -1,10 +1,14 @@
-"""A tiny random-weight vision projector (mmproj GGUF) that libmtmd loads, and tiny test images.
+"""Tiny random-weight vision projectors (mmproj GGUF) that libmtmd loads, and tiny test images.
 
-The projector is LLaVA's: a CLIP ViT (patch embedding, learned positions, pre-norm blocks with biased
-q/k/v/out and a GELU MLP) followed by the two-layer MLP projector ``mm.0`` → GELU → ``mm.2`` whose output
-width is the text model's embedding width. libmtmd resizes every image to ``image_size`` square and
-gives ``(image_size / patch_size)²`` image tokens (16 by default). The keys and tensor names are the ones
-``tools/mtmd/clip.cpp`` reads (``clip.projector_type = "mlp"``, ``v.*``, ``mm.*``).
+Two projector types, both on a CLIP/SigLIP ViT (patch embedding, learned positions, pre-norm blocks with
+biased q/k/v/out and a GELU MLP):
+- "mlp" (LLaVA): the two-layer MLP projector ``mm.0`` → GELU → ``mm.2``; (image_size / patch_size)² image
+  tokens (16 by default), causal like text.
+- "gemma3" (Gemma 3): average pooling by ``merge`` per side, RMS norm, ``mm.input_projection``;
+  (image_size / patch_size / merge)² tokens (4 by default), which libmtmd decodes with non-causal attention
+  between ``<start_of_image>`` and ``<end_of_image>`` text. Pair it with a Gemma 3 text model.
+The output width is the text model's embedding width. Keys and tensor names are the ones
+``tools/mtmd/clip.cpp`` reads (``clip.projector_type``, ``v.*``, ``mm.*``).
 """
 
 from __future__ import annotations
@@ -30,10 +34,11 @@ class ProjectorShape:
     n_layer: int = 2  # llava runs n_layer − 1 blocks (features from the second-to-last layer)
     image_size: int = 32
     patch_size: int = 8
-    proj_hidden: int = 256
+    proj_hidden: int = 256  # mlp only
+    merge: int = 2  # gemma3 only: pooling kernel per side
 
 
-def _tensors(s: ProjectorShape, rng: np.random.Generator) -> dict[str, np.ndarray]:
+def _tensors(s: ProjectorShape, rng: np.random.Generator, kind: str) -> dict[str, np.ndarray]:
     """Weights in GGUF layout (numpy shape = ggml ne reversed)."""
 
     def lin(o: int, i: int) -> np.ndarray:
@@ -60,16 +65,23 @@ def _tensors(s: ProjectorShape, rng: np.random.Generator) -> dict[str, np.ndarra
         t[p + "ln2.weight"], t[p + "ln2.bias"] = vec(e, 1.0), vec(e)
         t[p + "ffn_up.weight"], t[p + "ffn_up.bias"] = lin(f, e), vec(f)
         t[p + "ffn_down.weight"], t[p + "ffn_down.bias"] = lin(e, f), vec(e)
-    t["mm.0.weight"], t["mm.0.bias"] = lin(s.proj_hidden, e), vec(s.proj_hidden)
-    t["mm.2.weight"], t["mm.2.bias"] = lin(s.n_embd_text, s.proj_hidden), vec(s.n_embd_text)
+    if kind == "mlp":
+        t["mm.0.weight"], t["mm.0.bias"] = lin(s.proj_hidden, e), vec(s.proj_hidden)
+        t["mm.2.weight"], t["mm.2.bias"] = lin(s.n_embd_text, s.proj_hidden), vec(s.n_embd_text)
+    else:  # gemma3: ggml multiplies by the transpose, so the GGUF holds [n_embd, n_embd_text]
+        t["v.post_ln.weight"], t["v.post_ln.bias"] = vec(e, 1.0), vec(e)
+        t["mm.soft_emb_norm.weight"] = vec(e, 1.0)
+        t["mm.input_projection.weight"] = rng.normal(0.0, 1.0 / np.sqrt(e), (e, s.n_embd_text))
     return {k: v.astype(np.float32) for k, v in t.items()}
 
 
-def make_tiny_mmproj(out: str | Path, *, shape: ProjectorShape | None = None, seed: int = 0) -> Path:
-    """Write a random-weight LLaVA-style projector GGUF (all F32) and return its path.
+def make_tiny_mmproj(out: str | Path, *, kind: str = "mlp", shape: ProjectorShape | None = None,
+                     seed: int = 0) -> Path:
+    """Write a random-weight projector GGUF (all F32) and return its path.
 
     Args:
         out: the .gguf file (parent folders are created); written whole or not at all.
+        kind: "mlp" (LLaVA) or "gemma3".
         shape: dimensions (default ``ProjectorShape()``: output width 256, the tiny text models' width).
         seed: weight seed.
     Returns:
@@ -78,9 +90,11 @@ def make_tiny_mmproj(out: str | Path, *, shape: ProjectorShape | None = None, se
     import gguf
 
     s = shape or ProjectorShape()
-    if s.image_size % s.patch_size or s.n_embd % s.n_head or s.n_embd == s.n_ff:
+    if kind not in ("mlp", "gemma3"):
+        raise ValueError(f"unsupported projector kind {kind!r}; 'mlp' or 'gemma3'")
+    if s.image_size % s.patch_size or s.n_embd % s.n_head or s.n_embd == s.n_ff or (s.image_size // s.patch_size) % s.merge:
         raise ValueError(f"inconsistent projector shape {s}")
-    tensors = _tensors(s, np.random.default_rng(seed))
+    tensors = _tensors(s, np.random.default_rng(seed), kind)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
@@ -88,9 +102,11 @@ def make_tiny_mmproj(out: str | Path, *, shape: ProjectorShape | None = None, se
     k, kv = gguf.Keys.Clip, gguf.Keys.ClipVision
     try:
         w = gguf.GGUFWriter(tmp, gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.MMPROJ])  # "clip"
-        w.add_name("tiny-llava-mmproj")
+        w.add_name(f"tiny-{kind}-mmproj")
         w.add_file_type(gguf.LlamaFileType.ALL_F32)
-        w.add_string(k.PROJECTOR_TYPE, "mlp")
+        w.add_string(k.PROJECTOR_TYPE, kind)
+        if kind == "gemma3":
+            w.add_uint32("clip.vision.projector.scale_factor", s.merge)
         w.add_bool(k.HAS_VISION_ENCODER, True)
         w.add_bool(kv.USE_GELU, True)
         w.add_uint32(kv.IMAGE_SIZE, s.image_size)
