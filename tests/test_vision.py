@@ -349,3 +349,16 @@ def test_gemma3_projector_and_causal_text_after_its_non_causal_image(gemma):
                     lib.llama_set_causal_attn(be._ctx, True)
                 assert np.abs(bad - rows).max() > 1e-3
     assert np.abs(outs[1] - outs[2]).max() > 1e-3
+
+
+def test_a_closed_model_or_projector_is_an_error_not_a_crash(vlm):
+    from ondevice.backends.llama import LlamaBackend
+    from ondevice.backends.llama_mtmd import attach
+
+    b = LlamaBackend(vlm, n_ctx=256, device="cpu")
+    p = attach(b)
+    _one_line_error(lambda: p.tokenize(["bad \udcff text"]), "prompt part 0", "utf-8")
+    b.close()  # the model first: libmtmd must not read its freed vocabulary
+    _one_line_error(lambda: p.tokenize([USER, _img(1), AFTER]), "closed")
+    p.close()
+    _one_line_error(lambda: p.tokenize([USER]), "projector was closed")

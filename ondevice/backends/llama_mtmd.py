@@ -30,6 +30,7 @@ from ondevice.backends.mmproj import find_mmproj, missing_projector
 from ondevice.errors import OndeviceError
 from ondevice.formats.gguf import check_tensor_data, read_header
 from ondevice.images import Image
+from ondevice.inputs import check_text
 
 _LOG_CB = None
 _DEBUG = False
@@ -177,6 +178,7 @@ class Projector:
     def _check_open(self) -> None:
         if not self._ctx:
             raise OndeviceError(f"{self.path.name}: this projector was closed; load it again")
+        self.backend._check_open()  # libmtmd reads the text model's vocabulary: never after the model is freed
 
     # -- input -----------------------------------------------------------------------------------
     def tokenize(self, parts: Sequence[str | Image], *, add_special: bool = True) -> MultimodalPrompt:
@@ -205,6 +207,7 @@ class Projector:
                     bitmaps.append(bm)
                     p = mtmd.mtmd_input_part(None, bm)
                 elif isinstance(part, str):
+                    check_text(part, f"prompt part {i}")
                     data = part.encode("utf-8")
                     txt = mtmd.mtmd_input_text(data, len(data), add_special, True)
                     keep.append(txt)
