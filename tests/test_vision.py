@@ -88,6 +88,8 @@ def test_tiny_projector_loads_beside_the_model(vlm, proj):
         n_past, tail = proj.eval_prefix(p)
         assert n_past == p.chunks[0].n_tokens + 16 == proj.backend.n_past
         assert tail == list(p.chunks[2].tokens) and len(p.key) == p.n_pos
+        ids = p.ids(fill=-1)
+        assert len(ids) == p.n_pos and ids.count(-1) == 16 and ids[-len(tail):] == tail
 
 
 def test_find_mmproj_prefers_f16_and_ignores_other_files(tmp_path):

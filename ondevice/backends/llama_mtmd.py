@@ -104,6 +104,12 @@ class MultimodalPrompt:
             out.extend(c.tokens if c.kind == "text" else [("image", c.image_id)] * c.n_pos)
         return tuple(out)
 
+    def ids(self, fill: int) -> list[int]:
+        """Position by position: text ids, ``fill`` at image positions — a context for drafters, which see
+        text only (drafts are verified, so any ``fill`` keeps decoding exact). Never for prefix reuse: two
+        images would compare equal; use ``key``."""
+        return [t for c in self.chunks for t in (c.tokens if c.kind == "text" else [fill] * c.n_pos)]
+
     def close(self) -> None:
         if self._handle is not None:
             import llama_cpp.mtmd_cpp as mtmd
