@@ -364,3 +364,11 @@ def test_a_closed_model_or_projector_is_an_error_not_a_crash(vlm):
     _one_line_error(lambda: p.tokenize([USER, _img(1), AFTER]), "closed")
     p.close()
     _one_line_error(lambda: p.tokenize([USER]), "projector was closed")
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (1, 8192), (8192, 1), (3, 5)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_tiny_and_extreme_aspect_images_encode(proj, shape):
+    img = load_image(png_bytes(np.full((*shape, 3), 200, np.uint8)))
+    with proj.tokenize([USER, img, AFTER]) as p:
+        assert [c.n_tokens for c in p.chunks if c.kind == "image"] == [16]
+        assert np.isfinite(proj.eval(p)).all()
