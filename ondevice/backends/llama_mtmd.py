@@ -34,7 +34,7 @@ from ondevice.inputs import check_text
 
 _LOG_CB = None
 _DEBUG = False
-_ERRORS: list[str] = []  # libmtmd's error lines since the last _clear(), quoted in our one-line errors
+_ERRORS: list[str] = []  # libmtmd's error lines since last cleared, quoted in our one-line errors
 
 
 def _init_log(debug: bool) -> None:
@@ -281,7 +281,8 @@ class Projector:
             does not hold yet — at least one when the prompt ends with text; evaluate them with
             ``backend.eval(tail, "last")`` for the next token's logits).
         Raises:
-            OndeviceError: the context is too small, or llama.cpp / libmtmd fails to decode.
+            OndeviceError: the context is too small, or llama.cpp / libmtmd fails to decode (the cache then
+                holds at most the positions before the failing chunk).
         """
         self._check_open()
         b, mtmd = self.backend, self._mtmd
@@ -315,8 +316,10 @@ class Projector:
                 rc = mtmd.mtmd_helper_eval_chunk_single(self._ctx, b._ctx, mtmd.mtmd_input_chunks_get(prompt._handle, i),
                                                         s, 0, b.n_batch, False, ctypes.byref(new))
             if rc != 0 or b.n_past != s + c.n_pos:
+                why = _why()
+                b.rollback(min(s, b.n_past))  # no half image left in the cache
                 raise OndeviceError(f"{b.path.name}: encoding or decoding image {c.image_id[:12] if c.image_id else ''} "
-                                    f"failed (code {rc}){_why()}")
+                                    f"failed (code {rc}){why}")
         return b.n_past, list(prompt.tail[max(0, keep - tail_start) :])
 
     def eval(self, prompt: MultimodalPrompt, n_past: int = 0) -> np.ndarray:
