@@ -21,7 +21,7 @@ from ondevice.server.driver import MAX_BODY, READ_SECONDS
 from ondevice.server.engine import Engine
 from ondevice.server.errors import ApiError, crash, error_response, http_error
 from ondevice.server.guard import Guard
-from ondevice.server.routes import routes
+from ondevice.server.routes import error_body, routes
 
 __all__ = ["MAX_BODY", "Server"]
 
@@ -55,7 +55,7 @@ class Server:
         app = Starlette(routes=routes(self),
                         exception_handlers={ApiError: _api_error, HTTPException: http_error, Exception: crash})
         self.asgi = Guard(app, api_key=api_key, cors_origins=list(cors_origins or []), loopback_only=loopback_only,
-                          allowed_hosts=allowed_hosts)
+                          allowed_hosts=allowed_hosts, error_body=error_body)
 
     async def __call__(self, scope, receive, send) -> None:
         await self.asgi(scope, receive, send)

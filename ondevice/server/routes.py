@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from importlib import resources
 
 from starlette.requests import Request
@@ -11,11 +12,13 @@ from starlette.routing import Route
 
 from ondevice.server.chat_completions import ChatCompletions
 from ondevice.server.completions import Completions
-from ondevice.server.driver import Driver
+from ondevice.server.driver import Driver, read_body
+from ondevice.server.errors import ApiError, error_response
+from ondevice.server.messages import Messages, anthropic_error
 from ondevice.server.openai_api import check_model
 from ondevice.server.types import Dialect
 
-DIALECTS: tuple[type[Dialect], ...] = (Completions, ChatCompletions)
+DIALECTS: tuple[type[Dialect], ...] = (Completions, ChatCompletions, Messages)
 PAGE_HEADERS = {  # no other site may frame the page (clickjacking: a hidden frame clicking Send)
     "Content-Security-Policy": "default-src 'self'; style-src 'unsafe-inline'; script-src 'unsafe-inline'; "
                                "img-src data:; frame-ancestors 'none'",
@@ -49,14 +52,29 @@ def routes(server) -> list[Route]:
         check_model(request.path_params["model_id"], server.model_id)
         return JSONResponse(model_obj())
 
+    anthropic = Messages(server)
+
+    async def count_tokens(request: Request) -> JSONResponse:
+        try:
+            body = await read_body(request, server.read_seconds)
+            return JSONResponse(await asyncio.to_thread(anthropic.count_tokens, body))
+        except ApiError as e:
+            return error_response(e, anthropic_error(e))
+
     driver = Driver(server.engine, server.read_seconds)
     return [
         Route("/", page, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/models/{model_id:path}", model, methods=["GET"]),
+        Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
         *[Route(d.path, _endpoint(driver, d), methods=["POST"]) for d in (cls(server) for cls in DIALECTS)],
     ]
+
+
+def error_body(path: str, e: ApiError) -> dict:
+    """A refused request's body in the shape of the API ``path`` belongs to (the guard refuses before routing)."""
+    return anthropic_error(e) if path.startswith(Messages.path) else e.body()
 
 
 def _endpoint(driver: Driver, dialect: Dialect):
