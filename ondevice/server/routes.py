@@ -16,9 +16,10 @@ from ondevice.server.driver import Driver, read_body
 from ondevice.server.errors import ApiError, error_response
 from ondevice.server.messages import Messages, anthropic_error
 from ondevice.server.openai_api import check_model
+from ondevice.server.responses import Responses
 from ondevice.server.types import Dialect
 
-DIALECTS: tuple[type[Dialect], ...] = (Completions, ChatCompletions, Messages)
+DIALECTS: tuple[type[Dialect], ...] = (Completions, ChatCompletions, Messages, Responses)
 PAGE_HEADERS = {  # no other site may frame the page (clickjacking: a hidden frame clicking Send)
     "Content-Security-Policy": "default-src 'self'; style-src 'unsafe-inline'; script-src 'unsafe-inline'; "
                                "img-src data:; frame-ancestors 'none'",
