@@ -13,6 +13,7 @@ from starlette.routing import Route
 from ondevice.server.chat_completions import ChatCompletions
 from ondevice.server.completions import Completions
 from ondevice.server.driver import Driver, read_body
+from ondevice.server.embeddings import embeddings
 from ondevice.server.errors import ApiError, error_response
 from ondevice.server.messages import Messages, anthropic_error
 from ondevice.server.openai_api import check_model
@@ -62,6 +63,9 @@ def routes(server) -> list[Route]:
         except ApiError as e:
             return error_response(e, anthropic_error(e))
 
+    async def embed(request: Request) -> JSONResponse:
+        return await embeddings(request, server)
+
     driver = Driver(server.engine, server.read_seconds)
     return [
         Route("/", page, methods=["GET"]),
@@ -69,6 +73,7 @@ def routes(server) -> list[Route]:
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/models/{model_id:path}", model, methods=["GET"]),
         Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
+        Route("/v1/embeddings", embed, methods=["POST"]),
         *[Route(d.path, _endpoint(driver, d), methods=["POST"]) for d in (cls(server) for cls in DIALECTS)],
     ]
 
