@@ -167,8 +167,13 @@ def embedder_for(rt) -> Embedder:
     with _BY_RUNTIME_LOCK:
         e = _BY_RUNTIME.get(rt)
         if e is None:
-            path = Path(rt.target.path)
-            e = Embedder(path, n_ctx=min(rt.n_ctx, DEFAULT_N_CTX), threads=getattr(rt.target, "threads", None))
+            from ondevice.backends.llama import LlamaBackend
+
+            t = rt.target
+            if not isinstance(t, LlamaBackend):
+                raise OndeviceError(f"{Path(t.path).name}: embeddings need a GGUF model (llama.cpp's embedding path); "
+                                    "this one runs on another backend")
+            e = Embedder(t.path, n_ctx=min(rt.n_ctx, DEFAULT_N_CTX), threads=t.threads)
             _BY_RUNTIME[rt] = e
         return e
 
@@ -177,3 +182,11 @@ def embed(rt, texts: Sequence[str | Sequence[int]]) -> np.ndarray:
     """``Runtime.embed``: unit-length embeddings [len(texts), n_embd] of ``texts`` with ``rt``'s model
     (``Embedder``; a string alone is a batch of one)."""
     return embedder_for(rt).embed([texts] if isinstance(texts, str) else texts)[0]
+
+
+def release(rt) -> None:
+    """Close the ``Embedder`` made for ``rt``, if any (when the runtime is unloaded)."""
+    with _BY_RUNTIME_LOCK:
+        e = _BY_RUNTIME.pop(rt, None)
+    if e is not None:
+        e.close()

@@ -1,19 +1,15 @@
 """``POST /v1/embeddings`` in OpenAI's shape: ``input`` (a string, a list of strings, a token-id list or a list of
 them), ``encoding_format`` float | base64, unit-length vectors and ``usage``; computed by ``ondevice.embed``
-(a llama.cpp embedding context of the served GGUF, made at the first request) in a worker thread."""
+(a llama.cpp embedding context of the named model's GGUF, made at its first request; the route runs it in a
+worker thread: ``ondevice.server.routes``)."""
 
 from __future__ import annotations
 
-import asyncio
 import base64
 from typing import Any
 
-from starlette.requests import Request
-from starlette.responses import JSONResponse
-
 from ondevice.errors import OndeviceError
-from ondevice.server.driver import read_body
-from ondevice.server.errors import ApiError, error_response
+from ondevice.server.errors import ApiError
 
 
 def _inputs(body: dict) -> list[str | list[int]]:
@@ -56,27 +52,3 @@ def embeddings_answer(embedder, model_id: str, body: dict) -> dict:
             for i, v in enumerate(vectors)]
     return {"object": "list", "data": data, "model": model_id, "usage": {"prompt_tokens": n, "total_tokens": n},
             "ondevice": {"pooling": embedder.pooling, "pooling_declared": embedder.declared}}
-
-
-async def embeddings(request: Request, server) -> JSONResponse:
-    """The /v1/embeddings endpoint of ``server`` (its model must be the one named)."""
-    from ondevice.embed import embedder_for
-    from ondevice.server.openai_api import check_model
-
-    try:
-        body = await read_body(request, server.read_seconds)
-        if body.get("model") is None:
-            raise ApiError(400, f"'model' is required; this server serves {server.model_id!r}", param="model",
-                           code="missing_required_parameter")
-        check_model(body["model"], server.model_id)
-
-        def run() -> dict:
-            try:
-                emb = embedder_for(server.rt)
-            except OndeviceError as e:
-                raise ApiError(400, str(e), param="model", code="unsupported_value") from e
-            return embeddings_answer(emb, server.model_id, body)
-
-        return JSONResponse(await asyncio.to_thread(run))
-    except ApiError as e:
-        return error_response(e)

@@ -179,7 +179,8 @@ def _generation(body: dict, n_prompt: int, n_ctx: int):
 class Messages(Dialect):
     path = "/v1/messages"
 
-    def error(self, e: ApiError) -> dict:
+    @classmethod
+    def error(cls, e: ApiError) -> dict:
         return anthropic_error(e)
 
     def prompt(self, body: dict) -> tuple[list[int], Structured]:

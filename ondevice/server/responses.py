@@ -158,7 +158,7 @@ class Responses(Dialect):
 
     def __init__(self, ctx) -> None:
         super().__init__(ctx)
-        self.store = Store()
+        self.store = ctx.shared.setdefault("responses", Store())  # one per server, whichever model answers
 
     def parse(self, body: dict) -> Call:
         rt = self.ctx.rt
