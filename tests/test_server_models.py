@@ -200,3 +200,42 @@ def test_a_request_waits_for_room_instead_of_being_refused():
         ms.close()
 
     asyncio.run(main())
+
+
+def test_a_load_is_shared_and_outlives_a_client_that_leaves():
+    """Requests for a model being loaded wait for that one load (one error each if it fails); a client that
+    leaves mid-load does not cancel it: the model ends up loaded and its idle clock unloads it."""
+    import threading as th
+
+    from ondevice.server.errors import ApiError
+    from ondevice.server.models import Models
+
+    log: list = []
+    gate = th.Event()
+
+    def loader(spec: str):
+        log.append(("load", spec))
+        assert gate.wait(10)
+        if spec == "bad":
+            raise ValueError("bad.gguf: not a model\nmore detail")
+        return _FakeRuntime(spec, log)
+
+    async def main() -> None:
+        ms = Models([("a", "a"), ("bad", "bad")], loader, max_loaded=2, keep_alive=0.3)
+        first = asyncio.ensure_future(ms.acquire("a"))
+        second = asyncio.ensure_future(ms.acquire("a"))
+        await asyncio.sleep(0.2)
+        first.cancel()  # this client leaves while the model loads
+        gate.set()
+        held = await asyncio.wait_for(second, 5)
+        assert log == [("load", "a")] and held.rt.name == "a"
+        held.release()
+        await asyncio.sleep(1.0)
+        assert log == [("load", "a"), ("close", "a")]  # idle past its keep-alive: unloaded
+        errors = await asyncio.gather(ms.acquire("bad"), ms.acquire("bad"), return_exceptions=True)
+        assert all(isinstance(e, ApiError) and e.status == 500 for e in errors), errors
+        assert str(errors[0]) == "the model 'bad' could not be loaded: bad.gguf: not a model"
+        assert log.count(("load", "bad")) == 1  # one load, its error answered to both
+        ms.close()
+
+    asyncio.run(main())

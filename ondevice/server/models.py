@@ -24,6 +24,12 @@ KEEP_ALIVE = 300.0  # seconds an idle model stays loaded (Ollama's default: 5 mi
 _DURATION = re.compile(r"^\s*(-?\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
 
 
+def _retrieved(task: asyncio.Task) -> None:
+    """Mark a load's exception as seen (it was answered to each waiting request, or nobody waited)."""
+    if not task.cancelled():
+        task.exception()
+
+
 def keep_alive_seconds(v: Any, param: str = "keep_alive") -> float:
     """Ollama's ``keep_alive``: seconds as a number or a duration ("30s", "5m", "1h"); 0 unloads at once after
     the request, a negative value keeps the model loaded (returns ``inf``).
@@ -54,7 +60,7 @@ class Model:
     engine: Engine | None = None
     info: dict = field(default_factory=dict)  # n_ctx, drafter, vocab_size: known after the first load
     leases: int = 0
-    loading: bool = False
+    load: asyncio.Task | None = None  # the load in progress
     last_used: float = 0.0
     keep_alive: float = KEEP_ALIVE
     loads: int = 0  # how many times it was loaded (``/health``)
@@ -68,7 +74,7 @@ class Model:
     @property
     def busy(self) -> bool:
         e = self.engine
-        return self.leases > 0 or self.loading or (e is not None and (e.running or e.waiting))
+        return self.leases > 0 or self.load is not None or (e is not None and (e.running or e.waiting))
 
 
 class Lease:
@@ -157,45 +163,54 @@ class Models:
         m = self.get(name)
         ka = self.keep_alive if keep_alive is None else keep_alive_seconds(keep_alive)
         self.start_clocks()
-        evict: list = []  # runtimes of the idle models unloaded to make room
-        async with self._cond:
-            while True:
-                if self.closing:
-                    raise ApiError(503, "the server is shutting down", code="server_busy")
-                if m.loaded:
-                    return self._lease(m, ka)
-                if not m.loading:
-                    active = [x for x in self.models.values() if x.loaded or x.loading]
+        while True:
+            async with self._cond:
+                evict: list = []  # runtimes of the idle models unloaded to make room
+                while True:
+                    if self.closing:
+                        raise ApiError(503, "the server is shutting down", code="server_busy")
+                    if m.loaded:
+                        return self._lease(m, ka)
+                    if m.load is not None:  # loading for another request: wait for the same load
+                        break
+                    active = [x for x in self.models.values() if x.loaded or x.load is not None]
                     if len(active) < self.max_loaded:
+                        m.load = asyncio.ensure_future(self._load(m, evict))
+                        m.load.add_done_callback(_retrieved)
                         break
                     idle = sorted((x for x in active if not x.busy), key=lambda x: x.last_used)
                     if idle:
                         evict.append(self._unhook(idle[0]))
                         continue
-                await self._cond.wait()
-            m.loading = True
+                    await self._cond.wait()
+                task = m.load
+            # shielded: a client that leaves does not cancel a load other requests may be waiting for
+            await asyncio.shield(task)  # then lease it (unless it was unloaded meanwhile: round again)
+
+    async def _load(self, m: Model, evict: list) -> None:
+        """Unload ``evict``, then load ``m`` (its ``load`` task; every request waiting for it sees its error)."""
+        rt = None
         try:
             for old in evict:
                 await asyncio.to_thread(self._close, old)
             rt = await asyncio.to_thread(self.loader, m.spec)
-        except BaseException as e:
+        except Exception as e:
+            first = (str(e).splitlines() or [""])[0]
+            raise ApiError(500, f"the model {m.id!r} could not be loaded: {first}", param="model",
+                           code="model_load_failed") from e
+        finally:
             async with self._cond:
-                m.loading = False
+                m.load = None
+                if rt is not None and not self.closing:
+                    self._loaded(m, rt)
+                    m.last_used = time.monotonic()
                 self._cond.notify_all()
-            if isinstance(e, Exception):
-                first = (str(e).splitlines() or [""])[0]
-                raise ApiError(500, f"the model {m.id!r} could not be loaded: {first}", param="model",
-                               code="model_load_failed") from e
-            raise
-        async with self._cond:
-            m.loading = False
-            if self.closing:
-                self._cond.notify_all()
-                await asyncio.to_thread(rt.close)
-                raise ApiError(503, "the server is shutting down", code="server_busy")
-            self._loaded(m, rt)
-            self._cond.notify_all()
-            return self._lease(m, ka)
+        if self.closing:
+            await asyncio.to_thread(rt.close)
+            raise ApiError(503, "the server is shutting down", code="server_busy")
+        if not m.leases:
+            m.leases = 1
+            self._release(m)  # its idle clock runs until a waiting request leases it
 
     def start_clocks(self) -> None:
         """On the event loop, once: start the idle clock of models loaded before it ran (``adopt``)."""
