@@ -140,8 +140,7 @@ class Models:
         m.engine.counters = m.counters  # counted over every load
         m.loads += 1
         d = rt.drafter
-        m.info = {"n_ctx": rt.n_ctx, "drafter": d.name if d else "none", "vocab_size": rt.target.vocab_size,
-                  **({"draft_choice": rt.draft_choice} if getattr(rt, "draft_choice", None) else {})}
+        m.info = {"n_ctx": rt.n_ctx, "drafter": d.name if d else "none", "vocab_size": rt.target.vocab_size}
 
     def get(self, name: Any) -> Model:
         """The served model called ``name`` (404 in OpenAI's shape otherwise; a dialect rewrites the shape)."""
