@@ -124,7 +124,7 @@ def chat_cmd(
 
 @command("serve")
 def serve_cmd(
-    model: Annotated[list[str] | None, typer.Argument(metavar="MODEL...", help="Models to serve (paths, catalog or store names), each under "
+    model: Annotated[list[str] | None, typer.Argument(metavar="MODEL", help="Models to serve (paths, catalog or store names), each under "
                                                        "its name; loaded on first use [default: "
                                                        f"{DEFAULT_CHAT_MODEL}].")] = None,
     draft: DraftOpt = None,
