@@ -1,7 +1,7 @@
 """What an API dialect is, as the driver (``ondevice.server.driver``) sees it.
 
-A ``Dialect`` is one API surface (OpenAI chat.completions, OpenAI completions; later Anthropic Messages or
-OpenAI Responses): ``parse`` turns a request body into a ``Call`` — the prompt ids, the ``GenerateRequest``,
+A ``Dialect`` is one API surface (OpenAI chat.completions, OpenAI completions, OpenAI Responses, Anthropic
+Messages): ``parse`` turns a request body into a ``Call`` — the prompt ids, the ``GenerateRequest``,
 whether to stream, and the ``Reply`` that writes the answer back in the dialect's own shape, whole or as
 stream events. The driver runs any ``Call`` the same way: admit, generate, cut short, finish.
 """
