@@ -1,0 +1,170 @@
+"""OS confinement for a child Python that runs untrusted code: the command line that starts it inside
+bubblewrap (Linux) or ``sandbox-exec`` (macOS), and which of them this machine allows.
+
+Linux, ``bwrap`` (Debian/Ubuntu package ``bubblewrap``): new user, mount, network, PID, IPC, UTS and cgroup
+namespaces; the child sees a read-only root holding only the system libraries (``/usr``, ``/lib*``), the
+Python installation it runs (``sys.prefix`` and friends, read-only), the directories named by the caller
+(read-only), a minimal ``/dev`` (read-only), and at most one writable directory ``/sandbox``; no ``/proc``,
+no ``/tmp``, not the user's home, no network (only its own loopback interface), no environment but
+what the caller sets; it runs as uid 65534 with no capabilities and cannot create further user namespaces.
+The writable directory is a tmpfs of bounded size. Its number of files is bounded too where an unprivileged
+user + mount namespace may mount a tmpfs with ``nr_inodes`` (``unshare -U -r -m``, then ``bwrap`` inside):
+kind ``"bwrap+inodes"``; where only ``bwrap`` works, kind ``"bwrap"`` (size bounded, file count only by
+the time limit).
+
+macOS, ``sandbox-exec``: a deny-by-default profile that allows reading the Python installation, the system
+libraries and the work directory, writing only the work directory, and no network. (Not exercised on this
+project's Linux CI; the tests marked ``macos`` run it.)
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+SANDBOX_DIR = "/sandbox"  # the writable directory, as the child sees it (Linux)
+INSTALL_HINT = ("install bubblewrap (Debian/Ubuntu: `sudo apt-get install bubblewrap`, Fedora: "
+                "`sudo dnf install bubblewrap`, Arch: `sudo pacman -S bubblewrap`)")
+_SYSTEM = ("/usr", "/lib", "/lib64", "/lib32", "/libx32", "/bin")
+_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+def python_roots() -> list[str]:
+    """The directories a child of this interpreter needs to read: its prefixes and the real executable's."""
+    exe = os.path.realpath(sys.executable)
+    roots = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix, os.path.dirname(exe),
+             os.path.dirname(os.path.dirname(exe))}
+    return _outermost(r for r in roots if r and r != "/" and os.path.isdir(r))
+
+
+def _outermost(paths) -> list[str]:
+    """Distinct real paths with those inside another one dropped (one bind covers them)."""
+    out: list[str] = []
+    for p in sorted({os.path.realpath(p) for p in paths}):
+        if not any(p == q or p.startswith(q.rstrip("/") + "/") for q in out):
+            out.append(p)
+    return out
+
+
+def _system_binds() -> list[str]:
+    args: list[str] = []
+    for d in _SYSTEM:
+        if os.path.islink(d):
+            args += ["--symlink", os.readlink(d), d]
+        elif os.path.isdir(d):
+            args += ["--ro-bind", d, d]
+    for f in ("/etc/ld.so.cache", "/etc/localtime"):
+        args += ["--ro-bind-try", f, f]
+    return args
+
+
+def bwrap_argv(kind: str, argv: list[str], *, read_only: list[str] = (), files: dict[str, int] | None = None,
+               env: dict[str, str] | None = None, work_bytes: int = 64 << 20, work_files: int = 256,
+               mount_point: str | None = None, writable: bool = True) -> list[str]:
+    """The command line that runs ``argv`` under bubblewrap, as the module docstring says.
+
+    Args:
+        kind: ``"bwrap+inodes"`` or ``"bwrap"`` (``available()``).
+        argv: the child's command (its executable by absolute path).
+        read_only: further directories the child may read (bound at the same path).
+        files: name → open file descriptor: copied into the writable directory before the child starts
+            (the caller passes these fds with ``pass_fds``).
+        env: the child's whole environment.
+        work_bytes, work_files: size and (kind ``"bwrap+inodes"``) number of files of the writable directory.
+        mount_point: an empty host directory the ``unshare`` stage mounts its tmpfs on (``"bwrap+inodes"``).
+        writable: False: no writable directory at all (the working directory is ``/``).
+    Returns:
+        The argv to start (with ``start_new_session=True``; killing it kills everything inside).
+    """
+    bwrap = shutil.which("bwrap", path=_PATH) or "bwrap"
+    box = [bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--uid", "65534", "--gid", "65534",
+           "--die-with-parent", "--new-session", "--hostname", "sandbox", *_system_binds()]
+    for d in _outermost([*python_roots(), *read_only]):
+        box += ["--ro-bind", d, d]
+    box += ["--dev", "/dev"]
+    if writable:
+        if kind == "bwrap+inodes":
+            box += ["--bind", str(mount_point), SANDBOX_DIR]
+        else:
+            box += ["--size", str(work_bytes), "--tmpfs", SANDBOX_DIR]
+        for name, fd in (files or {}).items():
+            box += ["--perms", "0644", "--file", str(fd), f"{SANDBOX_DIR}/{name}"]
+    box += ["--remount-ro", "/dev", "--remount-ro", "/", "--chdir", SANDBOX_DIR if writable else "/", "--clearenv"]
+    for k, v in (env or {}).items():
+        box += ["--setenv", k, v]
+    box += ["--", *argv]
+    if kind != "bwrap+inodes" or not writable:
+        return box
+    # the tmpfs with a bounded number of inodes: mounted by an unprivileged user + mount namespace (bwrap itself
+    # has no option for nr_inodes), then bwrap runs inside that namespace and binds it as /sandbox
+    unshare = shutil.which("unshare", path=_PATH) or "unshare"
+    script = ('mount -t tmpfs -o "size=$1,nr_inodes=$2,mode=0777" ondevice-sandbox "$3" || exit 125; '
+              'shift 3; exec "$@"')
+    return [unshare, "--user", "--map-root-user", "--mount", "--propagation", "private", "/bin/sh", "-c", script,
+            "sh", str(work_bytes), str(work_files), str(mount_point), *box]
+
+
+def macos_argv(argv: list[str], *, work: str | None, read_only: list[str] = ()) -> list[str]:
+    """``sandbox-exec`` with a deny-by-default profile: read the Python installation, system libraries,
+    ``read_only`` and ``work``; write only ``work`` (None: nothing); no network, no other process."""
+
+    def q(p: str) -> str:
+        return '"' + os.path.realpath(p).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+    reads = [*python_roots(), *read_only, "/usr/lib", "/usr/share", "/System", "/Library/Apple",
+             "/private/var/db/dyld", "/dev"] + ([work] if work else [])
+    profile = "\n".join([
+        "(version 1)", "(deny default)",
+        f"(allow process-exec (literal {q(sys.executable)}) (literal {q(os.path.realpath(sys.executable))}))",
+        "(allow file-read-metadata)", "(allow sysctl-read)",
+        "(allow file-read* " + " ".join(f"(subpath {q(p)})" for p in reads) + ' (literal "/"))',
+        '(allow file-write-data (literal "/dev/null"))',
+        *([f"(allow file-write* (subpath {q(work)}))"] if work else []),
+    ])
+    return ["/usr/bin/sandbox-exec", "-p", profile, *argv]
+
+
+@lru_cache(maxsize=1)
+def available() -> str | None:
+    """Which confinement this machine allows: ``"bwrap+inodes"``, ``"bwrap"``, ``"sandbox-exec"`` or None.
+
+    Checked once per process by starting this interpreter under each (best first) and reading its answer."""
+    if sys.platform == "darwin":
+        kinds = ["sandbox-exec"] if os.path.exists("/usr/bin/sandbox-exec") else []
+    elif sys.platform.startswith("linux") and shutil.which("bwrap", path=_PATH):
+        kinds = (["bwrap+inodes"] if shutil.which("unshare", path=_PATH) else []) + ["bwrap"]
+    else:
+        kinds = []
+    for kind in kinds:
+        with tempfile.TemporaryDirectory(prefix="ondevice-probe-") as tmp:
+            os.mkdir(Path(tmp) / "work")
+            cmd = [sys.executable, "-I", "-S", "-c", "open('probe', 'w').write('ok'); print(open('probe').read())"]
+            if kind == "sandbox-exec":
+                argv, cwd = macos_argv(cmd, work=str(Path(tmp) / "work")), Path(tmp) / "work"
+            else:
+                argv, cwd = bwrap_argv(kind, cmd, mount_point=str(Path(tmp) / "work")), tmp
+            try:
+                r = subprocess.run(argv, cwd=cwd, env={"PATH": _PATH}, capture_output=True, timeout=60,
+                                   stdin=subprocess.DEVNULL)
+            except (OSError, subprocess.TimeoutExpired):
+                continue
+            if r.returncode == 0 and r.stdout.strip() == b"ok":
+                return kind
+    return None
+
+
+def unavailable_reason() -> str:
+    """One line: why ``available()`` is None here and how to fix it."""
+    if sys.platform == "darwin":
+        return "/usr/bin/sandbox-exec is missing or refused to start Python"
+    if not sys.platform.startswith("linux"):
+        return f"no OS sandbox is implemented for {sys.platform} (Linux: bubblewrap; macOS: sandbox-exec)"
+    if not shutil.which("bwrap", path=_PATH):
+        return f"bubblewrap (bwrap) is not installed: {INSTALL_HINT}"
+    return ("bwrap is installed but could not start a sandbox (unprivileged user namespaces disabled? "
+            "`sysctl kernel.unprivileged_userns_clone=1`, or Ubuntu's kernel.apparmor_restrict_unprivileged_userns)")
