@@ -42,7 +42,7 @@ RECURSION_LIMIT = 1000
 class _Worker:
     def __init__(self) -> None:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-        self.proc = subprocess.Popen([sys.executable, "-m", "ondevice.templates"], stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen([sys.executable, "-P", "-m", "ondevice.templates"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env,
                                      start_new_session=True)
         self.ready = False
@@ -112,7 +112,7 @@ def _started(source: str) -> _Worker:
             _kill_worker()
             why = f"it exited with status {status}" if status is not None else f"no answer in {START_SECONDS:g} s"
             raise OndeviceError(f"{source}: could not start the chat template worker "
-                                f"({sys.executable} -m ondevice.templates: {why})")
+                                f"({sys.executable} -P -m ondevice.templates: {why})")
         w.ready = True
     return w
 

@@ -237,7 +237,7 @@ def test_evaluate_end_to_end_on_a_tiny_model(tiny_gguf, tmp_path):
 def test_bench_quality_cli(tiny_gguf, tmp_path):
     model = str(tiny_gguf("qwen2", "q8_0"))
     out = tmp_path / "q.json"
-    r = subprocess.run([sys.executable, "-m", "ondevice", "bench", "--quality", f"{model},{model}", "--per-class", "1",
+    r = subprocess.run([sys.executable, "-P", "-m", "ondevice", "bench", "--quality", f"{model},{model}", "--per-class", "1",
                         "--threads", "1", "--json", str(out)], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     doc = json.loads(out.read_text())
@@ -275,7 +275,7 @@ def test_default_chat_model_answers_the_readme_example_with_code_that_runs(defau
     assert task.prompt == README_PROMPT
     # --threads 1: on a shared, oversubscribed machine two llama.cpp threads wait on each other (5-9x slower);
     # the answer does not depend on it
-    r = subprocess.run([sys.executable, "-m", "ondevice", "chat", "--temperature", "0", "--threads", "1"],
+    r = subprocess.run([sys.executable, "-P", "-m", "ondevice", "chat", "--temperature", "0", "--threads", "1"],
                        input=README_PROMPT + "\n", capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     v = check(task, r.stdout)
