@@ -65,7 +65,7 @@ def _system_binds() -> list[str]:
 
 def bwrap_argv(kind: str, argv: list[str], *, read_only: list[str] = (), files: dict[str, int] | None = None,
                env: dict[str, str] | None = None, work_bytes: int = 64 << 20, work_files: int = 256,
-               mount_point: str | None = None, writable: bool = True) -> list[str]:
+               mount_point: str | None = None, writable: bool = True, die_with_parent: bool = True) -> list[str]:
     """The command line that runs ``argv`` under bubblewrap, as the module docstring says.
 
     Args:
@@ -78,12 +78,16 @@ def bwrap_argv(kind: str, argv: list[str], *, read_only: list[str] = (), files: 
         work_bytes, work_files: size and (kind ``"bwrap+inodes"``) number of files of the writable directory.
         mount_point: an empty host directory the ``unshare`` stage mounts its tmpfs on (``"bwrap+inodes"``).
         writable: False: no writable directory at all (the working directory is ``/``).
+        die_with_parent: kill the sandbox when the thread that started it ends (Linux ties this to the thread,
+            not the process: a child started from a short-lived thread must pass False and end another way).
     Returns:
-        The argv to start (with ``start_new_session=True``; killing it kills everything inside).
+        The argv to start with ``start_new_session=True`` (so it has no controlling terminal; bwrap's own
+        ``--new-session`` is not used, so that ``os.killpg`` of that session reaches the sandbox's PID 1, whose
+        death ends every process inside).
     """
     bwrap = shutil.which("bwrap", path=_PATH) or "bwrap"
     box = [bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--uid", "65534", "--gid", "65534",
-           "--die-with-parent", "--new-session", "--hostname", "sandbox", *_system_binds()]
+           *(["--die-with-parent"] if die_with_parent else []), "--hostname", "sandbox", *_system_binds()]
     for d in _outermost([*python_roots(), *read_only]):
         box += ["--ro-bind", d, d]
     box += ["--dev", "/dev"]
