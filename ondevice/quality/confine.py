@@ -10,7 +10,9 @@ what the caller sets; it runs as uid 65534 with no capabilities and cannot creat
 The writable directory is a tmpfs of bounded size. Its number of files is bounded too where an unprivileged
 user + mount namespace may mount a tmpfs with ``nr_inodes`` (``unshare -U -r -m``, then ``bwrap`` inside):
 kind ``"bwrap+inodes"``; where only ``bwrap`` works, kind ``"bwrap"`` (size bounded, file count only by
-the time limit).
+the time limit). Started as root, kind ``"bwrap+inodes"`` first binds the read-only directories in a private
+mount namespace, then drops to uid 65534 (``setpriv``) before building the sandbox, so that the kernel does
+not treat the child as root (root's processes are exempt from ``RLIMIT_NPROC``).
 
 macOS, ``sandbox-exec``: a deny-by-default profile that allows reading the Python installation, the system
 libraries and the work directory, writing only the work directory, and no network. (Not exercised on this
@@ -65,7 +67,7 @@ def _system_binds() -> list[str]:
 
 def bwrap_argv(kind: str, argv: list[str], *, read_only: list[str] = (), files: dict[str, int] | None = None,
                env: dict[str, str] | None = None, work_bytes: int = 64 << 20, work_files: int = 256,
-               mount_point: str | None = None, writable: bool = True, die_with_parent: bool = True) -> list[str]:
+               stage_dir: str | None = None, writable: bool = True, die_with_parent: bool = True) -> list[str]:
     """The command line that runs ``argv`` under bubblewrap, as the module docstring says.
 
     Args:
@@ -76,7 +78,8 @@ def bwrap_argv(kind: str, argv: list[str], *, read_only: list[str] = (), files: 
             (the caller passes these fds with ``pass_fds``).
         env: the child's whole environment.
         work_bytes, work_files: size and (kind ``"bwrap+inodes"``) number of files of the writable directory.
-        mount_point: an empty host directory the ``unshare`` stage mounts its tmpfs on (``"bwrap+inodes"``).
+        stage_dir: kind ``"bwrap+inodes"``: a private, empty host directory (this function makes the mount points
+            it needs there: ``work`` for the tmpfs; run as root, also one per read-only bind, see below).
         writable: False: no writable directory at all (the working directory is ``/``).
         die_with_parent: kill the sandbox when the thread that started it ends (Linux ties this to the thread,
             not the process: a child started from a short-lived thread must pass False and end another way).
@@ -86,14 +89,28 @@ def bwrap_argv(kind: str, argv: list[str], *, read_only: list[str] = (), files: 
         death ends every process inside).
     """
     bwrap = shutil.which("bwrap", path=_PATH) or "bwrap"
+    roots = _outermost([*python_roots(), *read_only])
+    # Run as root (containers, CI), the sandbox would be uid 0 to the kernel, which exempts it from RLIMIT_NPROC:
+    # drop to uid 65534 first. That user cannot reach a Python installed under /root, so a first stage (still
+    # root, in a private mount namespace) binds each read-only root onto a mount point in stage_dir.
+    drop = kind == "bwrap+inodes" and writable and os.geteuid() == 0 and shutil.which("setpriv", path=_PATH)
+    sources = roots
+    if kind == "bwrap+inodes" and writable:
+        stage = Path(str(stage_dir))
+        (stage / "work").mkdir()
+        if drop:
+            sources = [str(stage / f"ro{i}") for i in range(len(roots))]
+            for d in [stage, stage / "work", *map(Path, sources)]:
+                d.mkdir(exist_ok=True)
+                os.chown(d, 65534, 65534)
     box = [bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--uid", "65534", "--gid", "65534",
            *(["--die-with-parent"] if die_with_parent else []), "--hostname", "sandbox", *_system_binds()]
-    for d in _outermost([*python_roots(), *read_only]):
-        box += ["--ro-bind", d, d]
+    for src, d in zip(sources, roots, strict=True):
+        box += ["--ro-bind", src, d]
     box += ["--dev", "/dev"]
     if writable:
         if kind == "bwrap+inodes":
-            box += ["--bind", str(mount_point), SANDBOX_DIR]
+            box += ["--bind", str(Path(str(stage_dir)) / "work"), SANDBOX_DIR]
         else:
             box += ["--size", str(work_bytes), "--tmpfs", SANDBOX_DIR]
         for name, fd in (files or {}).items():
@@ -109,8 +126,16 @@ def bwrap_argv(kind: str, argv: list[str], *, read_only: list[str] = (), files: 
     unshare = shutil.which("unshare", path=_PATH) or "unshare"
     script = ('mount -t tmpfs -o "size=$1,nr_inodes=$2,mode=0777" ondevice-sandbox "$3" || exit 125; '
               'shift 3; exec "$@"')
-    return [unshare, "--user", "--map-root-user", "--mount", "--propagation", "private", "/bin/sh", "-c", script,
-            "sh", str(work_bytes), str(work_files), str(mount_point), *box]
+    cmd = [unshare, "--user", "--map-root-user", "--mount", "--propagation", "private", "/bin/sh", "-c", script,
+           "sh", str(work_bytes), str(work_files), str(Path(str(stage_dir)) / "work"), *box]
+    if not drop:
+        return cmd
+    binds = ('n=$1; shift; while [ "$n" -gt 0 ]; do mount --bind "$1" "$2" && mount -o remount,bind,ro "$2" '
+             '|| exit 125; shift 2; n=$((n - 1)); done; exec "$@"')
+    setpriv = shutil.which("setpriv", path=_PATH)
+    return [unshare, "--mount", "--propagation", "private", "/bin/sh", "-c", binds, "sh", str(len(roots)),
+            *[x for pair in zip(roots, sources, strict=True) for x in pair],
+            setpriv, "--reuid=65534", "--regid=65534", "--clear-groups", "--", *cmd]
 
 
 def macos_argv(argv: list[str], *, work: str | None, read_only: list[str] = ()) -> list[str]:
@@ -124,7 +149,9 @@ def macos_argv(argv: list[str], *, work: str | None, read_only: list[str] = ()) 
              "/private/var/db/dyld", "/dev"] + ([work] if work else [])
     profile = "\n".join([
         "(version 1)", "(deny default)",
-        f"(allow process-exec (literal {q(sys.executable)}) (literal {q(os.path.realpath(sys.executable))}))",
+        # a framework build's bin/python3.x re-executes Python.app inside its prefix
+        "(allow process-exec " + " ".join(f"(subpath {q(p)})" for p in python_roots())
+        + f" (literal {q(sys.executable)}))",
         "(allow file-read-metadata)", "(allow sysctl-read)",
         "(allow file-read* " + " ".join(f"(subpath {q(p)})" for p in reads) + ' (literal "/"))',
         '(allow file-write-data (literal "/dev/null"))',
@@ -146,12 +173,12 @@ def available() -> str | None:
         kinds = []
     for kind in kinds:
         with tempfile.TemporaryDirectory(prefix="ondevice-probe-") as tmp:
-            os.mkdir(Path(tmp) / "work")
             cmd = [sys.executable, "-I", "-S", "-c", "open('probe', 'w').write('ok'); print(open('probe').read())"]
             if kind == "sandbox-exec":
+                os.mkdir(Path(tmp) / "work")
                 argv, cwd = macos_argv(cmd, work=str(Path(tmp) / "work")), Path(tmp) / "work"
             else:
-                argv, cwd = bwrap_argv(kind, cmd, mount_point=str(Path(tmp) / "work")), tmp
+                argv, cwd = bwrap_argv(kind, cmd, stage_dir=tmp), "/"
             try:
                 r = subprocess.run(argv, cwd=cwd, env={"PATH": _PATH}, capture_output=True, timeout=60,
                                    stdin=subprocess.DEVNULL)

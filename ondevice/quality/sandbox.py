@@ -199,10 +199,11 @@ def run_python(code: str, *, files: dict[str, str] | None = None, timeout: float
         if "/" in name or name.startswith(".") or not name:
             raise OndeviceError(f"sandbox file name {name!r}: use a plain file name")
     tmp = Path(tempfile.mkdtemp(prefix="ondevice-sandbox-"))
-    work = tmp / "work"  # the program's directory (unconfined, sandbox-exec) or the tmpfs mount point (bwrap)
+    work = tmp / "work"  # the program's directory (unconfined, sandbox-exec); bwrap's tmpfs mount point
     src = tmp / "src"  # its files, copied into the sandbox's tmpfs by bwrap
-    work.mkdir()
     src.mkdir()
+    if kind is None or kind == "sandbox-exec":
+        work.mkdir()
     fds: dict[str, int] = {}
     try:
         for name, text in sources.items():
@@ -220,8 +221,8 @@ def run_python(code: str, *, files: dict[str, str] | None = None, timeout: float
         else:
             fds = {name: os.open(src / name, os.O_RDONLY) for name in sources}
             argv = bwrap_argv(kind, child, files=fds, env=env, work_bytes=MAX_WORK_BYTES, work_files=MAX_FILES,
-                              mount_point=str(work))
-            cwd, env = tmp, {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}
+                              stage_dir=str(tmp))
+            cwd, env = "/", {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}
         with open(tmp / "stdout", "wb") as out, open(tmp / "stderr", "wb") as err:
             t0 = time.perf_counter()
             proc = subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
