@@ -18,9 +18,18 @@ from ondevice.errors import OndeviceError
 from ondevice.quality import confine, sandbox
 from ondevice.quality.sandbox import run_python
 
-KIND = confine.available() if os.name == "posix" else None
-needs_os_sandbox = pytest.mark.skipif(KIND is None, reason=f"no OS sandbox here: {confine.unavailable_reason()}")
+BEST = confine.available() if os.name == "posix" else None
+needs_os_sandbox = pytest.mark.skipif(BEST is None, reason=f"no OS sandbox here: {confine.unavailable_reason()}")
 BOTH = pytest.mark.parametrize("guard", [True, False], ids=["guarded", "os-only"])
+# where the unshare tmpfs stage works, the bare-bubblewrap fallback is tested too
+KINDS = ["bwrap+inodes", "bwrap"] if BEST == "bwrap+inodes" else [BEST]
+
+
+@pytest.fixture(params=KINDS)
+def kind(request, monkeypatch):
+    """Each OS sandbox kind this machine can run, forced for the test."""
+    monkeypatch.setattr(confine, "available", lambda: request.param)
+    return request.param
 
 
 @pytest.fixture
@@ -37,7 +46,7 @@ def _escaped(marker: Path, r) -> bool:
 
 @needs_os_sandbox
 @BOTH
-def test_dir_fd_write_outside_fails(target, guard):
+def test_dir_fd_write_outside_fails(target, guard, kind):
     d, marker = target
     for base in (str(d), "/", os.path.dirname(sys.executable)):
         code = (f"import os\nd = os.open({base!r}, os.O_RDONLY)\n"
@@ -50,7 +59,7 @@ def test_dir_fd_write_outside_fails(target, guard):
 
 @needs_os_sandbox
 @BOTH
-def test_rebinding_builtins_does_not_open_the_guard(target, guard):
+def test_rebinding_builtins_does_not_open_the_guard(target, guard, kind):
     _, marker = target
     code = ("import builtins\nbuiltins.any = lambda *a: False\nbuiltins.isinstance = lambda *a: True\n"
             f"open({str(marker)!r}, 'w').write('x')\nprint('ESCAPED')")
@@ -60,7 +69,7 @@ def test_rebinding_builtins_does_not_open_the_guard(target, guard):
 
 @needs_os_sandbox
 @BOTH
-def test_ctypes_cannot_write_outside(target, guard):
+def test_ctypes_cannot_write_outside(target, guard, kind):
     _, marker = target
     code = ("import ctypes, os\nlibc = ctypes.CDLL(None)\n"
             f"fd = libc.open({str(marker).encode()!r}, os.O_CREAT | os.O_WRONLY, 0o644)\n"
@@ -72,14 +81,14 @@ def test_ctypes_cannot_write_outside(target, guard):
 
 @needs_os_sandbox
 @BOTH
-def test_subprocess_cannot_write_outside_and_processes_are_bounded(target, guard):
+def test_subprocess_cannot_write_outside_and_processes_are_bounded(target, guard, kind):
     _, marker = target
     code = f"import subprocess\nsubprocess.run(['/bin/sh', '-c', 'echo x > {marker}'])\n"
     r = run_python(code, guard=guard)
     assert not marker.exists(), r.stderr
     # run as root, the sandbox drops to uid 65534 where it can mount its tmpfs (kind bwrap+inodes); bare bwrap run
     # as root stays uid 0 to the kernel, whose processes Linux exempts from RLIMIT_NPROC (docs/quality.md)
-    if not guard and (os.geteuid() != 0 or KIND == "bwrap+inodes"):
+    if not guard and (os.geteuid() != 0 or kind == "bwrap+inodes"):
         # a fork bomb stops at the process limit
         r = run_python("import os, time\nn = 0\ntry:\n    for _ in range(64):\n        if os.fork() == 0:\n"
                        "            time.sleep(30)\n            os._exit(0)\n        n += 1\nexcept OSError as e:\n"
@@ -89,7 +98,7 @@ def test_subprocess_cannot_write_outside_and_processes_are_bounded(target, guard
 
 @needs_os_sandbox
 @BOTH
-def test_no_network(guard):
+def test_no_network(guard, kind):
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
     server.listen(1)
@@ -108,7 +117,7 @@ def test_no_network(guard):
 
 @needs_os_sandbox
 @BOTH
-def test_home_and_host_files_are_not_readable(tmp_path, monkeypatch, guard):
+def test_home_and_host_files_are_not_readable(tmp_path, monkeypatch, guard, kind):
     home = tmp_path / "home"
     home.mkdir()
     (home / ".netrc").write_text("machine example.com password SECRET-TOKEN")
@@ -119,13 +128,13 @@ def test_home_and_host_files_are_not_readable(tmp_path, monkeypatch, guard):
     r = run_python(code, guard=guard)
     assert r.ok, r.stderr
     assert "SECRET-TOKEN" not in r.stdout + r.stderr
-    if KIND.startswith("bwrap"):
+    if kind.startswith("bwrap"):
         assert "'tmp'" not in r.stdout and "'proc'" not in r.stdout and "'home'" not in r.stdout
 
 
 @needs_os_sandbox
 @BOTH
-def test_filling_the_disk_stops_at_the_bounds(guard):
+def test_filling_the_disk_stops_at_the_bounds(guard, kind):
     tag = f"ondevice-fill-{uuid.uuid4().hex}"
     many = (f"import os, tempfile\nn = 0\nfor where in [tempfile.gettempdir(), '/tmp', '/dev/shm']:\n"
             f"    try:\n        for i in range(100000):\n            open(os.path.join(where, '{tag}-%d' % i), 'w').close()\n"
@@ -133,7 +142,7 @@ def test_filling_the_disk_stops_at_the_bounds(guard):
     r = run_python(many, guard=guard, timeout=30)
     assert "files" in r.stdout, r.stderr
     n = int(r.stdout.split()[-1])
-    if KIND == "bwrap+inodes":
+    if kind == "bwrap+inodes":
         assert n <= sandbox.MAX_FILES, r.stdout
     assert not list(Path("/tmp").glob(f"{tag}-*")) and not list(Path("/dev/shm").glob(f"{tag}-*"))
     big = ("n = 0\ntry:\n    for i in range(64):\n        with open(f'big{i}', 'wb') as f:\n"
@@ -141,12 +150,12 @@ def test_filling_the_disk_stops_at_the_bounds(guard):
            "print('big', n)")
     r = run_python(big, guard=guard, timeout=30)
     assert "big" in r.stdout, r.stderr
-    if KIND.startswith("bwrap"):
+    if kind.startswith("bwrap"):
         assert int(r.stdout.split()[-1]) * (8 << 20) <= sandbox.MAX_WORK_BYTES, r.stdout
 
 
 @needs_os_sandbox
-def test_correct_programs_still_run_and_write_in_their_dir():
+def test_correct_programs_still_run_and_write_in_their_dir(kind):
     r = run_python("import solution, os\nopen('a', 'w').write('x')\nos.mkdir('d')\nos.rename('a', 'd/b')\n"
                    "print(solution.f(3), open('d/b').read())", files={"solution.py": "def f(x):\n    return x * 2\n"})
     assert r.ok and r.stdout.split() == ["6", "x"], r.stderr
