@@ -154,6 +154,8 @@ def macos_argv(argv: list[str], *, work: str | None, read_only: list[str] = ()) 
         + f" (literal {q(sys.executable)}))",
         "(allow file-read-metadata)", "(allow sysctl-read)",
         "(allow file-read* " + " ".join(f"(subpath {q(p)})" for p in reads) + ' (literal "/"))',
+        # loading libpython and extension modules maps code: a separate operation since macOS 10.15
+        "(allow file-map-executable " + " ".join(f"(subpath {q(p)})" for p in reads if p != "/dev") + ")",
         '(allow file-write-data (literal "/dev/null"))',
         *([f"(allow file-write* (subpath {q(work)}))"] if work else []),
     ])
