@@ -137,7 +137,7 @@ def test_home_and_host_files_are_not_readable(tmp_path, monkeypatch, guard, kind
 def test_filling_the_disk_stops_at_the_bounds(guard, kind):
     tag = f"ondevice-fill-{uuid.uuid4().hex}"
     many = (f"import os, tempfile\nn = 0\nfor where in [tempfile.gettempdir(), '/tmp', '/dev/shm']:\n"
-            f"    try:\n        for i in range(100000):\n            open(os.path.join(where, '{tag}-%d' % i), 'w').close()\n"
+            f"    try:\n        for i in range(20000):\n            open(os.path.join(where, '{tag}-%d' % i), 'w').close()\n"
             "            n += 1\n    except OSError as e:\n        print(where, type(e).__name__)\nprint('files', n)")
     r = run_python(many, guard=guard, timeout=30)
     assert "files" in r.stdout, r.stderr
