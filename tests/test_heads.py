@@ -91,7 +91,7 @@ def test_heads_file_found_by_a_new_process(trained, home):
             "    r = rt.generate('def add(a, b):', max_tokens=8, temperature=0, gamma=3)\n"
             "    print(rt.drafter.name, r.stats.drafted)")
     env = {**os.environ, "ONDEVICE_HOME": str(home), "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    out = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr
     name, drafted = out.stdout.split()
     assert name == "heads" and int(drafted) > 0

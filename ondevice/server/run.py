@@ -160,7 +160,7 @@ def launch(model: str, *args: str, host: str = "127.0.0.1", api_key: str | None 
         port = s.getsockname()[1]
     env = {**os.environ, **({"ONDEVICE_API_KEY": api_key} if api_key else {})}
     log = stderr if stderr is not None else tempfile.TemporaryFile()
-    proc = subprocess.Popen([sys.executable, "-m", "ondevice", "serve", model, "--host", host, "--port", str(port), *args],
+    proc = subprocess.Popen([sys.executable, "-P", "-m", "ondevice", "serve", model, "--host", host, "--port", str(port), *args],
                             stdout=subprocess.DEVNULL, stderr=log, env=env)
     url = f"http://{host}:{port}"
     deadline = time.monotonic() + timeout
