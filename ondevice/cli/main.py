@@ -148,13 +148,14 @@ def serve_cmd(
     """Serve the OpenAI and Anthropic APIs (/v1/chat/completions, /v1/completions, /v1/responses, /v1/messages, /v1/embeddings, /v1/models) and a chat page at /."""
     from functools import partial
 
+    from ondevice.drafters import registry
     from ondevice.errors import OndeviceError
     from ondevice.loader import load
     from ondevice.server.models import Models, keep_alive_seconds
     from ondevice.server.run import check_exposure, open_socket, serve
 
     names = model or [DEFAULT_CHAT_MODEL]
-    if len(names) > 1 and draft not in (None, "auto", "heads"):
+    if len(names) > 1 and draft not in (None, "auto") and not registry.per_target(draft):
         raise OndeviceError(f"--draft {draft} is one model's draft; with several models use --draft auto (each "
                             "model chooses its own) or heads")
     check_exposure(host, api_key, no_auth)  # before anything listens

@@ -137,10 +137,10 @@ def _tools(body: dict, chat_template: str | None, st: Structured) -> None:
                 fn["description"] = t["description"]
             oa["tools"].append({"type": "function", "function": fn})
     if choice is not None:
-        kind = choice.get("type") if isinstance(choice, dict) else None
-        if kind not in ("auto", "any", "tool", "none"):
+        choice_type = choice.get("type") if isinstance(choice, dict) else None
+        if choice_type not in ("auto", "any", "tool", "none"):
             raise _bad("tool_choice", "must be {'type': 'auto' | 'any' | 'tool' | 'none'} ('tool' with 'name')")
-        oa["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}.get(kind) or {
+        oa["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}.get(choice_type) or {
             "type": "function", "function": {"name": choice.get("name")}}
     tool_args(oa, chat_template, st)
 
