@@ -34,6 +34,17 @@ from ondevice.threads import default_threads
 
 _LOG_CB = None
 
+# KV-cache element types (``-ctk/-ctv``): name → llama_cpp's GGML type constant. A quantized V cache needs flash
+# attention (llama.cpp refuses it otherwise), so the backend switches it on for one.
+KV_CACHE_TYPES = {"f16": "GGML_TYPE_F16", "q8_0": "GGML_TYPE_Q8_0", "q4_0": "GGML_TYPE_Q4_0"}
+
+
+def check_cache_type(name: str, value) -> str:
+    """``value`` if it names a KV-cache type, else a one-line ``OndeviceError`` naming ``name`` and the choices."""
+    if not isinstance(value, str) or value.lower() not in KV_CACHE_TYPES:
+        raise OndeviceError(f"{name}={value!r}: choose a KV-cache type among {', '.join(KV_CACHE_TYPES)}")
+    return value.lower()
+
 
 def init_llama(debug: bool = False) -> None:
     """Initialise llama.cpp once; its log goes to stderr only when debugging."""
@@ -92,6 +103,9 @@ class LlamaBackend(LlamaTree, Backend):
             ``n_ctx_seq = n_ctx / n_seq_max`` cells, laid out as a one-sequence context lays them out, so
             answers generated together (``eval_seqs``) are bit for bit the ones generated alone; with one
             buffer their cells interleave and llama.cpp's attention rounds differently (greedy answers flip).
+        cache_type_k, cache_type_v: element type of the K and V cache, one of ``KV_CACHE_TYPES`` (f16, q8_0,
+            q4_0). A quantized V cache runs with flash attention on (llama.cpp requires it). Every pass reads
+            the cache it wrote, so verify and rollback stay exact for the cache they run on.
     """
 
     def __init__(
@@ -107,11 +121,15 @@ class LlamaBackend(LlamaTree, Backend):
         debug: bool = False,
         n_seq_max: int = TREE_SEQS,
         kv_unified: bool = True,
+        cache_type_k: str = "f16",
+        cache_type_v: str = "f16",
     ) -> None:
         import llama_cpp
 
         self._lib = llama_cpp
         self.path = Path(path)
+        self.cache_type_k = check_cache_type("cache_type_k", cache_type_k)
+        self.cache_type_v = check_cache_type("cache_type_v", cache_type_v)
         check_gguf_file(self.path)
         self._model = self._ctx = self._batch = None  # close() (and __del__) free whatever a Ctrl-C left
         init_llama(debug or bool(os.environ.get("ONDEVICE_DEBUG")))
@@ -148,10 +166,19 @@ class LlamaBackend(LlamaTree, Backend):
         cp.no_perf = True
         # A full-size SWA cache keeps every position, so rolling back across the window is exact.
         cp.swa_full = self.n_swa > 0
+        cp.type_k = getattr(llama_cpp, KV_CACHE_TYPES[self.cache_type_k])
+        cp.type_v = getattr(llama_cpp, KV_CACHE_TYPES[self.cache_type_v])
+        if self.cache_type_v != "f16":  # llama.cpp refuses a quantized V cache without flash attention
+            cp.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
         with _ctrl_c_deferred():
             self._ctx = llama_cpp.llama_init_from_model(self._model, cp)
         if not self._ctx:
             self.close()
+            if (self.cache_type_k, self.cache_type_v) != ("f16", "f16"):
+                raise OndeviceError(
+                    f"{self.path}: llama.cpp could not create a context with cache_type_k={self.cache_type_k} "
+                    f"cache_type_v={self.cache_type_v} (a quantized cache needs head sizes divisible by 32 and flash "
+                    "attention on this device); use f16")
             raise OndeviceError(f"{self.path}: llama.cpp could not create a context of n_ctx={n_ctx}; try a smaller --n-ctx")
         # What the context really got: llama.cpp rounds n_ctx up (to 256) and caps n_batch at the n_ctx
         # asked for; one llama_decode takes at most n_batch tokens (GGML_ASSERT otherwise).
@@ -221,6 +248,37 @@ class LlamaBackend(LlamaTree, Backend):
         """Positions in the cache, as llama.cpp reports them (never a Python-side counter)."""
         self._check_open()
         return int(self._lib.llama_memory_seq_pos_max(self._mem, 0)) + 1
+
+    def save_seq_state(self, seq: int = 0) -> bytes:
+        """The KV state of sequence ``seq`` (every position it caches) as llama.cpp serialises it;
+        ``load_seq_state`` puts it back into a context of the same model, build, cache types and layout."""
+        self._check_open()
+        self._drop_unkept_tree()
+        lib = self._lib
+        size = int(lib.llama_state_seq_get_size(self._ctx, seq))
+        buf = bytearray(size)
+        n = int(lib.llama_state_seq_get_data(self._ctx, (ctypes.c_uint8 * size).from_buffer(buf), size, seq))
+        if n == 0 or n > size:
+            raise OndeviceError(f"{self.path.name}: llama.cpp could not serialise the KV cache ({n} of {size} bytes)")
+        return bytes(buf[:n])
+
+    def load_seq_state(self, data: bytes, n_tokens: int, seq: int = 0) -> None:
+        """Replace sequence ``seq``'s cache with ``data`` from ``save_seq_state``, which must hold positions
+        0..n_tokens-1 (the caller knows which tokens). Raises ``OndeviceError``, the sequence left empty, when
+        llama.cpp refuses the data or it holds other positions; for seq 0 ``n_past`` then reads ``n_tokens``."""
+        self._check_open()
+        self._drop_unkept_tree()
+        lib, mem = self._lib, self._mem
+        lib.llama_memory_seq_rm(mem, seq, -1, -1)
+        self._hidden = None  # no eval produced what the cache holds now
+        if not 0 < n_tokens <= self.n_ctx_seq:
+            raise OndeviceError(f"{self.path.name}: a saved state of {n_tokens} tokens does not fit n_ctx={self.n_ctx_seq}")
+        src = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        ok = lib.llama_state_seq_set_data(self._ctx, src, len(data), seq) > 0
+        span = (int(lib.llama_memory_seq_pos_min(mem, seq)), int(lib.llama_memory_seq_pos_max(mem, seq)))
+        if not ok or span != (0, n_tokens - 1):
+            lib.llama_memory_seq_rm(mem, seq, -1, -1)
+            raise OndeviceError(f"{self.path.name}: llama.cpp refused a saved KV state (expected positions 0..{n_tokens - 1})")
 
     # -- hidden states (optional) ----------------------------------------------------------------
     def enable_hidden(self) -> int:
