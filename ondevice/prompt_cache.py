@@ -50,17 +50,20 @@ def _sha256_of_file(path: Path) -> str:
 
 def model_sha256(path: str | os.PathLike, memo_dir: str | os.PathLike) -> str:
     """sha256 of the model file, remembered in ``memo_dir`` by (real path, size, mtime_ns, inode): hashed once,
-    again only when the file changes (a 4 GB model takes seconds; a restart then reads the memo)."""
+    again only when the file changes (a 4 GB model takes seconds; a restart then reads the memo). A catalog
+    model's pull stamp (size, mtime_ns, sha256 checked at download) is used when it matches the file."""
     real = Path(path).resolve()
     st = real.stat()
     stamp = {"path": str(real), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "ino": st.st_ino}
     memo = Path(memo_dir) / f".model-{hashlib.sha256(str(real).encode()).hexdigest()[:16]}.json"
-    try:
-        rec = json.loads(memo.read_text())
-        if isinstance(rec, dict) and {k: rec.get(k) for k in stamp} == stamp and isinstance(rec.get("sha256"), str):
+    pulled = real.with_name(real.name + ".verified")  # a catalog pull's stamp (ondevice.store.fetch): same rule
+    for f, keys in ((memo, stamp), (pulled, {"size": st.st_size, "mtime_ns": st.st_mtime_ns})):
+        try:
+            rec = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(rec, dict) and {k: rec.get(k) for k in keys} == keys and isinstance(rec.get("sha256"), str):
             return rec["sha256"]
-    except (OSError, ValueError):
-        pass
     digest = _sha256_of_file(real)
     write_text(memo, json.dumps({**stamp, "sha256": digest}))
     return digest
