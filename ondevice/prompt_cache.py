@@ -201,7 +201,7 @@ class PromptCache:
         return state
 
     # -- API ----------------------------------------------------------------------------------------
-    def lookup(self, ids: Sequence[int], max_tokens: int | None = None) -> tuple[int, Callable[[], int] | None]:
+    def lookup(self, ids: Sequence[int], max_tokens: int | None = None) -> tuple[int, Callable[..., int] | None]:
         """The longest prefix of ``ids`` a stored file holds.
 
         Args:
@@ -209,8 +209,9 @@ class PromptCache:
             max_tokens: reuse at most this many (default ``len(ids) - 1``: the last token is evaluated for its
                 logits).
         Returns:
-            (n, restore): ``restore()`` makes the backend's sequence 0 hold ``ids[:n]`` and returns n, or
-            returns 0 with the sequence empty when llama.cpp refuses the file (which is then deleted);
+            (n, restore): ``restore(seq=0)`` makes the backend's sequence ``seq`` hold ``ids[:n]`` (whatever it
+            held is replaced) and returns n, or returns 0 with the sequence empty when llama.cpp refuses the file
+            (which is then deleted);
             (0, None) when nothing of at least ``min_tokens`` is stored. The file is read and checked here.
         """
         want = np.asarray(ids, dtype=np.int64)
@@ -232,30 +233,29 @@ class PromptCache:
             return n, self._restorer(path, state, -neg_len, n)
         return 0, None
 
-    def _restorer(self, path: Path, state: bytes, n_file: int, n: int) -> Callable[[], int]:
-        def restore() -> int:
+    def _restorer(self, path: Path, state: bytes, n_file: int, n: int) -> Callable[..., int]:
+        def restore(seq: int = 0) -> int:
             from ondevice.errors import OndeviceError
 
-            try:
-                self.backend.load_seq_state(state, n_file)
+            try:  # the common part only: its K/V rows do not depend on what followed
+                self.backend.load_seq_state(state, n_file, seq, keep=n)
             except OndeviceError as e:
                 self._refuse(path, str(e))
                 return 0
-            self.backend.rollback(n)  # the common part only: its K/V rows do not depend on what followed
             return n
 
         return restore
 
-    def store(self, ids: Sequence[int]) -> bool:
-        """Save the backend's sequence 0, which must hold exactly ``ids``, unless a stored prefix already
+    def store(self, ids: Sequence[int], seq: int = 0) -> bool:
+        """Save the backend's sequence ``seq``, which must hold exactly ``ids``, unless a stored prefix already
         covers ``ids`` (then it is touched). Stored prefixes that ``ids`` extends are deleted (every request
         they served, this file serves as well), then least recently used files until the folder fits
         ``max_bytes``. Returns whether a file was written."""
         ids = [int(t) for t in ids]
         if len(ids) < self.min_tokens:
             return False
-        if self.backend.n_past != len(ids):
-            raise ValueError(f"store: the cache holds {self.backend.n_past} positions, not the {len(ids)} tokens given")
+        if (held := self.backend.seq_positions(seq)) != len(ids):
+            raise ValueError(f"store: sequence {seq} holds {held} positions, not the {len(ids)} tokens given")
         want = np.asarray(ids, dtype=np.int64)
         entries = self._entries()
         for name, t in entries.items():
@@ -265,7 +265,7 @@ class PromptCache:
                 except FileNotFoundError:
                     pass
                 return False
-        state = self.backend.save_seq_state()
+        state = self.backend.save_seq_state(seq)
         head = json.dumps({"identity": self.identity, "n_tokens": len(ids), "state_bytes": len(state),
                            "state_sha256": hashlib.sha256(state).hexdigest()}).encode()
         total = len(MAGIC) + 4 + len(head) + 4 * len(ids) + len(state)

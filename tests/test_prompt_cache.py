@@ -169,7 +169,7 @@ def test_llama_cpp_refusal_leaves_sequence_empty_and_deletes_file(tiny_gguf, tmp
         cache = _cache(tmp_path, b, notes)
         cache.store(ids[:-1])
         (f,) = list(cache.dir.glob("*.kvc"))
-        b.save_seq_state = lambda: state  # noqa: E731 - the forged file gets this backend's header and hash
+        b.save_seq_state = lambda seq=0: state  # noqa: E731 - the forged file gets this backend's header and hash
         f.unlink()
         cache._index.clear()
         cache.store(ids[:-1])
@@ -228,5 +228,34 @@ def test_size_bound_evicts_least_recently_used(tiny_gguf, tmp_path):
         assert cache.store(longer + more) and not cache._path(longer).exists()  # extended: superseded
         small = _cache(tmp_path / "small", b, max_bytes=one // 2)
         assert not small.store(longer + more) and small.size_bytes() == 0  # one file over the bound: not stored
+    finally:
+        b.close()
+
+
+def test_store_and_restore_another_sequence(tiny_gguf, tmp_path):
+    """Parallel slots: a prefix stored from sequence 2 restores into sequence 1 of a fresh backend, exactly,
+    leaving sequence 0 as it was (one KV buffer per sequence, as batched answers use)."""
+    path = tiny_gguf("llama")
+
+    def opened():
+        return LlamaBackend(path, n_ctx=4 * 256, threads=1, n_seq_max=4, kv_unified=False)
+
+    b = opened()
+    try:
+        ids = b.tokenize(TEXT)
+        n = len(ids) - 1
+        b.eval_seqs([(2, i, t) for i, t in enumerate(ids[:-1])], outputs=[False] * n)
+        assert _cache(tmp_path, b).store(ids[:-1], seq=2)
+        ref = b.eval_seqs([(2, n, ids[-1])])[0]
+    finally:
+        b.close()
+    b = opened()
+    try:
+        other = b.tokenize("Something else in slot zero.")
+        b.eval(other)
+        n_restored, restore = _cache(tmp_path, b).lookup(ids)
+        assert n_restored == n and restore(seq=1) == n
+        assert b.seq_positions(1) == n and b.n_past == len(other)
+        assert np.array_equal(b.eval_seqs([(1, n, ids[-1])])[0], ref)
     finally:
         b.close()

@@ -27,6 +27,7 @@ from typing import Literal
 import numpy as np
 
 from ondevice.backends.base import Backend, check_room
+from ondevice.backends.llama_state import LlamaState
 from ondevice.backends.llama_tree import TREE_SEQS, LlamaTree
 from ondevice.errors import OndeviceError
 from ondevice.formats.gguf import check_gguf_file
@@ -85,7 +86,7 @@ def _ctrl_c_deferred():
             signal.raise_signal(signal.SIGINT)
 
 
-class LlamaBackend(LlamaTree, Backend):
+class LlamaBackend(LlamaTree, LlamaState, Backend):
     """A GGUF model and its KV cache in llama.cpp (see ``ondevice.backends.Backend``).
 
     Args:
@@ -248,37 +249,6 @@ class LlamaBackend(LlamaTree, Backend):
         """Positions in the cache, as llama.cpp reports them (never a Python-side counter)."""
         self._check_open()
         return int(self._lib.llama_memory_seq_pos_max(self._mem, 0)) + 1
-
-    def save_seq_state(self, seq: int = 0) -> bytes:
-        """The KV state of sequence ``seq`` (every position it caches) as llama.cpp serialises it;
-        ``load_seq_state`` puts it back into a context of the same model, build, cache types and layout."""
-        self._check_open()
-        self._drop_unkept_tree()
-        lib = self._lib
-        size = int(lib.llama_state_seq_get_size(self._ctx, seq))
-        buf = bytearray(size)
-        n = int(lib.llama_state_seq_get_data(self._ctx, (ctypes.c_uint8 * size).from_buffer(buf), size, seq))
-        if n == 0 or n > size:
-            raise OndeviceError(f"{self.path.name}: llama.cpp could not serialise the KV cache ({n} of {size} bytes)")
-        return bytes(buf[:n])
-
-    def load_seq_state(self, data: bytes, n_tokens: int, seq: int = 0) -> None:
-        """Replace sequence ``seq``'s cache with ``data`` from ``save_seq_state``, which must hold positions
-        0..n_tokens-1 (the caller knows which tokens). Raises ``OndeviceError``, the sequence left empty, when
-        llama.cpp refuses the data or it holds other positions; for seq 0 ``n_past`` then reads ``n_tokens``."""
-        self._check_open()
-        self._drop_unkept_tree()
-        lib, mem = self._lib, self._mem
-        lib.llama_memory_seq_rm(mem, seq, -1, -1)
-        self._hidden = None  # no eval produced what the cache holds now
-        if not 0 < n_tokens <= self.n_ctx_seq:
-            raise OndeviceError(f"{self.path.name}: a saved state of {n_tokens} tokens does not fit n_ctx={self.n_ctx_seq}")
-        src = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
-        ok = lib.llama_state_seq_set_data(self._ctx, src, len(data), seq) > 0
-        span = (int(lib.llama_memory_seq_pos_min(mem, seq)), int(lib.llama_memory_seq_pos_max(mem, seq)))
-        if not ok or span != (0, n_tokens - 1):
-            lib.llama_memory_seq_rm(mem, seq, -1, -1)
-            raise OndeviceError(f"{self.path.name}: llama.cpp refused a saved KV state (expected positions 0..{n_tokens - 1})")
 
     # -- hidden states (optional) ----------------------------------------------------------------
     def enable_hidden(self) -> int:
