@@ -31,7 +31,9 @@ from pathlib import Path
 
 import numpy as np
 
+from ondevice import inputs
 from ondevice.atomic import replacing, write_text
+from ondevice.errors import OndeviceError
 
 MAGIC = b"ODKVC01\n"
 SUFFIX = ".kvc"
@@ -122,10 +124,15 @@ class PromptCache:
     def __init__(self, directory: str | os.PathLike, backend, *, max_bytes: int = DEFAULT_MAX_BYTES,
                  min_tokens: int = DEFAULT_MIN_TOKENS, warn: Callable[[str], None] | None = None) -> None:
         self.dir = Path(directory)
-        self.dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise OndeviceError(f"prompt cache {self.dir}: cannot use it as a folder ({e.strerror}); pass a folder path") from None
+        if not os.access(self.dir, os.R_OK | os.W_OK | os.X_OK):
+            raise OndeviceError(f"prompt cache {self.dir}: not readable and writable; pass a folder of your own")
         self.backend = backend
-        self.max_bytes = int(max_bytes)
-        self.min_tokens = max(1, int(min_tokens))
+        self.max_bytes = inputs.integer("prompt cache max_bytes", max_bytes, 1)
+        self.min_tokens = inputs.integer("prompt cache min_tokens", min_tokens, 1)
         self.warn = warn or _stderr
         self.model_sha256 = model_sha256(backend.path, self.dir)
         self.build = build_identity(backend)
@@ -229,14 +236,15 @@ class PromptCache:
             except (_Bad, OSError) as e:
                 self._refuse(path, str(e))
                 continue
-            os.utime(path)  # least recently used goes first
+            try:
+                os.utime(path)  # least recently used goes first
+            except FileNotFoundError:  # evicted by another process since: the state is in memory already
+                pass
             return n, self._restorer(path, state, -neg_len, n)
         return 0, None
 
     def _restorer(self, path: Path, state: bytes, n_file: int, n: int) -> Callable[..., int]:
         def restore(seq: int = 0) -> int:
-            from ondevice.errors import OndeviceError
-
             try:  # the common part only: its K/V rows do not depend on what followed
                 self.backend.load_seq_state(state, n_file, seq, keep=n)
             except OndeviceError as e:
@@ -303,4 +311,10 @@ class PromptCache:
 
     def size_bytes(self) -> int:
         """Bytes of every ``.kvc`` file in the folder (all models)."""
-        return sum(p.stat().st_size for p in self.dir.glob(f"*{SUFFIX}") if p.is_file())
+        total = 0
+        for p in self.dir.glob(f"*{SUFFIX}"):
+            try:
+                total += p.stat().st_size
+            except FileNotFoundError:
+                pass
+        return total

@@ -259,3 +259,15 @@ def test_store_and_restore_another_sequence(tiny_gguf, tmp_path):
         assert np.array_equal(b.eval_seqs([(1, n, ids[-1])])[0], ref)
     finally:
         b.close()
+
+
+def test_bad_folder_or_bound_is_one_line_error(tiny_gguf, tmp_path):
+    b = _open(tiny_gguf("llama"))
+    try:
+        (tmp_path / "file").write_text("x")
+        with pytest.raises(OndeviceError, match=r"prompt cache .*file: cannot use it as a folder"):
+            PromptCache(tmp_path / "file", b)
+        with pytest.raises(OndeviceError, match=r"prompt cache max_bytes=0: must be an integer >= 1"):
+            PromptCache(tmp_path / "pc", b, max_bytes=0)
+    finally:
+        b.close()
