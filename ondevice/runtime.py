@@ -29,6 +29,8 @@ class Runtime:
 
     draft_choice: dict | None = None  # set by load(draft="auto"): what was chosen and why
     constraints_and_logprobs = True  # a sharded runtime does not replay them on its other ranks yet
+    projector = None  # the vision projector (``ondevice.backends.llama_mtmd.Projector``), once attached
+    mmproj = None  # set by load(): a projector found beside the model, attached at the first image
 
     def __init__(self, target: Backend, drafter: Drafter | None, *, vocab_limit: int, load_seconds: float = 0.0) -> None:
         self.target = target
@@ -76,6 +78,8 @@ class Runtime:
                 self._closed = True
                 if self.drafter is not None:
                     self.drafter.close()
+                if self.projector is not None:
+                    self.projector.close()  # libmtmd holds the model: freed first
                 self.target.close()
         finally:
             self._exit()

@@ -25,12 +25,17 @@ from ondevice.speculative import Step, steps
 class Slot:
     """One sequence on a target (and its drafter).
 
+    ``prompt_cache``: an ``ondevice.prompt_cache.PromptCache`` (set by ``load(prompt_cache=)``) that ``prefill``
+    restores prompt prefixes from and stores them to; None: the in-memory prefix only.
+
     Args:
         target: the target backend (shared by every slot of an engine).
         drafter: this sequence's drafter (None: plain decoding only).
         n_ctx: the context this sequence may fill.
         seq_id: the backend's sequence id (0: the only one).
     """
+
+    prompt_cache = None
 
     def __init__(self, target: Backend, drafter: Drafter | None, *, n_ctx: int, seq_id: int = 0) -> None:
         self.target, self.drafter, self.n_ctx, self.seq_id = target, drafter, n_ctx, seq_id

@@ -11,12 +11,17 @@ import typer
 
 from ondevice.cli import bench, models  # noqa: F401  (their commands register on the app)
 from ondevice.cli.app import (
+    CacheTypeKOpt,
+    CacheTypeVOpt,
     CtxOpt,
     DeviceOpt,
     DraftDeviceOpt,
     DraftOpt,
+    MmprojOpt,
     NgramOpt,
     NoSpecOpt,
+    PromptCacheOpt,
+    PromptCacheSizeOpt,
     ThreadsOpt,
     _csv,
     _drafter,
@@ -26,7 +31,7 @@ from ondevice.cli.app import (
     command,
     request_options,
 )
-from ondevice.params import DEFAULT_N_CTX, GenerateRequest
+from ondevice.params import DEFAULT_N_CTX, DEFAULT_PROMPT_CACHE_SIZE, GenerateRequest
 
 
 def _prompt_text(prompt: str | None) -> str:
@@ -57,6 +62,10 @@ def generate_cmd(
     threads: ThreadsOpt = None,
     device: DeviceOpt = None,
     draft_device: DraftDeviceOpt = None,
+    cache_type_k: CacheTypeKOpt = "f16",
+    cache_type_v: CacheTypeVOpt = "f16",
+    prompt_cache: PromptCacheOpt = None,
+    prompt_cache_size: PromptCacheSizeOpt = DEFAULT_PROMPT_CACHE_SIZE,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object: text, tokens, stats.")] = False,
     request: GenerateRequest | None = None,
 ) -> None:
@@ -68,7 +77,8 @@ def generate_cmd(
     prompt = _prompt_text(prompt)
 
     with load(model, draft, drafter=_drafter(draft, ngram, no_spec), n_ctx=n_ctx, threads=threads, device=device,
-              draft_device=draft_device) as rt:
+              draft_device=draft_device, cache_type_k=cache_type_k, cache_type_v=cache_type_v,
+              prompt_cache=prompt_cache, prompt_cache_size=prompt_cache_size) as rt:
         if json_out:
             res = rt.generate(prompt, request)
             doc = {"text": res.text, "tokens": res.tokens, "stats": dataclasses.asdict(res.stats)}
@@ -101,6 +111,11 @@ def chat_cmd(
     threads: ThreadsOpt = None,
     device: DeviceOpt = None,
     draft_device: DraftDeviceOpt = None,
+    cache_type_k: CacheTypeKOpt = "f16",
+    cache_type_v: CacheTypeVOpt = "f16",
+    prompt_cache: PromptCacheOpt = None,
+    prompt_cache_size: PromptCacheSizeOpt = DEFAULT_PROMPT_CACHE_SIZE,
+    mmproj: MmprojOpt = None,
     show_draft: Annotated[bool, typer.Option("--show-draft", help="Colour tokens that came from the draft.")] = False,
     stats: Annotated[bool, typer.Option("--stats", help="Print tok/s and acceptance after each answer.")] = False,
     request: GenerateRequest | None = None,
@@ -110,7 +125,9 @@ def chat_cmd(
     from ondevice.loader import load
 
     drafter = _drafter(draft, ngram, no_spec)
-    with load(model, draft, drafter=drafter, n_ctx=n_ctx, threads=threads, device=device, draft_device=draft_device) as rt:
+    with load(model, draft, drafter=drafter, n_ctx=n_ctx, threads=threads, device=device, draft_device=draft_device,
+              cache_type_k=cache_type_k, cache_type_v=cache_type_v, prompt_cache=prompt_cache,
+              prompt_cache_size=prompt_cache_size, mmproj=mmproj) as rt:
         name = rt.drafter.name if rt.drafter else "none"
         if rt.draft_choice:  # --draft auto: say what was chosen and why
             name += f" (auto: {rt.draft_choice['draft'] or 'ngram'})"
@@ -144,6 +161,11 @@ def serve_cmd(
     max_connections: Annotated[int | None, typer.Option("--max-connections", min=1, help="Open connections at most; more get 503 [default: max(64, max-queue + 16)].")] = None,
     threads: ThreadsOpt = None,
     device: DeviceOpt = None,
+    cache_type_k: CacheTypeKOpt = "f16",
+    cache_type_v: CacheTypeVOpt = "f16",
+    prompt_cache: PromptCacheOpt = None,
+    prompt_cache_size: PromptCacheSizeOpt = DEFAULT_PROMPT_CACHE_SIZE,
+    mmproj: MmprojOpt = None,
 ) -> None:
     """Serve the OpenAI and Anthropic APIs (/v1/chat/completions, /v1/completions, /v1/responses, /v1/messages, /v1/embeddings, /v1/models) and a chat page at /."""
     from functools import partial
@@ -161,8 +183,11 @@ def serve_cmd(
     check_exposure(host, api_key, no_auth)  # before anything listens
     sock = open_socket(host, port)  # fail fast on a busy port, before the model loads
     specs = [(Path(m).name.removesuffix(".gguf") if Path(m).exists() else m, m) for m in names]
+    if len(names) > 1 and mmproj is not None:
+        raise OndeviceError("--mmproj is one model's projector; with several models keep each one's beside it")
     loader = partial(load, draft=draft, drafter=_drafter(draft, ngram, no_spec), n_ctx=n_ctx, threads=threads,
-                     device=device)
+                     device=device, cache_type_k=cache_type_k, cache_type_v=cache_type_v, prompt_cache=prompt_cache,
+                     prompt_cache_size=prompt_cache_size, mmproj=mmproj)
     served = Models(specs, loader, max_loaded=max_loaded, keep_alive=keep_alive_seconds(keep_alive, "--keep-alive"),
                     max_queue=max_queue)
     served.adopt(specs[0][0], loader(names[0]))  # the first model loads now: a bad one fails at once
