@@ -178,6 +178,19 @@ class Runtime:
                       source=str(t.path), tools=tools)
         return self.tokenize(text, add_bos=not (bos and text.startswith(bos)))
 
+    def embed(self, texts):
+        """Unit-length embeddings of ``texts`` (a string, or a list of strings or token-id lists) with this
+        runtime's GGUF model, through llama.cpp's embedding path (a second context, made at the first call).
+
+        Returns:
+            A float32 array [len(texts), n_embd] (one row for a single string).
+        Raises:
+            OndeviceError: a model on another backend, empty or over-long input.
+        """
+        from ondevice.embed import embed
+
+        return embed(self, texts)
+
     def reset(self) -> None:
         """Forget the cached prefix: the next request evaluates its whole prompt. Always restores a
         consistent state, whatever interrupted the previous request."""

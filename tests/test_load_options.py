@@ -74,3 +74,15 @@ def test_cli_cache_types_reach_the_backend(tiny_gguf, monkeypatch):
     assert (seen["cache_type_k"], seen["cache_type_v"]) == ("q4_0", "q8_0")
     r = CliRunner().invoke(app, ["generate", str(tiny_gguf("llama")), "-p", "x", "--cache-type-v", "f8"])
     assert r.exit_code == 2 and "cache_type_v='f8'" in r.output
+
+
+def test_runtime_embed(tiny_gguf):
+    import numpy as np
+
+    from ondevice.embed import embedder_for
+
+    with load(tiny_gguf("llama"), drafter="none", n_ctx=128, threads=1) as rt:
+        one, two = rt.embed("hello there"), rt.embed(["hello there", "bye"])
+        assert one.shape[0] == 1 and two.shape[0] == 2
+        assert np.allclose(np.linalg.norm(two, axis=1), 1, atol=1e-4)
+        assert np.array_equal(one[0], embedder_for(rt).embed(["hello there"])[0][0])
