@@ -73,7 +73,8 @@ class Slot:
         self.context = list(ids)
         drafter = self.drafter if draft else None
         first_drafts = draft and (not trees or policy.drafts_next())  # trees switch features per step
-        stats.prompt_eval_tokens = len(ids) - self.prefill(ids, drafts=first_drafts)
+        stats.cached_tokens = self.prefill(ids, drafts=first_drafts)
+        stats.prompt_eval_tokens = len(ids) - stats.cached_tokens
         self.rng = np.random.default_rng(params.seed)
         self._steps = steps(self.target, drafter, self.context, params, policy, self.rng, observer, n_ctx=self.n_ctx,
                             constraint=constraint, logprobs=logprobs, trees=trees)
@@ -85,7 +86,8 @@ class Slot:
         return step
 
     def prefill(self, ids: list[int], drafts: bool = False) -> int:
-        """Make the target cache hold ``ids[:-1]``, reusing the longest cached prefix. Returns tokens reused.
+        """Make the target cache hold ``ids[:-1]``, reusing the longest cached prefix: the one in memory, or a
+        longer one from ``prompt_cache`` on disk (then ``ids[:-1]`` is stored there). Returns tokens reused.
 
         ``drafts``: the first step may draft, so a drafter that reads features of the last cached row
         (``Traits.needs``: heads) gets them; else the prompt is evaluated in one batch without them (llama.cpp
@@ -98,11 +100,24 @@ class Slot:
             t.keep_features(reads)  # on: the first step drafts from the prompt's last row
         if reads and 0 < keep == len(ids) - 1 and any(t.feature(f, keep - 1) is None for f in needs):
             keep -= 1  # drafts read that row: evaluate it again
+        pc = self.prompt_cache
+        if pc is not None and keep < len(ids) - 1:
+            # A restored state has no features: drafts that read the last row need it evaluated here.
+            n, restore = pc.lookup(ids, max_tokens=len(ids) - 2 if reads else None, more_than=keep)
+            if restore is not None:
+                self.kv = []  # the sequence's cache is replaced (emptied if llama.cpp refuses the file)
+                keep = restore(self.seq_id)
+                self.kv = list(ids[:keep])
         self.kv = self.kv[:keep]
         t.rollback(keep)
         if len(ids) - 1 > keep:
             t.eval(ids[keep:-1], logits="last")
         self.kv = list(ids[:-1])
+        if pc is not None and len(ids) - 1 >= pc.min_tokens:
+            try:
+                pc.store(ids[:-1], self.seq_id)  # no write when a stored prefix already covers it
+            except OSError as e:  # a full or read-only disk costs the next restart a miss, not this answer
+                pc.warn(f"prompt cache: could not store a prefix in {pc.dir} ({e.strerror or e})")
         return keep
 
     def finish(self, end: float) -> None:
