@@ -132,16 +132,16 @@ class ChatSession:
         """
         n_ctx = self.rt.n_ctx
         budget = n_ctx - self.request.max_tokens
-        ids = self.rt.render_chat(self.messages(user))
+        ids = self.rt.chat_prompt(self.messages(user))
         if len(ids) <= budget or not self.turns:
             return self._check_fits(ids)
-        alone = self.rt.render_chat(self.messages(user, history=False))
+        alone = self.rt.chat_prompt(self.messages(user, history=False))
         if len(alone) >= n_ctx:
             self._check_fits(alone)
         while len(ids) > budget and self.turns:
             self.turns.pop(0)
             self.dropped += 1
-            ids = self.rt.render_chat(self.messages(user))
+            ids = self.rt.chat_prompt(self.messages(user))
         return self._check_fits(ids)
 
     def _check_fits(self, ids: list[int]) -> list[int]:

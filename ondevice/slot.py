@@ -47,6 +47,7 @@ class Slot:
         self.t_start: float | None = None  # when the request's prompt started (after any cost probe)
         self.t_first: float | None = None  # when its first token was released
         self._steps: Iterator[Step] | None = None
+        self._key: list | None = None  # a prompt with images: its key (``prefill_media``)
 
     def forget(self) -> None:
         """Empty the caches and the bookkeeping, whatever state they are in."""
@@ -60,10 +61,12 @@ class Slot:
         self.stats, self.t_start, self.t_first, self._steps = stats, None, None, None
 
     def admit(self, ids: list[int], *, params: SamplingParams, policy: Policy, draft: bool,
-              trees: bool = False, constraint=None, logprobs: int | None = None, observer=None) -> None:
+              trees: bool = False, constraint=None, logprobs: int | None = None, observer=None, media=None) -> None:
         """Start a request: prefill ``ids`` (reusing the cached prefix) and set up its steps.
 
         Args:
+            media: (projector, MultimodalPrompt) for a prompt with images (``prefill_media``); ``ids`` is then
+                its drafters' view (text ids, a fill id at image positions).
             draft: the drafter is used (else plain steps).
             trees: speculate with best-first trees (``ondevice.speculative.steps``).
             constraint, logprobs, observer: as ``ondevice.speculative.steps``.
@@ -73,7 +76,9 @@ class Slot:
         self.context = list(ids)
         drafter = self.drafter if draft else None
         first_drafts = draft and (not trees or policy.drafts_next())  # trees switch features per step
-        stats.cached_tokens = self.prefill(ids, drafts=first_drafts)
+        self._key = None
+        stats.cached_tokens = self.prefill(ids, drafts=first_drafts) if media is None else \
+            self.prefill_media(*media, drafts=first_drafts)
         stats.prompt_eval_tokens = len(ids) - stats.cached_tokens
         self.rng = np.random.default_rng(params.seed)
         self._steps = steps(self.target, drafter, self.context, params, policy, self.rng, observer, n_ctx=self.n_ctx,
@@ -82,7 +87,8 @@ class Slot:
     def step(self) -> Step | None:
         """One target pass (None: the context is full). Native state: call it under the engine's lock."""
         step = next(self._steps, None)
-        self.kv = self.context[:-1]
+        # With images, the cache's prompt positions are the prompt's key (images told apart), not the fill ids.
+        self.kv = self.context[:-1] if self._key is None else [*self._key, *self.context[len(self._key):]][:-1]
         return step
 
     def prefill(self, ids: list[int], drafts: bool = False) -> int:
@@ -118,6 +124,33 @@ class Slot:
                 pc.store(ids[:-1], self.seq_id)  # no write when a stored prefix already covers it
             except OSError as e:  # a full or read-only disk costs the next restart a miss, not this answer
                 pc.warn(f"prompt cache: could not store a prefix in {pc.dir} ({e.strerror or e})")
+        return keep
+
+    def prefill_media(self, projector, prompt, drafts: bool = False) -> int:
+        """``prefill`` for a prompt with images (docs/vision.md): the cache ends up holding all but the prompt's
+        last position, reusing the prefix whose ``key`` (text ids, an image's hash at its positions) it shares
+        with what is cached; an image is never cut (evaluated whole). The disk prompt cache is not used.
+        Returns positions reused."""
+        t, key = self.target, list(prompt.key)
+        needs = self.drafter.traits.needs if self.drafter is not None else frozenset()
+        reads = drafts and bool(needs)
+        if needs:
+            t.keep_features(reads)
+        # Drafts that read the last row's features get it evaluated (a restored or image row has none).
+        keep = max(0, min(common_prefix(self.kv, key), len(key) - (2 if reads else 1), t.n_past))
+        pos = 0
+        for c in prompt.chunks:
+            if c.kind == "image" and pos < keep < pos + c.n_pos:
+                keep = pos
+            pos += c.n_pos
+        self.kv = self.kv[:keep]
+        t.rollback(keep)
+        n_past, tail = projector.eval_prefix(prompt, n_past=keep)
+        self.kv = key[:n_past]
+        if len(tail) > 1:
+            t.eval(tail[:-1], logits="last")
+        self.kv = key[:-1]
+        self._key = key
         return keep
 
     def finish(self, end: float) -> None:

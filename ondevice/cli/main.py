@@ -116,6 +116,8 @@ def chat_cmd(
     prompt_cache: PromptCacheOpt = None,
     prompt_cache_size: PromptCacheSizeOpt = DEFAULT_PROMPT_CACHE_SIZE,
     mmproj: MmprojOpt = None,
+    image: Annotated[list[str] | None, typer.Option("--image", metavar="FILE", help="An image (PNG, JPEG, GIF, BMP) "
+                                                    "for the first message (repeatable; the model needs its mmproj).")] = None,
     show_draft: Annotated[bool, typer.Option("--show-draft", help="Colour tokens that came from the draft.")] = False,
     stats: Annotated[bool, typer.Option("--stats", help="Print tok/s and acceptance after each answer.")] = False,
     request: GenerateRequest | None = None,
@@ -134,7 +136,7 @@ def chat_cmd(
             if stats:
                 typer.echo(f"draft: {rt.draft_choice['reason']}", err=True)
         code = run_chat(rt, system=system, show_draft=show_draft, show_stats=stats, request=request,
-                        title=f"ondevice chat · {model} · drafter {name}")
+                        title=f"ondevice chat · {model} · drafter {name}", images=image)
     if code:
         raise typer.Exit(code)
 
