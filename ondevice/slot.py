@@ -16,6 +16,7 @@ import numpy as np
 
 from ondevice.backends.base import Backend
 from ondevice.drafters.base import Drafter, common_prefix
+from ondevice.errors import OndeviceError
 from ondevice.policy import Policy
 from ondevice.results import Stats
 from ondevice.sampling import SamplingParams
@@ -122,8 +123,8 @@ class Slot:
         if pc is not None and len(ids) - 1 >= pc.min_tokens:
             try:
                 pc.store(ids[:-1], self.seq_id)  # no write when a stored prefix already covers it
-            except OSError as e:  # a full or read-only disk costs the next restart a miss, not this answer
-                pc.warn(f"prompt cache: could not store a prefix in {pc.dir} ({e.strerror or e})")
+            except (OSError, OndeviceError) as e:  # a full disk costs the next restart a miss, not this answer
+                pc.warn(f"prompt cache: could not store a prefix in {pc.dir} ({getattr(e, 'strerror', None) or e})")
         return keep
 
     def prefill_media(self, projector, prompt, drafts: bool = False) -> int:

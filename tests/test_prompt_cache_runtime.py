@@ -122,3 +122,15 @@ def test_cli_prompt_cache(reference, tmp_path):
     assert docs[0]["tokens"] == docs[1]["tokens"] == ref
     assert docs[0]["stats"]["cached_tokens"] == 0 and docs[1]["stats"]["cached_tokens"] == (
         docs[1]["stats"]["prompt_tokens"] - 1)
+
+
+def test_a_failed_store_is_a_warning_not_an_error(reference, tmp_path, monkeypatch, capfd):
+    from ondevice.prompt_cache import PromptCache
+
+    def full(self, ids, seq=0):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(PromptCache, "store", full)
+    path, ref = reference
+    tokens, _ = _answer(path, tmp_path)
+    assert tokens == ref and "could not store a prefix" in capfd.readouterr().err
