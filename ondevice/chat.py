@@ -68,6 +68,7 @@ def render(
     eos_token: str = "",
     source: str = "this model",
     tools: Sequence[dict] | None = None,
+    variables: dict | None = None,
 ) -> str:
     """Render ``messages`` ([{role, content}]) with the model's jinja chat template, within a budget.
 
@@ -77,6 +78,8 @@ def render(
         add_generation_prompt, bos_token, eos_token: template variables.
         source: the model file, named in errors.
         tools: OpenAI's function list, handed to the template as ``tools`` (as llama.cpp's --jinja does).
+        variables: further template variables (a request's ``chat_template_kwargs``, e.g. enable_thinking);
+            they never replace the ones above.
     Raises:
         OndeviceError: no template, bad messages, or a template that fails, tries to escape the sandbox,
             or exceeds its time, memory, output or recursion budget.
@@ -85,9 +88,25 @@ def render(
 
     if not template:
         raise OndeviceError(f"{source} has no chat template in its metadata; use generate with a plain prompt")
+    own = dict(add_generation_prompt=add_generation_prompt, bos_token=bos_token, eos_token=eos_token,
+               **({"tools": list(tools)} if tools else {}))
     return templates.render(template, normalize_messages(messages), source=source,
-                            add_generation_prompt=add_generation_prompt, bos_token=bos_token, eos_token=eos_token,
-                            **({"tools": list(tools)} if tools else {}))
+                            **{k: v for k, v in (variables or {}).items() if k not in own and k != "messages"}, **own)
+
+
+def render_prompt(rt, messages: Sequence[dict], *, tools: Sequence[dict] | None = None,
+                  variables: dict | None = None) -> tuple[str, list[int]]:
+    """(prompt text, token ids) of ``messages`` for the runtime ``rt``'s model: ``Runtime.render_chat`` with
+    template variables, and the text, whose end says whether the answer starts inside thinking
+    (``ondevice.reasoning.detect``).
+
+    Raises:
+        OndeviceError: as ``render``.
+    """
+    t = rt.target
+    bos = t.token_bytes(t.bos_id).decode("utf-8", "replace") if t.bos_id is not None else ""
+    text = render(t.chat_template, messages, bos_token=bos, source=str(t.path), tools=tools, variables=variables)
+    return text, rt.tokenize(text, add_bos=not (bos and text.startswith(bos)))
 
 
 class ChatSession:
