@@ -191,6 +191,22 @@ def test_think_then_answer_split_whole_and_streamed(qwen3):
     assert "<think>" not in msg.content and "</think>" not in st["content"]
 
 
+def test_python_api_reply_splits_as_the_server(qwen3):
+    from ondevice.chat import reply
+
+    grammar = (f'start: "<think>\\n" {WORDS} "\\n</think>\\n\\n" {WORDS} "\\n<tool_call>\\n{{\\"name\\": '
+               f'\\"get_weather\\", \\"arguments\\": {{\\"city\\": \\"" /[A-Z][a-z]{{1,7}}/ "\\"}}}}\\n</tool_call>"')
+    r = reply(qwen3.direct, MSGS, tools=[WEATHER], grammar=grammar, temperature=0, max_tokens=200, gamma=0)
+    msg, *_ = qwen3.ask(grammar, tools=[WEATHER])
+    assert r.reasoning == msg.model_extra["reasoning_content"] and r.reasoning.strip()
+    assert r.content == msg.content and r.content.strip() and "<" not in r.content
+    assert [c["function"] for c in r.tool_calls] == [c.function.model_dump() for c in msg.tool_calls]
+    assert r.result.text.startswith("<think>")
+    off = reply(qwen3.direct, MSGS, template_kwargs={"enable_thinking": False}, max_tokens=1, temperature=0)
+    on = reply(qwen3.direct, MSGS, max_tokens=1, temperature=0)
+    assert off.result.stats.prompt_tokens > on.result.stats.prompt_tokens  # the closed empty block
+
+
 def test_think_then_tool_call(qwen3):
     grammar = (f'start: "<think>\\n" {WORDS} "\\n</think>\\n\\n<tool_call>\\n{{\\"name\\": \\"get_weather\\", '
                f'\\"arguments\\": {{\\"city\\": \\"" /[A-Z][a-z]{{1,7}}/ "\\"}}}}\\n</tool_call>"')

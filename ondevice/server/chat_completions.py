@@ -10,7 +10,7 @@ import math
 from collections.abc import Callable, Sequence
 
 from ondevice import reasoning, toolcalls
-from ondevice.chat import render_prompt
+from ondevice.chat import PROMPT_TAIL, render_prompt
 from ondevice.errors import OndeviceError
 from ondevice.logprobs import TokenLogprob
 from ondevice.server.engine import Piece
@@ -27,8 +27,6 @@ from ondevice.server.structured import (
 )
 from ondevice.server.types import Call, Dialect
 from ondevice.speculative import Stats
-
-PROMPT_TAIL = 512  # characters of the rendered prompt that tell whether it opened a thinking block
 
 
 class ChatCompletions(Dialect):
