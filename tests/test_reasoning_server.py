@@ -251,3 +251,31 @@ def test_bad_fields_are_400_naming_them(qwen3, body, param):
     with pytest.raises(openai.BadRequestError) as e:
         qwen3.client.chat.completions.create(model=qwen3.model, messages=MSGS, max_tokens=2, extra_body=body)
     assert e.value.body["param"] == param
+
+
+def test_repl_folds_thinking_and_keeps_only_the_answer(qwen3, monkeypatch, capsys):
+    """``ondevice chat`` (piped): the answer on stdout without thinking, a folded line on stderr,
+    /thinking prints the thinking, /think off reaches the template (a longer prompt), the history keeps
+    only the answer."""
+    import io
+
+    from ondevice.chat import ChatSession
+    from ondevice.cli import repl
+    from ondevice.params import GenerateRequest
+
+    grammar = f'start: "<think>\\n" {WORDS} "\\n</think>\\n\\n" {WORDS}'
+    want = qwen3.plain(grammar, messages=[{"role": "user", "content": "hello"}])
+    thought, answer = re.fullmatch(r"<think>\n(.*)\n</think>\n\n(.*)", want, re.DOTALL).groups()
+    sessions = []
+    monkeypatch.setattr(repl, "ChatSession", lambda *a, **k: sessions.append(ChatSession(*a, **k)) or sessions[-1])
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"hello\n/thinking\n/think off\nagain\n")))
+    req = GenerateRequest.of(grammar=grammar, temperature=0, max_tokens=200, gamma=0)
+    assert repl.run_chat(qwen3.direct, system=None, show_draft=False, show_stats=False, request=req, title="t") == 0
+    out, err = capsys.readouterr()
+    assert out.splitlines()[0] == answer and "think" not in out
+    assert f"thought for {len(thought.split())} words" in err and thought in err
+    s = sessions[0]
+    assert s.variables == {"enable_thinking": False} and s.turns[0] == ("hello", answer)
+    from ondevice.chat import render_prompt
+
+    assert "<think>\n\n</think>" in render_prompt(qwen3.direct, s.messages("again"), variables=s.variables)[0]
