@@ -239,6 +239,15 @@ def test_history_with_reasoning_and_calls_renders(qwen3):
             {"role": "tool", "tool_call_id": "call_1", "content": "18 C"}]
     r = qwen3.client.chat.completions.create(model=qwen3.model, messages=msgs, tools=[WEATHER], max_tokens=2)
     assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    # an assistant turn's thinking (reasoning_content, or reasoning) reaches the template, which renders it
+    sizes = []
+    for extra in ({}, {"reasoning_content": "one two three four"}, {"reasoning": "one two three four"}):
+        last = [*MSGS, {"role": "assistant", "content": "Sunny.", **extra}]
+        sizes.append(qwen3.client.chat.completions.create(model=qwen3.model, messages=last, max_tokens=1).usage.prompt_tokens)
+    assert sizes[0] < sizes[1] == sizes[2]
+    with pytest.raises(openai.BadRequestError):
+        qwen3.client.chat.completions.create(model=qwen3.model, max_tokens=1, messages=[
+            *MSGS, {"role": "assistant", "content": "x", "reasoning_content": 3}])
 
 
 @pytest.mark.parametrize("body,param", [
