@@ -31,6 +31,7 @@ def convert(
     progress: bool = True,
     verify: bool = True,
     tokenizer_check: str = "warn",
+    target: str | Path | None = None,
 ) -> dict:
     """Convert ``src`` (and optionally a ``draft``) into a new directory ``out``.
 
@@ -54,6 +55,9 @@ def convert(
         tokenizer_check: "warn" | "strict": when transformers and the tokenizers library read an HF source's
             tokenizer differently (``converters.readings``), strict refuses before anything is written;
             warn converts and reports the strings that differ and which reading the output follows.
+        target: with an EAGLE-3 draft checkpoint as ``src`` (``--to gguf``): the target it drafts for (HF
+            directory or GGUF); the draft is written as GGUF arch eagle3 (``converters.eagle3``), its matrices
+            f16 (``quant="f32"``: f32; drafts are not quantized).
     Returns:
         A JSON-able summary (sizes, seconds, bits per weight, tensor types, fallbacks) with, per output,
         ``verify``: what loading it in its runtime and comparing with the source found (``converters.verify``),
@@ -64,6 +68,16 @@ def convert(
     from ondevice.store import lookup
 
     src, out = _source(lookup.resolve(src)), Path(out)  # a catalog name is accepted wherever a path is
+    from converters.eagle3 import convert_eagle3, is_eagle3
+
+    if is_eagle3(src):
+        if to != "gguf" or target is None:
+            raise OndeviceError(f"{src}: an EAGLE-3 draft; convert it with --to gguf --target TARGET (the model it "
+                                "drafts for: HF directory or GGUF)")
+        return convert_eagle3(src, target=_source(lookup.resolve(target)), out=out,
+                              dtype="f32" if quant.lower() == "f32" else "f16", verify=verify)
+    if target is not None:
+        raise OndeviceError(f"--target is for EAGLE-3 drafts (a config.json with draft_vocab_size); {src} is not one")
     draft = _source(lookup.resolve(draft)) if draft is not None else None
     if to not in FORMATS:
         raise OndeviceError(f"--to {to}: unknown format; choose one of {', '.join(FORMATS)}")

@@ -26,9 +26,9 @@ __all__ = [
 _LAZY = {
     "load": "ondevice.loader",
     "Runtime": "ondevice.runtime",
-    "Result": "ondevice.speculative",
-    "Chunk": "ondevice.speculative",
-    "Stats": "ondevice.speculative",
+    "Result": "ondevice.results",
+    "Chunk": "ondevice.results",
+    "Stats": "ondevice.results",
     "SamplingParams": "ondevice.params",
     "GenerateRequest": "ondevice.params",
     "OndeviceError": "ondevice.errors",
@@ -38,8 +38,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from ondevice.errors import OndeviceError
     from ondevice.loader import load
     from ondevice.params import GenerateRequest, SamplingParams
+    from ondevice.results import Chunk, Result, Stats
     from ondevice.runtime import Runtime
-    from ondevice.speculative import Chunk, Result, Stats
 
 
 def __getattr__(name: str) -> Any:

@@ -106,8 +106,8 @@ def heads_row(target) -> dict | None:
     """The heads stored for ``target`` judged as a drafter: their held-out τ (as α), their measured cost per
     drafted token and the expected speedup on this machine's verify curve; None when none are stored."""
     from ondevice.costs import cached_measure
+    from ondevice.drafters.heads import seconds_per_token
     from ondevice.heads import store
-    from ondevice.heads.drafter import seconds_per_token
 
     path = store.find(target.path)
     if path is None:
@@ -194,7 +194,7 @@ def choose_draft(target, *, n_ctx: int, threads: int | None = None, device: str 
             if best is not None:
                 best[0].close()
             best = None
-            choice.update(drafter="heads", draft="heads", path=heads["path"], expected_speedup=heads["expected_speedup"],
+            choice.update(drafter="heads", draft="heads", path=heads["path"], source=heads["path"], expected_speedup=heads["expected_speedup"],
                           seconds=round(time.perf_counter() - t0, 3),
                           reason=f"heads stored for this model: {heads['reason']}, cost {heads['draft_cost_ratio']:.2f} "
                                  f"of a target pass; expected {heads['expected_speedup']:.2f}× plain")

@@ -42,8 +42,13 @@ def token_ids(prompt: Sequence, vocab_size: int, bos_id: int | None) -> list[int
     return [int(x) for x in seq]
 
 
+MAX_STOPS = 16  # stop strings per request (OpenAI allows 4; generous, and bounded)
+MAX_STOP_CHARS = 512  # characters per stop string
+
+
 def stop_strings(stop) -> list[str]:
-    """``None``, one string or a sequence of strings → a list of strings."""
+    """``None``, one string or a sequence of strings → a list of strings (at most ``MAX_STOPS``, each at most
+    ``MAX_STOP_CHARS`` characters)."""
     if stop is None:
         return []
     if isinstance(stop, str):
@@ -54,9 +59,13 @@ def stop_strings(stop) -> list[str]:
         stops = list(stop)
     except TypeError:
         raise OndeviceError(f"stop={stop!r}: pass a string or a list of strings") from None
+    if len(stops) > MAX_STOPS:
+        raise OndeviceError(f"stop: {len(stops)} stop strings given; pass at most {MAX_STOPS}")
     for s in stops:
         if not isinstance(s, str):
             raise OndeviceError(f"stop={stop!r}: every stop must be a string; {s!r} is a {type(s).__name__}")
+        if len(s) > MAX_STOP_CHARS:
+            raise OndeviceError(f"stop: a stop string of {len(s)} characters; each may have at most {MAX_STOP_CHARS}")
         check_text(s, "a stop string")
     return stops
 

@@ -10,13 +10,12 @@ import time
 from pathlib import Path
 
 from ondevice.backends import open_backend
-from ondevice.drafters import Drafter, ModelDrafter, NgramDrafter
-from ondevice.errors import OndeviceError
+from ondevice.drafters import registry
 from ondevice.params import DEFAULT_N_CTX
 from ondevice.runtime import Runtime
 from ondevice.store import lookup
 
-DRAFTERS = ("model", "ngram", "heads", "none")
+DRAFTERS = registry.names()  # the registered kinds ("model", "ngram", "heads", "none")
 
 
 def load(
@@ -38,8 +37,8 @@ def load(
         draft: draft model (same forms), "auto" (the local model the cost model expects to be fastest,
             else n-gram drafting; see ``Runtime.draft_choice``), "heads" (the heads trained for this
             target by ``ondevice train-heads``; or a path to a ``.heads.safetensors`` file), or None.
-        drafter: "model" (needs a draft), "ngram" (prompt lookup), "heads" or "none" (plain decoding).
-            Default: "model" when a draft is given, else "ngram".
+        drafter: a registered kind (``ondevice.drafters.registry``): "model" (needs a draft), "ngram" (prompt
+            lookup), "heads" or "none" (plain decoding). Default: "model" when a draft is given, else "ngram".
         n_ctx: context length of the caches.
         threads: CPU threads (default: the physical cores other processes leave free at load; see ``ondevice.threads``).
         device: 'gpu' | 'cpu' | None: where MLX runs (default Metal when available) and whether
@@ -66,54 +65,28 @@ def build(model, draft, *, drafter, n_ctx, threads, device, mmap, draft_device=N
           runtime_class=None) -> Runtime:
     """``load`` with the target's opener and the runtime class as parameters (a sharded target swaps both)."""
     t0 = time.perf_counter()
-    heads_file = None
-    if draft is not None and drafter in (None, "model", "heads") and (str(draft) == "heads" or str(draft).endswith(".heads.safetensors")):
-        heads_file = None if str(draft) == "heads" else draft
-        draft, drafter = None, "heads"
-    if draft is None and drafter in (None, "model"):
+    kind, draft, source = registry.choose(drafter, draft)  # a heads file names its kind
+    if draft is None and (kind is None or kind.traits.model):
         pair = lookup.resolve_pair(str(model))
         if pair:
             model, draft = pair
-    kind = drafter or ("model" if draft is not None else "ngram")
-    if kind not in DRAFTERS:
-        raise OndeviceError(f"drafter={kind!r}: choose one of {', '.join(DRAFTERS)}")
-    if kind == "model" and draft is None:
-        raise OndeviceError("drafter='model' needs a draft model: pass draft=PATH (or --draft)")
-    if kind != "model" and draft is not None:
-        raise OndeviceError(f"a draft model was given but drafter={kind!r} would not use it; drop one of them")
+    kind = registry.settle(kind, draft)
     target = open_target(lookup.resolve(model), n_ctx=n_ctx, threads=threads, device=device, mmap=mmap)
-    drafter_obj: Drafter | None = None
-    vocab_limit = target.vocab_size
     draft_backend, draft_choice = None, None
     try:
-        if kind == "model" and str(draft) == "auto":  # a local draft the cost model picks, or n-gram (#17)
+        if kind.traits.model and str(draft) == "auto":  # a local draft the cost model picks, or n-gram (#17)
             from ondevice.autodraft import choose_draft
 
             draft_backend, draft_choice = choose_draft(target, n_ctx=n_ctx, threads=threads, device=device, mmap=mmap)
-            kind = draft_choice["drafter"]
-            if kind == "heads":  # heads stored for this target are expected to beat every local draft model
-                heads_file = draft_choice["path"]
-        if kind == "model":
-            from ondevice.formats.pairs import check_vocabs
-
-            if draft_backend is None:
-                draft_backend = open_backend(lookup.resolve(draft), n_ctx=n_ctx, threads=threads, mmap=mmap,
-                                             device=draft_device or device, keep_ne=draft_device is None and device != "mil")
-            try:
-                vocab_limit = check_vocabs(target.vocab_tokens(), draft_backend.vocab_tokens(), target.path, draft_backend.path)
-            except BaseException:
-                draft_backend.close()
-                raise
-            drafter_obj = ModelDrafter(draft_backend, vocab_limit, target.vocab_size)
-        elif kind == "ngram":
-            drafter_obj = NgramDrafter()
-        elif kind == "heads":  # reads the target's hidden states: no second model, no extra pass
-            from ondevice.heads.drafter import HeadsDrafter
-
-            drafter_obj = HeadsDrafter.for_target(target, heads_file)
+            kind = registry.get(draft_choice["drafter"])
+            source = draft_choice.get("source")  # a drafter file (stored heads) the choice names
+        drafter_obj = kind.build(registry.Build(target=target, draft=draft, source=source, draft_backend=draft_backend,
+                                                n_ctx=n_ctx, threads=threads, device=device, mmap=mmap,
+                                                draft_device=draft_device))
     except BaseException:
         target.close()
         raise
+    vocab_limit = drafter_obj.vocab_limit if drafter_obj is not None and drafter_obj.vocab_limit else target.vocab_size
     rt = (runtime_class or Runtime)(target, drafter_obj, vocab_limit=vocab_limit, load_seconds=time.perf_counter() - t0)
     rt.draft_choice = draft_choice  # draft="auto": what was chosen and why (None otherwise)
     return rt

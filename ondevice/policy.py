@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ondevice.costs import Costs
+from ondevice.drafters.base import Guess, Traits
 from ondevice.guesses import GUESS_PRIORS, MATCH_BUCKETS, GuessSurvival, _column  # noqa: F401 - re-exported
 
 
@@ -42,12 +43,12 @@ class Policy:
 
     max_gamma: int = 0
 
-    def next_gamma(self, hint: int | tuple = 0, lag: int = 0) -> int:
-        """γ for the next step (``hint``: the drafter's ``hint``, e.g. the n-gram (match length, copying from
-        the prompt); ``lag``: how far the draft cache is behind)."""
+    def next_gamma(self, hint: Guess | int = 0, lag: int = 0) -> int:
+        """γ for the next step (``hint``: a cheap drafter's ``Guess`` (match length, copying from the prompt), or
+        a match length, 0 for model drafts; ``lag``: how far the draft cache is behind)."""
         raise NotImplementedError
 
-    def update(self, drafted: int, accepted: int, hint: int = 0, proposal: Sequence[int] | None = None,
+    def update(self, drafted: int, accepted: int, hint: Guess | int = 0, proposal: Sequence[int] | None = None,
                emitted: Sequence[int] | None = None) -> None:
         """Learn from a verified step (a cheap drafter also passes its whole ``proposal`` and the ``emitted`` tokens)."""
 
@@ -144,7 +145,7 @@ class FixedGamma(Policy):
     def __init__(self, gamma: int) -> None:
         self.gamma = self.max_gamma = gamma
 
-    def next_gamma(self, hint: int = 0, lag: int = 0) -> int:
+    def next_gamma(self, hint: Guess | int = 0, lag: int = 0) -> int:
         return self.gamma
 
     def tree_budget(self) -> int:
@@ -160,19 +161,25 @@ class AdaptivePolicy(Policy):
 
     Args:
         costs: measured target verify curve and draft cost (for heads: their measured seconds per token).
-        drafter: "ngram" (deterministic guesses, free), or the name of a drafter that pays per drafted token
-            ("model", "heads": probed now and then when plain steps win).
+        drafter: the drafter's declared ``Traits`` (or a registered kind's name): a cheap one's guesses are
+            free and judged by their ``Guess``; one that pays per drafted token is probed now and then when
+            plain steps win.
         max_gamma: largest γ considered (8 for models, 32 for n-gram by default).
         probe_every: model drafts: after this many plain steps, try γ = 1 once to refresh the estimates.
         learn_costs: refine the cost curve with every step's real timings.
     """
 
-    def __init__(self, costs: Costs, drafter: str, max_gamma: int | None = None, probe_every: int = 24,
+    def __init__(self, costs: Costs, drafter: Traits | str, max_gamma: int | None = None, probe_every: int = 24,
                  learn_costs: bool = True) -> None:
         self.costs = costs
         self.learn_costs = learn_costs
-        self.drafter = drafter
-        self.max_gamma = max_gamma or (32 if drafter == "ngram" else 8)
+        if isinstance(drafter, str):
+            from ondevice.drafters import registry
+
+            drafter = registry.traits(drafter)
+        self.traits = drafter
+        self.cheap = drafter.cheap  # free deterministic guesses: learnt per match length, never probed
+        self.max_gamma = max_gamma or drafter.max_gamma
         self.probe_every = self.base_probe_every = probe_every
         self.probing = False
         self.estimate = AcceptanceEstimate(prior=0.7, weight=0.1)  # model drafts
@@ -183,19 +190,19 @@ class AdaptivePolicy(Policy):
     @property
     def c(self) -> float:
         """Draft token ÷ target decode (n-gram drafts cost nothing)."""
-        return self.costs.draft_cost_ratio if self.drafter != "ngram" else 0.0
+        return 0.0 if self.cheap else self.costs.draft_cost_ratio
 
     def restart(self) -> None:
         """A new request (token stream) begins: n-gram estimates start again from their priors."""
         self.guesses.restart()
 
-    def alphas(self, hint: int, n: int) -> list[float]:
+    def alphas(self, hint: Guess | int, n: int) -> list[float]:
         """[α_1, …, α_n]: the chance each draft position is kept, given the ones before it were."""
-        if self.drafter == "ngram":
+        if self.cheap:
             return self.guesses.alphas(hint, n)
         return [self.estimate.at(i) for i in range(n)]
 
-    def next_gamma(self, hint: int = 0, lag: int = 0) -> int:
+    def next_gamma(self, hint: Guess | int = 0, lag: int = 0) -> int:
         """γ for the next step: the largest expected gain E[tokens] − 1 − RISK·(cost − 1) (0 = plain decoding;
         the loop is ``expected_gain`` for every γ in one pass).
 
@@ -224,7 +231,7 @@ class AdaptivePolicy(Policy):
         # Even drafts that are always accepted cannot beat plain decoding on this machine: never draft.
         if ceiling <= 1.0:
             return 0
-        if best == 0 and self.drafter != "ngram":  # n-gram estimates learn from every step: no probes
+        if best == 0 and not self.cheap:  # n-gram estimates learn from every step: no probes
             self.plain_run += 1
             if self.plain_run >= self.probe_every:
                 self.plain_run = 0
@@ -324,10 +331,10 @@ class AdaptivePolicy(Policy):
         drafting time is not the drafter's cost per token."""
         if not self.learn_costs:
             return
-        per_token = draft_seconds / drafted if (drafted and self.drafter != "ngram" and not copied) else None
+        per_token = draft_seconds / drafted if (drafted and not self.cheap and not copied) else None
         self.costs.observe(drafted + 1, verify_seconds, per_token)
 
-    def update(self, drafted: int, accepted: int, hint: int = 0, proposal: Sequence[int] | None = None,
+    def update(self, drafted: int, accepted: int, hint: Guess | int = 0, proposal: Sequence[int] | None = None,
                emitted: Sequence[int] | None = None) -> None:
         """Learn from a verified step.
 
@@ -340,7 +347,7 @@ class AdaptivePolicy(Policy):
                 chance the target emits t), so the estimate learns beyond ``drafted``, even from plain steps
                 (``GuessSurvival`` keeps judging a guess against later steps' tokens).
         """
-        if self.drafter == "ngram":
+        if self.cheap:
             if proposal is None:  # only the drafted part is known: positions 1..accepted+1 were judged
                 proposal = list(range(drafted))
                 emitted = list(range(min(accepted, drafted))) + [-1]

@@ -7,27 +7,24 @@ import threading
 import time
 from collections.abc import Sequence
 
-import numpy as np
-
 from ondevice import inputs
 from ondevice.backends.base import Backend
 from ondevice.costs import Costs, ProbeCancelled
-from ondevice.drafters import Drafter, _common_prefix
+from ondevice.drafters.base import Drafter
 from ondevice.errors import OndeviceError
 from ondevice.params import GenerateRequest
 from ondevice.policy import AdaptivePolicy, FixedGamma
-from ondevice.speculative import Chunk, Result, Stats, TextAssembler, step_chunks, steps
+from ondevice.results import Chunk, Result, Stats
+from ondevice.slot import Slot
 from ondevice.streams import AsyncStream, Request, Stream
-from ondevice.tree import tree_steps
+from ondevice.text import TextAssembler, add_tail, step_chunks
 
 
 class Runtime:
     """A loaded target (and drafter), ready to generate. Calls from several threads are serialised.
 
-    Consistency rule: ``_kv`` (what the runtime believes the target cache holds) is always a prefix of
-    what it really holds. Bookkeeping is shortened *before* a cache is cut and lengthened only *after*
-    it grew, so a request interrupted anywhere (Ctrl-C, an error) leaves a runtime that the next
-    request simply continues from; ``reset()`` empties both caches whatever state they are in.
+    The runtime drives one ``Slot`` (``self.slot``: the sequence's cache prefix and per-request state, kept
+    consistent however a request is interrupted); ``reset()`` empties both caches whatever state they are in.
     """
 
     draft_choice: dict | None = None  # set by load(draft="auto"): what was chosen and why
@@ -41,12 +38,12 @@ class Runtime:
         # Both caches must hold every position: a pair agrees on the smaller context.
         self.n_ctx = min(target.n_ctx, self.draft_backend.n_ctx) if self.draft_backend is not None else target.n_ctx
         self._lock = threading.RLock()  # guards native state; user code runs under it only as an observer
-        self._slot = threading.Lock()  # one request at a time (a stream holds it until it ends)
+        self._turn = threading.Lock()  # one request at a time (a stream holds it until it ends)
         self._owner: int | None = None  # the thread whose request holds the slot
         self._current: Request | None = None
         self._closed = False
         self._closing = False  # set first by close(): requests still waiting for the slot then refuse to run
-        self._kv: list[int] = []  # a prefix of the ids whose K/V the target cache holds
+        self.slot = Slot(target, drafter, n_ctx=self.n_ctx)
         self.observer = None  # optional verify observer (benchmarks): see speculative.steps
         self.last_stats: Stats | None = None  # statistics of the last finished request
         self._adaptive = None  # AdaptivePolicy, created at the first gamma="auto" request
@@ -183,10 +180,7 @@ class Runtime:
         self._enter(None)
         try:
             with self._lock:
-                self._kv = []
-                self.target.rollback(0)
-                if self.drafter is not None:
-                    self.drafter.reset()
+                self.slot.forget()
         finally:
             self._exit()
 
@@ -231,9 +225,9 @@ class Runtime:
         """Take the request slot (waiting for the request that holds it), after ending a stream this
         thread left unfinished. Returns False (slot not taken) when closing a closed runtime."""
         self._supersede()
-        self._slot.acquire()
+        self._turn.acquire()
         if self._closed or (self._closing and not closing):
-            self._slot.release()
+            self._turn.release()
             if closing:
                 return False
             raise OndeviceError("this Runtime is closed; load() a new one")
@@ -244,7 +238,7 @@ class Runtime:
     def _exit(self) -> None:
         self._owner = None
         self._current = None
-        self._slot.release()
+        self._turn.release()
 
     # -- the loop --------------------------------------------------------------------------------
     def _policy(self, gamma, stats: Stats, cancelled=None):
@@ -259,7 +253,7 @@ class Runtime:
             spt = self.drafter.seconds_per_token()
             if spt is not None:  # a drafter without a backend (heads): its own measured cost per token
                 costs = dataclasses.replace(costs, target_seconds=dict(costs.target_seconds), draft_seconds=spt)
-            self._adaptive = AdaptivePolicy(costs, self.drafter.name)
+            self._adaptive = AdaptivePolicy(costs, self.drafter.traits)
             stats.probe_seconds = time.perf_counter() - t0
         return self._adaptive
 
@@ -271,105 +265,18 @@ class Runtime:
         """
         from ondevice.costs import cached_measure
 
-        self._kv = []
+        self.slot.kv = []
         if self.drafter is not None:
             self.drafter.reset()
         return cached_measure(self.target, self.draft_backend, cancelled)
 
-    def _prefill(self, ids: list[int], drafts: bool = False) -> int:
-        """Make the target cache hold ``ids[:-1]``, reusing the longest cached prefix. Returns tokens reused.
-
-        ``drafts``: the first step may draft, so a drafter that reads the last cached row (heads) gets it;
-        else the prompt is evaluated in one batch without hidden rows (llama.cpp would output every row
-        with them on, so a prompt with them is split: its prefix, then its last token)."""
-        keep = min(_common_prefix(self._kv, ids), len(ids) - 1, self.target.n_past)
-        reads = drafts and self.drafter is not None and self.drafter.reads_last_row
-        if self.drafter is not None and self.drafter.reads_last_row:
-            self.target.want_hidden(reads)  # on: the first step drafts from the prompt's last row
-        if reads and keep == len(ids) - 1 and keep > 0 \
-                and self.target.hidden(keep - 1) is None:  # heads draft from that row: evaluate it again
-            keep -= 1
-        self._kv = self._kv[:keep]
-        self.target.rollback(keep)
-        if len(ids) - 1 > keep:
-            self.target.eval(ids[keep:-1], logits="last")
-        self._kv = list(ids[:-1])
-        return keep
-
     def _run(self, ids: list[int], req: GenerateRequest, out: Request, constraint=None, n_logprobs: int | None = None):
-        """The generator behind a ``Stream``: takes the slot at the first chunk, releases it when it ends."""
-        t = self.target
-        params, gamma, max_tokens = req.sampling, req.gamma, req.max_tokens
+        """The generator behind a ``Stream``: takes the turn at the first chunk, releases it when it ends."""
         self._enter(out)
         stats = out.stats
-        stats.load_seconds = self.load_seconds
-        stats.prompt_tokens = len(ids)
-        use_draft = self.drafter is not None and gamma != 0
-        stats.drafter = self.drafter.name if use_draft else "none"
-        t_start = t_first = None
         try:
-            try:
-                policy = self._policy(gamma, stats, out.cancel_event.is_set) if use_draft else FixedGamma(0)
-            except ProbeCancelled:  # cancelled (e.g. a server shutting down) while measuring costs
-                stats.stop_reason = "cancelled"
-                return
-            t_start = time.perf_counter()
-            context = list(ids)
-            drafter = self.drafter if use_draft else None
-            trees = drafter is not None and drafter.trees and constraint is None and self.observer is None \
-                and t.tree_unsupported() is None  # best-first trees sized by the policy (a chain is one)
-            # trees switch hidden rows per step (``drafts_next``); chains keep them on for the whole request
-            with self._lock:
-                stats.prompt_eval_tokens = len(ids) - self._prefill(ids, drafts=use_draft and (not trees or policy.drafts_next()))
-            rng = np.random.default_rng(params.seed)
-            text = TextAssembler(t.token_bytes, req.stop)
-            if trees:
-                it = tree_steps(t, drafter, context, params, rng, n_ctx=self.n_ctx, policy=policy, logprobs=n_logprobs)
-            else:
-                it = steps(t, drafter, context, params, policy, rng, self.observer, n_ctx=self.n_ctx,
-                           constraint=constraint, logprobs=n_logprobs)
-            if n_logprobs is not None:
-                out.logprobs = []
-            while True:
-                with self._lock:  # native state is touched only here; user code never runs under it
-                    step = next(it, None)
-                    self._kv = context[:-1]
-                if step is None:
-                    stats.stop_reason = "context"
-                    tail = text.flush()
-                    if tail:
-                        out.text += tail
-                        yield Chunk(tail, [], [])
-                    break
-                stats.add(step)
-                if stats.target_forwards > 1:  # the first pass holds the prompt
-                    policy.observe_step(step.drafted, step.verify_seconds, step.draft_seconds, step.copied)
-                if stats.target_forwards == 1:
-                    stats.prompt_seconds = time.perf_counter() - t_start
-                chunks = step_chunks(step, t.is_eog, text, stats, max_tokens)
-                if not stats.stop_reason and constraint is not None and constraint.is_done():
-                    stats.stop_reason = "eos"  # only an end of generation may follow: no pass is spent on it
-                if stats.stop_reason or out.cancel_event.is_set():
-                    tail = text.flush()
-                    if tail:
-                        if chunks:
-                            chunks[-1].text += tail
-                        else:
-                            chunks.append(Chunk(tail, [], []))
-                for c in chunks:
-                    out.tokens.extend(c.tokens)
-                    if c.logprobs is not None:
-                        out.logprobs.extend(c.logprobs)
-                    out.text += c.text
-                    if c.tokens and t_first is None:
-                        t_first = time.perf_counter()
-                for c in chunks:
-                    yield c
-                if stats.stop_reason:
-                    break
-                if out.cancel_event.is_set():
-                    stats.stop_reason = "cancelled"
-                    break
+            if self._admit(ids, req, out, constraint, n_logprobs):
+                yield from self._iterate(req, out, constraint)
         except GeneratorExit:  # the stream was closed or dropped unfinished
             stats.stop_reason = stats.stop_reason or "cancelled"
             raise
@@ -377,8 +284,64 @@ class Runtime:
             stats.stop_reason = stats.stop_reason or "error"
             raise
         finally:
-            end = time.perf_counter()
-            stats.finish(end if t_start is None else t_start, t_first, end)
+            self.slot.finish(time.perf_counter())
             self.last_stats = stats
             self._exit()
 
+    def _admit(self, ids: list[int], req: GenerateRequest, out: Request, constraint, n_logprobs) -> bool:
+        """Choose the request's policy (maybe probing costs first), prefill its prompt and set up its steps.
+        Returns False when it was cancelled during the cost probe."""
+        stats, slot = out.stats, self.slot
+        slot.open(stats)
+        stats.load_seconds, stats.prompt_tokens = self.load_seconds, len(ids)
+        use_draft = self.drafter is not None and req.gamma != 0
+        stats.drafter = self.drafter.name if use_draft else "none"
+        try:
+            policy = self._policy(req.gamma, stats, out.cancel_event.is_set) if use_draft else FixedGamma(0)
+        except ProbeCancelled:  # cancelled (e.g. a server shutting down) while measuring costs
+            stats.stop_reason = "cancelled"
+            return False
+        trees = use_draft and self.drafter.traits.trees and constraint is None and self.observer is None \
+            and self.target.tree_unsupported() is None  # best-first trees sized by the policy (a chain is one)
+        with self._lock:
+            slot.admit(ids, params=req.sampling, policy=policy, draft=use_draft, trees=trees, constraint=constraint,
+                       logprobs=n_logprobs, observer=self.observer)
+        if n_logprobs is not None:
+            out.logprobs = []
+        return True
+
+    def _iterate(self, req: GenerateRequest, out: Request, constraint):
+        """Step the slot and release its text until EOS, a stop string, ``max_tokens``, a full context or a cancel."""
+        slot, stats = self.slot, out.stats
+        text = TextAssembler(self.target.token_bytes, req.stop)
+        while True:
+            with self._lock:  # native state is touched only here; user code never runs under it
+                step = slot.step()
+            chunks = [] if step is None else self._account(step, text, req.max_tokens, constraint)
+            if step is None:
+                stats.stop_reason = "context"
+            if stats.stop_reason or out.cancel_event.is_set():
+                add_tail(chunks, text.flush())
+            for c in chunks:
+                out.add(c)
+                if c.tokens and slot.t_first is None:
+                    slot.t_first = time.perf_counter()
+            yield from chunks
+            if stats.stop_reason:
+                break
+            if out.cancel_event.is_set():
+                stats.stop_reason = "cancelled"
+                break
+
+    def _account(self, step, text: TextAssembler, max_tokens: int, constraint) -> list[Chunk]:
+        """A step into the statistics and the policy's cost model; its tokens into chunks of text."""
+        slot, stats = self.slot, self.slot.stats
+        stats.add(step)
+        if stats.target_forwards > 1:  # the first pass holds the prompt
+            slot.policy.observe_step(step.drafted, step.verify_seconds, step.draft_seconds, step.copied)
+        if stats.target_forwards == 1:
+            stats.prompt_seconds = time.perf_counter() - slot.t_start
+        chunks = step_chunks(step, self.target.is_eog, text, stats, max_tokens)
+        if not stats.stop_reason and constraint is not None and constraint.is_done():
+            stats.stop_reason = "eos"  # only an end of generation may follow: no pass is spent on it
+        return chunks

@@ -14,7 +14,7 @@ import weakref
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from ondevice.speculative import Chunk, Stats
+from ondevice.results import Chunk, Stats
 
 
 class Request:
@@ -31,6 +31,13 @@ class Request:
         self.logprobs: list | None = None  # TokenLogprob per token, when asked for
         self.cancel_event = threading.Event()
         self.gen: weakref.ReferenceType | None = None  # the generator serving this request
+
+    def add(self, chunk: Chunk) -> None:
+        """Record a chunk about to be released (the output so far)."""
+        self.tokens.extend(chunk.tokens)
+        if chunk.logprobs is not None:
+            self.logprobs.extend(chunk.logprobs)
+        self.text += chunk.text
 
 
 class _Outputs:

@@ -31,27 +31,20 @@ argmax chain, as plain decoding. A chain (one child per node) draws the same uni
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from ondevice.backends.base import Backend
-from ondevice.drafters import Drafter
-from ondevice.logprobs import token_logprobs
 from ondevice.sampling import (
     SamplingParams,
     _window,
     probs_sparse,
     residual_sparse,
     sample_sparse,
-    verify_logits,
 )
-from ondevice.speculative import Step
 
-__all__ = ["Tree", "verify_tree", "tree_rows", "walk_tree", "ngram_paths", "TreeNgram", "tree_from_topk", "tree_support",
-           "TreeStep", "tree_steps"]
+__all__ = ["Tree", "verify_tree", "tree_rows", "walk_tree"]
 
 
 @dataclass
@@ -85,6 +78,20 @@ class Tree:
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+    @classmethod
+    def chain(cls, tokens: list[int], q: list | None = None) -> Tree:
+        """A chain (node i's parent is node i − 1; ``tokens[0]`` the root), built without the general checks:
+        the decode loop makes one every step."""
+        n = len(tokens)
+        if not n:
+            raise ValueError("a tree needs a root")
+        t = cls.__new__(cls)
+        t.tokens, t.parents, t.scores = tokens, list(range(-1, n - 1)), None
+        t.q = q if q is not None else [None] * n
+        t.children = [[i] for i in range(1, n)] + [[]]
+        t.depth = list(range(n))
+        return t
 
     @classmethod
     def from_paths(cls, root: int, paths: Sequence[Sequence[int]], max_nodes: int) -> Tree:
@@ -201,169 +208,3 @@ def verify_tree(tree: Tree, logits: np.ndarray, params: SamplingParams, history:
         (accepted node indices, root excluded, in path order; the next token).
     """
     return walk_tree(tree, tree_rows(tree, logits, params, history), _RngChoices(rng), logits.shape[-1])
-
-
-# -- proposals -----------------------------------------------------------------------------------
-def ngram_paths(context: Sequence[int], max_depth: int, max_ngram: int = 4, min_ngram: int = 1,
-                max_paths: int = 8) -> list[list[int]]:
-    """Continuations of every earlier occurrence of the context's suffix (prompt lookup, all matches).
-
-    Longer suffix matches come first, the most recent first among equals; each occurrence is used once.
-    Returns:
-        up to ``max_paths`` lists of up to ``max_depth`` tokens that followed a match.
-    """
-    a = np.asarray(context, dtype=np.int64)
-    n = len(a)
-    ends: set[int] = set()
-    out: list[list[int]] = []
-    for size in range(min(max_ngram, n - 1), min_ngram - 1, -1):
-        # windows a[s : s+size] for s + size <= n − 1 (the suffix itself excluded); a match ends at e = s + size
-        win = np.lib.stride_tricks.sliding_window_view(a[: n - 1], size)
-        for e in (np.flatnonzero((win == a[n - size :]).all(axis=1)) + size)[::-1]:
-            if int(e) not in ends:
-                ends.add(int(e))
-                out.append([int(t) for t in a[e : e + max_depth]])
-                if len(out) >= max_paths:
-                    return out
-    return out
-
-
-class TreeNgram(Drafter):
-    """Prompt lookup as a tree: the continuations of several matches merged into one trie (point masses).
-
-    Args:
-        max_nodes: drafted nodes at most (the root not counted).
-        max_depth: tokens per continuation at most.
-        max_ngram, min_ngram: suffix lengths tried.
-        max_paths: matches used at most.
-    """
-
-    name = "ngram-tree"
-    trees = True
-
-    def __init__(self, max_nodes: int = 8, max_depth: int = 4, max_ngram: int = 4, min_ngram: int = 1,
-                 max_paths: int = 8) -> None:
-        self.max_nodes, self.max_depth = max_nodes, max_depth
-        self.max_ngram, self.min_ngram, self.max_paths = max_ngram, min_ngram, max_paths
-
-    def propose_tree(self, context: Sequence[int], max_nodes: int, params: SamplingParams,
-                     rng: np.random.Generator) -> Tree | None:
-        """A tree rooted at ``context[-1]`` with at most ``min(max_nodes, self.max_nodes)`` drafted nodes."""
-        paths = ngram_paths(context, self.max_depth, self.max_ngram, self.min_ngram, self.max_paths)
-        tree = Tree.from_paths(context[-1], paths, min(max_nodes, self.max_nodes))
-        return tree if len(tree) > 1 else None
-
-    def reset(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-def tree_from_topk(root: int, topk: Sequence[Sequence[int]], choices: Sequence[Sequence[int]]) -> Tree:
-    """The heads' hook: a Medusa-style tree from each head's ranked guesses (point masses).
-
-    Args:
-        root: the pending token.
-        topk: topk[d] = head d's guesses for depth d + 1, best first.
-        choices: node paths as ranks, e.g. (0,), (1,), (0, 0), (0, 1): (r_1, .., r_d) is topk[0][r_1] then
-            topk[1][r_2] ...; a node's parent path must come earlier, sibling order = priority.
-    """
-    index = {(): 0}
-    tokens, parents = [int(root)], [-1]
-    for ch in choices:
-        ch = tuple(ch)
-        if ch[:-1] not in index:
-            raise ValueError(f"tree choice {ch}: its parent {ch[:-1]} must be listed before it")
-        index[ch] = len(tokens)
-        tokens.append(int(topk[len(ch) - 1][ch[-1]]))
-        parents.append(index[ch[:-1]])
-    return Tree(tokens, parents)
-
-
-# -- the loop ------------------------------------------------------------------------------------
-def tree_support(backend: Backend) -> str | None:
-    """None when ``backend`` can verify a tree in one pass, else why not (the loop then verifies a chain)."""
-    return backend.tree_unsupported()
-
-
-@dataclass
-class TreeStep(Step):
-    """A ``Step`` of tree speculation: ``drafted`` counts tree nodes; ``mode`` says how it was verified."""
-
-    nodes: int = 0
-    path: list[int] = field(default_factory=list)  # the accepted nodes (indices in the tree, root excluded)
-    mode: str = "tree"  # "tree", or "chain: <why the backend cannot verify a tree>"
-
-
-def tree_steps(target: Backend, proposer, context: list[int], params: SamplingParams, rng: np.random.Generator,
-               *, max_nodes: int = 8, n_ctx: int | None = None, policy=None, logprobs: int | None = None) -> Iterator[TreeStep]:
-    """Propose a tree → verify it in one target pass → keep the accepted branch, forever.
-
-    Same invariant as ``speculative.steps``: the target's cache holds ``context[:-1]`` between steps.
-
-    Args:
-        target: a backend; when ``tree_unsupported()`` is None the whole tree is one pass (``eval_tree`` /
-            ``keep_path``), else the tree's first branch is verified as a chain (``TreeStep.mode`` gives the
-            reason; the law is exact either way).
-        proposer: a ``Drafter`` with ``propose_tree(context, max_nodes, params, rng) -> Tree | None`` (None = a
-            plain step); on steps the policy does not ask it to draft, its ``copy_tree`` (a free copy, or None)
-            is offered instead (``Policy.copy_nodes`` sizes it).
-        context: the whole sequence so far; extended in place with every emitted token.
-        max_nodes: drafted nodes per step at most.
-        policy: sizes each proposed tree (``Policy.tree_nodes``: a prefix of a best-first tree, 0 = a plain
-            step) and learns from the outcome; None verifies every proposal whole.
-        logprobs: attach ``TokenLogprob`` (this many alternatives) to every emitted token; None = off.
-    Yields:
-        One ``TreeStep`` per target pass.
-    """
-    n_ctx = target.n_ctx if n_ctx is None else min(n_ctx, target.n_ctx)
-    why = tree_support(target)
-    if policy is not None:
-        policy.restart()
-    while True:
-        base = len(context) - 1
-        if base + 1 > n_ctx:
-            return
-        t0 = time.perf_counter()
-        budget = max_nodes if policy is None else min(max_nodes, policy.tree_budget())
-        tree = proposer.propose_tree(context, budget, params, rng) if proposer is not None and budget > 0 else None
-        copy_only = tree is None and policy is not None and proposer is not None
-        if copy_only:  # not worth asking the drafter: a free copy may still be (``Policy.copy_nodes``)
-            tree = proposer.copy_tree(context, max_nodes)
-        if tree is None:
-            tree = Tree([context[-1]], [-1])
-        if tree.tokens[0] != context[-1]:
-            raise ValueError("a proposed tree must be rooted at the pending token context[-1]")
-        if policy is not None and len(tree) > 1:
-            tree = tree.prefix(1 + (policy.copy_nodes(tree) if copy_only else policy.tree_nodes(tree)))
-        tree = tree.prefix(min(len(tree), n_ctx - base))  # a node per free cache cell
-        if policy is not None:  # the last row's hidden state is wanted only if the next step may draft
-            target.want_hidden(policy.drafts_next())
-        t1 = time.perf_counter()
-        if why is None and len(tree) > 1:
-            logits = target.eval_tree(tree.tokens, tree.parents)
-            acc, nxt = verify_tree(tree, logits, params, context, rng)
-            target.keep_path([0, *acc])
-            rows = logits[[0, *acc]]
-        else:  # a plain step, or a backend that verifies chains only: the first branch
-            chain = tree.first_chain()
-            draft = [tree.tokens[i] for i in chain[1:]]
-            q = None
-            if any(tree.q[i] is not None for i in chain[1:]):
-                V = target.vocab_size
-                q = np.stack([tree.q[i] if tree.q[i] is not None else np.eye(1, V, tree.tokens[i])[0] for i in chain[1:]])
-            logits = target.eval([context[-1], *draft])
-            n_acc, nxt = verify_logits(draft, q, logits, params, context, rng)
-            acc = chain[1 : 1 + n_acc]
-            target.rollback(base + 1 + n_acc)
-            rows = logits[: n_acc + 1]
-        emitted = [*(tree.tokens[i] for i in acc), nxt]
-        if policy is not None and len(tree) > 1 and not copy_only:
-            policy.update_tree(sum(tree.scores[1:]) if tree.scores else float(len(tree) - 1), len(acc))
-        lps = None if logprobs is None else token_logprobs(rows, emitted, params, context, logprobs)
-        context.extend(emitted)
-        t2 = time.perf_counter()
-        yield TreeStep(emitted, [True] * len(acc) + [False], len(tree) - 1, len(tree) - 1, len(acc), t1 - t0,
-                       t2 - t1, lps, copy_only and len(tree) > 1, nodes=len(tree), path=list(acc),
-                       mode="tree" if why is None else f"chain: {why}")

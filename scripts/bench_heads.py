@@ -21,8 +21,8 @@ from pathlib import Path
 import numpy as np
 
 from ondevice.bench.tools import emit_json
+from ondevice.drafters.heads import HeadsDrafter
 from ondevice.heads import data, fit, store
-from ondevice.heads.drafter import HeadsDrafter
 from ondevice.sampling import SamplingParams
 from ondevice.store import catalog, lookup
 

@@ -4,7 +4,7 @@
    interleaved so that load drifts hit them alike): a chain of n tokens (``eval``), a tree pass of n nodes
    (``eval_tree`` + ``keep_path`` of the first branch, and of another branch, which re-lays the cache).
 2. τ (tokens per target pass), greedy, on prompts of scripts/prompts (chat template applied): plain
-   decoding, the n-gram chain at fixed γ (``speculative.steps``) and the n-gram tree (``tree.tree_steps``,
+   decoding, the n-gram chain at fixed γ (``speculative.steps``) and the n-gram tree (``speculative.steps(trees=True)``,
    ≤ --nodes drafted nodes). Every run must emit plain decoding's tokens (checked; a mismatch is reported).
 
     PYTHONPATH=$PWD python scripts/bench_tree.py smollm2-135m-instruct > docs/bench-tree-smollm2.json
@@ -24,12 +24,12 @@ import numpy as np
 
 from ondevice.backends import open_backend
 from ondevice.chat import render
-from ondevice.drafters import NgramDrafter
+from ondevice.drafters import NgramDrafter, TreeNgram
 from ondevice.policy import FixedGamma
 from ondevice.sampling import SamplingParams
 from ondevice.speculative import steps
 from ondevice.store import lookup
-from ondevice.tree import Tree, TreeNgram, tree_steps
+from ondevice.tree import Tree
 
 PROMPTS = Path(__file__).resolve().parent / "prompts"
 FILLER = "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n" * 4
@@ -97,7 +97,8 @@ def run(b, ids: list[int], n_tokens: int, mode: str, gamma: int, nodes: int, dep
     ctx = list(ids)
     rng = np.random.default_rng(0)
     if mode == "tree":
-        it = tree_steps(b, TreeNgram(max_nodes=nodes, max_depth=depth), ctx, params, rng, max_nodes=nodes)
+        it = steps(b, TreeNgram(max_nodes=nodes, max_depth=depth), ctx, params, FixedGamma(nodes), rng, trees=True,
+                   max_nodes=nodes)
     else:
         it = steps(b, NgramDrafter() if mode == "chain" else None, ctx, params, FixedGamma(gamma), rng)
     passes = accepted = drafted = 0

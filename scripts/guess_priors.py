@@ -27,7 +27,7 @@ def measure(paths: list[str]) -> dict:
         drafter, ctx = NgramDrafter(), list(prompt)
         for i, tok in enumerate(answer):
             guess, _ = drafter.propose(ctx, 32, None, None)
-            cell = GuessSurvival.bucket(drafter.hint)
+            cell = GuessSurvival.bucket(drafter.guess)
             for j in range(1, min(len(guess), len(answer) - i) + 1):
                 right = guess[j - 1] == answer[i + j - 1]
                 n[cell, _column(j)] += 1

@@ -114,7 +114,7 @@ def mlx_logits(model, ids) -> np.ndarray:
 def heads_greedy_equals_plain(spec, plain, prompts, shape: str, gamma: int) -> tuple[int, int]:
     """Greedy speculation with heads (``shape`` "chain" or "tree") emits ``plain``'s tokens on every prompt;
     trees are really verified as trees (some branch at 8 nodes) and chains never. Returns (drafted, accepted)."""
-    spec.drafter.trees = shape == "tree"
+    use_trees(spec.drafter, shape == "tree")
     trees, orig = [], spec.target.eval_tree
     spec.target.eval_tree = lambda tokens, parents: trees.append(list(parents)) or orig(tokens, parents)
     drafted = accepted = 0
@@ -132,3 +132,10 @@ def heads_greedy_equals_plain(spec, plain, prompts, shape: str, gamma: int) -> t
         if gamma == 8:
             assert any(len(set(t[1:])) < len(t) - 1 for t in trees)
     return drafted, accepted
+
+
+def use_trees(drafter, on: bool) -> None:
+    """Make ``drafter`` (an instance) draft trees or chains, whatever its kind declares."""
+    import dataclasses
+
+    drafter.traits = dataclasses.replace(drafter.traits, trees=on)

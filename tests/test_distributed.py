@@ -76,7 +76,7 @@ def _spawn(tmp_path, cfg: dict, n: int = 2, env: dict | None = None, cwds: list 
     procs = []
     for r in range(n):
         e = {**os.environ, "PYTHONPATH": str(ROOT), "MLX_RANK": str(r), "MLX_HOSTFILE": str(hostfile), **(env or {})}
-        procs.append(subprocess.Popen([sys.executable, str(script), json.dumps(cfg)], env=e, stdout=subprocess.PIPE,
+        procs.append(subprocess.Popen([sys.executable, "-P", str(script), json.dumps(cfg)], env=e, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True, cwd=cwds[r] if cwds else None))
     return procs
 
@@ -223,7 +223,7 @@ def test_mlx_launch_cli_json_is_one_document(tiny_mlx, tmp_path):
     ref = _single(model, max_tokens=16, temperature=0, gamma=0).tokens
     port = _ports(1)[0]
     cmd = ["mlx.launch", "--backend", "ring", "-n", "2", "--starting-port", str(port), "--",
-           sys.executable, "-m", "ondevice", "generate", str(model), "-p", PROMPT, "--ngram", "--gamma", "3",
+           sys.executable, "-P", "-m", "ondevice", "generate", str(model), "-p", PROMPT, "--ngram", "--gamma", "3",
            "--temperature", "0", "--max-tokens", "16", "--device", "cpu", "--json"]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert p.returncode == 0, p.stderr
@@ -237,7 +237,7 @@ def test_launch_writes_a_hostfile_and_runs_mlx_launch(tmp_path):
     doc = hostfile(["127.0.0.1", "localhost"])
     assert doc == {"backend": "ring", "hosts": [{"ssh": "127.0.0.1", "ips": ["127.0.0.1"]},
                                                 {"ssh": "localhost", "ips": ["127.0.0.1"]}]}
-    p = subprocess.run([sys.executable, "-m", "ondevice", "launch", "--hosts", "127.0.0.1,127.0.0.1", "--dry-run", "--",
+    p = subprocess.run([sys.executable, "-P", "-m", "ondevice", "launch", "--hosts", "127.0.0.1,127.0.0.1", "--dry-run", "--",
                         "generate", "M", "-p", "hi there"], capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert p.returncode == 0, p.stderr
     assert "mlx.launch --hostfile" in p.stdout and "-m ondevice generate M -p 'hi there'" in p.stdout
@@ -245,7 +245,7 @@ def test_launch_writes_a_hostfile_and_runs_mlx_launch(tmp_path):
                       (["--hosts", "127.0.0.1,no-such-host.invalid"], "cannot resolve"),
                       (["--hosts", "a,b", "--backend", "jaccl"], "mlx.distributed_config"),
                       (["--hostfile", str(tmp_path / "none.json")], "no such file"), ([], "either --hosts or --hostfile")]:
-        p = subprocess.run([sys.executable, "-m", "ondevice", "launch", *args, "--", "generate", "M"],
+        p = subprocess.run([sys.executable, "-P", "-m", "ondevice", "launch", *args, "--", "generate", "M"],
                            capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
         assert p.returncode == 2 and msg in p.stderr and len(p.stderr.strip().splitlines()) == 1
 
@@ -280,7 +280,7 @@ def test_serve_under_mlx_launch_answers_with_sharded_stats(tiny_mlx):
     import urllib.request
 
     port, ring = _ports(2)
-    cmd = ["mlx.launch", "--backend", "ring", "-n", "2", "--starting-port", str(ring), "--", sys.executable, "-m",
+    cmd = ["mlx.launch", "--backend", "ring", "-n", "2", "--starting-port", str(ring), "--", sys.executable, "-P", "-m",
            "ondevice", "serve", str(tiny_mlx("qwen2")), "--ngram", "--port", str(port), "--device", "cpu"]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
                          env={**os.environ, "PYTHONPATH": str(ROOT)})
@@ -333,3 +333,17 @@ def test_plan_sharding_names_what_mlx_lm_offers(tmp_path):
     with pytest.raises(OndeviceError, match="ONDEVICE_SHARD='rows'"):
         plan_sharding(tensor_only, cfg, 2, "rows", tmp_path)
     assert plan_sharding(tensor_only, cfg, 2, "auto", tmp_path) == "tensor"
+
+
+@pytest.mark.parametrize("shard", ["tensor", "pipeline"])
+def test_no_code_from_a_model_folder_runs_when_sharded(tiny_hf, tmp_path, shard):
+    """mlx-lm's sharded_load trusts a folder's auto_map; the sharded backend loads its tokenizer without it."""
+    from test_security_store import with_auto_map
+
+    marker = tmp_path / "MARKER"
+    model = with_auto_map(tiny_hf["qwen2"], tmp_path / "evil", marker)
+    job = {"model": str(model), "drafter": "none", "requests": {"r": {"prompt": PROMPT, "kw": {"max_tokens": 4}}}}
+    results, err, rcs = _run(tmp_path, {"jobs": [job]}, env={"ONDEVICE_SHARD": shard,
+                                                              "HF_MODULES_CACHE": str(tmp_path / "modules")})
+    assert rcs == [0, 0] and len(results[0]["r"]["tokens"]) == 4, (results, err)
+    assert not marker.exists(), "the model folder's code ran"

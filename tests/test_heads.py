@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import use_trees
 
 import ondevice
 from ondevice import sampling
@@ -90,7 +91,7 @@ def test_heads_file_found_by_a_new_process(trained, home):
             "    r = rt.generate('def add(a, b):', max_tokens=8, temperature=0, gamma=3)\n"
             "    print(rt.drafter.name, r.stats.drafted)")
     env = {**os.environ, "ONDEVICE_HOME": str(home), "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    out = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr
     name, drafted = out.stdout.split()
     assert name == "heads" and int(drafted) > 0
@@ -193,7 +194,7 @@ def test_copies_draft_and_greedy_stays_exact(trained, home, shape):
     and copy_min=0 switches copies off."""
     target = trained[0]
     with ondevice.load(target, draft="heads", threads=1) as spec, ondevice.load(target, drafter="none", threads=1) as plain:
-        spec.drafter.trees = shape == "tree"
+        use_trees(spec.drafter, shape == "tree")
         seen = _count_copies(spec.drafter)
         for p in (REPEATS, PROMPTS[1]):
             assert spec.generate(p, max_tokens=40, temperature=0, gamma=3).tokens == \
@@ -210,7 +211,7 @@ def test_a_copy_is_cut_before_what_a_constraint_forbids():
     """``copy_guess`` under a constraint stops before the first forbidden token and after an end of
     generation, and leaves the matcher where it started; a match shorter than copy_min is no copy."""
     from ondevice.drafters import NgramDrafter
-    from ondevice.heads.drafter import copy_guess
+    from ondevice.drafters.heads import copy_guess
 
     class Walk:  # forbids token 9; token 7 ends generation
         eos_ids = [7]
@@ -256,7 +257,7 @@ def _copy_prompt(b, ids: list[int], params) -> list[int]:
     those a copy then proposes first: the copy (t, ...) is kept often, so a planted bug in rejecting point
     masses shows (a copy the target never keeps would be rejected whatever the residual)."""
     from ondevice.drafters import NgramDrafter
-    from ondevice.heads.drafter import copy_guess
+    from ondevice.drafters.heads import copy_guess
 
     def p_next(x):
         b.rollback(0)
@@ -286,7 +287,7 @@ def test_sampled_with_heads_matches_target_law(trained, home, monkeypatch, shape
     kw = dict(temperature=0.7, top_k=6, top_p=0.9, min_p=0.0)
     n = 4000
     with ondevice.load(target, draft="heads", threads=1) as rt:  # 1 thread: 2 collapse on a loaded 2-core machine
-        rt.drafter.trees = shape == "tree"
+        use_trees(rt.drafter, shape == "tree")
         if shape == "chain-shortlist":  # the tiny heads are too small for one by default: force a narrow one
             assert rt.drafter.heads.with_shortlist(rank=8, size=16).short_a is not None
         trees, orig = [], rt.target.eval_tree
@@ -357,7 +358,7 @@ def test_auto_offers_free_copies_when_the_heads_do_not_pay(trained, home, monkey
     repeats itself (``copy_tree``, sized by ``Policy.copy_nodes`` at no drafting cost), greedy output unchanged;
     gamma=0 never drafts one, and a steep verify curve (the control) turns the copies down."""
     from ondevice.costs import Costs
-    from ondevice.heads.drafter import HeadsDrafter
+    from ondevice.drafters.heads import HeadsDrafter
 
     monkeypatch.setattr(HeadsDrafter, "seconds_per_token", lambda self, reps=15: 1.0)  # 1 s a head step
     target = trained[0]
@@ -383,7 +384,7 @@ def test_auto_offers_free_copies_under_a_constraint(trained, home, monkeypatch):
     from test_constrain import SCHEMAS, _rf
 
     from ondevice.costs import Costs
-    from ondevice.heads.drafter import HeadsDrafter
+    from ondevice.drafters.heads import HeadsDrafter
 
     monkeypatch.setattr(HeadsDrafter, "seconds_per_token", lambda self, reps=15: 1.0)
     curve = {1: 1e-3, 2: 1.01e-3, 4: 1.02e-3, 8: 1.05e-3}

@@ -9,12 +9,13 @@ import random
 import numpy as np
 import pytest
 import test_heads
+from helpers import use_trees
 from test_heads import PROMPTS, REPEATS, _copy_prompt, _count_copies, _counts
 
 import ondevice
 from ondevice import sampling
 from ondevice.backends.llama import LlamaBackend
-from ondevice.heads.drafter import merge_copy
+from ondevice.drafters.heads import merge_copy
 from ondevice.tree import Tree
 
 trained, home = test_heads.trained, test_heads.home  # the tiny target's heads, trained once for this module too
@@ -106,7 +107,7 @@ def test_a_requests_drafts_do_not_depend_on_earlier_requests(trained, home, shap
     outs = []
     for first in (None, REPEATS + " y = z", PROMPTS[1]):
         with ondevice.load(trained[0], draft="heads", threads=1) as rt:
-            rt.drafter.trees = shape == "tree"
+            use_trees(rt.drafter, shape == "tree")
             if first:
                 rt.generate(first, max_tokens=30, temperature=0.7, seed=1, gamma=3)
             r = rt.generate(REPEATS, max_tokens=40, temperature=0.7, seed=5, gamma=3)
@@ -125,7 +126,7 @@ def test_sampled_trees_with_copies_match_target_law(trained, home, monkeypatch):
     kw = dict(temperature=0.7, top_k=6, top_p=0.9, min_p=0.0)
     n = 4000
     with ondevice.load(trained[0], draft="heads", threads=1) as rt:
-        rt.drafter.trees = True
+        use_trees(rt.drafter, True)
         seen = _count_copies(rt.drafter)
         b = LlamaBackend(trained[0], n_ctx=128, threads=1)
         try:

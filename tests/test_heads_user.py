@@ -135,15 +135,15 @@ def test_a_truncated_heads_file_is_one_line_naming_the_model_to_train_again(head
     stored.write_bytes(good.read_bytes()[:5000])
     fix = f"ondevice train-heads {shlex.quote(str(target.resolve()))}"
     for draft in ("heads", str(stored)):
-        out = subprocess.run([sys.executable, "-m", "ondevice", "generate", str(target), "--draft", draft, "-p", "hi",
+        out = subprocess.run([sys.executable, "-P", "-m", "ondevice", "generate", str(target), "--draft", draft, "-p", "hi",
                               "--max-tokens", "4", "--threads", "1"], capture_output=True, text=True, env=env, timeout=120)
         assert out.returncode == 2 and out.stdout == "", out.stderr
         assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr, out.stderr
         assert str(stored) in out.stderr and "not a readable heads file" in out.stderr and fix in out.stderr, out.stderr
-    info = subprocess.run([sys.executable, "-m", "ondevice", "info", str(target), "--json"], capture_output=True, text=True,
+    info = subprocess.run([sys.executable, "-P", "-m", "ondevice", "info", str(target), "--json"], capture_output=True, text=True,
                           env=env, timeout=120)
     assert info.returncode == 0 and fix in info.stdout, info.stdout + info.stderr
-    auto = subprocess.run([sys.executable, "-m", "ondevice", "generate", str(target), "--draft", "auto", "-p", "hi",
+    auto = subprocess.run([sys.executable, "-P", "-m", "ondevice", "generate", str(target), "--draft", "auto", "-p", "hi",
                            "--max-tokens", "4", "--threads", "1"], capture_output=True, text=True, env=env, timeout=120)
     said = [ln for ln in auto.stderr.splitlines() if ln.startswith("draft:")]
     assert auto.returncode == 0 and len(said) == 1, auto.stderr  # auto drafts without them, and says why
@@ -177,7 +177,7 @@ def test_ctrl_c_in_train_heads_says_how_to_resume(tiny_gguf, tmp_path):
     import time
 
     env = {**os.environ, "ONDEVICE_HOME": str(tmp_path / "home"), "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
-    proc = subprocess.Popen([sys.executable, "-m", "ondevice", "train-heads", str(tiny_gguf("llama")), "--tokens", "1000000",
+    proc = subprocess.Popen([sys.executable, "-P", "-m", "ondevice", "train-heads", str(tiny_gguf("llama")), "--tokens", "1000000",
                              "--threads", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     records = tmp_path / "home" / "heads" / "work"
     t0 = time.monotonic()

@@ -300,7 +300,7 @@ def test_a_renamed_copy_resumes_after_a_long_accepted_step_but_not_after_two_dif
     d = NgramDrafter()
     ctx = prompt + src[:10]
     guess, _ = d.propose(ctx, 32, None, None)
-    assert guess == src[10:42] and d.hint == (10, True)  # copying the prompt
+    assert guess == src[10:42] and d.guess == (10, True)  # copying the prompt
     ctx += src[10:30] + [999]  # one step kept 20 guessed tokens, then the target renamed one token
     guess, _ = d.propose(ctx, 8, None, None)
     assert guess == src[31:39]  # the copy goes on past the renamed token, aligned by position
@@ -316,9 +316,9 @@ def test_a_guess_repeating_the_answer_is_told_from_one_copying_the_prompt():
     ctx = [1, 2, 3, 4, 5]  # the prompt: the drafter sees this list first
     d.propose(ctx, 2, None, None)
     ctx += [50, 51, 52, 53, 54, 9, 50, 51, 52]  # the answer (extended in place, as the loop does) repeats itself
-    assert d.propose(ctx, 2, None, None)[0] == [53, 54] and d.hint == (3, False)
+    assert d.propose(ctx, 2, None, None)[0] == [53, 54] and d.guess == (3, False)
     ctx += [53, 54, 1, 2, 3]  # ... then quotes the prompt
-    assert d.propose(ctx, 2, None, None)[0] == [4, 5] and d.hint[1] is True
+    assert d.propose(ctx, 2, None, None)[0] == [4, 5] and d.guess[1] is True
 
 
 def test_the_verify_curve_past_its_last_point_is_never_cheaper_per_token():

@@ -37,7 +37,7 @@ def _python(code: str, *args: str, timeout: int = 300, env: dict | None = None) 
     """Run ``code`` (which may import this module's helpers) in a fresh interpreter."""
     full_env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS), os.environ.get("PYTHONPATH", "")]),
                 **(env or {})}
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-P", "-c", textwrap.dedent(code), *args], capture_output=True, text=True,
                           timeout=timeout, env=full_env)
 
 
@@ -203,7 +203,7 @@ def test_04_an_abandoned_stream_releases_the_slot(tiny_gguf):
 
 
 def test_04_cli_under_a_closed_pipe_exits_quietly(tiny_gguf):
-    cmd = (f"{sys.executable} -m ondevice generate {tiny_gguf('llama')} -p '{PROMPT}' --max-tokens 300 "
+    cmd = (f"{sys.executable} -P -m ondevice generate {tiny_gguf('llama')} -p '{PROMPT}' --max-tokens 300 "
            f"--temperature 0 --no-spec --threads 1 | head -c 20; echo \" rc=${{PIPESTATUS[0]}}\"")
     r = subprocess.run(["bash", "-c", cmd], capture_output=True, timeout=300)
     assert r.stdout.rstrip().endswith((b" rc=0", b" rc=141")), r.stdout
@@ -429,7 +429,7 @@ def test_09_a_draft_with_a_smaller_vocabulary_keeps_the_target_law(tiny_gguf):
 # -- 10. stop strings ---------------------------------------------------------------------------------
 def _assemble(pieces: list[str], stop: list[str]) -> tuple[str, list[str]]:
     """Feed ``pieces`` (one token each) through the TextAssembler: (the whole output, what each step released)."""
-    from ondevice.speculative import TextAssembler
+    from ondevice.text import TextAssembler
 
     table = {i: p.encode() for i, p in enumerate(pieces)}
     t = TextAssembler(table.__getitem__, stop)
@@ -529,7 +529,7 @@ def test_13_bad_request_inputs_are_one_line_errors(tiny_gguf):
             assert "\n" not in str(e.value) and "no BOS" not in str(e.value)
         assert rt.generate("", max_tokens=2, temperature=0).stats.tokens == 2  # "" starts from BOS
         assert rt.generate(np.array(rt.tokenize(PROMPT)), max_tokens=2).stats.tokens == 2
-    r = subprocess.run([sys.executable, "-m", "ondevice", "generate", str(tiny_gguf("llama")), "-p", b"caf\xe9"],
+    r = subprocess.run([sys.executable, "-P", "-m", "ondevice", "generate", str(tiny_gguf("llama")), "-p", b"caf\xe9"],
                        capture_output=True, timeout=300)  # invalid UTF-8 in argv
     assert r.returncode == 2 and r.stderr.decode().count("\n") == 1 and b"not valid text" in r.stderr
 
@@ -656,7 +656,7 @@ def test_ctrl_c_in_chat_stops_the_answer_and_keeps_the_session(tiny_gguf, tmp_pa
         main()
     """)
     with open(turns, "rb") as stdin:
-        p = subprocess.Popen([sys.executable, "-c", slow_chat, "chat", str(tiny_gguf("llama")), "--no-spec",
+        p = subprocess.Popen([sys.executable, "-P", "-c", slow_chat, "chat", str(tiny_gguf("llama")), "--no-spec",
                               "--max-tokens", "1000", "--temperature", "0", "--threads", "1", "--stats"],
                              stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     first = p.stdout.read(1)  # the first answer is streaming

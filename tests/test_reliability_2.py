@@ -34,7 +34,7 @@ def hostile(tiny_gguf, tmp_path_factory):
     out = {}
     for kind, template in HOSTILE.items():
         out[kind] = base / f"{kind}.gguf"
-        subprocess.run([sys.executable, "-m", "gguf.scripts.gguf_new_metadata", str(tiny_gguf("llama")), str(out[kind]),
+        subprocess.run([sys.executable, "-P", "-m", "gguf.scripts.gguf_new_metadata", str(tiny_gguf("llama")), str(out[kind]),
                         "--chat-template", template, "--force"], check=True, capture_output=True, timeout=300)
     return out
 
@@ -78,7 +78,7 @@ def test_hostile_template_is_one_error_within_the_budget_from_the_api(kind, host
 
 def test_hostile_template_in_chat_reports_each_turn_and_ctrl_c_stops_the_render(hostile):
     env = {**os.environ, "ONDEVICE_TEMPLATE_SECONDS": "120"}
-    p = subprocess.Popen([sys.executable, "-m", "ondevice", "chat", str(hostile["loops"]), "--no-spec", "--threads", "1",
+    p = subprocess.Popen([sys.executable, "-P", "-m", "ondevice", "chat", str(hostile["loops"]), "--no-spec", "--threads", "1",
                           "--n-ctx", "256"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     p.stdin.write(b"first\n")
     p.stdin.flush()
@@ -91,7 +91,7 @@ def test_hostile_template_in_chat_reports_each_turn_and_ctrl_c_stops_the_render(
     assert p.returncode == 0, err.decode()
     # piped turns with the budget in force: each one is a one-line error naming the file, the session goes on
     env["ONDEVICE_TEMPLATE_SECONDS"] = BUDGET
-    r = subprocess.run([sys.executable, "-m", "ondevice", "chat", str(hostile["recursion"]), "--no-spec", "--threads",
+    r = subprocess.run([sys.executable, "-P", "-m", "ondevice", "chat", str(hostile["recursion"]), "--no-spec", "--threads",
                         "1", "--n-ctx", "256"], input=b"one\ntwo\n", capture_output=True, timeout=300, env=env)
     lines = [ln for ln in r.stderr.decode().splitlines() if ln.strip()]
     assert r.returncode == 1 and len(lines) == 2, r.stderr.decode()
@@ -222,7 +222,7 @@ def test_too_long_turn_is_refused_alone_and_the_session_kept(tiny_gguf):
 
 
 def test_too_long_piped_line_is_one_error_and_the_next_lines_are_answered(tiny_gguf):
-    r = subprocess.run([sys.executable, "-m", "ondevice", "chat", str(tiny_gguf("llama")), "--no-spec", "--threads", "1",
+    r = subprocess.run([sys.executable, "-P", "-m", "ondevice", "chat", str(tiny_gguf("llama")), "--no-spec", "--threads", "1",
                         "--n-ctx", "256", "--max-tokens", "4", "--temperature", "0", "--stats"],
                        input=b"hello\n" + b"word " * 400 + b"\nagain\n", capture_output=True, timeout=300)
     err = r.stderr.decode()
@@ -238,5 +238,5 @@ def test_template_worker_starts_from_a_process_that_held_more_than_its_memory_ca
     code = ("import ondevice.templates as T\n"
             "big = b'\\x01' * (T.MEMORY_BYTES + (128 << 20)); del big  # the high-water mark stays\n"
             "print(T.render('{{ messages[0].content }}!', [{'role': 'user', 'content': 'hi'}], source='s'))\n")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    r = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "hi!", r.stderr

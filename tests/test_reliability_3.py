@@ -138,7 +138,7 @@ def test_a_skip_for_a_missing_module_fails_the_run(tmp_path):
                                               "reason='not installed')\n\ndef test_x():\n    pass\n")
     (tmp_path / "test_platform.py").write_text("import pytest\n\n@pytest.mark.skip(reason='needs macOS')\n"
                                                "def test_y():\n    pass\n\ndef test_z():\n    pass\n")
-    run = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(tmp_path)]
+    run = [sys.executable, "-P", "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(tmp_path)]
     r = subprocess.run([*run, str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert r.returncode == 1 and "no_such_module_xyz" in r.stdout, r.stdout
     r = subprocess.run([*run, str(tmp_path / "test_platform.py")], capture_output=True, text=True, timeout=300,
@@ -157,14 +157,14 @@ def test_dev_extra_installs_what_the_tests_import():
 # -- 10. the smaller items ----------------------------------------------------------------------------------
 def test_cli_error_prints_colon_words_as_written(tmp_path):
     model = tmp_path / ":loop:" / "m.gguf"
-    r = subprocess.run([sys.executable, "-m", "ondevice", "generate", str(model), "-p", "hi"], capture_output=True,
+    r = subprocess.run([sys.executable, "-P", "-m", "ondevice", "generate", str(model), "-p", "hi"], capture_output=True,
                        timeout=300)
     err = r.stderr.decode()
     assert r.returncode == 2 and ":loop:" in err and "\U0001f501" not in err, err
 
 
 def test_a_character_cut_by_max_tokens_is_dropped_not_replaced():
-    from ondevice.speculative import TextAssembler
+    from ondevice.text import TextAssembler
 
     pieces = {1: b"ok ", 2: "🙂".encode()[:2], 3: "🙂".encode()[2:]}
     t = TextAssembler(pieces.__getitem__, [])
@@ -174,14 +174,14 @@ def test_a_character_cut_by_max_tokens_is_dropped_not_replaced():
 
 
 def test_repl_help_and_symlink_loop(tiny_gguf, tmp_path):
-    r = subprocess.run([sys.executable, "-m", "ondevice", "chat", str(tiny_gguf("llama")), "--no-spec", "--threads", "1",
+    r = subprocess.run([sys.executable, "-P", "-m", "ondevice", "chat", str(tiny_gguf("llama")), "--no-spec", "--threads", "1",
                         "--max-tokens", "2"], input=b"/help\n", capture_output=True, timeout=300)
     assert r.returncode == 0 and "/reset" in r.stderr.decode() and "unknown" not in r.stderr.decode(), r.stderr
     a, b = tmp_path / "a.gguf", tmp_path / "b.gguf"
     a.symlink_to(b)
     b.symlink_to(a)
     for args in (["generate", str(a), "-p", "hi"], ["info", str(a)]):
-        r = subprocess.run([sys.executable, "-m", "ondevice", *args], capture_output=True, timeout=300)
+        r = subprocess.run([sys.executable, "-P", "-m", "ondevice", *args], capture_output=True, timeout=300)
         assert r.returncode == 2 and "symlink loop" in r.stderr.decode(), r.stderr
 
 
@@ -325,6 +325,6 @@ def test_ctrl_c_while_the_cli_imports_exits_quietly():
                  "    return real(name, *a, **kw)\n"
                  "builtins.__import__ = imp\n")
     for call in (f"import {module}; {module}.{func}()", "import runpy; runpy.run_module('ondevice', run_name='__main__')"):
-        p = subprocess.run([sys.executable, "-c", interrupt + call, "--help"], capture_output=True, text=True,
+        p = subprocess.run([sys.executable, "-P", "-c", interrupt + call, "--help"], capture_output=True, text=True,
                            cwd=root, timeout=60)
         assert p.returncode == 130 and p.stderr == "" and p.stdout == "", (call, p.returncode, p.stderr)

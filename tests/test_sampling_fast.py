@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from ondevice import sampling
-from ondevice.drafters import Drafter, ModelDrafter
+from ondevice.drafters import Drafter, ModelDrafter, Traits
 from ondevice.policy import FixedGamma
 from ondevice.sampling import (
     SamplingParams,
@@ -332,7 +332,7 @@ def test_model_drafter_draws_the_reference_tokens_and_q(target_vocab):
 class _Ngram(Drafter):
     """A cheap drafter proposing a fixed pattern (some of it right, some wrong)."""
 
-    name, cheap, last_match_len = "fake", True, 0
+    traits, last_match_len = Traits(name="fake", cheap=True), 0
 
     def propose(self, context, gamma, params, rng, keep_drafting=None, constraint=None):
         return [(context[-1] * 7 + i) % 50 for i in range(gamma)], None

@@ -474,7 +474,7 @@ def test_cli_errors_are_one_line(tmp_path):
     import sys
 
     def serve(*args):
-        return subprocess.run([sys.executable, "-m", "ondevice", "serve", *args], capture_output=True, text=True, timeout=120)
+        return subprocess.run([sys.executable, "-P", "-m", "ondevice", "serve", *args], capture_output=True, text=True, timeout=120)
 
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))

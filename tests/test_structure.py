@@ -116,7 +116,7 @@ def test_engine_core_imports_no_product_surface():
     benchmarks or the distributed runtime; they sit above it."""
     above = ("ondevice.server", "ondevice.cli", "ondevice.bench")
     core = [m for m in _graph() if (m.count(".") == 1 and m.startswith("ondevice.") and m != "ondevice.__main__") or
-            m.startswith(("ondevice.backends", "ondevice.formats"))]
+            m.startswith(("ondevice.backends", "ondevice.formats", "ondevice.drafters"))]
     g = _graph()
     bad = {m: sorted(d for d in g[m] if d.startswith(above)) for m in core}
     assert {m: d for m, d in bad.items() if d} == {}
@@ -137,6 +137,61 @@ def test_no_capability_probing_of_drafters_backends_policies():
                 if any(p in arg.lower() for p in PROBED):
                     found.append(f"{m}:{node.lineno}: {ast.unparse(node)}")
     assert found == []
+
+
+def _name_compares(source: str, names: set[str]) -> list[str]:
+    """Comparisons of a drafter kind's name: a constant in ``names`` against something that speaks of a draft,
+    a drafter or a kind."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Compare):
+            continue
+        sides = [node.left, *node.comparators]
+        consts = {e.value for s in sides for e in (s.elts if isinstance(s, (ast.Tuple, ast.List, ast.Set)) else [s])
+                  if isinstance(e, ast.Constant) and isinstance(e.value, str)}
+        others = " ".join(ast.unparse(s).lower() for s in sides if not isinstance(s, ast.Constant))
+        if consts & names and any(w in others for w in ("draft", "kind")):
+            found.append(f"{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_no_drafter_name_compared_outside_the_registry():
+    """Behaviour follows a drafter's declared ``Traits``: only ``ondevice.drafters.registry`` compares a kind's name."""
+    from ondevice.drafters import registry
+
+    names = set(registry.names())
+    found = [f"{m}:{hit}" for m, path in _modules().items() if m != "ondevice.drafters.registry"
+             for hit in _name_compares(path.read_text(), names)]
+    assert found == []
+
+
+def test_the_drafter_name_check_finds_planted_comparisons():
+    planted = 'if self.drafter == "ngram":\n    pass\nif kind in ("model", "heads"):\n    pass\nok = choice != "none"\n'
+    assert [h.split(":")[0] for h in _name_compares(planted, {"ngram", "model", "heads", "none"})] == ["1", "3"]
+
+
+def test_runtime_functions_are_at_most_50_lines():
+    """``Runtime`` drives a ``Slot``; each of its functions stays short (admit / iterate / finish)."""
+    tree = ast.parse((ROOT / "ondevice" / "runtime.py").read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Runtime")
+    long = {f.name: f.end_lineno - f.lineno + 1 for f in cls.body
+            if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)) and f.end_lineno - f.lineno + 1 > 50}
+    assert long == {}
+
+
+def test_training_sits_above_the_engine():
+    """Recording and fitting heads (``ondevice.heads`` training modules) may use the loader; nothing the loader
+    reaches (the engine, the drafters, the heads the drafters read) imports them."""
+    training = {"ondevice.heads.train", "ondevice.heads.data", "ondevice.heads.fit", "ondevice.heads.batch",
+                "ondevice.heads.selfprompts"}
+    g = _graph()
+    reach, todo = set(), ["ondevice.loader"]
+    while todo:
+        m = todo.pop()
+        if m not in reach:
+            reach.add(m)
+            todo += list(g[m])
+    assert reach & training == set()
 
 
 def test_no_module_over_400_lines():

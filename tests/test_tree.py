@@ -11,6 +11,7 @@ from helpers import chisquare, exact_law
 from ondevice import sampling
 from ondevice import tree as T
 from ondevice.backends.base import Backend
+from ondevice.drafters import Drafter, TreeNgram, ngram_paths
 from ondevice.policy import FixedGamma
 from ondevice.speculative import steps
 
@@ -86,21 +87,21 @@ def fresh_row(b, ctx):
     return b.eval(ctx)[-1:]
 
 
-class RandomTree:
+class RandomTree(Drafter):
     """Deterministic trees of arbitrary tokens mixed with the n-gram tree: drafts that are often wrong."""
 
     name = "random-tree"
 
     def __init__(self, seed=0):
         self.rng = np.random.default_rng(seed)
-        self.ngram = T.TreeNgram(max_nodes=5)
+        self.ngram = TreeNgram(max_nodes=5)
 
     def propose_tree(self, context, max_nodes, params, rng):
-        paths = T.ngram_paths(context, 3)[:3] + [list(self.rng.integers(3, 100, 2)) for _ in range(2)]
+        paths = ngram_paths(context, 3)[:3] + [list(self.rng.integers(3, 100, 2)) for _ in range(2)]
         return T.Tree.from_paths(context[-1], paths, max_nodes)
 
 
-class OracleTree:
+class OracleTree(Drafter):
     """Trees that hold the plain output's next tokens on a random branch among decoys (sometimes cut short
     or corrupted at depth 3): every branch position gets accepted, and rejected, some time."""
 
@@ -135,7 +136,7 @@ def _tree(b, ids, n, proposer, params=GREEDY, seed=0, reuse=False):
     if b.n_past < len(ids) - 1:
         b.eval(ids[b.n_past : -1])
     ctx = list(ids)
-    it = T.tree_steps(b, proposer, ctx, params, np.random.default_rng(seed), max_nodes=8)
+    it = steps(b, proposer, ctx, params, FixedGamma(8), np.random.default_rng(seed), trees=True, max_nodes=8)
     got = []
     while len(ctx) < len(ids) + n:
         got.append(next(it))
@@ -149,7 +150,7 @@ def test_greedy_tree_speculation_equals_greedy_plain(backend_of):
         ids = b.tokenize(PROMPT)
         ref = _plain(b, ids, 40)
         every = []
-        for proposer in (T.TreeNgram(), RandomTree(), OracleTree(ids + ref)):
+        for proposer in (TreeNgram(), RandomTree(), OracleTree(ids + ref)):
             out, st = _tree(b, ids, 40, proposer)
             assert out == ref, proposer.name
             assert all(s.mode == "tree" for s in st)
@@ -185,7 +186,7 @@ def test_a_backend_without_tree_pass_degrades_to_a_chain_with_a_reason(tiny_gguf
     try:
         ids = b.tokenize(PROMPT)
         ref = _plain(b, ids, 24)
-        out, st = _tree(ChainOnly(b), ids, 24, T.TreeNgram())
+        out, st = _tree(ChainOnly(b), ids, 24, TreeNgram())
         assert out == ref
         assert all(s.mode.startswith("chain: ChainOnly has no tree pass") for s in st)
     finally:
@@ -193,7 +194,7 @@ def test_a_backend_without_tree_pass_degrades_to_a_chain_with_a_reason(tiny_gguf
 
 
 # -- the sampled law -------------------------------------------------------------------------------
-class SampledTree:
+class SampledTree(Drafter):
     """Children drawn i.i.d. from a draft model's processed q (2 at the root, 1 under each), plus the
     draft's argmax as a deterministic third root child: both kinds of node, drafted given their path only."""
 

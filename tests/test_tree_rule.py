@@ -10,6 +10,8 @@ import pytest
 from helpers import chisquare
 
 from ondevice import tree as T
+from ondevice.drafters import TreeNgram, ngram_paths
+from ondevice.drafters.heads import tree_from_topk
 from ondevice.sampling import SamplingParams, probs_sparse, verify_logits
 
 V = 6
@@ -221,20 +223,20 @@ def test_sampled_tree_output_passes_chi_square_and_a_planted_bug_fails():
 
 def test_ngram_paths_and_the_trie():
     ctx = [5, 6, 7, 9, 5, 6, 8, 1, 5, 6]
-    paths = T.ngram_paths(ctx, max_depth=3)
+    paths = ngram_paths(ctx, max_depth=3)
     assert paths[0] == [8, 1, 5] and paths[1] == [7, 9, 5]  # "5 6" matched twice, the most recent first
     tree = T.Tree.from_paths(6, paths, max_nodes=8)
     assert tree.tokens[:4] == [6, 8, 1, 5] and tree.first_chain() == [0, 1, 2, 3]
     assert len(tree) - 1 <= 8 and tree.children[0][:2] == [1, 4]
     assert T.Tree.from_paths(6, [[1, 2, 3], [1, 2, 4], [1, 5]], max_nodes=4).tokens == [6, 1, 2, 3, 4]
-    assert T.TreeNgram().propose_tree([1, 2, 3], 8, PARAMS["greedy"], np.random.default_rng(0)) is None
+    assert TreeNgram().propose_tree([1, 2, 3], 8, PARAMS["greedy"], np.random.default_rng(0)) is None
 
 
 def test_topk_hook_builds_a_medusa_tree():
-    tree = T.tree_from_topk(7, [[10, 11, 12], [20, 21]], [(0,), (1,), (0, 0), (0, 1), (1, 0)])
+    tree = tree_from_topk(7, [[10, 11, 12], [20, 21]], [(0,), (1,), (0, 0), (0, 1), (1, 0)])
     assert tree.tokens == [7, 10, 11, 20, 21, 20] and tree.parents == [-1, 0, 0, 1, 1, 2]
     with pytest.raises(ValueError):
-        T.tree_from_topk(7, [[1], [2]], [(0, 0)])
+        tree_from_topk(7, [[1], [2]], [(0, 0)])
     with pytest.raises(ValueError):
         T.Tree([1, 2], [-1, 1])
 

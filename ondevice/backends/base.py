@@ -77,6 +77,31 @@ class Backend:
         """Free native memory; idempotent."""
         raise NotImplementedError
 
+    # What a target pass can hand a drafter (``ondevice.drafters.base.Traits.needs``): "hidden", the post-norm
+    # hidden state of each row kept (heads); room for "layer_inputs" (EAGLE-3) and "nextn" (MTP embeddings).
+    features: frozenset[str] = frozenset()
+
+    def enable_features(self, needs: frozenset[str]) -> dict[str, int]:
+        """Switch on what a drafter reads from each pass; returns each feature's row size. Raises
+        ``OndeviceError`` naming the first this backend cannot give."""
+        out = {}
+        for name in sorted(needs):
+            if name == "hidden":
+                out[name] = self.enable_hidden()
+            else:
+                raise OndeviceError(f"{Path(self.path).name}: {type(self).__name__} cannot give a drafter {name!r} "
+                                    f"(it gives: {', '.join(sorted(self.features)) or 'nothing'})")
+        return out
+
+    def keep_features(self, on: bool) -> None:
+        """After ``enable_features``: whether the next evals keep them (a cost hint; off for steps whose next
+        step will not draft)."""
+        self.want_hidden(on)
+
+    def feature(self, name: str, pos: int) -> np.ndarray | None:
+        """The row of feature ``name`` at absolute position ``pos`` from the last ``eval`` (None: not kept)."""
+        return self.hidden(pos) if name == "hidden" else None
+
     def enable_hidden(self) -> int:
         """Keep the post-norm hidden state of the rows each later ``eval`` outputs (heads drafting reads them);
         returns its size. Raises ``OndeviceError`` where the backend cannot (the default)."""

@@ -74,13 +74,26 @@ class HFVocab(Backend):
         return [inv.get(i, f"[PAD{i}]") for i in range(self.vocab_size)]
 
 
+def no_remote_code(directory: Path, load):
+    """``load(trust_remote_code=False)``: an HF tokenizer load that never runs code from the model folder
+    (an ``auto_map`` is not followed); a tokenizer that exists only as such code is a one-line error."""
+    try:
+        return load(trust_remote_code=False)
+    except ValueError as e:
+        if "trust_remote_code" not in str(e) and "custom code" not in str(e):
+            raise
+        raise OndeviceError(f"{Path(directory).name}: its tokenizer exists only as Python code in the model folder "
+                            "(auto_map); ondevice never runs a model's code, so it cannot load this model") from None
+
+
 def load_tokenizer(directory: Path) -> tuple[object, set[int]]:
-    """``directory``'s HF fast tokenizer and its end-of-generation ids (config, generation config, tokenizer)."""
+    """``directory``'s HF fast tokenizer and its end-of-generation ids (config, generation config, tokenizer).
+    No code from the folder runs (``no_remote_code``)."""
     if not (directory / "tokenizer.json").is_file():
         raise OndeviceError(f"{directory / 'tokenizer.json'}: missing; the model directory needs its tokenizer")
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(directory))
+    tok = no_remote_code(directory, lambda **kw: AutoTokenizer.from_pretrained(str(directory), **kw))
     eog: set[int] = set()
     for name in ("config.json", "generation_config.json"):
         f = directory / name

@@ -94,6 +94,8 @@ class LlamaBackend(LlamaTree, Backend):
             buffer their cells interleave and llama.cpp's attention rounds differently (greedy answers flip).
     """
 
+    features = frozenset({"hidden"})  # post-norm hidden states, after ``enable_hidden`` (heads)
+
     def __init__(
         self,
         path: str | Path,

@@ -25,7 +25,7 @@ from typing import Literal
 import numpy as np
 
 from ondevice.backends.base import check_room
-from ondevice.backends.hf_vocab import HFVocab
+from ondevice.backends.hf_vocab import HFVocab, no_remote_code
 from ondevice.errors import OndeviceError
 
 PREFILL_CHUNK = 512
@@ -43,6 +43,14 @@ def pick_device(device: str | None):
     return mx.gpu if (device == "gpu" or (device is None and has_gpu)) else mx.cpu
 
 
+def mlx_tokenizer(path: Path, eos_token_ids=None):
+    """mlx-lm's tokenizer wrapper for the model folder ``path``, never running code from the folder (an
+    ``auto_map`` is not followed: ``hf_vocab.no_remote_code``). Every MLX path loads its tokenizer here."""
+    from mlx_lm.utils import load_tokenizer
+
+    return no_remote_code(path, lambda **kw: load_tokenizer(Path(path), kw, eos_token_ids=eos_token_ids))
+
+
 class MLXBackend(HFVocab):
     """An mlx-lm model directory and its KV cache (see ``ondevice.backends.Backend``).
 
@@ -51,6 +59,8 @@ class MLXBackend(HFVocab):
         n_ctx: context length (checked on every eval).
         device: 'gpu', 'cpu' or None (Metal when available).
     """
+
+    features = frozenset({"hidden"})  # post-norm hidden states, after ``enable_hidden`` (heads)
 
     def __init__(self, path: str | Path, *, n_ctx: int = 4096, device: str | None = None, threads: int | None = None) -> None:
         self.path = Path(path)
@@ -77,9 +87,10 @@ class MLXBackend(HFVocab):
 
     def _load_model(self):
         """(model, tokenizer) from mlx-lm (``ondevice.distributed.sharded`` overrides this to split the model over ranks)."""
-        from mlx_lm.utils import load
+        from mlx_lm.utils import load_model
 
-        return load(str(self.path))
+        model, config = load_model(self.path)  # mlx-lm refuses a config's model_file (custom code) by default
+        return model, mlx_tokenizer(self.path, config.get("eos_token_id"))
 
     def _new_cache(self) -> list:
         """mlx-lm's cache for this model, with full-size caches for sliding-window layers."""

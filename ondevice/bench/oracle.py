@@ -108,7 +108,7 @@ def replay_policy(prompt: Sequence[int], answer: Sequence[int], costs: Costs, po
     n = len(answer)
     while i < n:
         proposal, _ = drafter.propose(context, pol.max_gamma, None, None)
-        hint = drafter.hint
+        hint = drafter.guess
         g = pol.next_gamma(hint) if proposal else 0
         draft = proposal[:g]
         kept = 0

@@ -115,8 +115,9 @@ def _mlx_anchor_runs(model_path: Path, draft_path: Path | None, num_draft: int) 
     from ondevice.backends.mlx import pick_device
 
     pick_device(None)
-    model, tokenizer = mlx_load(str(model_path))
-    draft = mlx_load(str(draft_path))[0] if draft_path else None
+    no_code = {"trust_remote_code": False}  # never run a model folder's auto_map code (#41)
+    model, tokenizer = mlx_load(str(model_path), tokenizer_config=no_code)
+    draft = mlx_load(str(draft_path), tokenizer_config=no_code)[0] if draft_path else None
 
     def run(draft_model):
         def go(ids: list[int], max_tokens: int, temperature: float) -> dict:
@@ -170,7 +171,8 @@ def run_bench(
     runtimes = {"plain": load(model, drafter="none", threads=threads, n_ctx=n_ctx)}
     for d in [x.strip() for x in str(draft or "").split(",") if x.strip()]:  # e.g. "heads,qwen2.5-coder-0.5b-instruct"
         rt = load(model, d, threads=threads, n_ctx=n_ctx)
-        kind = "heads" if rt.drafter.name == "heads" else "draft" if "draft" not in runtimes else f"draft{len(runtimes)}"
+        model = rt.drafter is not None and rt.drafter.traits.model  # a draft model; else the kind's name (heads)
+        kind = rt.drafter.name if not model else "draft" if "draft" not in runtimes else f"draft{len(runtimes)}"
         runtimes[kind] = rt
     if ngram:
         runtimes["ngram"] = load(model, drafter="ngram", threads=threads, n_ctx=n_ctx)

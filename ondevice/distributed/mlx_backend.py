@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ondevice.backends.mlx import MLXBackend
+from ondevice.backends.mlx import MLXBackend, mlx_tokenizer
 from ondevice.distributed.world import World, fingerprint
 from ondevice.errors import OndeviceError
 
@@ -72,21 +72,23 @@ class ShardedMLXBackend(MLXBackend):
         super().__init__(path, n_ctx=n_ctx, device=device)
 
     def _load_model(self):
+        """What mlx-lm's ``sharded_load`` does for a local folder, minus its download filter (which needs a
+        weight index file) and its tokenizer load (which trusts the folder's remote code): ours never runs it."""
         import mlx.core as mx
-        from mlx_lm.utils import load_model, load_tokenizer, sharded_load
+        from mlx_lm.utils import load_model
 
         w = self.world
         model, config = load_model(self.path, lazy=True, strict=False)
         mode = plan_sharding(model, config, w.size, self.shard_mode, self.path)
+        tokenizer = mlx_tokenizer(self.path, config.get("eos_token_id"))
         # every rank must shard the same model the same way before any weight moves
         self._checkpoint(fingerprint((self.path / "config.json").read_text(), mode))
         self.shard_mode = mode
         if mode == "tensor":
-            model, tokenizer = sharded_load(str(self.path), tensor_group=w.group)
+            model.shard(w.group)
             self.collectives_per_forward = 2 * len(model.model.layers)  # attention out + MLP down: one all_sum each
-        else:  # what sharded_load does, minus its download filter (which needs a weight index file)
+        else:
             model.model.pipeline(w.group)
-            mx.eval(model.parameters())
-            tokenizer = load_tokenizer(self.path, {"trust_remote_code": True}, eos_token_ids=config.get("eos_token_id"))
             self.collectives_per_forward = w.size  # a send per stage boundary, then one all_gather
+        mx.eval(model.parameters())  # no collective here: LoadSync's next checkpoint brings the ranks in step
         return model, tokenizer

@@ -127,7 +127,7 @@ class DistributedRuntime(Runtime):
 
         draft = self.draft_backend
         c0, f0 = self.world.collectives, self.target.forwards
-        self._kv = []  # before the probe, as Runtime._costs does: an interrupted probe leaves nothing stale
+        self.slot.kv = []  # before the probe, as Runtime._costs does: an interrupted probe leaves nothing stale
         if self.drafter is not None:
             self.drafter.reset()
         # Every rank runs the same passes: one attempt, whatever its own timings say (a retry decided by

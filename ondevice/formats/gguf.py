@@ -66,6 +66,17 @@ def hf_name(gguf_name: str, arch: str = "llama") -> str:
 # GGUF value type → struct code (8 = string, 9 = array are handled apart)
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 TOKENS_KEY = "tokenizer.ggml.tokens"
+# Caps on what a header may declare (a model file is untrusted input): far above any real model's header
+# (Qwen2.5: 151,936 tokens, a chat template of a few kB; ggml tensors have at most 4 dimensions), far below
+# what would exhaust memory or time. Counts are also checked against the bytes left in the file.
+MAX_DEPTH = 8  # arrays of arrays
+MAX_STRING = 16 << 20  # bytes in one string (key, value, token, tensor name)
+MAX_COUNT = 1 << 24  # items in one array, keys, tensors
+MAX_DIMS = 4  # GGML_MAX_DIMS
+
+
+class _Corrupt(Exception):
+    """A header field beyond its cap or past the end of the file (``_parse`` turns it into an OndeviceError)."""
 
 
 def read_header(path: str | Path) -> tuple[dict, list[str] | None]:
@@ -74,19 +85,14 @@ def read_header(path: str | Path) -> tuple[dict, list[str] | None]:
     Returns:
         ({key: value} for every scalar and string key, the token texts in id order or None).
     Raises:
-        OndeviceError: not a GGUF v2/v3 file, or a truncated header.
+        OndeviceError: not a GGUF v2/v3 file, a truncated header, or one that declares more than the caps
+            above (nested arrays deeper than ``MAX_DEPTH``, a string, array or count too large).
     """
     path = Path(path)
     if path.stat().st_size < 24:
         raise OndeviceError(f"{path}: {path.stat().st_size} bytes, too short for a GGUF header (an interrupted download?)")
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-        try:
-            return _parse(mm, path)[:2]
-        except struct.error:
-            raise OndeviceError(f"{path}: GGUF header runs past the end of the file ({len(mm)} bytes; "
-                                "truncated, e.g. an interrupted download)") from None
-        except (IndexError, UnicodeDecodeError, ValueError) as e:
-            raise OndeviceError(f"{path}: corrupt GGUF header ({type(e).__name__}: {e})") from e
+        return _parse(mm, path)[:2]
 
 
 def check_tensor_data(path: str | Path) -> None:
@@ -107,10 +113,16 @@ def check_tensor_data(path: str | Path) -> None:
         n_tensors = struct.unpack_from(end + "Q", mm, 8)[0]
         extent = 0
         try:
+            if n_tensors > min(MAX_COUNT, (size - pos) // 24):  # name length, n_dims, type, offset at least
+                raise _Corrupt(f"{n_tensors} tensors")
             for _ in range(n_tensors):
                 n = struct.unpack_from(end + "Q", mm, pos)[0]
+                if n > min(MAX_STRING, size - pos):
+                    raise _Corrupt(f"a tensor name of {n} bytes")
                 pos += 8 + n
                 n_dims = struct.unpack_from(end + "I", mm, pos)[0]
+                if n_dims > MAX_DIMS:
+                    raise _Corrupt(f"a tensor of {n_dims} dimensions (at most {MAX_DIMS})")
                 dims = struct.unpack_from(end + "Q" * n_dims, mm, pos + 4)
                 pos += 4 + 8 * n_dims
                 ttype, offset = struct.unpack_from(end + "IQ", mm, pos)
@@ -120,6 +132,8 @@ def check_tensor_data(path: str | Path) -> None:
                 for d in dims:
                     count *= d
                 extent = max(extent, offset + count // block * nbytes)
+        except _Corrupt as e:
+            raise OndeviceError(f"{path}: corrupt GGUF tensor table (it declares {e}); re-download it") from None
         except (struct.error, ValueError, KeyError) as e:
             raise OndeviceError(f"{path}: corrupt or truncated GGUF tensor table ({type(e).__name__})") from None
     align = int(meta.get("general.alignment", 32)) or 32
@@ -130,6 +144,22 @@ def check_tensor_data(path: str | Path) -> None:
 
 
 def _parse(buf, path: Path) -> tuple[dict, list[str] | None, int]:
+    """(scalar metadata, token texts or None, offset of the tensor table) of the header in ``buf``; every
+    failure is one OndeviceError naming ``path``."""
+    try:
+        return _walk(buf, path)
+    except _Corrupt as e:
+        raise OndeviceError(f"{path}: corrupt GGUF header (it declares {e}); re-download or reconvert it") from None
+    except struct.error:
+        raise OndeviceError(f"{path}: GGUF header runs past the end of the file ({len(buf)} bytes; "
+                            "truncated, e.g. an interrupted download)") from None
+    except (IndexError, UnicodeDecodeError, ValueError, OverflowError) as e:
+        raise OndeviceError(f"{path}: corrupt GGUF header ({type(e).__name__}: {e})") from e
+
+
+def _walk(buf, path: Path) -> tuple[dict, list[str] | None, int]:
+    """``_parse`` without its error translation: one loop over the key-values, no recursion (nested arrays are
+    walked with an explicit stack), every count and length checked against its cap and the bytes left."""
     if bytes(buf[:4]) != b"GGUF":
         raise OndeviceError(f"{path}: not a GGUF file (no GGUF magic)")
     end = "<" if struct.unpack_from("<I", buf, 4)[0] < 0x10000 else ">"  # big-endian files exist, rarely
@@ -137,27 +167,51 @@ def _parse(buf, path: Path) -> tuple[dict, list[str] | None, int]:
     if version not in (2, 3):
         raise OndeviceError(f"{path}: GGUF version {version} is not supported (2 or 3)")
     u32, u64 = struct.Struct(end + "I"), struct.Struct(end + "Q")
+    size = len(buf)
+    if n_kv > min(MAX_COUNT, (size - 24) // 12):  # a key-value takes at least 12 bytes
+        raise _Corrupt(f"{n_kv} metadata keys in {size} bytes")
     pos = 24
     meta: dict = {}
     tokens = None
 
-    def string(p: int) -> tuple[str, int]:
+    def string_end(p: int) -> int:
         n = u64.unpack_from(buf, p)[0]
-        return bytes(buf[p + 8 : p + 8 + n]).decode("utf-8", "replace"), p + 8 + n
+        if n > MAX_STRING or p + 8 + n > size:
+            raise _Corrupt(f"a string of {n} bytes at offset {p}" + (f" (at most {MAX_STRING})" if n > MAX_STRING else
+                                                                      f" in a file of {size} bytes"))
+        return p + 8 + n
+
+    def string(p: int) -> tuple[str, int]:
+        end = string_end(p)
+        return bytes(buf[p + 8 : end]).decode("utf-8", "replace"), end
+
+    def array_head(p: int, key: str) -> tuple[int, int, int]:
+        """(item type, item count, offset of the first item) of the array at ``p``."""
+        itype, count = u32.unpack_from(buf, p)[0], u64.unpack_from(buf, p + 4)[0]
+        least = 12 if itype == 9 else 8 if itype == 8 else struct.calcsize(_SCALARS[itype]) if itype in _SCALARS else 0
+        if not least:
+            raise OndeviceError(f"{path}: GGUF array {key!r} has unknown item type {itype}")
+        if count > MAX_COUNT or count * least > size - p - 12:
+            raise _Corrupt(f"array {key!r} of {count} items at offset {p}")
+        return itype, count, p + 12
 
     def skip_array(p: int, key: str) -> int:
-        itype, count = u32.unpack_from(buf, p)[0], u64.unpack_from(buf, p + 4)[0]
-        p += 12
-        if itype == 8:
-            for _ in range(count):
-                p += 8 + u64.unpack_from(buf, p)[0]
-        elif itype == 9:
-            for _ in range(count):
-                p = skip_array(p, key)
-        elif itype in _SCALARS:
-            p += count * struct.calcsize(_SCALARS[itype])
-        else:
-            raise OndeviceError(f"{path}: GGUF array {key!r} has unknown item type {itype}")
+        itype, count, p = array_head(p, key)
+        stack = [(itype, count)]  # (item type, items left) of each array being walked, outermost first
+        while stack:
+            itype, left = stack.pop()
+            if itype == 9:
+                if left:
+                    if len(stack) + 1 >= MAX_DEPTH:
+                        raise _Corrupt(f"array {key!r} nested more than {MAX_DEPTH} deep")
+                    stack.append((9, left - 1))
+                    sub_type, sub_count, p = array_head(p, key)
+                    stack.append((sub_type, sub_count))
+            elif itype == 8:
+                for _ in range(left):
+                    p = string_end(p)
+            else:
+                p += left * struct.calcsize(_SCALARS[itype])
         return p
 
     for _ in range(n_kv):
@@ -170,8 +224,7 @@ def _parse(buf, path: Path) -> tuple[dict, list[str] | None, int]:
             meta[key] = struct.unpack_from(end + _SCALARS[vtype], buf, pos)[0]
             pos += struct.calcsize(_SCALARS[vtype])
         elif vtype == 9 and key == TOKENS_KEY and u32.unpack_from(buf, pos)[0] == 8:
-            count = u64.unpack_from(buf, pos + 4)[0]
-            pos += 12
+            _, count, pos = array_head(pos, key)
             tokens = []
             for _ in range(count):
                 text, pos = string(pos)
@@ -180,7 +233,7 @@ def _parse(buf, path: Path) -> tuple[dict, list[str] | None, int]:
             pos = skip_array(pos, key)
         else:
             raise OndeviceError(f"{path}: GGUF key {key!r} has unknown value type {vtype}")
-        if pos > len(buf):
+        if pos > size:
             raise OndeviceError(f"{path}: GGUF header runs past the end of the file (truncated)")
     return meta, tokens, pos
 

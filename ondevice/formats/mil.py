@@ -25,6 +25,7 @@ import contextlib
 import hashlib
 import io
 import logging
+import os
 import threading
 from pathlib import Path
 
@@ -73,13 +74,44 @@ def load_program(package: str | Path):
 
             model = ct.models.MLModel(str(package), skip_model_load=True)
             spec = model.get_spec()
+            check_declared_sizes(spec, package)
             prog = milproto_load(model_spec=spec, specification_version=spec.specificationVersion,
                                  file_weights_dir=model.weights_dir)
     except ImportError as e:
         raise OndeviceError("running a Core ML package in the interpreter needs coremltools: pip install 'ondevice[coreml]'") from e
+    except MILError:
+        raise
     except Exception as e:  # protobuf / coremltools raise assorted errors for damaged packages
         raise OndeviceError(f"{package}: unreadable Core ML package ({type(e).__name__}: {e}); reconvert it") from e
     return prog, spec.description.defaultFunctionName or "main"
+
+
+def check_declared_sizes(spec, package: Path, limit: int | None = None) -> None:
+    """Refuse, naming the value, a program declaring a function input, op output (nested blocks too) or state
+    set over ``limit`` bytes (default: this machine's memory). Read from the protobuf, before coremltools
+    builds the program: its builder computes constant ops (a ``fill`` of any declared shape) while loading."""
+    from coremltools.proto import MIL_pb2
+
+    limit = limit or os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+    def nbytes(t) -> int:  # symbolic dimensions count as 1: run() checks inputs against theirs
+        t = t.stateType.wrappedType if t.WhichOneof("type") == "stateType" else t
+        dims = [d.constant.size for d in t.tensorType.dimensions if d.WhichOneof("dimension") == "constant"]
+        name = MIL_pb2.DataType.Name(t.tensorType.dataType)
+        size = next((b for bits, b in (("64", 8), ("32", 4), ("16", 2)) if bits in name), 1)
+        return int(np.prod(dims, dtype=object)) * size if t.WhichOneof("type") == "tensorType" else 0
+
+    for fname, fn in spec.mlProgram.functions.items():
+        values, blocks = list(fn.inputs), list(fn.block_specializations.values())
+        while blocks:
+            for op in blocks.pop().operations:
+                values.extend(op.outputs)
+                blocks.extend(op.blocks)
+        states = sum(nbytes(v.type) for v in fn.inputs if v.type.WhichOneof("type") == "stateType")
+        for what, size in [("its states declare", states), *((f"{v.name} is declared", nbytes(v.type)) for v in values)]:
+            if size > limit:
+                raise MILError(f"{package.name}: {fname}: {what} {size:,} bytes, more than this machine's "
+                               f"{limit:,} bytes of memory; refused (a damaged or hostile package?)")
 
 
 def _np_dtype(builtin) -> np.dtype:

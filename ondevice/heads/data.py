@@ -11,8 +11,6 @@ through a temp file and a rename, so an interrupted collection resumes at the ne
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from importlib import resources
@@ -20,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ondevice import atomic
 from ondevice.sampling import SamplingParams, probs_sparse
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -113,15 +112,8 @@ def _save(path: Path, rec: Record) -> Record:
     """Write ``rec`` (hidden rows as float16) and return it as ``load_record`` will read it back, so a run
     that records an answer trains on exactly what a resumed run reads from the file."""
     rec = Record(rec.tokens, rec.hidden.astype(np.float16).astype(np.float32), rec.prompt, rec.cls)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, tokens=rec.tokens, hidden=rec.hidden.astype(np.float16), prompt=rec.prompt, cls=np.array(rec.cls))
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic.replacing(path) as tmp, open(tmp, "wb") as f:
+        np.savez(f, tokens=rec.tokens, hidden=rec.hidden.astype(np.float16), prompt=rec.prompt, cls=np.array(rec.cls))
     return rec
 
 

@@ -214,11 +214,11 @@ def offline_tau(hits: np.ndarray, flat: Flat, recs: np.ndarray | None = None) ->
 
 
 def offline_tau_copy(hits: np.ndarray, flat: Flat, records: list[Record], gamma: int, copy_min: int) -> dict:
-    """``offline_tau`` of the heads drafter as it runs (``drafter.copy_guess`` first): at every pass a
+    """``offline_tau`` of the heads drafter as it runs (``ondevice.drafters.heads.copy_guess`` first): at every pass a
     prompt-lookup copy agreeing for at least ``copy_min`` tokens drafts the chain, else the heads'
     chain (``hits``). ``records`` are the ones ``flat`` was made of, in order; exact for greedy decoding."""
-    from ondevice.drafters import NgramDrafter
-    from ondevice.heads.drafter import copy_guess
+    from ondevice.drafters.heads import copy_guess
+    from ondevice.drafters.ngram import NgramDrafter
 
     passes = tokens = 0
     for r, rec in enumerate(records):

@@ -21,11 +21,11 @@ import hashlib
 import json
 import os
 import shlex
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
+from ondevice import atomic
 from ondevice.errors import OndeviceError
 from ondevice.heads.model import Heads
 
@@ -95,15 +95,8 @@ def save(path: str | os.PathLike, heads: Heads, meta: dict) -> Path:
     full = {"format": FORMAT, "version": VERSION, **meta, "K": heads.K, "rank": heads.rank, "hidden_size": heads.d,
             "draft_vocab_size": len(heads.vocab), "input_vocab_size": len(heads.vocab) + len(heads.extra), "s_h": heads.s_h, "s_e": heads.s_e,
             "shortlist": heads.shortlist if heads.short_a is not None else None}
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
+    with atomic.replacing(path) as tmp:
         save_file({k: np.ascontiguousarray(v) for k, v in t.items()}, tmp, metadata={"ondevice.heads": json.dumps(full)})
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
     return path
 
 

@@ -63,15 +63,8 @@ def choose_vocab(records: list[data.Record], V: int, size: int) -> np.ndarray:
 
 
 def _ckpt_save(path: Path, arrays: dict, info: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, __info__=np.array(json.dumps(info)), **arrays)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic.replacing(path) as tmp, open(tmp, "wb") as f:
+        np.savez(f, __info__=np.array(json.dumps(info)), **arrays)
 
 
 def _progress(quiet: bool):

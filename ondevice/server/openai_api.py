@@ -1,5 +1,5 @@
 """The OpenAI family's shared request fields and response envelope, used by every OpenAI dialect
-(``chat_completions``, ``completions``; later ``responses``).
+(``chat_completions``, ``completions``, ``responses``).
 
 Request side: ``check_model``, ``stream_args``, ``generation_args`` (sampling, limits, stop, γ),
 ``chat_messages``; every rejected request raises ``ApiError`` with the status, OpenAI ``type`` and ``code``,

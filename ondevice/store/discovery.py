@@ -180,7 +180,8 @@ def local_models() -> list[dict]:
 
     Returns:
         One dict per model: name (usable wherever a model is accepted), source, path, format, arch,
-        quant, size, vocab_size, fingerprint; or name, source, path and ``error`` for a broken one.
+        quant, size, vocab_size, fingerprint; or name, source, path and ``error`` for a broken one (a model
+        file or folder is untrusted input: one that cannot be read never breaks the listing).
     """
     found: list[tuple[str, str, Path | None, str | None]] = []
     try:
@@ -205,6 +206,8 @@ def local_models() -> list[dict]:
                 row.update(facts(path, cache))
             except OndeviceError as e:
                 error = str(e)
+            except Exception as e:  # what a crafted file provokes in a library (json nesting, tokenizers): skip it
+                error = f"{path}: cannot read it as a model ({type(e).__name__}: {str(e)[:200]})"
         if error is not None:
             row["error"] = error
         rows.append(row)

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 from ondevice.errors import OndeviceError
@@ -19,9 +20,18 @@ def resolve(spec: str | os.PathLike, *, auto_pull: bool = True) -> Path:
 
     ``NAME:QUANT`` names a local requantization made by ``ondevice pull NAME --quant QUANT``, and
     ``NAME:QUANT+out-TYPE`` one made with ``--output-type TYPE`` (``variant_tag``).
+
+    A catalog name (a str) means the catalog model even where a file or folder of that name exists here (said
+    on stderr): running in a folder someone else filled must not swap the pinned model for an unverified one.
+    Say ``./NAME`` (or pass a ``Path``) for the local one.
     """
     path = Path(spec).expanduser()
-    if path.exists():
+    if isinstance(spec, str) and not looks_like_path(spec) and _catalog_name(spec):
+        if path.exists() or path.is_symlink():  # the pinned, verified model wins over an unverified local one
+            kind = "folder" if path.is_dir() else "file"
+            print(f"ondevice: using the catalog model {spec} (pinned, sha256-checked), not the {kind} ./{spec} "
+                  f"here; pass ./{spec} to use that {kind}", file=sys.stderr)
+    elif path.exists():
         return path
     from ondevice.store import sources  # hf:, ollama:, lmstudio: and bare ORG/REPO names
 
@@ -51,6 +61,22 @@ def resolve(spec: str | os.PathLike, *, auto_pull: bool = True) -> Path:
         raise OndeviceError(f"{spec}: {why_missing(path)}; pass an existing model path or one of: {', '.join(names())}")
     get(name)  # raises the unknown-name error listing the catalog
     raise AssertionError("unreachable")
+
+
+PATH_SUFFIXES = (".gguf", ".safetensors", ".mlpackage", ".mlmodelc", ".heads.safetensors", ".json", ".bin")
+
+
+def looks_like_path(spec: str) -> bool:
+    """True when ``spec`` is clearly a path, not a name: ``./x``, ``../x``, ``~/x``, absolute, holding a path
+    separator, or ending in a model file's extension."""
+    return (spec.startswith(("./", "../", "~", ".\\", "..\\")) or os.path.isabs(spec) or "/" in spec
+            or os.sep in spec or spec.lower().endswith(PATH_SUFFIXES) or spec in (".", ".."))
+
+
+def _catalog_name(spec: str) -> bool:
+    """A catalog model or pair name, or ``NAME:TAG`` of a catalog model (a local variant)."""
+    models, pairs = catalog()
+    return spec in models or spec in pairs or spec.partition(":")[0] in models
 
 
 def resolve_pair(spec: str) -> tuple[str, str] | None:

@@ -1,6 +1,6 @@
-"""HeadsDrafter: drafts a chain from the hidden state the target's last pass already produced.
+"""HeadsDrafter: drafts a chain or a tree from the hidden state the target's last pass already produced.
 
-Contract (``ondevice.drafters.Drafter``): ``propose(context, gamma, params, rng)`` → (tokens, q) with q
+Contract (``ondevice.drafters.base.Drafter``): ``propose(context, gamma, params, rng)`` → (tokens, q) with q
 [γ', target V] the distributions the tokens were drawn from. Here q_i is the heads' draft-vocabulary
 logits processed by ``ondevice.sampling.probs_sparse`` with the request's own ``SamplingParams``
 (temperature, top-k, top-p, min-p, repetition penalty judged on the history mapped into the draft
@@ -10,15 +10,14 @@ then keeps the target's law whatever the heads guess; greedy drafting is determi
 The heads' input is the target's post-norm hidden state at the last cached position (the row whose
 logits chose the pending token): after a verify pass and its rollback that is the row of the last
 accepted token, which ``LlamaBackend.hidden`` still holds. A prompt the prefix cache holds whole has
-its last cached token evaluated again by the runtime (``reads_last_row``), so the row is there; when it
+its last cached token evaluated again by the runtime (``Traits.needs``), so the row is there; when it
 is not (a caller driving the loop itself), the drafter proposes nothing and the step is a plain one.
 
 **Copies first**: when the context's suffix occurs earlier (``NgramDrafter``, prompt lookup) with at least
 ``copy_min`` tokens agreeing, the chain is the copy instead (a point mass per token, q None: exact at any
 temperature); a tree gets the copy as one more branch, scored by the measured survival of such
 guesses. Heads rarely know an identifier or a phrase the prompt spelled out; a copy rarely guesses free
-text: on held-out answers (chain of 3, greedy) SmolLM2 code τ 1.56 (heads) / 1.35 (n-gram) → 1.86
-together, Qwen 1.5B code 1.87 / 1.20 → 1.91.
+text, so together they beat either alone (docs/ holds the measurements).
 """
 
 from __future__ import annotations
@@ -30,7 +29,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from ondevice.constrain import apply_mask
-from ondevice.drafters import Drafter, NgramDrafter
+from ondevice.drafters.base import Drafter, Traits
+from ondevice.drafters.ngram import NgramDrafter
 from ondevice.errors import OndeviceError
 from ondevice.guesses import GuessSurvival
 from ondevice.heads import store
@@ -113,15 +113,14 @@ class HeadsDrafter(Drafter):
             instead of the heads (0: heads only).
     """
 
-    name = "heads"
-    cheap = False  # the policy asks for exactly γ tokens (at most K from the heads, up to γ from a copy)
-    trees = True
-    reads_last_row = True  # the runtime re-evaluates a wholly cached prompt's last cached token
+    # the policy asks for exactly γ tokens (at most K from the heads, up to γ from a copy); the runtime keeps the
+    # target's last row (re-evaluating a wholly cached prompt's last cached token)
+    traits = Traits(name="heads", trees=True, needs=frozenset({"hidden"}))
 
     COPY_MIN = 2  # measured best of 1, 2, 3, 4, 6 on held-out answers (1 lets chance one-token matches in)
 
     def __init__(self, target, heads: Heads, meta: dict | None = None, copy_min: int = COPY_MIN) -> None:
-        d = target.enable_hidden()  # a backend without hidden states refuses in one line
+        d = target.enable_features(self.traits.needs)["hidden"]  # a backend without them refuses in one line
         if d != heads.d:
             raise OndeviceError(f"{target.path}: heads have hidden size {heads.d} but the model has {d}; "
                                 f"run `ondevice train-heads {shlex.quote(str(target.path.resolve()))}` for this model")
@@ -177,7 +176,7 @@ class HeadsDrafter(Drafter):
             if guess:
                 self.copied = True
                 return guess, None
-        h = self.target.hidden(len(context) - 2) if gamma > 0 and len(context) >= 2 else None
+        h = self.target.feature("hidden", len(context) - 2) if gamma > 0 and len(context) >= 2 else None
         if h is None:
             return none
         hs = self.heads
@@ -223,7 +222,7 @@ class HeadsDrafter(Drafter):
         ``ondevice.tree.Tree`` of point masses (deterministic, distinct siblings: exact at any temperature)
         with ``scores``; None when there is no hidden row to draft from. A copy (``copy_guess``, up to
         ``max_nodes`` long) joins the heads' nodes as one more branch (``merge_copy``)."""
-        h = self.target.hidden(len(context) - 2) if max_nodes > 0 and len(context) >= 2 else None
+        h = self.target.feature("hidden", len(context) - 2) if max_nodes > 0 and len(context) >= 2 else None
         if h is None:
             return self.copy_tree(context, max_nodes)
         x = int(self._rows(context[-1:])[0])
@@ -232,7 +231,7 @@ class HeadsDrafter(Drafter):
 
     def copy_tree(self, context: Sequence[int], max_nodes: int):
         """The copy alone (``copy_guess``) as a scored chain ``Tree``, or None: no head step, so the runtime
-        may offer it on steps the policy does not ask the heads to draft (``tree_steps``)."""
+        may offer it on steps the policy does not ask the heads to draft (``ondevice.speculative.steps``)."""
         tree = self._with_copy(context, [], [], [], max_nodes)
         return tree if len(tree) > 1 else None
 
@@ -242,7 +241,7 @@ class HeadsDrafter(Drafter):
         copy = copy_guess(self.copies, context, max_nodes, self.copy_min) if self.copy_min and max_nodes > 0 else []
         self.copied = bool(copy)
         if copy:
-            alphas = _PRIORS.alphas(self.copies.hint, len(copy))
+            alphas = _PRIORS.alphas(self.copies.guess, len(copy))
             tokens, parents, scores = merge_copy(tokens, parents, scores, copy, alphas, max_nodes)
         return Tree([int(context[-1]), *tokens], [-1, *parents], scores=[1.0, *scores])
 
@@ -257,3 +256,24 @@ class HeadsDrafter(Drafter):
 
     def close(self) -> None:
         pass  # the target belongs to the runtime
+
+
+def tree_from_topk(root: int, topk: Sequence[Sequence[int]], choices: Sequence[Sequence[int]]) -> Tree:
+    """The heads' hook: a Medusa-style tree from each head's ranked guesses (point masses).
+
+    Args:
+        root: the pending token.
+        topk: topk[d] = head d's guesses for depth d + 1, best first.
+        choices: node paths as ranks, e.g. (0,), (1,), (0, 0), (0, 1): (r_1, .., r_d) is topk[0][r_1] then
+            topk[1][r_2] ...; a node's parent path must come earlier, sibling order = priority.
+    """
+    index = {(): 0}
+    tokens, parents = [int(root)], [-1]
+    for ch in choices:
+        ch = tuple(ch)
+        if ch[:-1] not in index:
+            raise ValueError(f"tree choice {ch}: its parent {ch[:-1]} must be listed before it")
+        index[ch] = len(tokens)
+        tokens.append(int(topk[len(ch) - 1][ch[-1]]))
+        parents.append(index[ch[:-1]])
+    return Tree(tokens, parents)

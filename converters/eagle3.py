@@ -1,0 +1,201 @@
+"""EAGLE-3 draft checkpoint (safetensors) → GGUF arch ``eagle3``, as llama.cpp's own conversion writes it.
+
+Two layouts are read (``ondevice.testing.eagle3`` writes both): SafeAILab / SpecForge (``midlayer.*``, a llama
+config with ``num_hidden_layers: 1`` and ``draft_vocab_size``) and RedHat speculators (``layers.0.*``, the layer
+config nested in ``transformer_layer_config``). The GGUF holds the draft's one decoder layer, ``fc`` (3 target
+layer features → draft hidden), ``d2t`` as *absolute* target ids (int64), the target's vocabulary (the draft
+speaks the target's tokens), and the keys ``eagle3.target_layers`` / ``target_hidden_size`` /
+``norm_before_residual`` / ``norm_before_fc``. A draft without ``embed_tokens`` is written without
+``token_embd``: llama.cpp embeds its tokens with the target's table through ``ctx_other`` at run time.
+
+Reading the checkpoint: ``converters.eagle3_source``. Everything is checked against the target (hidden size,
+vocabulary, layer ids) before a byte is written; a pickle checkpoint is refused unread.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from converters.eagle3_source import (
+    GGUF_NAMES,
+    Eagle3Source,
+    Target,
+    is_eagle3,
+    open_eagle3,
+    rope_factors,
+    target_info,
+)
+from ondevice.errors import OndeviceError
+
+__all__ = ["Eagle3Source", "Target", "check_against", "convert_eagle3", "is_eagle3", "open_eagle3", "target_info",
+           "write_eagle3_gguf"]
+
+def layer_ids(src: Eagle3Source, target: Target) -> list[int]:
+    """The 3 target layers whose *inputs* the draft reads: the config's ``eagle_aux_hidden_state_layer_ids``, else
+    llama.cpp's default [2, L // 2, L − 3]; refused unless each is a layer of the target."""
+    ids = src.config.get("eagle_aux_hidden_state_layer_ids")
+    n = target.n_layers
+    ids = [int(i) for i in ids] if ids else [2, n // 2, n - 3]
+    if len(ids) != 3 or any(not 0 <= i < n for i in ids):
+        raise OndeviceError(f"{src.path}: reads target layers {ids} but {target.path.name} has {n} layers (0..{n - 1}); "
+                            "this draft was made for another target")
+    return ids
+
+
+def check_against(src: Eagle3Source, target: Target) -> list[int]:
+    """Refuse, in one line, a draft made for another target; returns its layer ids."""
+    n_vocab = len(target.vocab.tokens)
+    if src.target_hidden != target.hidden:
+        raise OndeviceError(f"{src.path}: made for a target of hidden size {src.target_hidden}, {target.path.name} has "
+                            f"{target.hidden}; this draft was made for another target")
+    cfg_vocab = int(src.config.get("vocab_size") or n_vocab)
+    if cfg_vocab != n_vocab:
+        raise OndeviceError(f"{src.path}: made for a vocabulary of {cfg_vocab} tokens, {target.path.name} has "
+                            f"{n_vocab}; this draft was made for another target")
+    if src.d2t.size and (src.d2t.min() < 0 or src.d2t.max() >= n_vocab):
+        raise OndeviceError(f"{src.path}: d2t names target token {int(src.d2t.max())} but {target.path.name} has "
+                            f"{n_vocab}; this draft was made for another target")
+    if src.has("t2d") and src.tensors.shape(src.names["t2d"]) != (n_vocab,):
+        raise OndeviceError(f"{src.path}: t2d covers {src.tensors.shape(src.names['t2d'])} tokens, {target.path.name} "
+                            f"has {n_vocab}; this draft was made for another target")
+    if src.has("embed_tokens.weight") and src.tensors.shape(src.names["embed_tokens.weight"]) != (n_vocab, src.hidden):
+        raise OndeviceError(f"{src.path}: embed_tokens has shape {list(src.tensors.shape(src.names['embed_tokens.weight']))}"
+                            f", expected [{n_vocab}, {src.hidden}] for {target.path.name}")
+    if not src.has("embed_tokens.weight") and src.hidden != target.hidden:
+        raise OndeviceError(f"{src.path}: has no embed_tokens and a hidden size ({src.hidden}) unlike the target's "
+                            f"({target.hidden}), so it cannot embed with the target's table")
+    return layer_ids(src, target)
+
+
+def _permute(t: np.ndarray, n_head: int) -> np.ndarray:
+    """HF rotate-half rows → llama.cpp's interleaved rope rows (the eagle3 graph uses rope type NORM)."""
+    return t.reshape(n_head, 2, t.shape[0] // n_head // 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
+
+
+def gguf_tensors(src: Eagle3Source):
+    """(GGUF name, array in llama.cpp's layout) for every tensor the GGUF holds, d2t last (int64)."""
+    for name, gname in GGUF_NAMES.items():
+        if not src.has(name):
+            continue
+        t = src.float32(name)
+        if name == "layer.self_attn.q_proj.weight":
+            t = _permute(t, src.n_heads)
+        elif name == "layer.self_attn.k_proj.weight":
+            t = _permute(t, src.n_kv_heads)
+        yield gname, t
+    factors = rope_factors(src.config)
+    if factors is not None:
+        yield "rope_freqs.weight", factors
+    if src.has("d2t"):
+        yield "d2t", src.d2t
+
+
+def tensor_shapes(src: Eagle3Source) -> list[tuple[str, tuple[int, ...]]]:
+    """(GGUF name, numpy shape) of what ``gguf_tensors`` yields, in its order, read from the headers only."""
+    out = [(g, src.tensors.shape(src.names[n])) for n, g in GGUF_NAMES.items() if src.has(n)]
+    if rope_factors(src.config) is not None:
+        out.append(("rope_freqs.weight", (src.head_dim // 2,)))
+    if src.has("d2t"):
+        out.append(("d2t", src.d2t.shape))
+    return out
+
+
+def write_eagle3_gguf(src: Eagle3Source, target: Target, ids: list[int], out: Path, *, dtype: str = "f16") -> dict:
+    """Write the GGUF at ``out`` (matrices ``dtype`` f16 | f32, vectors f32, d2t int64); returns counts per tensor."""
+    import gguf
+
+    from converters.gguf_writer import write_vocab
+
+    if dtype not in ("f16", "f32"):
+        raise OndeviceError(f"--dtype {dtype}: choose f16 or f32")
+    arch, cfg = "eagle3", src.config
+    w = gguf.GGUFWriter(str(out), arch)
+    counts: dict[str, int] = {}
+    try:
+        w.add_name(cfg.get("_name_or_path") or src.path.name)
+        w.add_context_length(int(cfg.get("max_position_embeddings", 2048)))
+        w.add_embedding_length(src.hidden)
+        w.add_block_count(1)
+        w.add_feed_forward_length(int(cfg["intermediate_size"]))
+        w.add_head_count(src.n_heads)
+        w.add_head_count_kv(src.n_kv_heads)
+        w.add_rope_dimension_count(src.head_dim)
+        w.add_rope_freq_base(float(cfg.get("rope_theta", 10000.0)))
+        w.add_layer_norm_rms_eps(src.eps)
+        if src.head_dim != src.hidden // src.n_heads:
+            w.add_key_length(src.head_dim)
+            w.add_value_length(src.head_dim)
+        w.add_vocab_size(len(target.vocab.tokens))
+        w.add_array(f"{arch}.target_layers", ids)
+        w.add_uint32(f"{arch}.target_hidden_size", src.target_hidden)
+        w.add_bool(f"{arch}.norm_before_residual", src.norm_before_residual)
+        w.add_bool(f"{arch}.norm_before_fc", src.norm_before_fc)
+        w.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if dtype == "f16" else gguf.LlamaFileType.ALL_F32)
+        write_vocab(w, target.vocab)
+        # header first (shapes from the safetensors headers), then one tensor at a time: memory stays at one
+        # tensor whatever the draft's size (add_tensor would hold them all until the end)
+        order = []
+        for name, shape in tensor_shapes(src):
+            store = np.dtype(np.int64 if name == "d2t" else
+                             np.float16 if dtype == "f16" and len(shape) >= 2 else np.float32)
+            w.add_tensor_info(name, shape, store, int(np.prod(shape)) * store.itemsize)
+            order.append((name, store))
+            counts[name] = int(np.prod(shape))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        for (want, store), (name, t) in zip(order, gguf_tensors(src), strict=True):
+            if name != want:
+                raise OndeviceError(f"{src.path}: tensor {name} came out of order (expected {want})")
+            w.write_tensor_data(np.ascontiguousarray(t, dtype=store))
+    finally:
+        w.close()
+    return counts
+
+
+def convert_eagle3(src: str | Path, *, target: str | Path, out: str | Path, dtype: str = "f16",
+                   verify: bool = True) -> dict:
+    """``ondevice convert EAGLE_DIR --to gguf --target TARGET --out DIR``: write ``DIR/model.gguf`` (arch eagle3)
+    and ``DIR/manifest.json``, atomically (nothing is left behind on any error or refusal).
+
+    Args:
+        src: the EAGLE-3 checkpoint directory (either layout).
+        target: the target it drafts for: an HF checkpoint directory or a GGUF (file or ``convert`` output dir).
+        out: a new directory.
+        dtype: f16 | f32 for the matrices.
+        verify: compare the written draft's logits (llama.cpp's eagle3 graph) with a numpy forward of the
+            source weights, given the same random target features and tokens (``converters.eagle3_check``).
+            The draft's own token embeddings are used when it has them; otherwise the target's, which needs the
+            target as a GGUF.
+    Returns:
+        Summary: arch, layout, layer ids, sizes, tensor count, ``verify`` (max abs / relative logit error).
+    Raises:
+        OndeviceError: one line, for any refusal (``open_eagle3``, ``check_against``).
+    """
+    import time
+
+    from converters.output import atomic_dir, check_out, write_manifest
+
+    t0 = time.perf_counter()
+    out = Path(out)
+    check_out(out)
+    draft = open_eagle3(src)
+    tgt = target_info(target)
+    ids = check_against(draft, tgt)
+    with atomic_dir(out) as tmp:
+        counts = write_eagle3_gguf(draft, tgt, ids, tmp / "model.gguf", dtype=dtype)
+        summary = {"format": "gguf", "arch": "eagle3", "layout": draft.layout, "dtype": dtype, "path": "model.gguf",
+                   "target": str(tgt.path), "target_layers": ids, "draft_vocab": int(draft.d2t.size),
+                   "own_embeddings": draft.has("embed_tokens.weight"), "n_params": sum(counts.values()),
+                   "size_bytes": (tmp / "model.gguf").stat().st_size}
+        if verify:
+            from converters.eagle3_check import verify_eagle3
+
+            summary["verify"] = verify_eagle3(draft, tmp / "model.gguf", tgt, dtype)
+        write_manifest(tmp, {"source": str(Path(src).resolve()), "format": "gguf", "arch": "eagle3",
+                             "target": str(tgt.path.resolve()), "target_layers": ids, "dtype": dtype})
+    summary["out"] = str(out)
+    summary["seconds"] = round(time.perf_counter() - t0, 3)
+    return summary

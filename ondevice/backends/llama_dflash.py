@@ -1,0 +1,172 @@
+"""A DFlash block drafter (GGUF arch ``dflash``) run through llama.cpp's own graph — a feasibility layer.
+
+DFlash drafts a whole block in one pass: its KV cache holds, at every target position, K/V projected from
+the target's *layer inputs* at ``dflash.target_layers`` (fused by ``fc`` + ``enc.output_norm``); a draft is
+one non-causal decode of ``[last token, mask × k]`` at the next k + 1 positions, whose logits at block
+index i (1..k) are q for draft token i. q_i does not depend on the tokens drafted before i (the block
+holds masks there), which is still a valid draft law for rejection sampling, position by position.
+
+The protocol against our loop (as llama.cpp's reference driver): the target context records the layer
+inputs (``llama_set_embeddings_layer_inp``); after each target decode ``observe`` injects those rows at
+their positions (one draft decode of embedding rows, no LM head); ``draft`` decodes the block and drops
+its positions; ``rollback`` keeps the draft cache below the target's n_past.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from ondevice.backends.llama_mtp import ext
+from ondevice.errors import OndeviceError
+
+
+class DFlashDrafter:
+    """A DFlash GGUF beside a target context whose model shares its vocabulary.
+
+    Args:
+        path: the DFlash .gguf.
+        target_model, target_ctx: the target's llama.cpp model and context (layer inputs get switched on).
+        n_ctx, threads, n_batch: the draft context's (n_ctx: the target's).
+    Attributes:
+        block_size: the trained block (at most block_size - 1 draft tokens per pass).
+        layers: target layer ids whose inputs the draft reads.
+    """
+
+    def __init__(self, path: str | Path, target_model, target_ctx, *, n_ctx: int, threads: int,
+                 n_batch: int = 256) -> None:
+        import llama_cpp
+
+        from ondevice.backends.llama import init_llama
+
+        self._lib, self.path = llama_cpp, Path(path)
+        self._model = self._ctx = self._batch = None
+        init_llama()
+        mp = llama_cpp.llama_model_default_params()
+        mp.n_gpu_layers = 0
+        self._model = llama_cpp.llama_model_load_from_file(str(self.path).encode(), mp)
+        if not self._model:
+            raise OndeviceError(f"{self.path}: llama.cpp could not load this DFlash draft")
+        arch = ctypes.create_string_buffer(64)
+        llama_cpp.llama_model_meta_val_str(self._model, b"general.architecture", arch, 64)
+        if arch.value != b"dflash":
+            self.close()
+            raise OndeviceError(f"{self.path}: architecture {arch.value.decode()!r} is not a DFlash draft")
+        n = int(ext("model_target_layer_ids_n")(self._model))
+        ids = ext("model_target_layer_ids")(self._model)
+        self.layers = [int(ids[i]) for i in range(n)]
+        n_layer_tgt = int(llama_cpp.llama_model_n_layer(target_model))
+        self.n_embd_tgt = int(llama_cpp.llama_model_n_embd(target_model))
+        v_tgt = int(llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(target_model)))
+        self._vocab = llama_cpp.llama_model_get_vocab(self._model)
+        self.vocab_size = int(llama_cpp.llama_vocab_n_tokens(self._vocab))
+        if not self.layers or max(self.layers) >= n_layer_tgt or self.vocab_size != v_tgt:
+            self.close()
+            raise OndeviceError(f"{self.path}: this DFlash draft was made for another target (layers {self.layers}, "
+                                f"vocabulary {self.vocab_size}; the target has {n_layer_tgt} layers, {v_tgt} tokens)")
+        buf = ctypes.create_string_buffer(32)
+        self.block_size = 16
+        if llama_cpp.llama_model_meta_val_str(self._model, b"dflash.block_size", buf, 32) >= 0:
+            self.block_size = int(buf.value)
+        self.mask_id = int(llama_cpp.llama_vocab_mask(self._vocab))
+        cp = llama_cpp.llama_context_default_params()
+        cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max = int(n_ctx), int(n_batch), int(n_batch), 1
+        cp.n_threads = cp.n_threads_batch = int(threads)
+        cp.no_perf = True
+        cp.ctx_other = target_ctx  # a draft without its own embeddings / LM head reads the target's
+        self._ctx = llama_cpp.llama_init_from_model(self._model, cp)
+        if not self._ctx:
+            self.close()
+            raise OndeviceError(f"{self.path}: llama.cpp could not create the DFlash context")
+        llama_cpp.llama_set_causal_attn(self._ctx, False)  # the block attends both ways
+        self._tgt = target_ctx
+        for lid in self.layers:
+            ext("set_embeddings_layer_inp")(target_ctx, lid, True)
+        self.n_batch = int(llama_cpp.llama_n_batch(self._ctx))
+        self._batch = llama_cpp.llama_batch_ext_init(self._ctx)
+        self._mem = llama_cpp.llama_get_memory(self._ctx)
+        self._pos = ctypes.c_int32 * 4
+
+    @property
+    def n_past(self) -> int:
+        return int(self._lib.llama_memory_seq_pos_max(self._mem, 0)) + 1
+
+    def features(self, n: int) -> np.ndarray:
+        """The target's layer-input rows of its last decode of ``n`` tokens, fused per token [n, L × hidden]."""
+        cols = []
+        for lid in self.layers:
+            ptr = ext("get_embeddings_layer_inp")(self._tgt, lid)
+            if not ptr:
+                raise OndeviceError(f"the target recorded no input of layer {lid} (its graph may not record layer inputs)")
+            cols.append(np.ctypeslib.as_array(ptr, shape=(n, self.n_embd_tgt)))
+        return np.concatenate(cols, axis=1).astype(np.float32)
+
+    def observe(self, feats: np.ndarray, pos0: int) -> None:
+        """Inject the fused target features of positions pos0.. into the draft's cache (drops pos0.. first)."""
+        lib, b = self._lib, self._batch
+        if pos0 > self.n_past:
+            raise OndeviceError(f"{self.path.name}: DFlash cache holds {self.n_past} positions, cannot inject at {pos0}")
+        self._lib.llama_memory_seq_rm(self._mem, 0, pos0, -1)
+        feats = np.ascontiguousarray(feats, dtype=np.float32)
+        fp = ctypes.POINTER(ctypes.c_float)
+        for s in range(0, len(feats), self.n_batch):
+            lib.llama_batch_ext_clear(b)
+            for i, row in enumerate(feats[s : s + self.n_batch]):
+                p = pos0 + s + i
+                idx = lib.llama_batch_ext_add_embd(b, 0, lib.llama_embd(row.ctypes.data_as(fp), 1, row.shape[0]))
+                if idx < 0:
+                    raise OndeviceError(f"{self.path.name}: DFlash batch rejected a feature row (code {idx})")
+                lib.llama_batch_ext_set_pos(b, idx, self._pos(p, p, p, 0))
+            rc = lib.llama_process(self._ctx, lib.LLAMA_PROCESS_TYPE_DECODE, b)
+            if rc != 0:
+                raise OndeviceError(f"{self.path.name}: DFlash injection failed (code {rc}) at position {pos0 + s}")
+
+    def draft(self, token: int, k: int) -> np.ndarray:
+        """Logits [k, vocab] of the block after ``token`` (the target's next token, at position n_past):
+        row i is q for the draft token at n_past + 1 + i. The draft cache is left as before."""
+        if not 1 <= k < self.block_size:
+            raise OndeviceError(f"{self.path.name}: a DFlash block drafts 1..{self.block_size - 1} tokens, not {k}")
+        lib, b, pos0 = self._lib, self._batch, self.n_past
+        lib.llama_batch_ext_clear(b)
+        for i, t in enumerate([token] + [self.mask_id] * k):
+            idx = lib.llama_batch_ext_add_token(b, 0, int(t))
+            lib.llama_batch_ext_set_pos(b, idx, self._pos(pos0 + i, 0, 0, 0))
+            lib.llama_batch_ext_set_output_logits(b, idx, i > 0)
+        try:
+            rc = lib.llama_process(self._ctx, lib.LLAMA_PROCESS_TYPE_DECODE, b)
+            if rc != 0:
+                raise OndeviceError(f"{self.path.name}: DFlash draft failed (code {rc}) at position {pos0}")
+            return np.stack([np.ctypeslib.as_array(lib.llama_get_logits_ith(self._ctx, i), shape=(self.vocab_size,))
+                             for i in range(1, k + 1)]).copy()
+        finally:
+            lib.llama_memory_seq_rm(self._mem, 0, pos0, -1)
+
+    def rollback(self, n_past: int) -> None:
+        if not self._lib.llama_memory_seq_rm(self._mem, 0, n_past, -1):
+            raise OndeviceError(f"{self.path.name}: DFlash cache cannot roll back to position {n_past}")
+
+    def close(self) -> None:
+        lib = self._lib
+        if self._batch is not None:
+            lib.llama_batch_ext_free(self._batch)
+            self._batch = None
+        if self._ctx:
+            lib.llama_free(self._ctx)
+            self._ctx = None
+        if self._model:
+            lib.llama_model_free(self._model)
+            self._model = None
+
+    def __del__(self) -> None:  # pragma: no cover - best effort
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def observe_target(drafter: DFlashDrafter, tokens: Sequence[int], pos0: int) -> None:
+    """After the target decoded ``tokens`` at pos0.. (in one llama_decode): inject their features."""
+    drafter.observe(drafter.features(len(tokens)), pos0)

@@ -1,0 +1,207 @@
+"""ctypes bindings of the C++-linkage functions of llama.cpp's ``src/llama-ext.h`` (EAGLE-3 / MTP features).
+
+llama-cpp-python 0.3.36's libllama exports them with mangled names (``nm -D --defined-only libllama.so``);
+each is looked up under its C name, then its Itanium-ABI name (Linux, macOS), from the library
+``llama_cpp`` already loaded. A library without them is refused in one line when first asked for.
+
+Layer inputs: ``set_embeddings_layer_inp(ctx, il, True)`` makes the target's graph keep the input of layer
+``il`` (the residual stream after layer il − 1) of *every* token of each later ``llama_decode``;
+``layer_inputs`` reads them back. Only architectures whose graph records them may be asked
+(``LAYER_INP_ARCHS``): llama.cpp aborts the whole process (GGML_ASSERT) when another one is.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from functools import cache
+
+import numpy as np
+
+from ondevice.errors import OndeviceError
+
+# GGUF architectures whose graph in llama-cpp-python 0.3.36 records every layer's input (res->t_layer_inp);
+# read from vendor/llama.cpp/src/models/*.cpp. qwen2 (Qwen2.5), gemma3, phi3 … do not.
+LAYER_INP_ARCHS = frozenset({
+    "llama", "qwen3", "qwen3moe", "qwen35", "qwen35moe", "qwen3next", "qwen4exp", "gemma4", "gpt-oss", "lfm2",
+    "mimo2", "minimax-01", "minimax-m2", "bailingmoe3", "nemotron_h", "nanbeige", "hunyuan_vl", "muse-glimmer",
+    "deepseek4",
+})
+
+_CTX, _MODEL = "P13llama_context", "PK11llama_model"
+# C name → (Itanium parameter encoding, argtypes (ctx / model pointers as void*), restype)
+_SIGNATURES = {
+    "llama_set_embeddings_layer_inp": (_CTX + "jb", [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_bool], None),
+    "llama_get_embeddings_layer_inp": (_CTX + "j", [ctypes.c_void_p, ctypes.c_uint32], ctypes.POINTER(ctypes.c_float)),
+    "llama_set_embeddings_nextn": (_CTX + "bb", [ctypes.c_void_p, ctypes.c_bool, ctypes.c_bool], None),
+    "llama_get_embeddings_nextn": (_CTX, [ctypes.c_void_p], ctypes.POINTER(ctypes.c_float)),
+    "llama_get_embeddings_nextn_ith": (_CTX + "i", [ctypes.c_void_p, ctypes.c_int32], ctypes.POINTER(ctypes.c_float)),
+    "llama_set_nextn_layer_offset": (_CTX + "i", [ctypes.c_void_p, ctypes.c_int32], None),
+    "llama_get_ctx_other": (_CTX, [ctypes.c_void_p], ctypes.c_void_p),
+    "llama_model_target_layer_ids": (_MODEL, [ctypes.c_void_p], ctypes.POINTER(ctypes.c_int32)),
+    "llama_model_target_layer_ids_n": (_MODEL, [ctypes.c_void_p], ctypes.c_uint32),
+    "llama_model_get_tok_embd": (_MODEL + "Pf", [ctypes.c_void_p, ctypes.POINTER(ctypes.c_float)], ctypes.c_uint32),
+}
+
+
+# llama_context address → layer ids recording is on for (llama.cpp aborts when asked for one that is not)
+_RECORDING: dict[int, set[int]] = {}
+
+
+def mangled(name: str) -> str:
+    """The Itanium-ABI symbol of one of ``_SIGNATURES`` (e.g. ``_Z26llama_get_embeddings_nextnP13llama_context``)."""
+    return f"_Z{len(name)}{name}{_SIGNATURES[name][0]}"
+
+
+@cache
+def fn(name: str):
+    """The bound function ``name`` of ``_SIGNATURES`` from llama-cpp-python's loaded libllama.
+
+    Raises:
+        OndeviceError: this libllama exports it under neither name (another llama-cpp-python version).
+    """
+    import llama_cpp
+
+    lib = llama_cpp.llama_cpp._lib
+    _, argtypes, restype = _SIGNATURES[name]
+    for symbol in (name, mangled(name)):
+        try:
+            f = getattr(lib, symbol)
+        except AttributeError:
+            continue
+        f.argtypes, f.restype = argtypes, restype
+        return f
+    raise OndeviceError(f"libllama of llama-cpp-python {getattr(llama_cpp, '__version__', '?')} does not export {name}; "
+                        "EAGLE-3 drafting needs llama-cpp-python 0.3.36's llama.cpp (pip install 'llama-cpp-python==0.3.36')")
+
+
+def _ptr(handle) -> int:
+    """A llama_context / llama_model handle (ctypes pointer or int) as an int address."""
+    if isinstance(handle, int):
+        return handle
+    return ctypes.cast(handle, ctypes.c_void_p).value or 0
+
+
+def model_arch(model) -> str:
+    """``general.architecture`` of a loaded llama_model."""
+    import llama_cpp
+
+    buf = ctypes.create_string_buffer(64)
+    n = llama_cpp.llama_model_meta_val_str(model, b"general.architecture", buf, len(buf))
+    return buf.value.decode() if n > 0 else "?"
+
+
+def target_layer_ids(draft_model) -> list[int]:
+    """The target layer ids a loaded EAGLE-3 / DFlash draft model reads (its ``*.target_layers``)."""
+    n = int(fn("llama_model_target_layer_ids_n")(_ptr(draft_model)))
+    p = fn("llama_model_target_layer_ids")(_ptr(draft_model))
+    return [int(p[i]) for i in range(n)] if n and p else []
+
+
+def check_layer_inputs(model, ids: list[int], name: str = "target") -> None:
+    """Refuse, in one line, recording layer inputs ``ids`` on a model whose graph would abort the process."""
+    import llama_cpp
+
+    arch = model_arch(model)
+    if arch not in LAYER_INP_ARCHS:
+        raise OndeviceError(f"{name}: architecture {arch!r} does not expose its layer inputs in this llama.cpp "
+                            f"(EAGLE-3 needs them; supported: {', '.join(sorted(LAYER_INP_ARCHS))})")
+    n_layer = int(llama_cpp.llama_model_n_layer(model))
+    bad = [i for i in ids if not 0 <= i < n_layer]
+    if bad:
+        raise OndeviceError(f"{name}: has {n_layer} layers; layer {bad[0]} asked for (a draft made for another target)")
+
+
+def record_layer_inputs(ctx, model, ids: list[int], on: bool = True, name: str = "target") -> None:
+    """Make the context's later decodes keep (``on``) or drop the inputs of layers ``ids`` for every token.
+
+    Raises:
+        OndeviceError: the architecture does not record them (``check_layer_inputs``), or a bad layer id.
+    """
+    check_layer_inputs(model, ids, name)
+    f = fn("llama_set_embeddings_layer_inp")
+    on_now = _RECORDING.setdefault(_ptr(ctx), set())
+    for i in sorted(set(ids)):
+        f(_ptr(ctx), int(i), bool(on))
+        (on_now.add if on else on_now.discard)(int(i))
+
+
+def layer_inputs(ctx, ids: list[int], n_tokens: int, n_embd: int) -> np.ndarray:
+    """[n_tokens, len(ids) × n_embd] float32: the recorded inputs of layers ``ids`` (concatenated in that order,
+    as EAGLE-3's ``fc`` reads them) of the tokens of the last ``llama_decode`` (at most n_batch of them: a decode
+    split into several calls keeps only the last call's rows).
+
+    Only after a decode with recording on: llama.cpp aborts the process when asked before its buffer exists.
+    Layers not switched on by ``record_layer_inputs`` are refused here for the same reason.
+    """
+    missing = sorted(set(ids) - _RECORDING.get(_ptr(ctx), set()))
+    if missing:
+        raise OndeviceError(f"layer {missing[0]}'s input is not recorded on this context (record_layer_inputs first)")
+    f = fn("llama_get_embeddings_layer_inp")
+    out = np.empty((n_tokens, len(ids) * n_embd), dtype=np.float32)
+    for k, i in enumerate(ids):
+        p = f(_ptr(ctx), int(i))
+        if not p:
+            raise OndeviceError(f"layer {i}'s input was not recorded by the last decode (record_layer_inputs first)")
+        out[:, k * n_embd:(k + 1) * n_embd] = np.ctypeslib.as_array(p, shape=(n_tokens, n_embd))
+    return out
+
+
+class EvalTap:
+    """Layer inputs read through llama.cpp's public scheduler callback (``cb_eval``), for targets whose graph
+    does not record them (qwen2 / Qwen2.5 in this llama.cpp): the input of layer il is the tensor the graph
+    names ``l_out-{il - 1}`` (the previous layer's output), copied out as it is computed.
+
+    It costs more than ``record_layer_inputs``: llama.cpp asks the callback about every node of every graph
+    (hundreds per decode) and splits the computation at each tensor taken.
+
+    Usage: ``cp.cb_eval = tap.callback`` (and ``cp.cb_eval_user_data = None``) on the llama_context_params the
+    target's context is created with; after each ``llama_decode``, ``tap.read()``.
+
+    Args:
+        ids: target layer ids, 1 ≤ id < n_layer (layer 0's input, the embedding, has no named tensor to take).
+        n_embd, n_layer: the target's hidden size and layer count.
+    """
+
+    def __init__(self, ids: list[int], n_embd: int, n_layer: int) -> None:
+        import os
+
+        import llama_cpp
+
+        if any(i < 1 for i in ids):
+            raise OndeviceError(f"layer ids {ids}: layer 0's input cannot be read through cb_eval (ids ≥ 1 only)")
+        if any(i >= n_layer for i in ids):
+            raise OndeviceError(f"layer ids {ids}: the target has {n_layer} layers (a draft made for another target)")
+        self.ids, self.n_embd = list(ids), int(n_embd)
+        lib = ctypes.CDLL(os.path.join(os.path.dirname(llama_cpp.__file__), "lib", "libggml-base.so"))
+        lib.ggml_get_name.restype, lib.ggml_get_name.argtypes = ctypes.c_char_p, [ctypes.c_void_p]
+        lib.ggml_nbytes.restype, lib.ggml_nbytes.argtypes = ctypes.c_size_t, [ctypes.c_void_p]
+        lib.ggml_backend_tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
+        want = {f"l_out-{i - 1}".encode(): i for i in set(self.ids)}
+        self._rows: dict[int, list[np.ndarray]] = {i: [] for i in want.values()}
+
+        def cb(t, ask, _user):  # pragma: no cover - called from C
+            il = want.get(lib.ggml_get_name(t))
+            if ask or il is None:
+                return il is not None if ask else True
+            nb = lib.ggml_nbytes(t)
+            buf = np.empty(nb // 4, np.float32)
+            lib.ggml_backend_tensor_get(t, buf.ctypes.data, 0, nb)
+            self._rows[il].append(buf.reshape(-1, self.n_embd))
+            return True
+
+        self.callback = llama_cpp.ggml_backend_sched_eval_callback(cb)
+
+    def clear(self) -> None:
+        for rows in self._rows.values():
+            rows.clear()
+
+    def read(self) -> np.ndarray:
+        """[n_tokens, len(ids) × n_embd]: the inputs of ``ids`` for the tokens decoded since the last read."""
+        parts = []
+        for i in self.ids:
+            if not self._rows[i]:
+                raise OndeviceError(f"layer {i}'s input was not seen by cb_eval (no decode since the last read, or "
+                                    "this architecture does not name its layer outputs l_out)")
+            parts.append(np.concatenate(self._rows[i]))
+        self.clear()
+        return np.concatenate(parts, axis=1)

@@ -1,0 +1,133 @@
+"""The drafter kinds by name: ``load(drafter=...)``, the CLI, ``draft="auto"`` and the policy find a kind here
+and read its declared ``Traits``; no module outside this one compares a drafter's name.
+
+A new kind (MTP, EAGLE-3, DFlash, a trained drafter) is one module under ``ondevice/drafters/`` and one
+``register`` call below.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from ondevice.drafters.base import Drafter, Traits
+from ondevice.drafters.heads import HeadsDrafter
+from ondevice.drafters.model import ModelDrafter
+from ondevice.drafters.ngram import NgramDrafter
+from ondevice.errors import OndeviceError
+
+
+@dataclass(frozen=True, kw_only=True)
+class Build:
+    """What a kind's factory may use: the open target and the load's arguments."""
+
+    target: object  # the open target ``Backend``
+    draft: str | Path | None = None  # the draft model argument (model kinds)
+    source: str | Path | None = None  # a drafter file (heads: None = the one stored for the target)
+    draft_backend: object = None  # a draft already opened (``draft="auto"``)
+    n_ctx: int = 4096
+    threads: int | None = None
+    device: str | None = None
+    mmap: bool = True
+    draft_device: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Kind:
+    """A drafter kind: its declared traits, its factory, and which ``draft=`` arguments name it."""
+
+    traits: Traits
+    build: Callable[[Build], Drafter | None]
+    help: str
+    claims: Callable[[str], bool] | None = None  # a ``draft=`` argument that selects this kind (heads files)
+
+    @property
+    def name(self) -> str:
+        return self.traits.name
+
+
+_KINDS: dict[str, Kind] = {}
+
+
+def register(kind: Kind) -> None:
+    _KINDS[kind.name] = kind
+
+
+def names() -> tuple[str, ...]:
+    return tuple(_KINDS)
+
+
+def get(name: str) -> Kind:
+    """The kind called ``name``; a one-line error lists the others."""
+    try:
+        return _KINDS[name]
+    except KeyError:
+        raise OndeviceError(f"drafter={name!r}: choose one of {', '.join(_KINDS)}") from None
+
+
+def traits(name: str) -> Traits:
+    return get(name).traits
+
+
+def choose(drafter: str | None, draft: str | Path | None) -> tuple[Kind | None, str | Path | None, str | Path | None]:
+    """The kind ``load(draft=..., drafter=...)`` asks for, before pairs and ``draft="auto"`` are resolved.
+
+    Returns:
+        (the kind, or None when it depends on whether a draft model is found; the draft model argument left;
+        a drafter file, e.g. a ``.heads.safetensors``).
+    """
+    asked = None if drafter is None else get(drafter)
+    if draft is not None and (asked is None or asked.traits.model or asked.claims is not None):
+        for kind in _KINDS.values():
+            if kind.claims is not None and kind.claims(str(draft)) and (asked is None or asked.traits.model or asked is kind):
+                return kind, None, None if str(draft) == kind.name else draft
+    return asked, draft, None
+
+
+def settle(kind: Kind | None, draft: str | Path | None) -> Kind:
+    """The kind once pairs are resolved: a draft model's kind when one is given, else prompt lookup; a draft
+    given to a kind that would not use it (or none to one that needs it) is refused in one line."""
+    kind = kind or get("model" if draft is not None else "ngram")
+    if kind.traits.model and draft is None:
+        raise OndeviceError(f"drafter={kind.name!r} needs a draft model: pass draft=PATH (or --draft)")
+    if not kind.traits.model and draft is not None:
+        raise OndeviceError(f"a draft model was given but drafter={kind.name!r} would not use it; drop one of them")
+    return kind
+
+
+def _model(b: Build) -> Drafter:
+    from ondevice.backends import open_backend
+    from ondevice.formats.pairs import check_vocabs
+    from ondevice.store import lookup
+
+    t, backend = b.target, b.draft_backend
+    if backend is None:
+        backend = open_backend(lookup.resolve(b.draft), n_ctx=b.n_ctx, threads=b.threads, mmap=b.mmap,
+                               device=b.draft_device or b.device, keep_ne=b.draft_device is None and b.device != "mil")
+    try:
+        limit = check_vocabs(t.vocab_tokens(), backend.vocab_tokens(), t.path, backend.path)
+    except BaseException:
+        backend.close()
+        raise
+    return ModelDrafter(backend, limit, t.vocab_size)
+
+
+def _ngram(b: Build) -> Drafter:
+    return NgramDrafter()
+
+
+def _heads(b: Build) -> Drafter:
+    return HeadsDrafter.for_target(b.target, b.source)
+
+
+def _heads_file(draft: str) -> bool:
+    return draft == "heads" or draft.endswith(".heads.safetensors")
+
+
+register(Kind(traits=ModelDrafter.traits, build=_model,
+              help="a smaller model of the same vocabulary (needs a draft)"))
+register(Kind(traits=NgramDrafter.traits, build=_ngram, help="prompt lookup: copies of earlier text"))
+register(Kind(traits=HeadsDrafter.traits, build=_heads, claims=_heads_file,
+              help="heads trained for the target (ondevice train-heads) on its hidden states"))
+register(Kind(traits=Traits(name="none"), build=lambda b: None, help="plain decoding"))

@@ -1,0 +1,99 @@
+"""A tiny random-weight DFlash block drafter (GGUF arch ``dflash``) for a target of ``ondevice.testing.mtp``.
+
+What llama.cpp's ``dflash`` graph needs (src/models/dflash.cpp; conversion/qwen.py writes real ones):
+Qwen3-style decoder layers (q/k norms, NEOX rope, SwiGLU), ``fc`` [n_target_layers × target hidden → hidden]
+and ``enc.output_norm`` fusing the target's layer inputs, ``output_norm``, and either its own
+``token_embd`` / ``output`` (written here) or the target's through ``ctx_other``; metadata
+``dflash.target_layers`` (the target layer ids whose *inputs* it reads: HF ``target_layer_ids`` + 1),
+``dflash.block_size`` and the tokenizer's ``mask_token_id``.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from ondevice.testing.mtp import MtpShape, add_test_vocab
+
+
+def make_tiny_dflash_gguf(out: str | Path, *, target: MtpShape | None = None, target_layers: tuple[int, ...] = (0, 1),
+                          n_layer: int = 1, n_embd: int = 256, n_ff: int = 512, n_head: int = 4, n_head_kv: int = 2,
+                          head_dim: int = 64, block_size: int = 4, mask_token_id: int | None = None,
+                          own_head: bool = True, seed: int = 0) -> Path:
+    """Write a random DFlash draft for targets of shape ``target`` (their hidden size and vocabulary).
+
+    Args:
+        out: the .gguf file (written whole or not at all).
+        target: the target's shape (default ``MtpShape()``).
+        target_layers: target layer ids whose inputs the draft fuses (each < the target's trunk layers).
+        block_size: the trained block (drafts at most block_size - 1 tokens per pass).
+        mask_token_id: the noise token (default: the last vocabulary id).
+        own_head: write ``token_embd`` / ``output``; False leaves them out, as published drafts do (they read
+            the target's through ``ctx_other``; ``n_embd`` must then be the target's).
+    Returns:
+        ``out`` as a Path.
+    """
+    import gguf
+
+    t_shape = target or MtpShape()
+    if not target_layers or max(target_layers) >= t_shape.n_layer:
+        raise ValueError(f"target_layers {target_layers} must be ids below the target's {t_shape.n_layer} layers")
+    v, h = t_shape.vocab_size, n_embd
+    rng = np.random.default_rng(seed)
+
+    def lin(o: int, i: int, gain: float = 1.0) -> np.ndarray:
+        return (rng.standard_normal((o, i)) * (gain / np.sqrt(i))).astype(np.float32)
+
+    def norm(n: int) -> np.ndarray:
+        return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+
+    t = {"token_embd.weight": (0.5 * rng.standard_normal((v, h))).astype(np.float32),
+         "output.weight": lin(v, h, 4.0), "output_norm.weight": norm(h),
+         "fc.weight": lin(h, len(target_layers) * t_shape.n_embd), "enc.output_norm.weight": norm(h)}
+    if not own_head:
+        if n_embd != t_shape.n_embd:
+            raise ValueError(f"a draft sharing the target's embeddings needs n_embd {t_shape.n_embd}, not {n_embd}")
+        del t["token_embd.weight"], t["output.weight"]
+    for i in range(n_layer):
+        p = f"blk.{i}."
+        t.update({p + "attn_norm.weight": norm(h), p + "attn_q.weight": lin(n_head * head_dim, h, 2.0),
+                  p + "attn_k.weight": lin(n_head_kv * head_dim, h, 2.0), p + "attn_v.weight": lin(n_head_kv * head_dim, h),
+                  p + "attn_output.weight": lin(h, n_head * head_dim), p + "attn_q_norm.weight": norm(head_dim),
+                  p + "attn_k_norm.weight": norm(head_dim), p + "ffn_norm.weight": norm(h),
+                  p + "ffn_gate.weight": lin(n_ff, h), p + "ffn_up.weight": lin(n_ff, h), p + "ffn_down.weight": lin(h, n_ff)})
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
+    os.close(fd)
+    try:
+        w = gguf.GGUFWriter(tmp, "dflash")
+        w.add_name("tiny-dflash")
+        w.add_file_type(gguf.LlamaFileType.ALL_F32)
+        w.add_context_length(4096)
+        w.add_embedding_length(h)
+        w.add_block_count(n_layer)
+        w.add_feed_forward_length(n_ff)
+        w.add_head_count(n_head)
+        w.add_head_count_kv(n_head_kv)
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+        w.add_rope_freq_base(1e6)
+        w.add_layer_norm_rms_eps(1e-6)
+        w.add_array("dflash.target_layers", [int(x) for x in target_layers])
+        w.add_uint32("dflash.block_size", block_size)
+        add_test_vocab(w, v)
+        w.add_uint32("tokenizer.ggml.mask_token_id", v - 1 if mask_token_id is None else mask_token_id)
+        for name, a in t.items():
+            w.add_tensor(name, np.ascontiguousarray(a))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        os.replace(tmp, out)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return out
