@@ -97,6 +97,13 @@ def call_grammar(tools: Sequence[dict], choice: str, fmt: str) -> str:
     return f"start: call\ncall: %json {schema}"
 
 
+def template_messages(messages: Sequence[dict], family: str = "json") -> list[dict]:
+    """OpenAI messages as ``family``'s chat template expects them: ``ondevice.toolcalls.template_messages``."""
+    from ondevice import toolcalls
+
+    return toolcalls.template_messages(messages, family)
+
+
 def parse_calls(text: str, family: str, tools: Sequence[dict]) -> tuple[str | None, list[dict]]:
     """Split a model's whole answer into (content, OpenAI ``tool_calls``) in ``family``'s format ('hermes',
     'json' or any of ``ondevice.toolcalls.FAMILIES``): ``ondevice.toolcalls.parse``.
