@@ -189,6 +189,8 @@ def test_think_then_answer_split_whole_and_streamed(qwen3):
     assert (st["reasoning_content"], st["reasoning"], st["content"]) == (extra["reasoning_content"],) * 2 + (m[2],)
     assert finish == "stop" and st_finish == ["stop"] and not st["calls"]
     assert "<think>" not in msg.content and "</think>" not in st["content"]
+    msg, _, st, _ = qwen3.ask(grammar, extra_body={"reasoning_format": "none"})  # llama-server's: tags kept
+    assert msg.content == st["content"] == want and "reasoning_content" not in msg.model_extra
 
 
 def test_python_api_reply_splits_as_the_server(qwen3):
@@ -254,6 +256,7 @@ def test_history_with_reasoning_and_calls_renders(qwen3):
     ({"chat_template_kwargs": ["enable_thinking"]}, "chat_template_kwargs"),
     ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
     ({"grammar": ""}, "grammar"),
+    ({"reasoning_format": "hidden"}, "reasoning_format"),
     ({"grammar": 'start: "a"', "response_format": {"type": "json_object"}}, "grammar"),
 ])
 def test_bad_fields_are_400_naming_them(qwen3, body, param):

@@ -21,6 +21,7 @@ from ondevice.server.structured import (
     Structured,
     chat_logprobs_args,
     grammar_args,
+    reasoning_args,
     response_format_args,
     template_args,
     tool_args,
@@ -42,12 +43,13 @@ class ChatCompletions(Dialect):
         template = rt.target.chat_template
         tool_args(body, template, st)
         template_args(body, st)
+        reasoning_args(body, st)
         try:  # the template is untrusted: it renders in its own budgeted process
             text, ids = render_prompt(rt, toolcalls.template_messages(chat_messages(body), st.family),
                                       tools=st.tools, variables=st.variables)
         except OndeviceError as e:
             raise ApiError(400, str(e), param="messages") from e
-        st.thinking = reasoning.detect(template, text[-PROMPT_TAIL:])
+        st.thinking = reasoning.detect(template, text[-PROMPT_TAIL:]) if st.split_thinking else None
         if not ids:
             raise ApiError(400, "the prompt is empty", param="prompt")
         check_context(len(ids), rt.n_ctx)

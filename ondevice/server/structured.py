@@ -38,6 +38,7 @@ class Structured:
         logprobs: whether the reply carries logprobs.
         variables: template variables from ``chat_template_kwargs``.
         thinking: the template's thinking convention for this prompt (``ondevice.reasoning.detect``).
+        split_thinking: False when the request asks for thinking left in the content (``reasoning_format``).
     """
 
     run: dict = field(default_factory=dict)
@@ -47,6 +48,7 @@ class Structured:
     logprobs: bool = False
     variables: dict = field(default_factory=dict)
     thinking: Thinking | None = None
+    split_thinking: bool = True
 
     @property
     def call_family(self) -> str:
@@ -164,6 +166,15 @@ def template_args(body: dict, out: Structured) -> None:
         raise _bad("chat_template_kwargs", f"{own[0]!r} is set by the server; give it in its own field")
     _cap_size("chat_template_kwargs", "the variables", kw)
     out.variables = dict(kw)
+
+
+def reasoning_args(body: dict, out: Structured) -> None:
+    """``reasoning_format`` (llama-server's): 'auto' (default) or 'deepseek' split thinking into
+    ``reasoning_content``; 'none' leaves it, tags and all, in the content."""
+    fmt = body.get("reasoning_format", "auto")
+    if fmt not in ("auto", "deepseek", "none"):
+        raise _bad("reasoning_format", "must be 'auto', 'deepseek' or 'none'")
+    out.split_thinking = fmt != "none"
 
 
 def _cap_size(param: str, what: str, obj) -> None:
