@@ -1,8 +1,9 @@
 """OpenAI's structured-output fields: ``response_format``, ``grammar``, ``tools`` / ``tool_choice``,
-``logprobs`` / ``top_logprobs``, ``chat_template_kwargs``.
+``logprobs`` / ``top_logprobs``, ``chat_template_kwargs``, ``reasoning_format``.
 
 Request side: one function per field group (``chat_logprobs_args``, ``completion_logprobs_args``,
-``response_format_args``, ``grammar_args``, ``tool_args``, ``no_tool_args``, ``template_args``) validates it
+``response_format_args``, ``grammar_args``, ``tool_args``, ``no_tool_args``, ``template_args``,
+``reasoning_args``) validates it
 (``ApiError`` 400 in OpenAI's shape, naming the field) into a ``Structured``: what the runtime and the reply
 need; each dialect calls the ones it speaks. Response side: ``Answer`` splits the output into thinking,
 content and tool calls (in the template's family format), whole or streamed; ``split_answer`` for a whole text.
