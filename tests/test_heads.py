@@ -415,11 +415,11 @@ def test_prompt_keeps_hidden_rows_only_when_the_first_step_may_draft(trained, ho
         calls, orig = [], rt.target._eval
         rt.target._eval = lambda tokens, logits="all": calls.append(len(tokens)) or orig(tokens, logits)
         ids = rt.tokenize(PROMPTS[2])
-        rt._prefill(ids, drafts=False)
+        rt.slot.prefill(ids, drafts=False)
         assert calls == [len(ids) - 1] and rt.target.hidden(len(ids) - 2) is None
         calls.clear()
         rt.reset()
-        rt._prefill(ids, drafts=True)
+        rt.slot.prefill(ids, drafts=True)
         assert calls == [len(ids) - 2, 1] and rt.target.hidden(len(ids) - 2) is not None
 
 
