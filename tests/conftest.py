@@ -128,6 +128,31 @@ def tiny_mlx(tiny_gguf, tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="session")
+def heads_trained(tiny_gguf, tmp_path_factory):
+    """(target, home, summary): the tiny llama target copied outside the test cache, and one uninterrupted small
+    train-heads run on it (``helpers.SMALL_HEADS``) whose heads are stored under ``home`` (its ONDEVICE_HOME)."""
+    import shutil
+
+    from helpers import SMALL_HEADS
+
+    from ondevice.heads import train
+
+    target = tmp_path_factory.mktemp("models") / "tiny.gguf"
+    shutil.copy(tiny_gguf("llama"), target)
+    home = tmp_path_factory.mktemp("clean")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("ONDEVICE_HOME", str(home))
+        summary = train.train_heads(target, **SMALL_HEADS)
+    return target, home, summary
+
+
+@pytest.fixture
+def heads_home(heads_trained):
+    """(target, home) of ``heads_trained``."""
+    return heads_trained[:2]
+
+
 @pytest.fixture
 def tiny_catalog(tmp_path, monkeypatch):
     """name → a catalog entry whose published file is ``src`` (copied into the cache, as if pulled)."""

@@ -10,6 +10,8 @@ from scipy import stats as sps
 from ondevice import sampling
 
 PROMPT = "The model draft and the target verify"
+# train-heads on the tiny llama target in seconds (the session's trained heads, and runs compared with them)
+SMALL_HEADS = dict(tokens=600, max_new=48, rank=32, epochs=3, vocab=256, threads=1, n_ctx=512, slots=8, quiet=True)
 
 
 def batch_invariant(path, k: int = 6, kind: str = "gguf") -> bool:

@@ -1,32 +1,17 @@
-"""Heads driven as a user drives them: Ctrl-C at odd moments of a generation, then the same model again."""
+"""Decoding with heads: Ctrl-C between a tree pass and its kept path, a rollback after an unkept tree, a seeded
+request independent of the prefix cache, and draft="auto" choosing n-gram leaves hidden states off."""
 
 from __future__ import annotations
 
-import shutil
-from pathlib import Path
-
+import numpy as np
 import pytest
 
 import ondevice
 from ondevice import tree
 from ondevice.backends.llama import LlamaBackend
-from ondevice.heads import train
 
 PROMPTS = ("Once upon a time", "def f(x):")  # the tiny target writes 120 tokens after each (no early end)
 GREEDY = dict(max_tokens=120, temperature=0.0)
-
-
-@pytest.fixture(scope="module")
-def heads_home(tiny_gguf, tmp_path_factory):
-    """(target, home): the tiny llama target copied outside the test cache, with heads trained into ``home``."""
-    home = tmp_path_factory.mktemp("home")
-    target = tmp_path_factory.mktemp("models") / "tiny.gguf"
-    shutil.copy(tiny_gguf("llama"), target)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("ONDEVICE_HOME", str(home))
-        train.train_heads(target, tokens=600, max_new=48, rank=32, epochs=3, vocab=256, threads=1, n_ctx=512,
-                          slots=8, quiet=True)
-    return target, home
 
 
 def _stop_at(n: int, fn):
@@ -85,7 +70,6 @@ def test_rollback_after_an_unkept_tree_leaves_the_cache_a_chain_would(tiny_gguf,
     the context: the next tokens, a kept tree and more tokens score as in a context that never saw the tree.
     Before, the tree's other cells stayed taken, the next tokens went into cells after them and later ones
     filled the holes, out of position order (llama.cpp's CPU attention sums in cell order: ~0.4 apart)."""
-    import numpy as np
 
     path = tiny_gguf("llama")
     a, b = LlamaBackend(path, n_ctx=512, threads=1), LlamaBackend(path, n_ctx=512, threads=1)
@@ -113,79 +97,40 @@ def test_rollback_after_an_unkept_tree_leaves_the_cache_a_chain_would(tiny_gguf,
         b.close()
 
 
-def test_a_truncated_heads_file_is_one_line_naming_the_model_to_train_again(heads_home, tmp_path):
-    """A heads file cut short (a copy or download that stopped), stored beside the model or passed as --draft:
-    `ondevice generate` prints one line naming the file and the command that writes it again for this model
-    (it said `ondevice train-heads MODEL`), `ondevice info` shows the same line as the heads' status, and
-    `--draft auto` drafts without them and says so (it passed over them without a word)."""
-    import os
-    import shlex
-    import subprocess
-    import sys
-
-    from ondevice.heads import store
-
-    target, home = heads_home
-    env = {**os.environ, "ONDEVICE_HOME": str(tmp_path / "home"), "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
-    good = next((home / "heads").glob("*.heads.safetensors"))
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("ONDEVICE_HOME", env["ONDEVICE_HOME"])
-        stored = store.default_path(target)
-    stored.parent.mkdir(parents=True)
-    stored.write_bytes(good.read_bytes()[:5000])
-    fix = f"ondevice train-heads {shlex.quote(str(target.resolve()))}"
-    for draft in ("heads", str(stored)):
-        out = subprocess.run([sys.executable, "-m", "ondevice", "generate", str(target), "--draft", draft, "-p", "hi",
-                              "--max-tokens", "4", "--threads", "1"], capture_output=True, text=True, env=env, timeout=120)
-        assert out.returncode == 2 and out.stdout == "", out.stderr
-        assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr, out.stderr
-        assert str(stored) in out.stderr and "not a readable heads file" in out.stderr and fix in out.stderr, out.stderr
-    info = subprocess.run([sys.executable, "-m", "ondevice", "info", str(target), "--json"], capture_output=True, text=True,
-                          env=env, timeout=120)
-    assert info.returncode == 0 and fix in info.stdout, info.stdout + info.stderr
-    auto = subprocess.run([sys.executable, "-m", "ondevice", "generate", str(target), "--draft", "auto", "-p", "hi",
-                           "--max-tokens", "4", "--threads", "1"], capture_output=True, text=True, env=env, timeout=120)
-    said = [ln for ln in auto.stderr.splitlines() if ln.startswith("draft:")]
-    assert auto.returncode == 0 and len(said) == 1, auto.stderr  # auto drafts without them, and says why
-    assert "heads stored for this model were not used" in said[0] and str(stored) in said[0], said
-    assert stored.read_bytes() == good.read_bytes()[:5000]  # nothing written over it
+@pytest.fixture
+def target(heads_trained):
+    """The tiny llama target copied outside the test cache (its heads go to <home>/heads)."""
+    return heads_trained[0]
 
 
-def test_rounds_of_own_prompts_stop_at_the_first_round_that_keeps_none(tiny_gguf, tmp_path, monkeypatch):
-    """A target that writes no usable request (the tiny one writes noise) is asked one round in the other styles,
-    not MAX_ROUNDS of them (each round asks hundreds of requests: minutes spent keeping nothing)."""
-    rounds: list[int] = []
-
-    def none_kept(rt, backend, cache, seed, bar, round=0, avoid=None):
-        rounds.append(round)
-        return []
-
-    monkeypatch.setenv("ONDEVICE_HOME", str(tmp_path / "home"))
-    monkeypatch.setattr(train, "_self_prompts", none_kept)
-    r = train.train_heads(tiny_gguf("llama"), tokens=10**6, max_new=8, rank=16, epochs=1, vocab=128, threads=1,
-                          n_ctx=512, slots=8, quiet=True)
-    assert rounds == [0, 1] and 0 < r["training_tokens"] < 10**6
+@pytest.fixture
+def clean(heads_trained):
+    """(home, summary) of one uninterrupted small run."""
+    return heads_trained[1:]
 
 
-def test_ctrl_c_in_train_heads_says_how_to_resume(tiny_gguf, tmp_path):
-    """SIGINT while `ondevice train-heads` records: exit 130, one line saying what is kept and how to resume
-    (it exited without a word), no traceback."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
+def test_a_seeded_request_does_not_depend_on_the_prefix_cache(target, clean, monkeypatch):
+    """The same request twice: the second finds its prompt cached whole, yet drafts its first step as the
+    first did (the runtime evaluates the last cached token again for the heads' hidden row)."""
+    monkeypatch.setenv("ONDEVICE_HOME", str(clean[0]))
+    with ondevice.load(target, draft="heads", threads=1) as rt:
+        for kw in (dict(temperature=0), dict(temperature=0.7, top_p=0.9)):
+            runs = [rt.generate("def add(a, b):", max_tokens=24, seed=3, gamma=3, **kw) for _ in range(2)]
+            a, b = runs
+            assert a.tokens == b.tokens and a.stats.accept_counts == b.stats.accept_counts
+            assert a.stats.drafted == b.stats.drafted > 0 and b.stats.prompt_eval_tokens == 2  # the cached last token again, and the pending one
 
-    env = {**os.environ, "ONDEVICE_HOME": str(tmp_path / "home"), "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
-    proc = subprocess.Popen([sys.executable, "-m", "ondevice", "train-heads", str(tiny_gguf("llama")), "--tokens", "1000000",
-                             "--threads", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    records = tmp_path / "home" / "heads" / "work"
-    t0 = time.monotonic()
-    while not list(records.glob("*/.lock")) and time.monotonic() - t0 < 120:  # the run has begun
-        time.sleep(0.2)
-    time.sleep(1.0)
-    proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=60)
-    lines = [ln for ln in err.splitlines() if ln.strip() and "━" not in ln and "recording" not in ln]
-    assert proc.returncode == 130 and "Traceback" not in err, err
-    assert lines and lines[-1].startswith("stopped:") and "resume" in lines[-1], err
+
+def test_auto_choosing_ngram_leaves_the_targets_hidden_states_off(target, clean, monkeypatch):
+    """draft="auto" times the stored heads to judge them; it switched the target's hidden-state output on even
+    when it then chose n-gram drafting (every pass paid for rows nobody reads)."""
+    from ondevice.costs import Costs
+
+    monkeypatch.setenv("ONDEVICE_HOME", str(clean[0]))
+    monkeypatch.setattr("ondevice.store.discovery.local_models", lambda: [])
+    steep = Costs({1: 1e-3, 2: 2e-3, 4: 4e-3, 8: 8e-3}, 0.0)
+    monkeypatch.setattr("ondevice.costs.cached_measure", lambda target, draft=None, cancelled=None: steep)
+    with ondevice.load(target, draft="auto", threads=1) as rt:
+        assert rt.drafter.name == "ngram" and rt.draft_choice["candidates"][0]["ok"]
+        rt.generate("def add(a, b):", max_tokens=8, temperature=0, gamma=3)
+        assert rt.target.hidden(rt.target.n_past - 1) is None

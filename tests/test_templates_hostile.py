@@ -1,5 +1,6 @@
-"""Reliability, second round (issue 28), part 1: hostile chat templates (API, chat, serve), answers cut by a
-shutdown, and one too-long chat turn. Part 2 (tests/test_reliability_3.py) holds the smaller items."""
+"""Chat templates a model file carries are untrusted: a hostile one (endless loops, doubling strings, recursion)
+is one error within the render budget from the API, the chat REPL and the server, which stay usable and
+stoppable; the render worker starts from a process that once held more than its memory cap."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import urllib.request
@@ -24,6 +24,8 @@ HOSTILE = {  # chat templates a model file may carry
                 "{{ ns.s }}",
     "recursion": "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}",
 }
+
+
 BUDGET = "3"  # seconds a template may take (ONDEVICE_TEMPLATE_SECONDS) in these tests
 
 
@@ -145,90 +147,6 @@ def test_serve_stays_responsive_and_stoppable_with_a_hostile_template(hostile, m
     finally:
         proc.kill()
         proc.wait()
-
-
-# -- 2. a cut answer is never "stop" ------------------------------------------------------------------------
-HOLD = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16,"  # keeps counting: no early EOS
-
-
-@pytest.mark.parametrize("stream", [False, True])
-def test_shutdown_mid_answer_is_an_error_never_stop(stream, smollm2):
-    openai = pytest.importorskip("openai")
-    from ondevice.server.run import launch
-
-    log = tempfile.TemporaryFile()
-    proc, url = launch(str(smollm2), "--threads", "1", "--n-ctx", "512", "--no-spec", stderr=log)
-    try:
-        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
-        model = client.models.list().data[0].id
-        got: dict = {"chunks": []}
-
-        def ask():
-            try:
-                if stream:
-                    for c in client.completions.create(model=model, prompt=HOLD, max_tokens=2000, temperature=0,
-                                                       stream=True):
-                        got["chunks"].append(c)
-                    got["ended"] = "normally"
-                else:
-                    got["answer"] = client.completions.create(model=model, prompt=HOLD, max_tokens=2000, temperature=0)
-            except Exception as e:  # noqa: BLE001 - inspected below
-                got["error"] = e
-
-        th = threading.Thread(target=ask, daemon=True)
-        th.start()
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:  # generating: a few tokens are out
-            h = json.loads(urllib.request.urlopen(url + "/health", timeout=10).read())
-            if h["running"] and (not stream or len(got["chunks"]) >= 3):
-                break
-            time.sleep(0.2)
-        time.sleep(1.0)
-        t0 = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
-        th.join(120)
-        proc.wait(timeout=60)
-        got["stop_seconds"] = time.monotonic() - t0
-        log.seek(0)
-        got["server"] = log.read().decode(errors="replace")[-2000:]
-        assert "timeout graceful shutdown" not in got["server"], got
-        assert "answer" not in got, got["answer"].choices[0].finish_reason
-        finishes = [c.choices[0].finish_reason for c in got["chunks"] if c.choices]
-        assert "stop" not in finishes and "length" not in finishes
-        if stream:  # an error event (the client raises) or a dropped connection; never a normal end
-            assert "error" in got, got
-        else:
-            assert isinstance(got["error"], openai.APIStatusError) and got["error"].status_code == 503, got
-            assert "cut short" in got["error"].message
-    finally:
-        proc.kill()
-        proc.wait()
-
-
-# -- 3. one long message does not end the chat --------------------------------------------------------------
-def test_too_long_turn_is_refused_alone_and_the_session_kept(tiny_gguf):
-    from ondevice.chat import ChatSession
-
-    with ondevice.load(tiny_gguf("llama"), drafter="none", threads=1, n_ctx=256) as rt:
-        s = ChatSession(rt, system="be brief", max_tokens=8, temperature=0)
-        for q in ("first", "second"):
-            st = s.ask(q)
-            s.commit(q, "".join(c.text for c in st))
-        with pytest.raises(OndeviceError, match="too long.*conversation is kept"):
-            s.ask("word " * 400)
-        assert [u for u, _ in s.turns] == ["first", "second"] and s.dropped == 0
-        st = s.ask("third")
-        assert "".join(c.text for c in st) is not None and st.stats.tokens > 0
-
-
-def test_too_long_piped_line_is_one_error_and_the_next_lines_are_answered(tiny_gguf):
-    r = subprocess.run([sys.executable, "-m", "ondevice", "chat", str(tiny_gguf("llama")), "--no-spec", "--threads", "1",
-                        "--n-ctx", "256", "--max-tokens", "4", "--temperature", "0", "--stats"],
-                       input=b"hello\n" + b"word " * 400 + b"\nagain\n", capture_output=True, timeout=300)
-    err = r.stderr.decode()
-    assert r.returncode == 1, err
-    assert err.count("error:") == 1 and "too long" in err
-    assert err.count(" tokens · ") == 2  # both short turns were answered (--stats line per answer)
 
 
 def test_template_worker_starts_from_a_process_that_held_more_than_its_memory_cap():
