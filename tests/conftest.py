@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -46,6 +47,19 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "macos" in item.keywords:
                 item.add_marker(skip)
+
+
+@pytest.fixture
+def sigint_default():
+    """Ctrl-C (SIGINT) at Python's default for this test: KeyboardInterrupt here, and SIGINT at its default in
+    every child started meanwhile. A job started in the background (``pytest ... &`` from a script, nohup)
+    begins with SIGINT ignored; Python then leaves it ignored and so do the children, which a test that
+    sends SIGINT and waits for its effect would wait on forever."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_DFL if previous is None else previous)
 
 
 @pytest.fixture(scope="session")

@@ -276,7 +276,7 @@ def test_bench_summary_reads_what_sharded_stats_record():
     assert out["draft_g3"]["target_passes_per_token"] == 0.5 and out["plain"]["collectives_per_token"] == 5.0
 
 
-def test_serve_under_mlx_launch_answers_with_sharded_stats(tiny_mlx):
+def test_serve_under_mlx_launch_answers_with_sharded_stats(tiny_mlx, sigint_default):
     import urllib.request
 
     port, ring = _ports(2)

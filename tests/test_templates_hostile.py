@@ -78,7 +78,7 @@ def test_hostile_template_is_one_error_within_the_budget_from_the_api(kind, host
         assert rt.generate("hello", max_tokens=3, temperature=0).stats.tokens == 3  # the runtime still works
 
 
-def test_hostile_template_in_chat_reports_each_turn_and_ctrl_c_stops_the_render(hostile):
+def test_hostile_template_in_chat_reports_each_turn_and_ctrl_c_stops_the_render(hostile, sigint_default):
     env = {**os.environ, "ONDEVICE_TEMPLATE_SECONDS": "120"}
     p = subprocess.Popen([sys.executable, "-m", "ondevice", "chat", str(hostile["loops"]), "--no-spec", "--threads", "1",
                           "--n-ctx", "256"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)

@@ -373,7 +373,7 @@ def test_rounds_of_own_prompts_stop_at_the_first_round_that_keeps_none(tiny_gguf
     assert rounds == [0, 1] and 0 < r["training_tokens"] < 10**6
 
 
-def test_ctrl_c_in_train_heads_says_how_to_resume(tiny_gguf, tmp_path):
+def test_ctrl_c_in_train_heads_says_how_to_resume(tiny_gguf, tmp_path, sigint_default):
     """SIGINT while `ondevice train-heads` records: exit 130, one line saying what is kept and how to resume
     (it exited without a word), no traceback."""
 
