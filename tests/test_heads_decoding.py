@@ -129,6 +129,7 @@ def test_auto_choosing_ngram_leaves_the_targets_hidden_states_off(target, clean,
     monkeypatch.setenv("ONDEVICE_HOME", str(clean[0]))
     monkeypatch.setattr("ondevice.store.discovery.local_models", lambda: [])
     steep = Costs({1: 1e-3, 2: 2e-3, 4: 4e-3, 8: 8e-3}, 0.0)
+    monkeypatch.setattr("ondevice.heads.drafter.seconds_per_token", lambda heads, reps=15: 2e-5)  # cheap: the curve decides
     monkeypatch.setattr("ondevice.costs.cached_measure", lambda target, draft=None, cancelled=None: steep)
     with ondevice.load(target, draft="auto", threads=1) as rt:
         assert rt.drafter.name == "ngram" and rt.draft_choice["candidates"][0]["ok"]
