@@ -62,6 +62,14 @@ def sigint_default():
         signal.signal(signal.SIGINT, signal.SIG_DFL if previous is None else previous)
 
 
+@pytest.fixture
+def time_scale():
+    """``helpers.TimeScale``: time limits that grow with the machine's load (measured in this test)."""
+    from helpers import TimeScale
+
+    return TimeScale()
+
+
 @pytest.fixture(scope="session")
 def tiny_hf():
     """name → HF checkpoint dir. Targets, drafts close to them (perturbed weights), same tokenizer per arch."""

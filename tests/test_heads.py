@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import TimeScale
 
 import ondevice
 from ondevice import sampling
@@ -30,10 +31,10 @@ def trained(tiny_gguf, tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("ONDEVICE_HOME", str(home))
         target = tiny_gguf("llama")
-        t0 = time.perf_counter()
+        scale, t0 = TimeScale(), time.perf_counter()
         # a draft vocabulary below the target's 512 ids: the rest are input-only rows (embedded, never drafted)
         r = train_heads(target, tokens=2000, epochs=8, K=3, rank=64, vocab=384, max_new=64, threads=1, n_ctx=512, quiet=True)
-        r["test_seconds"] = time.perf_counter() - t0
+        r["test_seconds"], r["test_limit"] = time.perf_counter() - t0, scale(60)  # 60 s on an idle machine
         yield target, Path(r["path"]), r, home
 
 
@@ -45,7 +46,7 @@ def home(trained, monkeypatch):
 
 def test_train_heads_end_to_end(trained, home):
     target, path, r, _ = trained
-    assert r["test_seconds"] < 60, r["test_seconds"]
+    assert r["test_seconds"] < r["test_limit"], (r["test_seconds"], r["test_limit"])
     assert path.is_file() and path.parent == home / "heads"
     from ondevice.heads import store
 

@@ -14,6 +14,7 @@ import time
 import urllib.request
 
 import pytest
+from helpers import wait_until_child_busy
 
 import ondevice
 from ondevice.errors import OndeviceError
@@ -49,7 +50,7 @@ def _rss_mib() -> float:
 
 
 @pytest.mark.parametrize("kind", list(HOSTILE))
-def test_hostile_template_is_one_error_within_the_budget_from_the_api(kind, hostile, monkeypatch):
+def test_hostile_template_is_one_error_within_the_budget_from_the_api(kind, hostile, monkeypatch, time_scale):
     from ondevice import templates
 
     monkeypatch.setattr(templates, "RENDER_SECONDS", float(BUDGET))
@@ -67,28 +68,37 @@ def test_hostile_template_is_one_error_within_the_budget_from_the_api(kind, host
         t0 = time.monotonic()
         th = threading.Thread(target=chat, daemon=True)
         th.start()
-        th.join(60)
+        th.join(time_scale(60))
         took = time.monotonic() - t0
         assert not th.is_alive(), "the template still renders after 60 s"
         e = outcome[0]
         assert isinstance(e, OndeviceError), e
         assert str(hostile[kind]) in str(e) and "chat template" in str(e) and "\n" not in str(e)
-        assert took < float(BUDGET) + 20
+        assert took < time_scale(float(BUDGET) + 20)
         assert _rss_mib() - rss < 200  # the render's memory is the worker's, capped there
         assert rt.generate("hello", max_tokens=3, temperature=0).stats.tokens == 3  # the runtime still works
 
 
-def test_hostile_template_in_chat_reports_each_turn_and_ctrl_c_stops_the_render(hostile, sigint_default):
+def test_hostile_template_in_chat_reports_each_turn_and_ctrl_c_stops_the_render(hostile, sigint_default, time_scale):
     env = {**os.environ, "ONDEVICE_TEMPLATE_SECONDS": "120"}
     p = subprocess.Popen([sys.executable, "-m", "ondevice", "chat", str(hostile["loops"]), "--no-spec", "--threads", "1",
                           "--n-ctx", "256"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
-    p.stdin.write(b"first\n")
-    p.stdin.flush()
-    time.sleep(8)  # loaded, rendering the first turn (for up to 120 s)
-    t0 = time.monotonic()
-    p.send_signal(signal.SIGINT)
-    out, err = p.communicate(timeout=120)  # closes stdin: no more turns after the interrupted one
-    assert time.monotonic() - t0 < 30
+    worker = None
+    try:
+        p.stdin.write(b"first\n")
+        p.stdin.flush()
+        # loaded, rendering the first turn (for up to 120 s): the template worker has run for a second (its
+        # start takes ~0.2 s of CPU)
+        worker = wait_until_child_busy(p.pid, "ondevice.templates", 1.0, timeout=time_scale(100), fallback=8)
+        t0 = time.monotonic()
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=120)  # closes stdin: no more turns after the interrupted one
+    finally:  # a failed wait leaves no endless render behind (the worker runs in a session of its own)
+        if worker is not None and p.poll() is None:
+            os.kill(worker, signal.SIGKILL)
+        p.kill()
+        p.wait()
+    assert time.monotonic() - t0 < time_scale(30)
     assert "(stopped)" in err.decode() and "Traceback" not in err.decode(), err.decode()
     assert p.returncode == 0, err.decode()
     # piped turns with the budget in force: each one is a one-line error naming the file, the session goes on
@@ -114,7 +124,7 @@ def _post(url: str, body: dict, timeout: float = 120.0) -> tuple[int, dict]:
         return e.code, json.loads(e.read())
 
 
-def test_serve_stays_responsive_and_stoppable_with_a_hostile_template(hostile, monkeypatch):
+def test_serve_stays_responsive_and_stoppable_with_a_hostile_template(hostile, monkeypatch, time_scale):
     from ondevice.server.run import launch
 
     monkeypatch.setenv("ONDEVICE_TEMPLATE_SECONDS", "20")
@@ -127,23 +137,24 @@ def test_serve_stays_responsive_and_stoppable_with_a_hostile_template(hostile, m
         result: list = []
         th = threading.Thread(target=lambda: result.append(_post(url + "/v1/chat/completions", chat)), daemon=True)
         th.start()
-        time.sleep(2)  # the template is rendering
+        first = wait_until_child_busy(proc.pid, "ondevice.templates", 1.0, timeout=time_scale(15), fallback=2)
         t0 = time.monotonic()
         assert _get(url + "/health") == 200
         status, body = _post(url + "/v1/completions", {"model": model, "prompt": "hello", "max_tokens": 2}, timeout=30)
         assert status == 200 and body["choices"][0]["finish_reason"] == "length"
-        assert time.monotonic() - t0 < 15  # answered while the template renders, not after it
+        assert time.monotonic() - t0 < time_scale(15)  # answered while the template renders, not after it
         th.join(120)
         status, body = result[0]
         assert status == 400 and "chat template" in body["error"]["message"] and "took over" in body["error"]["message"]
         # SIGTERM while another hostile render runs: the server stops at once
         th = threading.Thread(target=lambda: result.append(_post(url + "/v1/chat/completions", chat)), daemon=True)
         th.start()
-        time.sleep(2)
+        wait_until_child_busy(proc.pid, "ondevice.templates", 1.0, timeout=time_scale(15), fallback=2,
+                              exclude=(first,))  # the new worker (the first was killed at the budget)
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=30)
-        assert time.monotonic() - t0 < 10
+        proc.wait(timeout=time_scale(30))
+        assert time.monotonic() - t0 < time_scale(10)
     finally:
         proc.kill()
         proc.wait()

@@ -381,12 +381,16 @@ def test_ctrl_c_in_train_heads_says_how_to_resume(tiny_gguf, tmp_path, sigint_de
     proc = subprocess.Popen([sys.executable, "-m", "ondevice", "train-heads", str(tiny_gguf("llama")), "--tokens", "1000000",
                              "--threads", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     records = tmp_path / "home" / "heads" / "work"
-    t0 = time.monotonic()
-    while not list(records.glob("*/.lock")) and time.monotonic() - t0 < 120:  # the run has begun
-        time.sleep(0.2)
-    time.sleep(1.0)
-    proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=60)
+    try:
+        t0 = time.monotonic()
+        while not list(records.glob("*/.lock")) and time.monotonic() - t0 < 120:  # the run has begun
+            time.sleep(0.2)
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:  # a failed wait leaves no training of a million tokens behind
+        proc.kill()
+        proc.wait()
     lines = [ln for ln in err.splitlines() if ln.strip() and "━" not in ln and "recording" not in ln]
     assert proc.returncode == 130 and "Traceback" not in err, err
     assert lines and lines[-1].startswith("stopped:") and "resume" in lines[-1], err
