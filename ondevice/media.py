@@ -97,22 +97,39 @@ def projector_of(rt):
         return rt.projector
 
 
+def render_media(rt, messages: Sequence[dict], *, tools: Sequence[dict] | None = None, variables: dict | None = None,
+                 add_generation_prompt: bool = True) -> tuple[str, MediaPrompt]:
+    """(prompt text with a marker where each image goes, ``MediaPrompt``) of ``messages`` that have images: as
+    ``ondevice.chat.render_prompt`` renders text-only messages (template ``variables``, e.g. enable_thinking).
+
+    Raises:
+        OndeviceError: as ``render_prompt``; a bad image; a model without a projector.
+    """
+    from ondevice.chat import render
+
+    projector = projector_of(rt)
+    marker = new_marker()
+    marked, images = with_markers(messages, marker)
+    t = rt.target
+    with rt._lock:
+        rt._check_open()
+        bos = t.token_bytes(t.bos_id).decode("utf-8", "replace") if t.bos_id is not None else ""
+    text = render(t.chat_template, marked, add_generation_prompt=add_generation_prompt, bos_token=bos,
+                  source=str(t.path), tools=tools, variables=variables)
+    parts = interleave(text, marker, images)
+    with rt._lock:
+        rt._check_open()
+        prompt = projector.tokenize(parts, add_special=not (bos and text.startswith(bos)))
+    if not prompt.tail:
+        prompt.close()
+        raise OndeviceError("the prompt ends with an image; text must follow it (the chat template's generation "
+                            "prompt)")
+    return text, MediaPrompt(projector, prompt, t.bos_id if t.bos_id is not None else 0)
+
+
 def chat_prompt(rt, messages: Sequence[dict], add_generation_prompt: bool = True,
                 tools: Sequence[dict] | None = None):
     """``Runtime.chat_prompt``: token ids, or a ``MediaPrompt`` when a message has images."""
     if not has_images(messages):
         return rt.render_chat(messages, add_generation_prompt, tools)
-    projector = projector_of(rt)
-    marker = new_marker()
-    marked, images = with_markers(messages, marker)
-    text, add_bos = rt.render_text(marked, add_generation_prompt, tools)
-    parts = interleave(text, marker, images)
-    t = rt.target
-    with rt._lock:
-        rt._check_open()
-        prompt = projector.tokenize(parts, add_special=add_bos)
-    if not prompt.tail:
-        prompt.close()
-        raise OndeviceError("the prompt ends with an image; text must follow it (the chat template's generation "
-                            "prompt)")
-    return MediaPrompt(projector, prompt, t.bos_id if t.bos_id is not None else 0)
+    return render_media(rt, messages, tools=tools, add_generation_prompt=add_generation_prompt)[1]

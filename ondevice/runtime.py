@@ -185,12 +185,6 @@ class Runtime:
         Raises:
             OndeviceError: bad messages, no template, or a template that fails or exceeds its budget.
         """
-        text, add_bos = self.render_text(messages, add_generation_prompt, tools)
-        return self.tokenize(text, add_bos=add_bos)
-
-    def render_text(self, messages: Sequence[dict], add_generation_prompt: bool = True,
-                    tools: Sequence[dict] | None = None) -> tuple[str, bool]:
-        """``render_chat``'s text, and whether a BOS is to be added when tokenizing it (the template gave none)."""
         from ondevice.chat import render
 
         t = self.target
@@ -199,7 +193,7 @@ class Runtime:
             bos = t.token_bytes(t.bos_id).decode("utf-8", "replace") if t.bos_id is not None else ""
         text = render(t.chat_template, messages, add_generation_prompt=add_generation_prompt, bos_token=bos,
                       source=str(t.path), tools=tools)
-        return text, not (bos and text.startswith(bos))
+        return self.tokenize(text, add_bos=not (bos and text.startswith(bos)))
 
     def embed(self, texts):
         """Unit-length embeddings of ``texts`` (a string, or a list of strings or token-id lists) with this

@@ -235,6 +235,12 @@ def _raise(message: str):
 _compiled: dict[str, object] = {}
 
 
+def _tojson(x, ensure_ascii: bool = False, indent=None, separators=None, sort_keys: bool = False) -> str:
+    """Plain ``json.dumps``, as transformers and llama.cpp render ``tojson`` (jinja2's own returns HTML-escaped
+    Markup, so ``'<marker>' + x|tojson`` escaped the marker, and it takes no ``ensure_ascii``)."""
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
 def _compile(template: str):
     import datetime
 
@@ -245,6 +251,7 @@ def _compile(template: str):
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+        env.filters["tojson"] = _tojson
         t = env.from_string(template)
         if len(_compiled) > 8:
             _compiled.clear()

@@ -624,7 +624,7 @@ def _fault_main(kind: str, target: str, draft: str) -> None:
 
 
 @pytest.mark.parametrize("kind", ["gguf", "mlx"])
-def test_sigint_at_every_point_leaves_an_exact_runtime(kind, tiny_gguf, tiny_mlx, tmp_path):
+def test_sigint_at_every_point_leaves_an_exact_runtime(kind, tiny_gguf, tiny_mlx, tmp_path, sigint_default):
     if kind == "mlx":
         pytest.importorskip("mlx.core")
     target = tiny_gguf("llama") if kind == "gguf" else tiny_mlx("llama")
@@ -638,7 +638,7 @@ def test_sigint_at_every_point_leaves_an_exact_runtime(kind, tiny_gguf, tiny_mlx
 
 
 # -- Ctrl-C in `ondevice chat` ----------------------------------------------------------------------------
-def test_ctrl_c_in_chat_stops_the_answer_and_keeps_the_session(tiny_gguf, tmp_path):
+def test_ctrl_c_in_chat_stops_the_answer_and_keeps_the_session(tiny_gguf, tmp_path, sigint_default):
     turns = tmp_path / "turns.txt"
     turns.write_bytes(b"first question\nsecond question\n")
     slow_chat = textwrap.dedent("""

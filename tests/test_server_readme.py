@@ -29,7 +29,7 @@ def test_readme_client_snippets_run(smollm2):
     try:
         for code in snippets:
             code = code.replace("http://127.0.0.1:8080", url) + "\nprint('vectors' in dir() and len(vectors[0]))\n"
-            r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+            r = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, timeout=300)
             assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-2000:]
             assert r.stdout.strip(), code
             if "embeddings" in code:

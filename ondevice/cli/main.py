@@ -120,6 +120,7 @@ def chat_cmd(
                                                     "for the first message (repeatable; the model needs its mmproj).")] = None,
     show_draft: Annotated[bool, typer.Option("--show-draft", help="Colour tokens that came from the draft.")] = False,
     stats: Annotated[bool, typer.Option("--stats", help="Print tok/s and acceptance after each answer.")] = False,
+    think: Annotated[bool | None, typer.Option("--think/--no-think", help="A thinking model thinks or not (the template's enable_thinking; /think on|off in the chat) [default: the template's].")] = None,
     request: GenerateRequest | None = None,
 ) -> None:
     """Chat in the terminal (streaming). With no arguments: Qwen2.5-Coder-0.5B-Instruct with n-gram drafting. Piped stdin: one turn per line."""
@@ -136,7 +137,7 @@ def chat_cmd(
             if stats:
                 typer.echo(f"draft: {rt.draft_choice['reason']}", err=True)
         code = run_chat(rt, system=system, show_draft=show_draft, show_stats=stats, request=request,
-                        title=f"ondevice chat · {model} · drafter {name}", images=image)
+                        title=f"ondevice chat · {model} · drafter {name}", think=think, images=image)
     if code:
         raise typer.Exit(code)
 
