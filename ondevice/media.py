@@ -105,21 +105,15 @@ def render_media(rt, messages: Sequence[dict], *, tools: Sequence[dict] | None =
     Raises:
         OndeviceError: as ``render_prompt``; a bad image; a model without a projector.
     """
-    from ondevice.chat import render
-
     projector = projector_of(rt)
     marker = new_marker()
     marked, images = with_markers(messages, marker)
+    text, add_bos = rt.render_text(marked, add_generation_prompt, tools, variables)
+    parts = interleave(text, marker, images)
     t = rt.target
     with rt._lock:
         rt._check_open()
-        bos = t.token_bytes(t.bos_id).decode("utf-8", "replace") if t.bos_id is not None else ""
-    text = render(t.chat_template, marked, add_generation_prompt=add_generation_prompt, bos_token=bos,
-                  source=str(t.path), tools=tools, variables=variables)
-    parts = interleave(text, marker, images)
-    with rt._lock:
-        rt._check_open()
-        prompt = projector.tokenize(parts, add_special=not (bos and text.startswith(bos)))
+        prompt = projector.tokenize(parts, add_special=add_bos)
     if not prompt.tail:
         prompt.close()
         raise OndeviceError("the prompt ends with an image; text must follow it (the chat template's generation "

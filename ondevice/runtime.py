@@ -185,6 +185,13 @@ class Runtime:
         Raises:
             OndeviceError: bad messages, no template, or a template that fails or exceeds its budget.
         """
+        text, add_bos = self.render_text(messages, add_generation_prompt, tools)
+        return self.tokenize(text, add_bos=add_bos)
+
+    def render_text(self, messages: Sequence[dict], add_generation_prompt: bool = True,
+                    tools: Sequence[dict] | None = None, variables: dict | None = None) -> tuple[str, bool]:
+        """``render_chat``'s text (``variables``: further template variables, e.g. enable_thinking), and whether
+        to add a BOS when tokenizing it (the template wrote none)."""
         from ondevice.chat import render
 
         t = self.target
@@ -192,8 +199,8 @@ class Runtime:
             self._check_open()
             bos = t.token_bytes(t.bos_id).decode("utf-8", "replace") if t.bos_id is not None else ""
         text = render(t.chat_template, messages, add_generation_prompt=add_generation_prompt, bos_token=bos,
-                      source=str(t.path), tools=tools)
-        return self.tokenize(text, add_bos=not (bos and text.startswith(bos)))
+                      source=str(t.path), tools=tools, variables=variables)
+        return text, not (bos and text.startswith(bos))
 
     def embed(self, texts):
         """Unit-length embeddings of ``texts`` (a string, or a list of strings or token-id lists) with this
