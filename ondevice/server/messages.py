@@ -5,7 +5,8 @@ or blocks: text, ``tool_use`` in assistant turns, ``tool_result`` in user turns;
 prefill the answer continues), ``max_tokens`` (required), ``stop_sequences``, ``temperature`` / ``top_p`` /
 ``top_k`` (which the newest ``anthropic`` clients send through ``extra_body``), ``thinking`` (enabled / disabled:
 the template variable ``enable_thinking``; ``budget_tokens`` is not enforced), ``output_config.format``
-(a JSON schema the answer follows), ``tools`` ({name, description, input_schema}) and ``tool_choice`` (auto / any / tool / none). The
+(a JSON schema the answer follows), ``grammar`` and ``gamma`` (ondevice's extensions), ``tools``
+({name, description, input_schema}) and ``tool_choice`` (auto / any / tool / none). The
 turns are rendered with the model's chat template exactly as the OpenAI chat dialect renders the same
 conversation (tool_use → an assistant's tool call, tool_result → a tool message).
 
@@ -29,7 +30,7 @@ from ondevice.errors import OndeviceError
 from ondevice.server.engine import Piece
 from ondevice.server.errors import ApiError
 from ondevice.server.openai_api import check_context, check_model, generation_args
-from ondevice.server.structured import Answer, Structured, response_format_args, tool_args
+from ondevice.server.structured import Answer, Structured, grammar_args, response_format_args, tool_args
 from ondevice.server.types import Call, Dialect, Reply
 from ondevice.speculative import Stats
 
@@ -210,6 +211,7 @@ class Messages(Dialect):
         st = Structured()
         _thinking(body, st)
         _output_format(body, st)
+        grammar_args(body, st)  # ondevice's extension, as on /v1/chat/completions
         template = rt.target.chat_template
         _tools(body, template, st)
         try:  # the template is untrusted: it renders in its own budgeted process

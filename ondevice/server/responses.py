@@ -2,7 +2,8 @@
 
 Request: ``input`` (a string, or items: messages whose content is text or ``input_text`` / ``output_text``
 parts, ``function_call`` and ``function_call_output`` items), ``instructions``, ``max_output_tokens``,
-``temperature`` / ``top_p``, function ``tools`` and ``tool_choice``, ``text.format`` (text, json_object,
+``temperature`` / ``top_p``, ``grammar`` and ``gamma`` (ondevice's extensions), function ``tools`` and
+``tool_choice``, ``text.format`` (text, json_object,
 json_schema), ``previous_response_id`` (the conversation of a stored response continues: the last
 ``MAX_STORED`` answers with ``store`` not false are kept in memory, never on disk). ``reasoning`` is accepted
 and has no effect (a model thinks as its chat template says).
@@ -31,7 +32,7 @@ from ondevice.errors import OndeviceError
 from ondevice.server.engine import Piece
 from ondevice.server.errors import ApiError
 from ondevice.server.openai_api import check_context, generation_args, stream_args
-from ondevice.server.structured import Answer, Structured, response_format_args, tool_args
+from ondevice.server.structured import Answer, Structured, grammar_args, response_format_args, tool_args
 from ondevice.server.types import Call, Dialect, Reply
 from ondevice.speculative import Stats
 
@@ -135,6 +136,7 @@ def _structured(body: dict, chat_template: str | None, st: Structured) -> None:
         if fmt.get("type") == "json_schema":
             rf = {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
         response_format_args({"response_format": rf}, st)
+    grammar_args(body, st)  # ondevice's extension, as on /v1/chat/completions
     tools, choice = body.get("tools"), body.get("tool_choice")
     oa: dict[str, Any] = {}
     if tools is not None:
