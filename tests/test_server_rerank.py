@@ -135,3 +135,30 @@ def test_rerank_route(served, rerankers):
     chat_ok = httpx.post(url + "/v1/chat/completions", timeout=120, json={
         "model": chat, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}).json()
     assert chat_ok["choices"][0]["message"]["content"] is not None
+
+
+def test_rerank_on_a_runtime(rerankers, tiny_gguf):
+    from ondevice import embed as E
+    from ondevice.loader import load
+
+    rt = load(str(rerankers[0]), drafter="none", n_ctx=256, threads=1)
+    chat = load(str(tiny_gguf("llama")), drafter="none", n_ctx=256, threads=1)
+    try:
+        got = E.rerank(rt, QUERY, DOCS)
+        assert E.reranker_for(rt) is E.reranker_for(rt)  # made once per runtime
+        direct = E.Reranker(rerankers[0], n_ctx=256, threads=1)
+        try:
+            assert np.allclose(got, direct.rerank(QUERY, DOCS)[0], atol=1e-6)
+        finally:
+            direct.close()
+        with pytest.raises(E.OndeviceError, match="is not a reranker"):
+            E.rerank(chat, QUERY, DOCS)
+        assert E.embed(chat, ["a"]).shape[0] == 1  # its embedder beside the failed reranker
+        made = E.reranker_for(rt)
+        E.release(chat)
+        E.release(rt)  # closes what was made for it
+        with pytest.raises(E.OndeviceError, match="closed"):
+            made.rerank(QUERY, DOCS)
+    finally:
+        rt.close()
+        chat.close()
