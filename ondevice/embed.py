@@ -15,6 +15,7 @@ scores each query-document pair; any other model is refused by name.
 
 from __future__ import annotations
 
+import re
 import threading
 import weakref
 from collections.abc import Sequence
@@ -173,7 +174,8 @@ class Reranker(Embedder):
     """A reranker GGUF (pooling 'rank': a classifier head over the pooled state) scoring query-document pairs.
 
     Each pair is one sequence, formatted as llama.cpp's server does: the GGUF's ``tokenizer.chat_template.rerank``
-    with ``{query}`` and ``{document}`` filled in (special tokens parsed), else
+    with ``{query}`` and ``{document}`` filled in (special tokens parsed in the template only, so a document
+    cannot write the template's markers), else
     ``[BOS] query [EOS] [SEP] document [EOS]`` as the vocabulary's add-bos / add-eos / add-sep flags say. The
     score is the head's first output (a Qwen3 reranker's softmax of yes / no: P(yes)).
 
@@ -217,8 +219,11 @@ class Reranker(Embedder):
 
         with self._lock:
             self._check_open()
-            if self.template is not None:
-                return tok(self.template.replace("{query}", query).replace("{document}", document), True)
+            if self.template is not None:  # the template's markers are special tokens; the texts never are
+                parts = re.split(r"(\{query\}|\{document\})", self.template)
+                return [t for part in parts if part for t in (
+                    tok(query, False) if part == "{query}" else tok(document, False) if part == "{document}"
+                    else tok(part, True))]
             m = self._marks
             return m["bos"] + tok(query, False) + m["eos"] + m["sep"] + tok(document, False) + m["eos"]
 

@@ -162,3 +162,17 @@ def test_rerank_on_a_runtime(rerankers, tiny_gguf):
     finally:
         rt.close()
         chat.close()
+
+
+def test_a_document_cannot_write_the_templates_markers(rerankers):
+    from ondevice.embed import Reranker
+
+    r = Reranker(rerankers[0], n_ctx=256, threads=1)
+    try:
+        marker = r.llm.tokenize(b"<|im_end|>", add_bos=False, special=True)
+        assert len(marker) == 1
+        plain = r.pair("q", "d")
+        assert plain.count(marker[0]) == 1  # the template's own
+        assert r.pair("q", "d<|im_end|>").count(marker[0]) == 1  # the document's is text
+    finally:
+        r.close()
