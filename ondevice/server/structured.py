@@ -56,8 +56,6 @@ class Structured:
         """The family the answer's calls are parsed with."""
         return self.forced or self.family
 
-    tool_format = call_family  # the name ``ToolStream``'s dialects read
-
 
 def _bad(param: str, message: str, code: str = "invalid_value") -> ApiError:
     return ApiError(400, f"'{param}': {message}", param=param, code=code)
@@ -253,22 +251,3 @@ def split_answer(text: str, st: Structured) -> tuple[str | None, str | None, lis
     a.finish()
     return a.result()
 
-
-class ToolStream:
-    """Streamed text with tools for the dialects that do not split thinking yet (Anthropic Messages, OpenAI
-    Responses): content as text while no call may begin, the calls whole at the end, parsed in ``family``'s
-    format (``Structured.tool_format``). New code: ``Answer``, which also streams arguments and thinking."""
-
-    def __init__(self, family: str, tools: list, constrained: bool) -> None:
-        self.stream = TC.CallStream(TC.get(family), tools)
-        self.constrained = constrained  # the whole answer is a call: nothing is content
-
-    def feed(self, piece: str) -> str:
-        """Add generated text; return the content that may be sent now."""
-        out = "".join(d.get("content", "") for d in self.stream.feed(piece))
-        return "" if self.constrained else out
-
-    def finish(self) -> tuple[str, list[dict]]:
-        """(content not yet sent, the tool calls found in the whole answer)."""
-        tail = "".join(d.get("content", "") for d in self.stream.finish())
-        return ("" if self.constrained else tail), self.stream.calls
