@@ -1,0 +1,170 @@
+"""``reasoning_budget``: after N thinking tokens the end of thinking is forced, then the answer follows.
+
+A tiny random-weight model gets a Qwen3-style template whose generation prompt opens thinking
+(``<think>\\n``, as Qwen3-Thinking-2507 and R1 distills do): a random model never closes it by itself, so
+without a budget it thinks until ``max_tokens``. With the budget the forced end comes after exactly N
+thinking tokens and an answer follows. Checked: the split (through the real ``openai`` client against
+``ondevice serve``, whole and streamed), greedy speculation (n-gram, fixed γ) == greedy plain token for token,
+and the budget's state under random advance / rollback against a recomputation from scratch.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+from test_reasoning_server import KEY, MSGS, QWEN3, streamed, templated
+
+from ondevice.errors import OndeviceError
+
+OPENED = QWEN3.replace("{{- '<|im_start|>assistant\\n' }}", "{{- '<|im_start|>assistant\\n<think>\\n' }}")
+WORDS = r"/[a-z]{1,6}( [a-z]{1,6}){0,3}/"
+
+
+@pytest.fixture(scope="module")
+def opened(tiny_hf, tmp_path_factory):
+    assert OPENED != QWEN3
+    return templated(tiny_hf, tmp_path_factory, "qwen3_opened", OPENED)
+
+
+@pytest.fixture(scope="module")
+def rt(opened):
+    from ondevice.loader import load
+
+    with load(opened, drafter="ngram", n_ctx=1024, threads=1) as r:
+        yield r
+
+
+def _ids(rt):
+    from ondevice.chat import render_prompt
+
+    return render_prompt(rt, MSGS)[1]
+
+
+def test_budget_cuts_thinking_then_answers(rt):
+    from ondevice.reasoning import detect, split
+
+    ids = _ids(rt)
+    th = detect(rt.target.chat_template, "<|im_start|>assistant\n<think>\n")
+    assert th is not None and th.opened
+    free = rt.generate(ids, temperature=0, max_tokens=40, gamma=0)
+    assert "</think>" not in free.text  # the model never closes thinking by itself
+    r = rt.generate(ids, temperature=0, max_tokens=60, gamma=0, reasoning_budget=12)
+    end = rt.target.tokenize(th.forced_end, add_bos=False, special=True)
+    assert r.tokens[:12] == free.tokens[:12] and r.tokens[12:12 + len(end)] == end
+    thinking, answer = split(r.text, th)
+    assert thinking is not None and answer.strip()
+    # with an inner grammar, the grammar holds on the answer only
+    g = rt.generate(ids, temperature=0, max_tokens=60, gamma=0, reasoning_budget=5, grammar=f"start: {WORDS}")
+    assert g.tokens[:5] == free.tokens[:5] and g.tokens[5:5 + len(end)] == end
+    import re
+
+    assert re.fullmatch(r"[a-z]{1,6}( [a-z]{1,6}){0,3}", split(g.text, th)[1]), g.text
+    assert g.stats.stop_reason == "eos"
+    z = rt.generate(ids, temperature=0, max_tokens=30, gamma=0, reasoning_budget=0)
+    assert z.tokens[:len(end)] == end
+
+
+@pytest.mark.parametrize("gamma", [2, 4])
+@pytest.mark.parametrize("grammar", [None, f"start: {WORDS}"])
+def test_speculative_equals_plain_with_budget(rt, gamma, grammar):
+    ids = _ids(rt)
+    kw = dict(temperature=0, max_tokens=60, reasoning_budget=12, grammar=grammar)
+    plain = rt.generate(ids, gamma=0, **kw)
+    spec = rt.generate(ids, gamma=gamma, **kw)
+    assert spec.tokens == plain.tokens
+    assert spec.stats.drafted > 0  # speculation did run through the budget
+
+
+def test_budget_needs_a_thinking_template(rt):
+    from types import SimpleNamespace
+
+    from ondevice.budget import ThinkingBudget
+    from ondevice.params import GenerateRequest
+
+    with pytest.raises(OndeviceError, match="reasoning_budget"):
+        GenerateRequest.of(reasoning_budget=-1)
+    plain = SimpleNamespace(chat_template="{{ messages[0].content }}", path="m.gguf", token_bytes=rt.target.token_bytes)
+    with pytest.raises(OndeviceError, match="no thinking convention"):
+        ThinkingBudget.for_prompt(plain, [1, 2], 3)
+
+
+def _fresh(rt, ids, budget, inner_grammar):
+    from ondevice.budget import ThinkingBudget
+    from ondevice.constrain import Constraint
+
+    inner = Constraint.build(rt.target, grammar=inner_grammar) if inner_grammar else None
+    return ThinkingBudget.for_prompt(rt.target, ids, budget, inner)
+
+
+@pytest.mark.parametrize("inner_grammar", [None, f"start: {WORDS}"])
+def test_rollback_matches_recomputation(rt, inner_grammar):
+    """Random advance / rollback / valid_prefix / mask_rows against a budget rebuilt from the same prefix."""
+    ids = _ids(rt)
+    b = _fresh(rt, ids, 6, inner_grammar)
+    rng = random.Random(0)
+    seq: list[int] = []
+    for _ in range(120):
+        if seq and rng.random() < 0.35:
+            n = rng.randint(1, len(seq))
+            b.rollback(n)
+            del seq[len(seq) - n:]
+        else:
+            for _ in range(rng.randint(1, 4)):
+                allowed = np.flatnonzero(b.allowed())
+                non_eos = [int(t) for t in allowed if int(t) not in b.eos_ids]
+                if not non_eos or b.is_done():
+                    break
+                t = rng.choice(non_eos[:50] + non_eos[-50:])
+                b.advance([t])
+                seq.append(t)
+        ref = _fresh(rt, ids, 6, inner_grammar)
+        ref.advance(seq)
+        assert (b.n, b.phase, b.thinking_tokens) == (ref.n, ref.phase, ref.thinking_tokens)
+        assert np.array_equal(b.allowed(), ref.allowed())
+        if b.inner is not None:
+            assert b.inner.n == ref.inner.n
+        # valid_prefix and mask_rows leave the state as it was
+        probe = [int(t) for t in np.flatnonzero(b.allowed())[:3]]
+        k = b.valid_prefix(probe)
+        assert 0 <= k <= len(probe) and b.n == len(seq)
+        b.mask_rows(np.zeros((2, rt.target.vocab_size), dtype=np.float32), probe[:1])
+        assert np.array_equal(b.allowed(), ref.allowed()) and b.n == len(seq)
+
+
+def test_server_budget_whole_equals_streamed(opened):
+    openai = pytest.importorskip("openai")
+    from ondevice.loader import load
+    from ondevice.reasoning import detect
+    from ondevice.server.run import launch
+
+    proc, url = launch(opened, "--n-ctx", "1024", "--threads", "1", api_key=KEY)
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+        model = client.models.list().data[0].id
+        args = dict(model=model, messages=MSGS, temperature=0, max_tokens=60,
+                    extra_body={"gamma": 3, "reasoning_budget": 12})
+        msg = client.chat.completions.create(**args).choices[0].message
+        st = streamed(list(client.chat.completions.create(stream=True, **args)))
+        think = msg.model_extra["reasoning_content"]
+        assert msg.content and msg.content.strip() and think
+        assert (st["reasoning_content"], st["content"]) == (think, msg.content)
+        assert "</think>" not in msg.content
+        with load(opened, drafter="none", n_ctx=1024, threads=1) as direct:
+            r = direct.generate(_ids(direct), temperature=0, max_tokens=60, gamma=0, reasoning_budget=12)
+            th = detect(direct.target.chat_template, "<think>\n")
+            n_think = len(direct.target.tokenize(think.rstrip("\n"), add_bos=False, special=True))
+        assert n_think <= 12 + 2
+        from ondevice.reasoning import split
+
+        assert split(r.text, th) == (think, msg.content)
+        effort = client.chat.completions.create(**{**args, "extra_body": {"reasoning_effort": "low"}})
+        assert effort.choices[0].message.model_extra.get("reasoning_content")
+        with pytest.raises(openai.BadRequestError):
+            client.chat.completions.create(**{**args, "extra_body": {"reasoning_budget": -2}})
+        with pytest.raises(openai.BadRequestError):
+            client.chat.completions.create(**{**args, "extra_body": {"reasoning_effort": "huge"}})
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
