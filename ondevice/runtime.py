@@ -29,6 +29,7 @@ class Runtime:
 
     draft_choice: dict | None = None  # set by load(draft="auto"): what was chosen and why
     constraints_and_logprobs = True  # a sharded runtime does not replay them on its other ranks yet
+    reasoning_budget: int | None = None  # the server's default budget for thinking models (serve --reasoning-budget)
 
     def __init__(self, target: Backend, drafter: Drafter | None, *, vocab_limit: int, load_seconds: float = 0.0) -> None:
         self.target = target

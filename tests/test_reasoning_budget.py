@@ -154,8 +154,8 @@ def test_server_budget_whole_equals_streamed(opened):
         with load(opened, drafter="none", n_ctx=1024, threads=1) as direct:
             r = direct.generate(_ids(direct), temperature=0, max_tokens=60, gamma=0, reasoning_budget=12)
             th = detect(direct.target.chat_template, "<think>\n")
-            n_think = len(direct.target.tokenize(think.rstrip("\n"), add_bos=False, special=True))
-        assert n_think <= 12 + 2
+            end = direct.target.tokenize(th.forced_end, add_bos=False, special=True)
+        assert r.tokens[12:12 + len(end)] == end and "</think>" not in r.text[:r.text.index(th.forced_end)]
         from ondevice.reasoning import split
 
         assert split(r.text, th) == (think, msg.content)
@@ -165,6 +165,33 @@ def test_server_budget_whole_equals_streamed(opened):
             client.chat.completions.create(**{**args, "extra_body": {"reasoning_budget": -2}})
         with pytest.raises(openai.BadRequestError):
             client.chat.completions.create(**{**args, "extra_body": {"reasoning_effort": "huge"}})
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_serve_reasoning_budget_flag_is_the_default(opened):
+    """``serve --reasoning-budget 5``: a request without a budget is cut after 5 thinking tokens; its own
+    ``reasoning_budget`` (here -1, llama-server's unbounded) overrides the default."""
+    openai = pytest.importorskip("openai")
+    from ondevice.loader import load
+    from ondevice.reasoning import detect, split
+    from ondevice.server.run import launch
+
+    proc, url = launch(opened, "--n-ctx", "1024", "--threads", "1", "--reasoning-budget", "5", api_key=KEY)
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+        model = client.models.list().data[0].id
+        args = dict(model=model, messages=MSGS, temperature=0, max_tokens=40)
+        msg = client.chat.completions.create(**args).choices[0].message
+        free = client.chat.completions.create(**args, extra_body={"reasoning_budget": -1}).choices[0].message
+        with load(opened, drafter="none", n_ctx=1024, threads=1) as direct:
+            ids = _ids(direct)
+            th = detect(direct.target.chat_template, "<think>\n")
+            cut = direct.generate(ids, temperature=0, max_tokens=40, gamma=0, reasoning_budget=5)
+            unbounded = direct.generate(ids, temperature=0, max_tokens=40, gamma=0)
+        assert (msg.model_extra["reasoning_content"], msg.content) == split(cut.text, th)
+        assert free.model_extra["reasoning_content"] == split(unbounded.text, th)[0] and not free.content
     finally:
         proc.terminate()
         proc.wait(timeout=30)
