@@ -84,7 +84,7 @@ class ThinkingBudget:
         """The budget of a request whose prompt is ``prompt`` (ids): the convention read from the target's chat
         template and the prompt's tail. Raises OndeviceError when the template has no thinking convention."""
         tail = b"".join(target.token_bytes(int(t)) for t in prompt[-PROMPT_TAIL_TOKENS:]).decode("utf-8", "replace")
-        thinking = detect(getattr(target, "chat_template", None), tail)
+        thinking = detect(target.chat_template, tail)
         if thinking is None:
             raise OndeviceError(f"reasoning_budget: {target.path} has no thinking convention in its chat template "
                                 "(no <think> tags or harmony channels); drop reasoning_budget for this model")
