@@ -195,3 +195,72 @@ def test_serve_reasoning_budget_flag_is_the_default(opened):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def _budget_law(path, ids, params, budget, depth, grammar):
+    """Exact law of the first ``depth`` tokens (shorter where the output ends) under the budget."""
+    from ondevice import sampling
+    from ondevice.backends.llama import LlamaBackend
+    from ondevice.budget import ThinkingBudget
+    from ondevice.constrain import Constraint
+
+    b = LlamaBackend(path, n_ctx=256, threads=1)
+    c = ThinkingBudget.for_prompt(b, ids, budget, Constraint.build(b, grammar=grammar))
+    b.eval(ids[:-1])
+    base, law = b.n_past, {}
+
+    def walk(prefix, mass):
+        if len(prefix) == depth:
+            law[prefix] = law.get(prefix, 0.0) + mass
+            return
+        b.rollback(base + len(prefix))
+        ctx = ids + list(prefix)
+        p = sampling.probs(c.mask_row(b.eval([ctx[-1]])[0]), params, ctx)
+        for t in np.flatnonzero(p):
+            if b.is_eog(int(t)):
+                law[prefix] = law.get(prefix, 0.0) + mass * p[t]
+                continue
+            c.advance([int(t)])
+            walk((*prefix, int(t)), mass * p[t])
+            c.rollback(1)
+
+    try:
+        walk((), 1.0)
+    finally:
+        b.close()
+    return law
+
+
+def test_sampled_budget_law_is_exact(opened, tiny_gguf, monkeypatch):
+    """T = 0.8: the joint law of one thinking token, the forced end and two answer tokens under a grammar,
+    speculative with a draft model (q != p), against the exact law. Planted control: q reported without the
+    mask fails (it matters only where a mask is partial: the answer's grammar)."""
+    from helpers import chisquare
+    from test_constrain import _unmasked_q_propose
+
+    from ondevice import drafters, sampling
+    from ondevice.loader import load
+
+    temperature, top_k, n, budget, grammar = 0.8, 6, 1500, 1, 'start: /[a-z]{1,8}/ "."'
+    with load(opened, str(tiny_gguf("qwen2_draft")), threads=1, n_ctx=256) as rt:
+        ids = _ids(rt)
+        end = rt.target.tokenize("\n</think>\n\n", add_bos=False, special=True)
+        depth = budget + len(end) + 2
+        params = sampling.SamplingParams(temperature=temperature, top_k=top_k, top_p=1.0, min_p=0.0)
+        law = _budget_law(opened, ids, params, budget, depth, grammar)
+        assert abs(sum(law.values()) - 1) < 1e-9 and len(law) > 8
+        assert all(s[budget:budget + len(end)] == tuple(end) for s in law if len(s) > budget)
+
+        def counts():
+            out = {}
+            for seed in range(n):
+                r = rt.generate(ids, max_tokens=depth, temperature=temperature, top_k=top_k, top_p=1.0, min_p=0.0,
+                                seed=seed, gamma=3, reasoning_budget=budget, grammar=grammar)
+                out[tuple(r.tokens)] = out.get(tuple(r.tokens), 0) + 1
+            return out
+
+        good = counts()
+        assert rt.last_stats.drafted > 0
+        assert chisquare(good, law, n) > 1e-3
+        monkeypatch.setattr(drafters.ModelDrafter, "propose", _unmasked_q_propose)
+        assert chisquare(counts(), law, n) < 1e-4
