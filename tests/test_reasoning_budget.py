@@ -10,6 +10,7 @@ and the budget's state under random advance / rollback against a recomputation f
 
 from __future__ import annotations
 
+import os
 import random
 
 import numpy as np
@@ -264,3 +265,24 @@ def test_sampled_budget_law_is_exact(opened, tiny_gguf, monkeypatch):
         assert chisquare(good, law, n) > 1e-3
         monkeypatch.setattr(drafters.ModelDrafter, "propose", _unmasked_q_propose)
         assert chisquare(counts(), law, n) < 1e-4
+
+
+def test_chat_cli_reasoning_budget(opened, tiny_gguf):
+    """``ondevice chat --reasoning-budget N``: the answer follows the cut thinking; on a model whose template
+    does not think, one line naming the option."""
+    import subprocess
+    import sys
+
+    def chat(model, *args):
+        return subprocess.run([sys.executable, "-P", "-m", "ondevice", "chat", str(model), "--no-spec", "--temperature",
+                               "0", "--max-tokens", "40", *args], input=b"hi\n", capture_output=True, timeout=600)
+
+    free, cut = chat(opened), chat(opened, "--reasoning-budget", "4")
+    assert free.returncode == 0 and cut.returncode == 0, cut.stderr.decode()
+    assert not free.stdout.decode().strip() and cut.stdout.decode().strip()  # thinking never ends without a budget
+    bad = chat(tiny_gguf("qwen2"), "--reasoning-budget", "4")
+    err = [ln for ln in bad.stderr.decode().splitlines() if ln.strip()]
+    assert bad.returncode != 0 and len(err) == 1 and "--reasoning-budget" in err[0], err
+    help_text = subprocess.run([sys.executable, "-P", "-m", "ondevice", "serve", "--help"], capture_output=True,
+                               text=True, timeout=120, env={**os.environ, "COLUMNS": "200"}).stdout
+    assert "--reasoning-budget" in help_text
