@@ -12,7 +12,7 @@ of plain and speculative decoding alike. Its mask depends only on the tokens emi
 Because the mask is a function of the emitted prefix, the speculative loop masks p and q with it as with any
 constraint and stays exact. The state after every emitted token is kept on a stack, so ``rollback`` is a
 truncate (llguidance's own max_tokens cannot roll back). Whether the model closed thinking by itself is read
-by a ``reasoning.Splitter`` fed each token's bytes.
+by a ``reasoning.Splitter`` fed each token's bytes (``piece``).
 
 Where the generation prompt does not open thinking (Qwen3 opens it in the output, or not at all), the output
 may start without thinking: then it is all answer. With an inner constraint, the first position allows the
@@ -35,6 +35,7 @@ from ondevice.reasoning import Splitter, Thinking, detect
 
 PROMPT_TAIL_TOKENS = 128  # prompt tokens decoded to tell whether the generation prompt opened thinking
 _EOS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # backend → its end-of-generation ids
+_TEXTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # backend → its tokens' texts (special ones)
 
 
 @dataclass(frozen=True)
@@ -83,7 +84,7 @@ class ThinkingBudget:
     def for_prompt(cls, target, prompt: Sequence[int], budget: int, inner=None) -> ThinkingBudget:
         """The budget of a request whose prompt is ``prompt`` (ids): the convention read from the target's chat
         template and the prompt's tail. Raises OndeviceError when the template has no thinking convention."""
-        tail = b"".join(target.token_bytes(int(t)) for t in prompt[-PROMPT_TAIL_TOKENS:]).decode("utf-8", "replace")
+        tail = b"".join(piece(target, int(t)) for t in prompt[-PROMPT_TAIL_TOKENS:]).decode("utf-8", "replace")
         thinking = detect(target.chat_template, tail)
         if thinking is None:
             raise OndeviceError(f"reasoning_budget: {target.path} has no thinking convention in its chat template "
@@ -159,7 +160,7 @@ class ThinkingBudget:
                 inner_n += 1
             return _State("end", 0, count, inner_n, st.split, st.decoder)
         self._load(st)
-        text = self._decoder.decode(self.target.token_bytes(t))
+        text = self._decoder.decode(piece(self.target, t))
         self._splitter.feed(text)
         self._splitter.reasoning.clear()  # only the state is wanted: the text would grow with the output
         self._splitter.content.clear()
@@ -270,3 +271,15 @@ def eos_ids(target) -> list[int]:
         ids = [i for i in range(target.vocab_size) if target.is_eog(i)]
         _EOS[target] = ids
     return ids
+
+
+def piece(target, token: int) -> bytes:
+    """A token's bytes as the splitter reads them: a control token that renders as nothing (harmony's
+    ``<|channel|>`` in some GGUFs) as its vocabulary text, so thinking markers are seen whichever way."""
+    b = target.token_bytes(token)
+    if b:
+        return b
+    texts = _TEXTS.get(target)
+    if texts is None:
+        texts = _TEXTS[target] = target.vocab_tokens()
+    return texts[token].encode() if token < len(texts) else b""

@@ -79,14 +79,16 @@ def test_speculative_equals_plain_with_budget(rt, gamma, grammar):
 
 
 def test_budget_needs_a_thinking_template(rt):
-    from types import SimpleNamespace
-
     from ondevice.budget import ThinkingBudget
     from ondevice.params import GenerateRequest
 
     with pytest.raises(OndeviceError, match="reasoning_budget"):
         GenerateRequest.of(reasoning_budget=-1)
-    plain = SimpleNamespace(chat_template="{{ messages[0].content }}", path="m.gguf", token_bytes=rt.target.token_bytes)
+    class Plain:  # a backend whose template does not think
+        chat_template, path = "{{ messages[0].content }}", "m.gguf"
+        token_bytes, vocab_tokens = staticmethod(rt.target.token_bytes), staticmethod(rt.target.vocab_tokens)
+
+    plain = Plain()
     with pytest.raises(OndeviceError, match="no thinking convention"):
         ThinkingBudget.for_prompt(plain, [1, 2], 3)
 
