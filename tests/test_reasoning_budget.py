@@ -288,3 +288,61 @@ def test_chat_cli_reasoning_budget(opened, tiny_gguf):
     help_text = subprocess.run([sys.executable, "-P", "-m", "ondevice", "serve", "--help"], capture_output=True,
                                text=True, timeout=120, env={**os.environ, "COLUMNS": "200"}).stdout
     assert "--reasoning-budget" in help_text
+
+
+@pytest.mark.parametrize("kind", ["tags", "harmony", "brackets"])
+@pytest.mark.parametrize("inner_grammar", [None, f"start: {WORDS}"])
+def test_conventions_opened_by_the_model(rt, kind, inner_grammar):
+    """A generation prompt that does not open thinking (Qwen3, gpt-oss): the model opens it (with an inner
+    constraint, only the opening's first id besides the answer's, then the rest of it forced), thinks N
+    tokens, the end is forced, then the answer; or the model answers at once and no budget applies. Each
+    state also against a budget rebuilt from the prefix after random rollbacks."""
+    from ondevice.budget import ThinkingBudget
+    from ondevice.constrain import Constraint
+    from ondevice.reasoning import detect
+
+    template = {"tags": "<think></think>", "harmony": "<|channel|>", "brackets": "[THINK][/THINK]"}[kind]
+    th = detect(template, "<|im_start|>assistant\n")
+    assert th is not None and not th.opened
+
+    def fresh():
+        inner = Constraint.build(rt.target, grammar=inner_grammar) if inner_grammar else None
+        return ThinkingBudget(rt.target, th, 3, inner)
+
+    b = fresh()
+    tok = rt.target.tokenize
+    opening = tok(th.start, add_bos=False, special=True)
+    assert b.phase == "start" and b.allowed()[opening[0]]
+    b.advance(opening[:1])
+    if inner_grammar is not None and len(opening) > 1:
+        assert b.phase == "open" and np.flatnonzero(b.allowed()).tolist() == [opening[1]]
+    b.advance(opening[1:])
+    assert b.phase == "think", (b.phase, th)
+    words = tok(" one two three four five six", add_bos=False, special=False)
+    b.advance(words[:3])
+    assert b.phase == "force" and b.thinking_tokens == 3
+    seq = opening + words[:3]
+    for t in b.end_ids:
+        assert np.flatnonzero(b.allowed()).tolist() == [t]
+        b.advance([t])
+        seq.append(t)
+    assert b.phase == "answer"
+    answer = tok("abc de", add_bos=False, special=False)
+    assert b.valid_prefix(answer) == len(answer)
+    b.advance(answer)
+    seq += answer
+    rng = random.Random(1)
+    for _ in range(12):  # roll back anywhere, go forward again along the same tokens: same states
+        n = rng.randint(1, len(seq))
+        b.rollback(n)
+        ref = fresh()
+        ref.advance(seq[: len(seq) - n])
+        assert (b.phase, b.thinking_tokens, b.allowed().tolist()) == (ref.phase, ref.thinking_tokens, ref.allowed().tolist())
+        b.advance(seq[len(seq) - n:])
+    assert b.phase == "answer" and b.thinking_tokens == 3
+    straight = fresh()  # no thinking at all: the answer at once
+    first = tok("hello", add_bos=False, special=False)
+    straight.advance(first)
+    if kind != "harmony":
+        assert straight.phase == "answer"
+    assert straight.thinking_tokens == 0
