@@ -346,3 +346,17 @@ def test_conventions_opened_by_the_model(rt, kind, inner_grammar):
     if kind != "harmony":
         assert straight.phase == "answer"
     assert straight.thinking_tokens == 0
+
+
+def test_model_closing_thinking_itself_ends_the_budget(rt):
+    """Thinking closed by the model within the budget: the answer follows, nothing is forced."""
+    from ondevice.budget import ThinkingBudget
+    from ondevice.reasoning import detect
+
+    th = detect("<think></think>", "<think>\n")
+    b = ThinkingBudget(rt.target, th, 50)
+    assert b.phase == "think"
+    text = rt.target.tokenize("one two\n</think>\n\nanswer", add_bos=False, special=True)
+    b.advance(text)
+    assert b.phase == "answer" and 0 < b.thinking_tokens < len(text)
+    assert b.allowed().all()
