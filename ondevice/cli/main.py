@@ -86,6 +86,9 @@ def generate_cmd(
             typer.echo(note, err=True)
 
 
+ReasoningBudgetOpt = Annotated[int | None, typer.Option("--reasoning-budget", min=0, help="A thinking model thinks at "
+                                                        "most N tokens, then the end of thinking is forced and "
+                                                        "the answer follows [default: unbounded].")]
 DEFAULT_CHAT_MODEL = "qwen2.5-coder-0.5b-instruct"  # chosen by pass rate, speed and size: docs/quality.md
 
 
@@ -104,6 +107,7 @@ def chat_cmd(
     show_draft: Annotated[bool, typer.Option("--show-draft", help="Colour tokens that came from the draft.")] = False,
     stats: Annotated[bool, typer.Option("--stats", help="Print tok/s and acceptance after each answer.")] = False,
     think: Annotated[bool | None, typer.Option("--think/--no-think", help="A thinking model thinks or not (the template's enable_thinking; /think on|off in the chat) [default: the template's].")] = None,
+    reasoning_budget: ReasoningBudgetOpt = None,
     request: GenerateRequest | None = None,
 ) -> None:
     """Chat in the terminal (streaming). With no arguments: Qwen2.5-Coder-0.5B-Instruct with n-gram drafting. Piped stdin: one turn per line."""
@@ -111,7 +115,9 @@ def chat_cmd(
     from ondevice.loader import load
 
     drafter = _drafter(draft, ngram, no_spec)
+    request = _with_budget(request, reasoning_budget)
     with load(model, draft, drafter=drafter, n_ctx=n_ctx, threads=threads, device=device, draft_device=draft_device) as rt:
+        _check_budget(rt, reasoning_budget)
         name = rt.drafter.name if rt.drafter else "none"
         if rt.draft_choice:  # --draft auto: say what was chosen and why
             name += f" (auto: {rt.draft_choice['draft'] or 'ngram'})"
@@ -145,6 +151,7 @@ def serve_cmd(
     max_connections: Annotated[int | None, typer.Option("--max-connections", min=1, help="Open connections at most; more get 503 [default: max(64, max-queue + 16)].")] = None,
     threads: ThreadsOpt = None,
     device: DeviceOpt = None,
+    reasoning_budget: ReasoningBudgetOpt = None,
 ) -> None:
     """Serve the OpenAI and Anthropic APIs (/v1/chat/completions, /v1/completions, /v1/responses, /v1/messages, /v1/embeddings, /v1/models) and a chat page at /."""
     from functools import partial
@@ -162,8 +169,8 @@ def serve_cmd(
     check_exposure(host, api_key, no_auth)  # before anything listens
     sock = open_socket(host, port)  # fail fast on a busy port, before the model loads
     specs = [(Path(m).name.removesuffix(".gguf") if Path(m).exists() else m, m) for m in names]
-    loader = partial(load, draft=draft, drafter=_drafter(draft, ngram, no_spec), n_ctx=n_ctx, threads=threads,
-                     device=device)
+    loader = partial(_budgeted, reasoning_budget, partial(load, draft=draft, drafter=_drafter(draft, ngram, no_spec),
+                                                        n_ctx=n_ctx, threads=threads, device=device))
     served = Models(specs, loader, max_loaded=max_loaded, keep_alive=keep_alive_seconds(keep_alive, "--keep-alive"),
                     max_queue=max_queue)
     served.adopt(specs[0][0], loader(names[0]))  # the first model loads now: a bad one fails at once
@@ -173,6 +180,29 @@ def serve_cmd(
               max_connections=max_connections, sock=sock)
     finally:
         served.close_all()
+
+
+def _with_budget(request: GenerateRequest, budget: int | None) -> GenerateRequest:
+    import dataclasses
+
+    return request if budget is None else dataclasses.replace(request, reasoning_budget=budget)
+
+
+def _check_budget(rt, budget: int | None) -> None:
+    """--reasoning-budget on a model whose template does not think: one line, before the chat starts."""
+    from ondevice.errors import OndeviceError
+    from ondevice.reasoning import detect
+
+    if budget is not None and detect(rt.target.chat_template) is None:
+        raise OndeviceError(f"--reasoning-budget: {rt.target.path} has no thinking convention in its chat "
+                            "template; drop the option for this model")
+
+
+def _budgeted(budget: int | None, load, name: str):
+    """A served model with the server's default thinking budget (``Runtime.reasoning_budget``)."""
+    rt = load(name)
+    rt.reasoning_budget = budget
+    return rt
 
 
 @command("check-pair")

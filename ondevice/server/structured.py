@@ -1,9 +1,10 @@
 """OpenAI's structured-output fields: ``response_format``, ``grammar``, ``tools`` / ``tool_choice``,
-``logprobs`` / ``top_logprobs``, ``chat_template_kwargs``, ``reasoning_format``.
+``logprobs`` / ``top_logprobs``, ``chat_template_kwargs``, ``reasoning_format``, ``reasoning_budget`` /
+``reasoning_effort``.
 
 Request side: one function per field group (``chat_logprobs_args``, ``completion_logprobs_args``,
 ``response_format_args``, ``grammar_args``, ``tool_args``, ``no_tool_args``, ``template_args``,
-``reasoning_args``) validates it
+``reasoning_args``, ``budget_args``) validates it
 (``ApiError`` 400 in OpenAI's shape, naming the field) into a ``Structured``: what the runtime and the reply
 need; each dialect calls the ones it speaks. Response side: ``Answer`` splits the output into thinking,
 content and tool calls (in the template's family format), whole or streamed; ``split_answer`` for a whole text.
@@ -174,6 +175,39 @@ def reasoning_args(body: dict, out: Structured) -> None:
     if fmt not in ("auto", "deepseek", "none"):
         raise _bad("reasoning_format", "must be 'auto', 'deepseek' or 'none'")
     out.split_thinking = fmt != "none"
+
+
+# OpenAI's reasoning_effort as thinking-token budgets (``GenerateRequest.reasoning_budget``)
+EFFORT_BUDGETS = {"none": 0, "minimal": 64, "low": 256, "medium": 1024, "high": 4096}
+
+
+def budget_args(body: dict, thinking: Thinking | None, default: int | None, out: Structured) -> None:
+    """``reasoning_budget`` (llama-server's: thinking tokens at most, -1 = unbounded) or OpenAI's
+    ``reasoning_effort`` (``EFFORT_BUDGETS``), else the server's ``--reasoning-budget``, into ``out.run``.
+
+    Args:
+        thinking: the prompt's thinking convention: an explicit budget on a model without one is a 400;
+            ``reasoning_effort`` and the server's default are ignored there (as for any non-thinking model).
+        default: the server's budget (None: unbounded).
+    """
+    budget, effort = body.get("reasoning_budget"), body.get("reasoning_effort")
+    if budget is not None and effort is not None:
+        raise _bad("reasoning_budget", "give either reasoning_budget or reasoning_effort, not both")
+    if budget is not None:
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < -1:
+            raise _bad("reasoning_budget", "must be an integer >= 0 (thinking tokens), or -1 for unbounded")
+        if thinking is None and budget >= 0:
+            raise _bad("reasoning_budget", "this model's chat template has no thinking convention; drop "
+                       "reasoning_budget", code="unsupported_value")
+        budget = None if budget < 0 else budget
+    elif effort is not None:
+        if effort not in EFFORT_BUDGETS:
+            raise _bad("reasoning_effort", f"must be one of {', '.join(EFFORT_BUDGETS)}")
+        budget = EFFORT_BUDGETS[effort]
+    else:
+        budget = default
+    if budget is not None and thinking is not None:
+        out.run["reasoning_budget"] = budget
 
 
 def _cap_size(param: str, what: str, obj) -> None:
