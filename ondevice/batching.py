@@ -83,6 +83,7 @@ class BatchEngine:
         self._turn = Request()  # what the runtime sees while a batch holds its turn (Runtime.cancel sets it)
         self.steps = 0  # batched decode steps so far
         self.max_active = 0  # most slots one step has held
+        self.on_step = None  # optional: called with the sequence ids of each batched step (tests, benchmarks)
 
     # -- API -------------------------------------------------------------------------------------
     def stream(self, prompt: str | Sequence[int], request: GenerateRequest | None = None, **options) -> Stream:
@@ -229,6 +230,8 @@ class BatchEngine:
         dt = time.perf_counter() - t0
         self.steps += 1
         self.max_active = max(self.max_active, len(order))
+        if self.on_step is not None:
+            self.on_step(order)
         for r, s in enumerate(order):
             try:
                 self._advance(s, logits[r : r + 1], dt)

@@ -1,0 +1,149 @@
+"""``--parallel N`` (``ondevice.batching.BatchEngine``): requests decoded together in one llama.cpp batch give
+the answers they give one at a time, token for token; each slot keeps its own rng, stop, limit and cancel."""
+
+from __future__ import annotations
+
+import pytest
+
+import ondevice
+from ondevice.batching import BatchEngine
+from ondevice.errors import OndeviceError
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
+           "Three primary colours are"]
+
+
+def _alone(path, requests, **load):
+    """Each (prompt, options) generated one at a time on a usual one-sequence runtime."""
+    with ondevice.load(path, drafter="none", **load) as rt:
+        return [rt.generate(p, **o) for p, o in requests]
+
+
+def _together(path, requests, parallel=4, **load):
+    """All requests submitted before the batch starts (the worker waits on the runtime's lock), then read."""
+    with ondevice.load(path, drafter="none", parallel=parallel, **load) as rt:
+        eng = BatchEngine(rt)
+        with rt._lock:  # the worker cannot admit anything before every request is queued
+            streams = [eng.stream(p, **o) for p, o in requests]
+        out = []
+        for s in streams:
+            for _ in s:
+                pass
+            out.append((s.tokens, s.text, s.stats))
+        return out, eng
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0), dict(temperature=0.9, top_p=0.95)])
+def test_four_concurrent_answers_equal_their_one_at_a_time_answers(smollm2, sampling):
+    reqs = [(p, dict(max_tokens=40, seed=100 + i, **sampling)) for i, p in enumerate(PROMPTS)]
+    alone = _alone(smollm2, reqs, n_ctx=512)
+    together, eng = _together(smollm2, reqs, n_ctx=512)
+    assert eng.max_active == 4
+    for a, (tokens, text, stats) in zip(alone, together, strict=True):
+        assert tokens == a.tokens and text == a.text
+        assert stats.stop_reason == a.stats.stop_reason and stats.tokens == a.stats.tokens
+
+
+def test_tiny_model_greedy_and_seeded_equal_alone_with_different_limits_and_stops(tiny_gguf):
+    path = tiny_gguf("llama")
+    alone_tokens = _alone(path, [(PROMPTS[0], dict(max_tokens=30, temperature=0))], n_ctx=256, threads=1)[0].text
+    stop = alone_tokens[8:11]  # a stop string that occurs in the first answer
+    reqs = [(PROMPTS[0], dict(max_tokens=30, temperature=0, stop=[stop])),
+            (PROMPTS[1], dict(max_tokens=7, temperature=0)),
+            (PROMPTS[2], dict(max_tokens=25, temperature=1.0, seed=3)),
+            (PROMPTS[3], dict(max_tokens=12, temperature=0.7, top_k=20, seed=4))]
+    alone = _alone(path, reqs, n_ctx=256, threads=1)
+    together, _ = _together(path, reqs, n_ctx=256, threads=1)
+    assert alone[0].stats.stop_reason == "stop" and alone[1].stats.stop_reason == "length"
+    for a, (tokens, text, stats) in zip(alone, together, strict=True):
+        assert (tokens, text, stats.stop_reason, stats.tokens) == (a.tokens, a.text, a.stats.stop_reason, a.stats.tokens)
+
+
+def test_every_active_slot_advances_every_step(tiny_gguf):
+    reqs = [(p, dict(max_tokens=10, temperature=0)) for p in PROMPTS]
+    seen: list[list[int]] = []
+    with ondevice.load(tiny_gguf("llama"), drafter="none", parallel=4, n_ctx=256, threads=1) as rt:
+        eng = BatchEngine(rt)
+        eng.on_step = seen.append
+        with rt._lock:
+            streams = [eng.stream(p, **o) for p, o in reqs]
+        for s in streams:
+            for _ in s:
+                pass
+    # every step held every unfinished request: request i took part in exactly its first forwards steps
+    forwards = [s.stats.target_forwards for s in streams]
+    assert max(forwards) == 10 and len(seen) == 10
+    for step, ids in enumerate(seen):
+        assert ids == [i for i in range(4) if forwards[i] > step]
+
+
+def test_more_requests_than_slots_wait_and_join_between_steps(tiny_gguf):
+    path = tiny_gguf("llama")
+    reqs = [(p + suffix, dict(max_tokens=6 + 3 * i, temperature=0))
+            for i, (p, suffix) in enumerate((p, s) for s in ("", " and") for p in PROMPTS)]
+    alone = _alone(path, reqs, n_ctx=256, threads=1)
+    together, eng = _together(path, reqs, parallel=3, n_ctx=256, threads=1)
+    assert eng.max_active == 3 and eng.active == 0
+    assert [t for t, _, _ in together] == [a.tokens for a in alone]
+
+
+def test_a_cancelled_slot_frees_at_once_and_leaves_the_others_exact(smollm2):
+    reqs = [(p, dict(max_tokens=30, temperature=0)) for p in PROMPTS]
+    alone = _alone(smollm2, reqs, n_ctx=512)
+    with ondevice.load(smollm2, drafter="none", parallel=4, n_ctx=512) as rt:
+        eng = BatchEngine(rt)
+        with rt._lock:
+            streams = [eng.stream(p, **o) for p, o in reqs]
+        first = next(iter(streams[1]))
+        assert first.tokens == alone[1].tokens[:1]
+        streams[1].close()  # a client that disconnects after its first token
+        dropped = streams[2]
+        dropped.cancel()
+        for i in (0, 3):
+            for _ in streams[i]:
+                pass
+            assert streams[i].tokens == alone[i].tokens
+        for _ in dropped:
+            pass
+        assert dropped.stats.stop_reason == "cancelled" and dropped.tokens == alone[2].tokens[: len(dropped.tokens)]
+        assert len(dropped.tokens) < 30 and eng.active == 0
+        # the runtime's one-at-a-time path works again afterwards, on the same cache
+        assert rt.generate(PROMPTS[0], max_tokens=30, temperature=0).tokens == alone[0].tokens
+
+
+def test_a_slot_error_ends_that_slot_only(tiny_gguf, monkeypatch):
+    path = tiny_gguf("llama")
+    reqs = [(p, dict(max_tokens=8, temperature=0)) for p in PROMPTS[:3]]
+    alone = _alone(path, reqs, n_ctx=256, threads=1)
+    with ondevice.load(path, drafter="none", parallel=3, n_ctx=256, threads=1) as rt:
+        eng = BatchEngine(rt)
+        real = eng._advance
+
+        def advance(s, row, seconds):
+            if s == 1 and eng._active[s].out.stats.tokens == 2:
+                raise RuntimeError("planted failure in slot 1")
+            real(s, row, seconds)
+
+        monkeypatch.setattr(eng, "_advance", advance)
+        with rt._lock:
+            streams = [eng.stream(p, **o) for p, o in reqs]
+        with pytest.raises(RuntimeError, match="planted"):
+            for _ in streams[1]:
+                pass
+        assert streams[1].stats.stop_reason == "error"
+        for i in (0, 2):
+            for _ in streams[i]:
+                pass
+            assert streams[i].tokens == alone[i].tokens
+
+
+def test_parallel_refused_where_it_cannot_be_exact(tiny_gguf):
+    with ondevice.load(tiny_gguf("llama"), drafter="none", n_ctx=256, threads=1) as rt:
+        with pytest.raises(OndeviceError, match="parallel=N"):
+            BatchEngine(rt)
+    with pytest.raises(OndeviceError, match="parallel=0"):
+        ondevice.load(tiny_gguf("llama"), parallel=0)
+    with ondevice.load(tiny_gguf("llama"), drafter="none", n_ctx=256, threads=1, parallel=2) as rt:
+        assert rt.n_ctx == rt.target.n_ctx_seq == 256  # each slot keeps the context asked for
+        with pytest.raises(OndeviceError, match="n_ctx is 256"):
+            BatchEngine(rt).stream(list(range(1, 300)))
