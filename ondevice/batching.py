@@ -144,6 +144,7 @@ class BatchEngine:
     def _run(self) -> None:
         """The worker: takes the runtime's turn while any request is waiting or running."""
         rt = self.rt
+        self._turn = Request()  # a fresh one per run: an earlier Runtime.cancel does not end this one
         try:
             rt._enter(self._turn)
         except BaseException as e:  # noqa: BLE001 - a closed runtime: every waiting request gets the error

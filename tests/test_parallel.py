@@ -147,3 +147,68 @@ def test_parallel_refused_where_it_cannot_be_exact(tiny_gguf):
         assert rt.n_ctx == rt.target.n_ctx_seq == 256  # each slot keeps the context asked for
         with pytest.raises(OndeviceError, match="n_ctx is 256"):
             BatchEngine(rt).stream(list(range(1, 300)))
+
+
+def test_serve_parallel_four_clients_equal_their_one_at_a_time_answers(smollm2):
+    """``ondevice serve --parallel 4``: four concurrent chat requests (two streamed) answer as one at a time does;
+    a client that disconnects mid-answer frees its slot (health shows nothing running afterwards)."""
+    import socket
+    import threading
+
+    httpx = pytest.importorskip("httpx")
+    from ondevice.server.run import launch
+
+    questions = [f"Say the number {i} in words, then stop." for i in range(4)]
+    with ondevice.load(smollm2, drafter="none", n_ctx=512) as rt:
+        want = [rt.chat([{"role": "user", "content": q}], temperature=0, max_tokens=24).text for q in questions]
+    proc, url = launch(str(smollm2), "--n-ctx", "512", "--threads", "1", "--parallel", "4", "--no-spec")
+    try:
+        model_id = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+        leaver = socket.create_connection((url.split("//")[1].split(":")[0], int(url.rsplit(":", 1)[1])))
+        body = f'{{"model":"{model_id}","prompt":"1, 2, 3, 4, 5,","max_tokens":400,"stream":true}}'.encode()
+        leaver.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                       b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        assert leaver.recv(1024).startswith(b"HTTP/1.1 200")
+        got: list = [None] * 4
+
+        def ask(i: int) -> None:
+            msg = {"model": model_id, "messages": [{"role": "user", "content": questions[i]}], "temperature": 0,
+                   "max_tokens": 24}
+            try:
+                if i % 2:
+                    with httpx.stream("POST", url + "/v1/chat/completions", json={**msg, "stream": True},
+                                      timeout=120) as r:
+                        parts = [line[6:] for line in r.iter_lines() if line.startswith("data: {")]
+                    import json
+
+                    got[i] = "".join(json.loads(p)["choices"][0]["delta"].get("content") or "" for p in parts
+                                     if json.loads(p)["choices"])
+                else:
+                    got[i] = httpx.post(url + "/v1/chat/completions", json=msg, timeout=120).json()[
+                        "choices"][0]["message"]["content"]
+            except Exception as e:  # noqa: BLE001 - reported by the assertion below
+                got[i] = e
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        most = 0
+        while any(t.is_alive() for t in threads):  # how many run at once, while the chats are answered
+            most = max(most, httpx.get(url + "/health").json()["running"])
+            if most >= 3:
+                leaver.close()  # disconnects while the others decode
+        leaver.close()
+        for t in threads:
+            t.join(120)
+        assert got == want
+        assert most >= 3  # one at a time would show 1
+        for _ in range(100):
+            if httpx.get(url + "/health").json()["running"] == 0:
+                break
+            import time
+
+            time.sleep(0.1)
+        assert httpx.get(url + "/health").json()["running"] == 0
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
