@@ -212,3 +212,26 @@ def test_serve_parallel_four_clients_equal_their_one_at_a_time_answers(smollm2):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_constraints_and_logprobs_per_slot_equal_alone(tiny_gguf):
+    """A slot's grammar and logprobs are its own: a JSON-constrained sampled request, a logprobs request and a
+    free one decoded together give what each gives alone (tokens, text, every logprob)."""
+    path = tiny_gguf("llama")
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "n": {"type": "integer"}},
+              "required": ["name", "n"]}
+    rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    reqs = [(PROMPTS[0], dict(response_format=rf, max_tokens=40, temperature=0.8, seed=5, top_logprobs=3)),
+            (PROMPTS[1], dict(max_tokens=12, temperature=0, logprobs=True)),
+            (PROMPTS[2], dict(max_tokens=12, temperature=0.5, seed=9))]
+    with ondevice.load(path, drafter="none", n_ctx=256, threads=1) as rt:
+        alone = [rt.generate(p, **o) for p, o in reqs]
+    with ondevice.load(path, drafter="none", parallel=3, n_ctx=256, threads=1) as rt:
+        eng = BatchEngine(rt)
+        with rt._lock:
+            streams = [eng.stream(p, **o) for p, o in reqs]
+        for s, a in zip(streams, alone, strict=True):
+            for _ in s:
+                pass
+            assert (s.tokens, s.text, s.logprobs) == (a.tokens, a.text, a.logprobs)
+    assert alone[0].logprobs and alone[2].logprobs is None and alone[0].text.startswith("{")
