@@ -21,6 +21,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -106,7 +107,9 @@ class BatchEngine:
             if self._worker is None:
                 self._worker = threading.Thread(target=self._run, name="ondevice-batch", daemon=True)
                 self._worker.start()
-        return Stream(lambda r: _consume(job), out)
+        stream = Stream(lambda r: _consume(job), out)
+        weakref.finalize(stream, out.cancel_event.set)  # a stream dropped unread frees its slot too
+        return stream
 
     def astream(self, prompt, request: GenerateRequest | None = None, **options) -> AsyncStream:
         """``stream`` for asyncio."""

@@ -235,3 +235,23 @@ def test_constraints_and_logprobs_per_slot_equal_alone(tiny_gguf):
                 pass
             assert (s.tokens, s.text, s.logprobs) == (a.tokens, a.text, a.logprobs)
     assert alone[0].logprobs and alone[2].logprobs is None and alone[0].text.startswith("{")
+
+
+def test_a_full_slot_stops_at_its_context_and_a_dropped_stream_frees_its_slot(tiny_gguf):
+    import gc
+
+    path = tiny_gguf("llama")
+    with ondevice.load(path, drafter="none", n_ctx=256, threads=1) as rt:
+        long = rt.tokenize(" ".join(["word"] * 400))[:250]
+        alone = rt.generate(long, max_tokens=100, temperature=0)
+    assert alone.stats.stop_reason == "context"
+    with ondevice.load(path, drafter="none", parallel=2, n_ctx=256, threads=1) as rt:
+        eng = BatchEngine(rt)
+        with rt._lock:
+            full = eng.stream(long, max_tokens=100, temperature=0)
+            eng.stream(PROMPTS[0], max_tokens=200, temperature=0)  # dropped at once, never read
+            gc.collect()
+        for _ in full:
+            pass
+        assert (full.tokens, full.stats.stop_reason) == (alone.tokens, "context")
+        assert eng.active == 0 and eng.steps == len(alone.tokens)  # the dropped one never took a step
