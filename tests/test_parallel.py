@@ -249,7 +249,7 @@ def test_a_full_slot_stops_at_its_context_and_a_dropped_stream_frees_its_slot(ti
         eng = BatchEngine(rt)
         with rt._lock:
             full = eng.stream(long, max_tokens=100, temperature=0)
-            eng.stream(PROMPTS[0], max_tokens=200, temperature=0)  # dropped at once, never read
+            eng.stream(PROMPTS[1], max_tokens=30, temperature=0)  # dropped at once, never read
             gc.collect()
         for _ in full:
             pass
