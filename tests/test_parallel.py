@@ -255,3 +255,17 @@ def test_a_full_slot_stops_at_its_context_and_a_dropped_stream_frees_its_slot(ti
             pass
         assert (full.tokens, full.stats.stop_reason) == (alone.tokens, "context")
         assert eng.active == 0 and eng.steps == len(alone.tokens)  # the dropped one never took a step
+
+
+def test_runtime_close_ends_a_running_batch(tiny_gguf):
+    rt = ondevice.load(tiny_gguf("llama"), drafter="none", parallel=2, n_ctx=256, threads=1)
+    eng = BatchEngine(rt)
+    streams = [eng.stream(p, max_tokens=200, temperature=0) for p in PROMPTS[1:3]]
+    next(iter(streams[0]))
+    rt.close()  # cancels the batch (it holds the runtime's turn), waits for it, frees the model
+    for s in streams:
+        for _ in s:
+            pass
+        assert s.stats.stop_reason == "cancelled" and len(s.tokens) < 200
+    with pytest.raises(OndeviceError, match="closed"):
+        eng.stream(PROMPTS[0])
