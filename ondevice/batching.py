@@ -183,15 +183,20 @@ class BatchEngine:
         if self._turn.cancel_event.is_set():  # Runtime.cancel / close: end everything
             self.cancel_all()
         with self._cv:
-            new = []
+            new, gone = [], []
             while self._waiting and len(self._active) + len(new) < self.n:
-                new.append(self._waiting.popleft())
+                j = self._waiting.popleft()
+                (gone if j.out.cancel_event.is_set() else new).append(j)
             free = sorted(set(range(self.n)) - set(self._active))
             for s, j in zip(free, new, strict=False):
                 self._active[s] = j
             if not self._active:
                 self._worker = None
-                return False
+        for j in gone:  # cancelled while waiting: nothing was evaluated for it
+            j.out.stats.stop_reason = "cancelled"
+            j.chunks.put(_END)
+        if not self._active:
+            return False
         for s, j in zip(free, new, strict=False):
             self._admit(s, j)
         for s in [s for s, j in self._active.items() if j.out.cancel_event.is_set()]:
