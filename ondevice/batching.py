@@ -13,7 +13,9 @@ seeded answer equals its one-at-a-time answer token for token (tests/test_parall
 
 Limits: slots decode plain (γ = 0: no drafter, no trees) — a batched verify of several slots' drafts is
 not built; ``Runtime.stream`` on the same runtime keeps speculating (chains) one request at a time, and
-waits while a batch runs (they share the cache). A slot keeps no prefix across requests. llama.cpp only.
+waits while a batch runs (they share the cache; sequence 0 is the one-slot path's, so each continues from
+what the other left there). A sequence keeps its cells when its request ends: a request is given the free
+sequence holding the longest prefix of its prompt and evaluates only the rest (chat turns). llama.cpp only.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ondevice.drafters.base import common_prefix
 from ondevice.errors import OndeviceError
 from ondevice.logprobs import token_logprobs
 from ondevice.params import GenerateRequest
@@ -80,6 +83,7 @@ class BatchEngine:
         self._cv = threading.Condition()
         self._waiting: deque[_Job] = deque()
         self._active: dict[int, _Job] = {}  # sequence id → job
+        self._kv: dict[int, list[int]] = {s: [] for s in range(self.n)}  # a prefix of what each sequence holds
         self._worker: threading.Thread | None = None
         self._turn = Request()  # what the runtime sees while a batch holds its turn (Runtime.cancel sets it)
         self.steps = 0  # batched decode steps so far
@@ -155,8 +159,7 @@ class BatchEngine:
             return
         try:
             with rt._lock:
-                rt.slot.kv = []  # the batch takes every sequence: the one-slot prefix is gone
-                rt.target.clear_seqs()
+                self._adopt()
             while self._loop_once():
                 pass
         except BaseException as e:  # noqa: BLE001 - a failed decode: every running request gets the error
@@ -165,10 +168,22 @@ class BatchEngine:
             self._fail_waiting(e)
         finally:
             try:
-                with rt._lock:
-                    rt.target.clear_seqs()
+                with rt._lock:  # the one-slot path (sequence 0) continues from what sequence 0 holds
+                    rt.slot.kv = list(self._kv[0])
             finally:
                 rt._exit()
+
+    def _adopt(self) -> None:
+        """At the start of a run: what each sequence still holds. Sequence 0 is the one-slot path's (its
+        ``Slot.kv``); another sequence is kept only if llama.cpp still holds exactly what the engine left there
+        (a one-slot request that emptied the cache emptied every sequence)."""
+        t = self.rt.target
+        self._kv[0] = list(self.rt.slot.kv)
+        for s in range(self.n):
+            kv = self._kv[s]
+            if t.seq_len(s) != len(kv) and not (kv and t.rollback_seq(s, len(kv))):
+                self._kv[s] = []
+                t.clear_seqs(s)
 
     def _fail_waiting(self, e: BaseException) -> None:
         with self._cv:
@@ -187,9 +202,12 @@ class BatchEngine:
             while self._waiting and len(self._active) + len(new) < self.n:
                 j = self._waiting.popleft()
                 (gone if j.out.cancel_event.is_set() else new).append(j)
-            free = sorted(set(range(self.n)) - set(self._active))
-            for s, j in zip(free, new, strict=False):
+            pairs = []
+            for j in new:  # the free sequence holding the longest prefix of the prompt (then the lowest id)
+                free = [s for s in range(self.n) if s not in self._active]
+                s = max(free, key=lambda s: (common_prefix(self._kv[s], j.ids), -s))
                 self._active[s] = j
+                pairs.append((s, j))
             if not self._active:
                 self._worker = None
         for j in gone:  # cancelled while waiting: nothing was evaluated for it
@@ -197,7 +215,7 @@ class BatchEngine:
             j.chunks.put(_END)
         if not self._active:
             return False
-        for s, j in zip(free, new, strict=False):
+        for s, j in pairs:
             self._admit(s, j)
         for s in [s for s, j in self._active.items() if j.out.cancel_event.is_set()]:
             self._end(s, "cancelled")
@@ -214,17 +232,22 @@ class BatchEngine:
         slot.context = list(ids)
         slot.rng = np.random.default_rng(job.req.sampling.seed)
         job.text = TextAssembler(t.token_bytes, job.req.stop)
-        job.out.stats.prompt_eval_tokens = len(ids)
         if job.n_logprobs is not None:
             job.out.logprobs = []
-        rows = [(s, p, tok) for p, tok in enumerate(ids[:-1])]
         try:
             with rt._lock:
-                t.clear_seqs(s)
+                keep = min(common_prefix(self._kv[s], ids), len(ids) - 1)
+                self._kv[s] = self._kv[s][:keep]  # shortened before the cache is cut
+                if not t.rollback_seq(s, keep):
+                    keep, self._kv[s] = 0, []
+                    t.clear_seqs(s)
+                job.out.stats.prompt_eval_tokens = len(ids) - keep
+                rows = [(s, p, tok) for p, tok in enumerate(ids[:-1]) if p >= keep]
                 for c in range(0, len(rows), t.n_batch):  # in n_batch chunks from its first token, as eval does
                     chunk = rows[c : c + t.n_batch]
                     t.eval_seqs(chunk, outputs=[c + len(chunk) == len(rows) and i == len(chunk) - 1
                                                 for i in range(len(chunk))])
+                self._kv[s] = list(ids[:-1])  # lengthened after the cache grew
         except BaseException as e:  # noqa: BLE001 - this request fails; the others go on
             self._end(s, "error", e)
 
@@ -259,6 +282,7 @@ class BatchEngine:
         if constraint is not None:
             constraint.advance([nxt])
         context.append(nxt)
+        self._kv[s] = context[:-1]  # the decode evaluated the pending token: the cache holds this now
         step = Step(tokens=[nxt], from_draft=[False], gamma=0, drafted=0, accepted=0, draft_seconds=0.0,
                     verify_seconds=seconds, logprobs=lps)
         stats.add(step)
@@ -280,12 +304,15 @@ class BatchEngine:
             self._end(s, stats.stop_reason)
 
     def _end(self, s: int, reason: str, error: BaseException | None = None) -> None:
-        """Free sequence ``s`` at once and close its request."""
+        """Free sequence ``s`` at once and close its request. The sequence keeps its cells (the next request on
+        it reuses the common prefix), but after an error, when what it holds is not known: it is emptied."""
         with self._cv:
             job = self._active.pop(s)
         try:
-            with self.rt._lock:
-                self.rt.target.clear_seqs(s)
+            if error is not None:
+                self._kv[s] = []
+                with self.rt._lock:
+                    self.rt.target.clear_seqs(s)
         finally:
             stats = job.out.stats
             stats.stop_reason = stats.stop_reason or reason

@@ -269,3 +269,33 @@ def test_runtime_close_ends_a_running_batch(tiny_gguf):
         assert s.stats.stop_reason == "cancelled" and len(s.tokens) < 200
     with pytest.raises(OndeviceError, match="closed"):
         eng.stream(PROMPTS[0])
+
+
+def test_a_follow_up_reuses_its_slots_prefix_and_answers_as_alone(smollm2):
+    """Chat turns: a request that continues an earlier one (prompt + answer + more) is given the sequence that
+    holds that prefix and evaluates only the rest; the answers equal a fresh one-at-a-time runtime's. The
+    one-slot path of the same runtime continues from sequence 0 too."""
+    opts = dict(max_tokens=16, temperature=0)
+    with ondevice.load(smollm2, drafter="none", n_ctx=512) as rt:
+        first = [rt.tokenize(p) for p in PROMPTS[:3]]
+        r1 = []
+        for ids in first:
+            rt.reset()
+            r1.append(rt.generate(ids, **opts).tokens)
+        more = rt.tokenize(" And then", add_bos=False)
+        follow = [ids + ans + more for ids, ans in zip(first, r1, strict=True)]
+        want = []
+        for ids in follow:
+            rt.reset()
+            want.append(rt.generate(ids, **opts).tokens)
+    with ondevice.load(smollm2, drafter="none", n_ctx=512, parallel=3) as rt:
+        eng = BatchEngine(rt)
+        assert [r.tokens for r in eng.generate_many(first, **opts)] == r1
+        res = eng.generate_many(follow[::-1], **opts)  # in another order: each finds its own sequence
+        assert [r.tokens for r in res] == want[::-1]
+        assert all(r.stats.prompt_eval_tokens == len(more) + 1 for r in res)  # its answer's last token + the rest
+        one = rt.generate(follow[0] + want[0], **opts)  # sequence 0 held follow[0]'s turn: the one-slot path goes on
+        assert one.stats.prompt_eval_tokens <= len(want[0]) + 1
+        rt.reset()
+        assert one.tokens == rt.generate(follow[0] + want[0], **opts).tokens
+        assert [r.tokens for r in eng.generate_many(follow, **opts)] == want  # after a reset: all evaluated again
