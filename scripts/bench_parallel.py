@@ -3,7 +3,8 @@
 For each concurrency k (default 1, 2, 4): k greedy requests decoded together by a ``BatchEngine`` (a runtime
 loaded with ``parallel=max k``), and the same k requests one after another on a usual runtime (no drafter:
 both plain, so the comparison is batching alone). Reports aggregate tokens/s, per-request latency and time
-to first token, whether every batched answer equals its one-at-a-time answer, and the speed-up. JSON.
+to first token, whether every batched answer equals its one-at-a-time answer, and the speed-up (the run with
+the median speed-up of ``--repeat``, the two modes alternated). JSON.
 
     python scripts/bench_parallel.py [--model smollm2-135m-instruct] [--max-tokens 64] [--ks 1,2,4] [--json out.json]
 """
@@ -21,7 +22,6 @@ from ondevice.batching import BatchEngine
 from ondevice.store import lookup
 
 PROMPTS = [  # prompts that keep going (no early end of generation): every request decodes max_tokens
-    "Count from one to one hundred in words: one, two, three,",
     "1, 2, 3, 4, 5, 6, 7, 8,",
     "The alphabet, letter by letter: A, B, C, D,",
     "Write a long story about a dragon who learns to bake bread. Once upon a time",
@@ -29,6 +29,7 @@ PROMPTS = [  # prompts that keep going (no early end of generation): every reque
     "Repeat after me forever: the quick brown fox jumps over the lazy dog. The quick brown fox",
     "Here are two hundred even numbers: 2, 4, 6, 8,",
     "A very long poem about the sea, verse after verse:\n",
+    "Count from one to one hundred in words: one, two, three,",
 ]
 
 
@@ -83,6 +84,7 @@ def main(argv=None) -> int:
     ap.add_argument("--ks", default="1,2,4")
     ap.add_argument("--n-ctx", type=int, default=512)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--repeat", type=int, default=3, help="runs per concurrency (the median speed-up is reported)")
     ap.add_argument("--json", default=None, help="also write the report here")
     a = ap.parse_args(argv)
     ks = [int(k) for k in a.ks.split(",")]
@@ -90,20 +92,25 @@ def main(argv=None) -> int:
         ap.error(f"--ks: at most {len(PROMPTS)} concurrent requests")
     path = lookup.resolve(a.model)
     rows = []
-    with ondevice.load(path, drafter="none", n_ctx=a.n_ctx, threads=a.threads) as rt:
+    with ondevice.load(path, drafter="none", n_ctx=a.n_ctx, threads=a.threads) as rt, \
+            ondevice.load(path, drafter="none", n_ctx=a.n_ctx, threads=a.threads, parallel=max(max(ks), 2)) as prt:
+        eng = BatchEngine(prt)
         rt.generate(PROMPTS[0], max_tokens=4, temperature=0)  # warm-up
-        serial = {k: one_after_another(rt, PROMPTS[:k], a.max_tokens) for k in ks}
-    with ondevice.load(path, drafter="none", n_ctx=a.n_ctx, threads=a.threads, parallel=max(max(ks), 2)) as rt:
-        eng = BatchEngine(rt)
-        eng.generate(PROMPTS[0], max_tokens=4, temperature=0)  # warm-up
+        eng.generate(PROMPTS[0], max_tokens=4, temperature=0)
         for k in ks:
-            res, wall = batched(eng, PROMPTS[:k], a.max_tokens)
-            s_res, s_wall = serial[k]
+            runs = []
+            for _ in range(a.repeat):  # alternated, so a change in the machine's load hits both alike
+                serial = one_after_another(rt, PROMPTS[:k], a.max_tokens)
+                prt.reset()  # no prefix kept from the previous round (sequences keep theirs otherwise)
+                runs.append((serial, batched(eng, PROMPTS[:k], a.max_tokens)))
+            (s_res, s_wall), (res, wall) = sorted(runs, key=lambda r: r[0][1] / r[1][1])[len(runs) // 2]
             b, s = _row(res, wall), _row(s_res, s_wall)
             rows.append({"concurrent": k, "batched": b, "one_after_another": s,
                          "speedup": round(b["tokens_per_second"] / s["tokens_per_second"], 3),
-                         "answers_equal": [r[0] for r in res] == [r[0] for r in s_res]})
-    report = {"model": str(path.name), "max_tokens": a.max_tokens, "threads": a.threads, "rows": rows}
+                         "speedups": sorted(round(r[0][1] / r[1][1], 3) for r in runs),
+                         "answers_equal": all([x[0] for x in r[1][0]] == [x[0] for x in r[0][0]] for r in runs)})
+    report = {"model": str(path.name), "max_tokens": a.max_tokens, "threads": rt.target.threads, "repeat": a.repeat,
+              "rows": rows}
     text = json.dumps(report, indent=2)
     print(text)
     if a.json:
