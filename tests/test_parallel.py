@@ -299,3 +299,17 @@ def test_a_follow_up_reuses_its_slots_prefix_and_answers_as_alone(smollm2):
         rt.reset()
         assert one.tokens == rt.generate(follow[0] + want[0], **opts).tokens
         assert [r.tokens for r in eng.generate_many(follow, **opts)] == want  # after a reset: all evaluated again
+
+
+def test_one_at_a_time_speculation_on_a_parallel_runtime_stays_exact(tiny_gguf):
+    """The runtime's own path on a ``parallel=N`` runtime speculates with chains (trees need one KV buffer) on
+    sequence 0 and answers as plain decoding does."""
+    path, draft = tiny_gguf("llama"), tiny_gguf("llama_draft")
+    prompt = "1 2 3 4 5 6 7 8 9 10 1 2 3 4 5 6 7 8 9 10 1 2 3"
+    want = _alone(path, [(prompt, dict(max_tokens=30, temperature=0))], n_ctx=256, threads=1)[0].tokens
+    for kind in ("ngram", "model"):
+        with ondevice.load(path, draft if kind == "model" else None, drafter=kind, parallel=2, n_ctx=256,
+                           threads=1) as rt:
+            r = rt.generate(prompt, max_tokens=30, temperature=0, gamma=3)
+            assert r.tokens == want and r.stats.drafted > 0
+            assert BatchEngine(rt).generate(prompt, max_tokens=30, temperature=0).tokens == want
