@@ -1,8 +1,9 @@
 """``BatchEngine``: several requests decoded together in one llama.cpp batch (continuous batching, ``--parallel N``).
 
 Each request takes a ``Slot`` with a sequence id of its own; between steps requests join (their prompt is
-prefilled alone, on their own sequence) and leave (the sequence's cells are freed at once). One step is one
-``llama_decode`` holding every active slot's pending token; each slot then draws its next token from its own
+prefilled alone, on their own sequence, one ``n_batch`` chunk between two decode steps, so a long prompt does
+not stall the others) and leave (the slot is free for the next step). One step is one ``llama_decode``
+holding every active slot's pending token; each slot then draws its next token from its own
 row with the one-slot path's code (``constraint.mask_rows``, ``verify_logits``, ``token_logprobs``, the
 slot's own seeded generator), so an answer does not depend on what else shares the batch.
 
@@ -56,6 +57,7 @@ class _Job:
     chunks: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     slot: Slot | None = None
     text: TextAssembler | None = None
+    rows: list = field(default_factory=list)  # prompt rows still to prefill: (sequence, position, token)
 
 
 class BatchEngine:
@@ -219,7 +221,9 @@ class BatchEngine:
             self._admit(s, j)
         for s in [s for s, j in self._active.items() if j.out.cancel_event.is_set()]:
             self._end(s, "cancelled")
-        if self._active:
+        for s in [s for s, j in self._active.items() if j.rows]:
+            self._prefill(s)
+        if any(not j.rows for j in self._active.values()):
             self._step()
         return True
 
@@ -242,19 +246,27 @@ class BatchEngine:
                     keep, self._kv[s] = 0, []
                     t.clear_seqs(s)
                 job.out.stats.prompt_eval_tokens = len(ids) - keep
-                rows = [(s, p, tok) for p, tok in enumerate(ids[:-1]) if p >= keep]
-                for c in range(0, len(rows), t.n_batch):  # in n_batch chunks from its first token, as eval does
-                    chunk = rows[c : c + t.n_batch]
-                    t.eval_seqs(chunk, outputs=[c + len(chunk) == len(rows) and i == len(chunk) - 1
-                                                for i in range(len(chunk))])
-                self._kv[s] = list(ids[:-1])  # lengthened after the cache grew
+                job.rows = [(s, p, tok) for p, tok in enumerate(ids[:-1]) if p >= keep]
+        except BaseException as e:  # noqa: BLE001 - this request fails; the others go on
+            self._end(s, "error", e)
+
+    def _prefill(self, s: int) -> None:
+        """The next ``n_batch`` chunk of sequence ``s``'s prompt (chunks from the first uncached token, as
+        ``LlamaBackend.eval`` prefills; the last row outputs logits as there)."""
+        job, t = self._active[s], self.rt.target
+        chunk, last = job.rows[: t.n_batch], len(job.rows) <= t.n_batch
+        try:
+            with self.rt._lock:
+                t.eval_seqs(chunk, outputs=[last and i == len(chunk) - 1 for i in range(len(chunk))])
+                self._kv[s] = job.ids[: chunk[-1][1] + 1]  # lengthened after the cache grew
+            job.rows = job.rows[t.n_batch :]
         except BaseException as e:  # noqa: BLE001 - this request fails; the others go on
             self._end(s, "error", e)
 
     def _step(self) -> None:
         """One ``llama_decode`` of every active slot's pending token, then each slot's token from its row."""
         rt = self.rt
-        order = sorted(self._active)
+        order = sorted(s for s, j in self._active.items() if not j.rows)  # prefilled ones
         rows = [(s, len(self._active[s].slot.context) - 1, self._active[s].slot.context[-1]) for s in order]
         t0 = time.perf_counter()
         with rt._lock:

@@ -313,3 +313,31 @@ def test_one_at_a_time_speculation_on_a_parallel_runtime_stays_exact(tiny_gguf):
             r = rt.generate(prompt, max_tokens=30, temperature=0, gamma=3)
             assert r.tokens == want and r.stats.drafted > 0
             assert BatchEngine(rt).generate(prompt, max_tokens=30, temperature=0).tokens == want
+
+
+def test_a_long_prompt_prefills_in_chunks_between_the_others_steps(tiny_gguf):
+    """A prompt longer than ``n_batch`` joins one chunk per step: the running slot keeps getting tokens meanwhile,
+    and both answers equal their one-at-a-time answers."""
+    path = tiny_gguf("llama")
+    with ondevice.load(path, drafter="none", n_ctx=1024, threads=1) as rt:
+        long = rt.tokenize(" ".join(str(i) for i in range(600)))[:900]
+    reqs = [(PROMPTS[1], dict(max_tokens=20, temperature=0)), (long, dict(max_tokens=5, temperature=0))]
+    alone = _alone(path, reqs, n_ctx=1024, threads=1)
+    log: list = []
+    with ondevice.load(path, drafter="none", parallel=2, n_ctx=1024, threads=1) as rt:
+        eng = BatchEngine(rt)
+        assert rt.target.n_batch < len(long)
+        real = eng._prefill
+        eng._prefill = lambda s: (log.append(("prefill", s)), real(s))
+        eng.on_step = lambda ids: log.append(("step", tuple(ids)))
+        first = eng.stream(*reqs[0][:1], **reqs[0][1])
+        next(iter(first))  # running alone
+        second = eng.stream(reqs[1][0], **reqs[1][1])
+        results = []
+        for s in (first, second):
+            for _ in s:
+                pass
+            results.append(s.tokens)
+    assert results == [a.tokens for a in alone]
+    chunks = [i for i, e in enumerate(log) if e == ("prefill", 1)]
+    assert len(chunks) == 2 and ("step", (0,)) in log[chunks[0] + 1 : chunks[1]]  # slot 0 stepped between them
