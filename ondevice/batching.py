@@ -103,7 +103,7 @@ class BatchEngine:
         if len(ids) >= self.n_ctx:
             raise OndeviceError(f"prompt is {len(ids)} tokens but a parallel slot holds {self.n_ctx}; "
                                 "raise n_ctx or shorten the prompt")
-        constraint = rt._constraint(req.response_format, req.grammar)
+        constraint = self._constraint(req)
         n_lp = req.top_logprobs if (req.logprobs or req.top_logprobs) else None
         out = Request()
         job = _Job(ids, req, out, constraint, n_lp)
@@ -116,6 +116,21 @@ class BatchEngine:
         stream = Stream(lambda r: _consume(job), out)
         weakref.finalize(stream, out.cancel_event.set)  # a stream dropped unread frees its slot too
         return stream
+
+    def _constraint(self, req: GenerateRequest):
+        """The request's compiled constraint (None: unconstrained). The vocabulary is read under the runtime's
+        lock (once per model); the grammar compiles outside it, so the running slots keep decoding meanwhile."""
+        if req.response_format is None and req.grammar is None:
+            return None
+        from ondevice.constrain import Constraint, grammar_text, tokenizer_for
+
+        text = grammar_text(req.response_format, req.grammar)
+        if text is None:
+            return None
+        with self.rt._lock:
+            self.rt._check_open()
+            tok = tokenizer_for(self.rt.target)
+        return Constraint(tok, text)
 
     def astream(self, prompt, request: GenerateRequest | None = None, **options) -> AsyncStream:
         """``stream`` for asyncio."""
