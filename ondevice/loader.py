@@ -11,6 +11,7 @@ from pathlib import Path
 
 from ondevice.backends import open_backend
 from ondevice.drafters import registry
+from ondevice.errors import OndeviceError
 from ondevice.params import DEFAULT_N_CTX
 from ondevice.runtime import Runtime
 from ondevice.store import lookup
@@ -28,6 +29,7 @@ def load(
     device: str | None = None,
     mmap: bool = True,
     draft_device: str | None = None,
+    parallel: int = 1,
 ) -> Runtime:
     """Load a target model (and optionally a draft) for speculative generation.
 
@@ -46,12 +48,22 @@ def load(
         mmap: memory-map GGUF weights (the default; False reads them into memory).
         draft_device: where the draft runs: 'gpu' | 'cpu' | 'mil' (a Core ML draft in the MIL interpreter) |
             None (the target's ``device``; a Core ML draft then stays on CPU_AND_NE).
+        parallel: sequences the target decodes together (``ondevice.batching.BatchEngine(rt)``); each gets
+            ``n_ctx`` cells of its own (the cache is N times larger). 1: the usual one-sequence context. A GGUF
+            target only; its one-at-a-time requests then speculate with chains (trees need one KV buffer).
     Returns:
         A ``Runtime``; use it as a context manager or call ``close()``. In an ``mlx.launch`` job with
         several ranks the target is sharded over them (see ``ondevice.distributed.sharded``).
     """
     from ondevice.distributed import world
 
+    if parallel != 1:
+        from ondevice.batching import build_parallel
+
+        if world.active():
+            raise OndeviceError("parallel: not with a sharded target (mlx.launch); serve one request at a time")
+        return build_parallel(build, model, draft, parallel, drafter=drafter, n_ctx=n_ctx, threads=threads,
+                              device=device, mmap=mmap, draft_device=draft_device)
     if world.active():
         from ondevice.distributed import sharded
 

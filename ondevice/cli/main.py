@@ -152,6 +152,7 @@ def serve_cmd(
     threads: ThreadsOpt = None,
     device: DeviceOpt = None,
     reasoning_budget: ReasoningBudgetOpt = None,
+    parallel: Annotated[int, typer.Option("--parallel", min=1, max=64, help="Requests of one model decoded together in one llama.cpp batch (each slot gets --n-ctx; GGUF models only; slots decode without speculation).")] = 1,
 ) -> None:
     """Serve the OpenAI and Anthropic APIs (/v1/chat/completions, /v1/completions, /v1/responses, /v1/messages, /v1/embeddings, /v1/models) and a chat page at /."""
     from functools import partial
@@ -170,7 +171,8 @@ def serve_cmd(
     sock = open_socket(host, port)  # fail fast on a busy port, before the model loads
     specs = [(Path(m).name.removesuffix(".gguf") if Path(m).exists() else m, m) for m in names]
     loader = partial(_budgeted, reasoning_budget, partial(load, draft=draft, drafter=_drafter(draft, ngram, no_spec),
-                                                        n_ctx=n_ctx, threads=threads, device=device))
+                                                        n_ctx=n_ctx, threads=threads, device=device,
+                                                        **({"parallel": parallel} if parallel > 1 else {})))
     served = Models(specs, loader, max_loaded=max_loaded, keep_alive=keep_alive_seconds(keep_alive, "--keep-alive"),
                     max_queue=max_queue)
     served.adopt(specs[0][0], loader(names[0]))  # the first model loads now: a bad one fails at once
