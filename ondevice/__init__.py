@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 __all__ = [
+    "BatchEngine",
     "Chunk",
     "GenerateRequest",
     "OndeviceError",
@@ -25,6 +26,7 @@ __all__ = [
 
 _LAZY = {
     "load": "ondevice.loader",
+    "BatchEngine": "ondevice.batching",
     "Runtime": "ondevice.runtime",
     "Result": "ondevice.results",
     "Chunk": "ondevice.results",
@@ -35,6 +37,7 @@ _LAZY = {
 }
 
 if TYPE_CHECKING:  # pragma: no cover
+    from ondevice.batching import BatchEngine
     from ondevice.errors import OndeviceError
     from ondevice.loader import load
     from ondevice.params import GenerateRequest, SamplingParams

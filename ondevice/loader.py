@@ -29,6 +29,7 @@ def load(
     device: str | None = None,
     mmap: bool = True,
     draft_device: str | None = None,
+    parallel: int = 1,
     cache_type_k: str = "f16",
     cache_type_v: str = "f16",
     prompt_cache: str | Path | None = None,
@@ -52,6 +53,9 @@ def load(
         mmap: memory-map GGUF weights (the default; False reads them into memory).
         draft_device: where the draft runs: 'gpu' | 'cpu' | 'mil' (a Core ML draft in the MIL interpreter) |
             None (the target's ``device``; a Core ML draft then stays on CPU_AND_NE).
+        parallel: sequences the target decodes together (``ondevice.batching.BatchEngine(rt)``); each gets
+            ``n_ctx`` cells of its own (the cache is N times larger). 1: the usual one-sequence context. A GGUF
+            target only; its one-at-a-time requests then speculate with chains (trees need one KV buffer).
         cache_type_k, cache_type_v: the target's KV-cache element types, "f16" | "q8_0" | "q4_0" (llama.cpp
             only; a quantized V cache runs with flash attention).
         prompt_cache: a folder for KV states of long prompt prefixes (``ondevice.prompt_cache``): a request
@@ -69,6 +73,20 @@ def load(
 
     extras = {"cache_type_k": cache_type_k, "cache_type_v": cache_type_v, "prompt_cache": prompt_cache,
               "prompt_cache_size": prompt_cache_size, "mmproj": mmproj}
+    if parallel != 1:
+        from ondevice.batching import build_parallel
+
+        if world.active():
+            raise OndeviceError("parallel: not with a sharded target (mlx.launch); serve one request at a time")
+        from ondevice.backends.llama import check_cache_type
+
+        if (check_cache_type("cache_type_k", cache_type_k), check_cache_type("cache_type_v", cache_type_v)) != \
+                ("f16", "f16"):
+            raise OndeviceError("cache_type_k / cache_type_v with parallel: not yet (the parallel slots' context is "
+                                "made with an f16 cache); drop one of them")
+        return build_parallel(build, model, draft, parallel, drafter=drafter, n_ctx=n_ctx, threads=threads,
+                              device=device, mmap=mmap, draft_device=draft_device, prompt_cache=prompt_cache,
+                              prompt_cache_size=prompt_cache_size, mmproj=mmproj)
     if world.active():
         from ondevice.distributed import sharded
 

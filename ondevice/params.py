@@ -120,6 +120,8 @@ class GenerateRequest:
         grammar: a Lark or GBNF grammar the output must follow (instead of ``response_format``).
         logprobs: attach each token's log probability (``ondevice.logprobs``).
         top_logprobs: alternatives per token (0-20; implies ``logprobs``).
+        reasoning_budget: thinking tokens at most (>= 0; a model whose template thinks): then the end of
+            thinking is forced and the answer follows (``ondevice.budget``); None = unbounded.
     """
 
     sampling: SamplingParams = field(default_factory=SamplingParams)
@@ -130,6 +132,7 @@ class GenerateRequest:
     grammar: str | None = None
     logprobs: bool = False
     top_logprobs: int = 0
+    reasoning_budget: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.sampling, SamplingParams):
@@ -141,6 +144,8 @@ class GenerateRequest:
         if top > MAX_TOP_LOGPROBS:
             raise OndeviceError(f"top_logprobs={top}: at most {MAX_TOP_LOGPROBS}")
         object.__setattr__(self, "top_logprobs", top)
+        if self.reasoning_budget is not None:
+            object.__setattr__(self, "reasoning_budget", inputs.integer("reasoning_budget", self.reasoning_budget, 0))
         if self.response_format is not None and self.grammar is not None:
             raise OndeviceError("give either response_format or grammar, not both")
 

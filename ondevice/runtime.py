@@ -32,6 +32,7 @@ class Runtime:
     constraints_and_logprobs = True  # a sharded runtime does not replay them on its other ranks yet
     projector = None  # the vision projector (``ondevice.backends.llama_mtmd.Projector``), once attached
     mmproj = None  # set by load(): a projector found beside the model, attached at the first image
+    reasoning_budget: int | None = None  # the server's default budget for thinking models (serve --reasoning-budget)
 
     def __init__(self, target: Backend, drafter: Drafter | None, *, vocab_limit: int, load_seconds: float = 0.0) -> None:
         self.target = target
@@ -106,7 +107,8 @@ class Runtime:
                 256), ``temperature``, ``top_k``, ``top_p``, ``min_p``, ``repetition_penalty``, ``seed`` (see
                 ``SamplingParams``), ``gamma`` ("auto", the cost-aware policy: plain steps wherever speculation
                 would not pay, or a fixed number of tokens drafted per target pass, 0 = plain decoding),
-                ``stop`` (strings that end generation, not included in the text), ``response_format`` /
+                ``stop`` (strings that end generation, not included in the text), ``reasoning_budget`` (thinking
+                tokens at most, then the end of thinking is forced: ``ondevice.budget``), ``response_format`` /
                 ``grammar`` (a constraint, exact under speculation: ``ondevice.constrain``) and ``logprobs`` /
                 ``top_logprobs`` (``Chunk.logprobs``, ``Result.logprobs``: ``ondevice.logprobs``).
         Returns:
@@ -121,6 +123,8 @@ class Runtime:
         media = prompt if isinstance(prompt, MediaPrompt) else None
         ids = self._prompt_ids(prompt if media is None else media.ids())
         constraint = self._constraint(request.response_format, request.grammar)
+        if request.reasoning_budget is not None:
+            constraint = self._budget(ids, request.reasoning_budget, constraint)
         n_lp = request.top_logprobs if (request.logprobs or request.top_logprobs) else None
         extra = {k: v for k, v in (("constraint", constraint), ("n_logprobs", n_lp)) if v is not None}
         if extra and not self.constraints_and_logprobs:
@@ -136,6 +140,14 @@ class Runtime:
         with self._lock:
             self._check_open()
             return Constraint.build(self.target, response_format, grammar)
+
+    def _budget(self, ids: list[int], budget: int, inner):
+        """The request's ``ThinkingBudget`` (``ondevice.budget``) around its constraint ``inner``."""
+        from ondevice.budget import ThinkingBudget
+
+        with self._lock:
+            self._check_open()
+            return ThinkingBudget.for_prompt(self.target, ids, budget, inner)
 
     def astream(self, prompt: str | Sequence[int], request: GenerateRequest | None = None, **options) -> AsyncStream:
         """``stream`` for asyncio: ``async for chunk in rt.astream(prompt, ...)``.

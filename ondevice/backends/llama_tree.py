@@ -173,6 +173,24 @@ class LlamaTree:
         else:
             self._lib.llama_memory_seq_rm(self._mem, int(seq), -1, -1)
 
+    def seq_len(self, seq: int) -> int:
+        """Positions sequence ``seq`` holds, as llama.cpp reports them (never a Python-side counter)."""
+        return int(self._lib.llama_memory_seq_pos_max(self._mem, int(seq))) + 1
+
+    def rollback_seq(self, seq: int, n: int) -> bool:
+        """Keep only sequence ``seq``'s first ``n`` positions (``rollback`` for one sequence of several).
+
+        Returns False when llama.cpp cannot cut there exactly (the positions the next token attends to are not
+        all cached): the caller then clears the sequence and evaluates it again."""
+        lib, mem, seq = self._lib, self._mem, int(seq)
+        if n <= 0:
+            self.clear_seqs(seq)
+            return True
+        if not lib.llama_memory_seq_rm(mem, seq, int(n), -1):
+            return False
+        need = max(0, n - self.n_swa) if self.n_swa > 0 else 0
+        return self.seq_len(seq) == n and lib.llama_memory_seq_pos_min(mem, seq) <= need
+
     def _compact(self, base: int) -> None:
         """Move sequence 0's cells at positions >= base into the first free cells, in position order.
 

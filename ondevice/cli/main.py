@@ -96,6 +96,9 @@ def generate_cmd(
             typer.echo(note, err=True)
 
 
+ReasoningBudgetOpt = Annotated[int | None, typer.Option("--reasoning-budget", min=0, help="A thinking model thinks at "
+                                                        "most N tokens, then the end of thinking is forced and "
+                                                        "the answer follows [default: unbounded].")]
 DEFAULT_CHAT_MODEL = "qwen2.5-coder-0.5b-instruct"  # chosen by pass rate, speed and size: docs/quality.md
 
 
@@ -121,6 +124,7 @@ def chat_cmd(
     show_draft: Annotated[bool, typer.Option("--show-draft", help="Colour tokens that came from the draft.")] = False,
     stats: Annotated[bool, typer.Option("--stats", help="Print tok/s and acceptance after each answer.")] = False,
     think: Annotated[bool | None, typer.Option("--think/--no-think", help="A thinking model thinks or not (the template's enable_thinking; /think on|off in the chat) [default: the template's].")] = None,
+    reasoning_budget: ReasoningBudgetOpt = None,
     request: GenerateRequest | None = None,
 ) -> None:
     """Chat in the terminal (streaming). With no arguments: Qwen2.5-Coder-0.5B-Instruct with n-gram drafting. Piped stdin: one turn per line."""
@@ -128,9 +132,11 @@ def chat_cmd(
     from ondevice.loader import load
 
     drafter = _drafter(draft, ngram, no_spec)
+    request = _with_budget(request, reasoning_budget)
     with load(model, draft, drafter=drafter, n_ctx=n_ctx, threads=threads, device=device, draft_device=draft_device,
               cache_type_k=cache_type_k, cache_type_v=cache_type_v, prompt_cache=prompt_cache,
               prompt_cache_size=prompt_cache_size, mmproj=mmproj) as rt:
+        _check_budget(rt, reasoning_budget)
         name = rt.drafter.name if rt.drafter else "none"
         if rt.draft_choice:  # --draft auto: say what was chosen and why
             name += f" (auto: {rt.draft_choice['draft'] or 'ngram'})"
@@ -164,6 +170,8 @@ def serve_cmd(
     max_connections: Annotated[int | None, typer.Option("--max-connections", min=1, help="Open connections at most; more get 503 [default: max(64, max-queue + 16)].")] = None,
     threads: ThreadsOpt = None,
     device: DeviceOpt = None,
+    reasoning_budget: ReasoningBudgetOpt = None,
+    parallel: Annotated[int, typer.Option("--parallel", min=1, max=64, help="Requests of one model decoded together in one llama.cpp batch (each slot gets --n-ctx; GGUF models only; slots decode without speculation).")] = 1,
     cache_type_k: CacheTypeKOpt = "f16",
     cache_type_v: CacheTypeVOpt = "f16",
     prompt_cache: PromptCacheOpt = None,
@@ -188,9 +196,12 @@ def serve_cmd(
     specs = [(Path(m).name.removesuffix(".gguf") if Path(m).exists() else m, m) for m in names]
     if len(names) > 1 and mmproj is not None:
         raise OndeviceError("--mmproj is one model's projector; with several models keep each one's beside it")
-    loader = partial(load, draft=draft, drafter=_drafter(draft, ngram, no_spec), n_ctx=n_ctx, threads=threads,
-                     device=device, cache_type_k=cache_type_k, cache_type_v=cache_type_v, prompt_cache=prompt_cache,
-                     prompt_cache_size=prompt_cache_size, mmproj=mmproj)
+    loader = partial(_budgeted, reasoning_budget, partial(load, draft=draft, drafter=_drafter(draft, ngram, no_spec),
+                                                         n_ctx=n_ctx, threads=threads, device=device,
+                                                         cache_type_k=cache_type_k, cache_type_v=cache_type_v,
+                                                         prompt_cache=prompt_cache,
+                                                         prompt_cache_size=prompt_cache_size, mmproj=mmproj,
+                                                         **({"parallel": parallel} if parallel > 1 else {})))
     served = Models(specs, loader, max_loaded=max_loaded, keep_alive=keep_alive_seconds(keep_alive, "--keep-alive"),
                     max_queue=max_queue)
     served.adopt(specs[0][0], loader(names[0]))  # the first model loads now: a bad one fails at once
@@ -200,6 +211,29 @@ def serve_cmd(
               max_connections=max_connections, sock=sock)
     finally:
         served.close_all()
+
+
+def _with_budget(request: GenerateRequest, budget: int | None) -> GenerateRequest:
+    import dataclasses
+
+    return request if budget is None else dataclasses.replace(request, reasoning_budget=budget)
+
+
+def _check_budget(rt, budget: int | None) -> None:
+    """--reasoning-budget on a model whose template does not think: one line, before the chat starts."""
+    from ondevice.errors import OndeviceError
+    from ondevice.reasoning import detect
+
+    if budget is not None and detect(rt.target.chat_template) is None:
+        raise OndeviceError(f"--reasoning-budget: {rt.target.path} has no thinking convention in its chat "
+                            "template; drop the option for this model")
+
+
+def _budgeted(budget: int | None, load, name: str):
+    """A served model with the server's default thinking budget (``Runtime.reasoning_budget``)."""
+    rt = load(name)
+    rt.reasoning_budget = budget
+    return rt
 
 
 @command("check-pair")

@@ -1,5 +1,6 @@
 """The OpenAI chat.completions dialect (``POST /v1/chat/completions``): messages rendered with the model's chat
-template (and ``chat_template_kwargs``), tools, response_format, grammar and logprobs; answers as
+template (and ``chat_template_kwargs``), tools, response_format, grammar, logprobs and a thinking budget
+(``reasoning_budget`` / ``reasoning_effort``: ``structured.budget_args``); answers as
 ``chat.completion`` or streamed ``chat.completion.chunk`` objects (a role chunk first; thinking as
 ``reasoning_content`` / ``reasoning``, tool calls as ``tool_calls`` deltas with arguments streamed)."""
 
@@ -19,6 +20,7 @@ from ondevice.server.openai_api import OpenAIReply, chat_messages, check_context
 from ondevice.server.structured import (
     Answer,
     Structured,
+    budget_args,
     chat_logprobs_args,
     grammar_args,
     reasoning_args,
@@ -49,7 +51,9 @@ class ChatCompletions(Dialect):
                                       tools=st.tools, variables=st.variables)
         except OndeviceError as e:
             raise ApiError(400, str(e), param="messages") from e
-        st.thinking = reasoning.detect(template, text[-PROMPT_TAIL:]) if st.split_thinking else None
+        thinking = reasoning.detect(template, text[-PROMPT_TAIL:])
+        st.thinking = thinking if st.split_thinking else None
+        budget_args(body, thinking, rt.reasoning_budget, st)
         if not ids:
             raise ApiError(400, "the prompt is empty", param="prompt")
         check_context(len(ids), rt.n_ctx)

@@ -52,3 +52,43 @@ def embeddings_answer(embedder, model_id: str, body: dict) -> dict:
             for i, v in enumerate(vectors)]
     return {"object": "list", "data": data, "model": model_id, "usage": {"prompt_tokens": n, "total_tokens": n},
             "ondevice": {"pooling": embedder.pooling, "pooling_declared": embedder.declared}}
+
+
+def rerank_answer(reranker, model_id: str, body: dict) -> dict:
+    """The JSON answer to ``POST /v1/rerank`` (llama.cpp server / Jina shape): ``query``, ``documents`` (strings
+    or ``{"text": ...}``), ``top_n`` (default all) and ``return_documents`` (default false) → ``results``
+    sorted by ``relevance_score``, highest first, each with the document's ``index`` (runs llama.cpp: call it
+    in a worker thread).
+
+    Raises:
+        ApiError: a bad field, or a pair longer than the context (400 naming the document's index).
+    """
+    from ondevice.embed import TooLong
+
+    query, docs = body.get("query"), body.get("documents")
+    if not isinstance(query, str):
+        raise ApiError(400, "'query' must be a string", param="query", code="invalid_value")
+    if isinstance(docs, list):
+        docs = [d["text"] if isinstance(d, dict) and isinstance(d.get("text"), str) else d for d in docs]
+    if not isinstance(docs, list) or not docs or not all(isinstance(d, str) for d in docs):
+        raise ApiError(400, "'documents' must be a non-empty list of strings (or of {\"text\": string})",
+                       param="documents", code="invalid_value")
+    top_n = body.get("top_n")
+    if top_n is None:
+        top_n = len(docs)
+    if isinstance(top_n, bool) or not isinstance(top_n, int) or top_n < 1:
+        raise ApiError(400, f"'top_n' must be a positive integer (got {top_n!r})", param="top_n", code="invalid_value")
+    back = body.get("return_documents", False)
+    if not isinstance(back, bool):
+        raise ApiError(400, "'return_documents' must be true or false", param="return_documents", code="invalid_value")
+    try:
+        scores, n = reranker.rerank(query, docs)
+    except TooLong as e:
+        raise ApiError(400, str(e), param="documents", code="context_length_exceeded") from e
+    except OndeviceError as e:
+        raise ApiError(400, str(e), param="documents", code="invalid_value") from e
+    order = sorted(range(len(docs)), key=lambda i: (-float(scores[i]), i))[:top_n]
+    results = [{"index": i, "relevance_score": float(scores[i]), **({"document": {"text": docs[i]}} if back else {})}
+               for i in order]
+    return {"object": "list", "model": model_id, "results": results,
+            "usage": {"prompt_tokens": n, "total_tokens": n}}

@@ -6,6 +6,10 @@ The generation itself runs in a worker thread that iterates ``Runtime.stream`` a
 event loop. Cancelling a job sets the stream's cancel flag and stops the worker after the chunk it is
 delivering; the worker then closes the stream (the Runtime releases its slot at once) and only then
 frees the queue slot, so the next request starts within one target pass of a disconnect.
+
+A runtime loaded with ``parallel=N`` (``serve --parallel N``) runs up to N jobs at once: their streams come
+from one ``ondevice.batching.BatchEngine``, which decodes them together in one llama.cpp batch (a job's
+cancel frees its slot before the next batched step); the queue then waits for a free slot, FIFO.
 """
 
 from __future__ import annotations
@@ -110,25 +114,42 @@ class Job:
 
 
 class Engine:
-    """Serialises requests on one runtime with at most ``max_queue`` waiting behind the running one.
+    """Serialises requests on one runtime (``runtime.parallel`` at once, default 1) with at most ``max_queue``
+    waiting behind the running ones.
 
     Args:
         runtime: the loaded ``Runtime``.
-        max_queue: how many requests may wait while one generates; more get ``Busy``.
+        max_queue: how many requests may wait while the slots are busy; more get ``Busy``.
     """
 
     def __init__(self, runtime, max_queue: int) -> None:
         self.rt = runtime
         self.max_queue = max_queue
         self.waiting = 0
-        self.current: Job | None = None
+        self.current: Job | None = None  # the job started last
+        self.jobs: set[Job] = set()  # the jobs running now
         self.counters = Counters()
         self.closing = False
-        self._lock = asyncio.Lock()
+        self.parallel = int(getattr(runtime, "parallel", 1) or 1)
+        self.batch = None
+        if self.parallel > 1:
+            from ondevice.batching import BatchEngine
+
+            self.batch = BatchEngine(runtime, self.parallel)
+        self._lock = asyncio.Lock() if self.parallel == 1 else asyncio.Semaphore(self.parallel)
+        self._held = 0  # slots taken (a job running, or its stream being opened)
 
     @property
     def running(self) -> int:
-        return 1 if self._lock.locked() else 0
+        return self._held
+
+    async def _take(self) -> None:
+        await self._lock.acquire()
+        self._held += 1
+
+    def _free(self) -> None:
+        self._held -= 1
+        self._lock.release()
 
     async def start(self, ids: Sequence[int], req: GenerateRequest) -> Job:
         """Wait for the runtime (FIFO), then start generating ``ids`` with ``Runtime.stream(ids, req)``.
@@ -144,7 +165,7 @@ class Engine:
             raise Busy(f"{self.waiting} requests are already waiting (--max-queue {self.max_queue})")
         self.waiting += 1
         try:
-            await self._lock.acquire()
+            await self._take()
         finally:
             self.waiting -= 1
         # Runtime.stream compiles the request's grammar (and, the first time, the vocabulary's): seconds for a
@@ -156,19 +177,22 @@ class Engine:
             made.add_done_callback(self._discard)
             raise
         except BaseException:
-            self._lock.release()
+            self._free()
             raise
         try:
-            self.current = Job(self, stream)
+            self.current = job = Job(self, stream)
         except BaseException:
             stream.close()
-            self._lock.release()
+            self._free()
             raise
-        return self.current
+        self.jobs.add(job)
+        return job
 
     def _open(self, ids: Sequence[int], req: GenerateRequest):
         if self.closing:
             raise Busy("the server is shutting down")
+        if self.batch is not None:
+            return self.batch.stream(list(ids), req)
         return self.rt.stream(list(ids), req)
 
     def _discard(self, made: asyncio.Future) -> None:
@@ -177,7 +201,7 @@ class Engine:
             if not made.cancelled() and made.exception() is None:
                 made.result().close()
         finally:
-            self._lock.release()
+            self._free()
 
     def _release(self, job: Job) -> None:
         """Called on the event loop once the worker has closed ``job``'s stream."""
@@ -193,11 +217,12 @@ class Engine:
                   "target_forwards": s.target_forwards, "seconds": s.total_seconds}
         if self.current is job:
             self.current = None
+        self.jobs.discard(job)
         job.finished.set()
-        self._lock.release()
+        self._free()
 
     def close(self) -> None:
         """Shutdown: refuse new and queued requests, cancel the running one (it ends within one target pass)."""
         self.closing = True
-        if self.current is not None:
-            self.current.cancel()
+        for job in list(self.jobs):
+            job.cancel()

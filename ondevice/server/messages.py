@@ -3,14 +3,17 @@
 Request: ``system`` (a string or text blocks), ``messages`` (user / assistant turns whose content is a string
 or blocks: text, ``tool_use`` in assistant turns, ``tool_result`` in user turns; a last assistant turn is a
 prefill the answer continues), ``max_tokens`` (required), ``stop_sequences``, ``temperature`` / ``top_p`` /
-``top_k`` (which the newest ``anthropic`` clients send through ``extra_body``), ``output_config.format``
-(a JSON schema the answer follows), ``tools`` ({name, description, input_schema}) and ``tool_choice`` (auto / any / tool / none). The
+``top_k`` (which the newest ``anthropic`` clients send through ``extra_body``), ``thinking`` (enabled / disabled:
+the template variable ``enable_thinking``; ``budget_tokens`` is not enforced), ``output_config.format``
+(a JSON schema the answer follows), ``grammar`` and ``gamma`` (ondevice's extensions), ``tools``
+({name, description, input_schema}) and ``tool_choice`` (auto / any / tool / none). The
 turns are rendered with the model's chat template exactly as the OpenAI chat dialect renders the same
 conversation (tool_use → an assistant's tool call, tool_result → a tool message).
 
-Answer: a ``message`` object (text and ``tool_use`` blocks, ``stop_reason`` end_turn / max_tokens /
+Answer: a ``message`` object (``thinking`` when the template's model thinks, text and ``tool_use`` blocks, ``stop_reason`` end_turn / max_tokens /
 stop_sequence / tool_use, ``usage``), or Anthropic's event stream (``event:`` lines): message_start,
-content_block_start / content_block_delta / content_block_stop per block, message_delta (stop_reason, usage),
+content_block_start / content_block_delta (thinking_delta, text_delta, input_json_delta) /
+content_block_stop per block, message_delta (stop_reason, usage),
 message_stop. Errors: ``{"type": "error", "error": {"type": "invalid_request_error", "message": ...}}``.
 """
 
@@ -21,20 +24,21 @@ import json
 import uuid
 from typing import Any
 
+from ondevice import reasoning, toolcalls
+from ondevice.chat import PROMPT_TAIL, render_prompt
 from ondevice.errors import OndeviceError
 from ondevice.server.engine import Piece
 from ondevice.server.errors import ApiError
 from ondevice.server.openai_api import check_context, check_model, generation_args
-from ondevice.server.structured import Structured, ToolStream, response_format_args, tool_args
+from ondevice.server.structured import Answer, Structured, grammar_args, response_format_args, tool_args
 from ondevice.server.types import Call, Dialect, Reply
 from ondevice.speculative import Stats
-from ondevice.tools import parse_calls, template_messages
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 408: "timeout_error", 413: "request_too_large", 429: "rate_limit_error",
                503: "overloaded_error"}
 STOP_REASONS = {"eos": "end_turn", "stop": "stop_sequence", "length": "max_tokens", "context": "max_tokens"}
-_REFUSED = ("thinking", "container", "mcp_servers")  # would change the answer if honoured
+_REFUSED = ("container", "mcp_servers")  # would change the answer if honoured
 
 
 def anthropic_error(e: ApiError) -> dict:
@@ -145,6 +149,17 @@ def _tools(body: dict, chat_template: str | None, st: Structured) -> None:
     tool_args(oa, chat_template, st)
 
 
+def _thinking(body: dict, st: Structured) -> None:
+    """``thinking`` ({"type": "enabled", "budget_tokens": N} | {"type": "disabled"}) → the template variable
+    ``enable_thinking`` (Qwen3's and others'; a template without it thinks as it always does)."""
+    v = body.get("thinking")
+    if v is None:
+        return
+    if not isinstance(v, dict) or v.get("type") not in ("enabled", "disabled"):
+        raise _bad("thinking", "must be {'type': 'enabled', 'budget_tokens': N} or {'type': 'disabled'}")
+    st.variables["enable_thinking"] = v["type"] == "enabled"
+
+
 def _output_format(body: dict, st: Structured) -> None:
     """``output_config.format`` ({"type": "json_schema", "schema": {...}}) → a constrained answer."""
     oc = body.get("output_config")
@@ -190,19 +205,23 @@ class Messages(Dialect):
             raise ApiError(400, f"model: Field required; this server serves {self.ctx.model_id!r}", param="model")
         check_model(body.get("model"), self.ctx.model_id)
         for k in _REFUSED:
-            v = body.get(k)
-            if v and not (k == "thinking" and isinstance(v, dict) and v.get("type") == "disabled"):
+            if body.get(k):
                 raise _bad(k, "is not supported by this server")
         msgs, prefill = conversation(body)
         st = Structured()
+        _thinking(body, st)
         _output_format(body, st)
-        _tools(body, rt.target.chat_template, st)
+        grammar_args(body, st)  # ondevice's extension, as on /v1/chat/completions
+        template = rt.target.chat_template
+        _tools(body, template, st)
         try:  # the template is untrusted: it renders in its own budgeted process
-            ids = rt.render_chat(template_messages(msgs), tools=st.tools)
+            text, ids = render_prompt(rt, toolcalls.template_messages(msgs, st.family), tools=st.tools,
+                                      variables=st.variables)
             if prefill:
                 ids += rt.tokenize(prefill, add_bos=False)
         except OndeviceError as e:
             raise ApiError(400, str(e), param="messages") from e
+        st.thinking = reasoning.detect(template, (text + prefill)[-PROMPT_TAIL:])
         return ids, st
 
     def parse(self, body: dict) -> Call:
@@ -221,15 +240,16 @@ class Messages(Dialect):
 
 
 class MessageReply(Reply):
-    """An answer as an Anthropic ``message``: text and tool_use blocks, whole or as the event stream."""
+    """An answer as an Anthropic ``message``: thinking, text and tool_use blocks (``structured.Answer``), whole
+    or as the event stream."""
 
     def __init__(self, model: str, n_prompt: int, st: Structured, stops) -> None:
         self.model, self.n_prompt, self.st = model, n_prompt, st
         self.stop = stops[0] if len(stops) == 1 else None  # which of several ended it is not known
         self.id = "msg_" + uuid.uuid4().hex[:24]
-        self.tools = ToolStream(st.tool_format, st.tools, "grammar" in st.run) if st.tools else None
-        self.index = -1  # the open content block
-        self.text_open = False
+        self.out = Answer(st)
+        self.index = -1  # the last content block
+        self.open: str | None = None  # the type of the open block: 'thinking' | 'text'
 
     def encode(self, event: dict) -> bytes:
         data = json.dumps(event, ensure_ascii=False, separators=(",", ":"))
@@ -248,12 +268,11 @@ class MessageReply(Reply):
                 "cache_creation_input_tokens": 0}
 
     def whole(self, pieces: list[Piece], stats: Stats) -> dict:
-        text, calls = "".join(p.chunk.text for p in pieces), []
-        if self.st.tools:
-            text, calls = parse_calls(text, self.st.tool_format, self.st.tools)
-            if "grammar" in self.st.run and not calls:
-                text = None  # a forced call cut short is no text (as streamed: ToolStream)
-        content = ([{"type": "text", "text": text}] if text else []) + [_tool_use(c) for c in calls]
+        self.out.feed("".join(p.chunk.text for p in pieces))
+        self.out.finish()
+        thinking, text, calls = self.out.result()
+        content = ([{"type": "thinking", "thinking": thinking, "signature": ""}] if thinking else []) + (
+            [{"type": "text", "text": text}] if text else []) + [_tool_use(c) for c in calls]
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": content,
                 **self._finish(stats, calls), "usage": self._usage(stats), "ondevice": dataclasses.asdict(stats)}
 
@@ -262,27 +281,41 @@ class MessageReply(Reply):
             "id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": [],
             "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": self.n_prompt, "output_tokens": 0}}}]
 
-    def _text(self, text: str) -> list[dict]:
+    def _block(self, kind: str, text: str) -> list[dict]:
+        """A delta of a 'thinking' or 'text' block, the previous block closed and this one opened as needed."""
         out = []
-        if not self.text_open:
+        if self.open != kind:
+            out += self._close()
             self.index += 1
-            self.text_open = True
-            out.append({"type": "content_block_start", "index": self.index, "content_block": {"type": "text", "text": ""}})
-        return [*out, {"type": "content_block_delta", "index": self.index, "delta": {"type": "text_delta", "text": text}}]
+            self.open = kind
+            block = {"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking" else {"type": "text", "text": ""}
+            out.append({"type": "content_block_start", "index": self.index, "content_block": block})
+        delta = {"type": "thinking_delta", "thinking": text} if kind == "thinking" else {"type": "text_delta", "text": text}
+        return [*out, {"type": "content_block_delta", "index": self.index, "delta": delta}]
+
+    def _close(self) -> list[dict]:
+        if self.open is None:
+            return []
+        self.open = None
+        return [{"type": "content_block_stop", "index": self.index}]
+
+    def _events(self, deltas: list[dict]) -> list[dict]:
+        """``Answer``'s deltas as events (tool calls are sent whole at the end: ``closing``)."""
+        out = []
+        for d in deltas:
+            if d.get("reasoning_content"):
+                out += self._block("thinking", d["reasoning_content"])
+            if d.get("content"):
+                out += self._block("text", d["content"])
+        return out
 
     def piece(self, piece: Piece) -> list[dict]:
-        c = piece.chunk
-        text = self.tools.feed(c.text) if self.tools else c.text
-        return self._text(text) if text else []
+        return self._events(self.out.feed(piece.chunk.text))
 
     def closing(self, stats: Stats) -> list[dict]:
-        out, calls = [], []
-        if self.tools:
-            tail, calls = self.tools.finish()
-            if tail:
-                out += self._text(tail)
-        if self.text_open:
-            out.append({"type": "content_block_stop", "index": self.index})
+        out = self._events(self.out.finish())
+        calls = self.out.result()[2]
+        out += self._close()
         for c in calls:
             self.index += 1
             block = _tool_use(c)
@@ -296,7 +329,7 @@ class MessageReply(Reply):
 
 
 def _tool_use(call: dict) -> dict:
-    """An OpenAI tool call (``ondevice.tools.parse_calls``) as a ``tool_use`` block."""
+    """An OpenAI tool call (``structured.Answer``) as a ``tool_use`` block."""
     fn = call["function"]
     return {"type": "tool_use", "id": "toolu_" + call["id"].removeprefix("call_"), "name": fn["name"],
             "input": json.loads(fn["arguments"])}

@@ -2,16 +2,18 @@
 
 Request: ``input`` (a string, or items: messages whose content is text or ``input_text`` / ``output_text``
 parts, ``function_call`` and ``function_call_output`` items), ``instructions``, ``max_output_tokens``,
-``temperature`` / ``top_p``, function ``tools`` and ``tool_choice``, ``text.format`` (text, json_object,
+``temperature`` / ``top_p``, ``grammar`` and ``gamma`` (ondevice's extensions), function ``tools`` and
+``tool_choice``, ``text.format`` (text, json_object,
 json_schema), ``previous_response_id`` (the conversation of a stored response continues: the last
 ``MAX_STORED`` answers with ``store`` not false are kept in memory, never on disk). ``reasoning`` is accepted
-and has no effect (these models do not reason apart from their answer).
+and has no effect (a model thinks as its chat template says).
 
-Answer: a ``response`` object (``message`` and ``function_call`` output items, ``status`` completed or
-incomplete, ``usage``), or its event stream: response.created, response.in_progress, per item
-response.output_item.added, (response.content_part.added, response.output_text.delta...,
-response.output_text.done, response.content_part.done | response.function_call_arguments.delta / .done),
-response.output_item.done, then response.completed (or response.incomplete at the token limit).
+Answer: a ``response`` object (``reasoning`` items when the template's model thinks, ``message`` and
+``function_call`` output items, ``status`` completed or incomplete, ``usage``), or its event stream:
+response.created, response.in_progress, per item response.output_item.added, (response.content_part.added,
+response.reasoning_text.delta... / response.output_text.delta..., their .done, response.content_part.done |
+response.function_call_arguments.delta / .done), response.output_item.done, then response.completed (or
+response.incomplete at the token limit).
 """
 
 from __future__ import annotations
@@ -24,14 +26,15 @@ import uuid
 from collections import OrderedDict
 from typing import Any
 
+from ondevice import reasoning, toolcalls
+from ondevice.chat import PROMPT_TAIL, render_prompt
 from ondevice.errors import OndeviceError
 from ondevice.server.engine import Piece
 from ondevice.server.errors import ApiError
 from ondevice.server.openai_api import check_context, generation_args, stream_args
-from ondevice.server.structured import Structured, ToolStream, response_format_args, tool_args
+from ondevice.server.structured import Answer, Structured, grammar_args, response_format_args, tool_args
 from ondevice.server.types import Call, Dialect, Reply
 from ondevice.speculative import Stats
-from ondevice.tools import parse_calls, template_messages
 
 MAX_STORED = 64  # responses kept for previous_response_id (least recently used dropped)
 MAX_STORED_CHARS = 1 << 20  # a longer conversation is answered but not kept
@@ -133,6 +136,7 @@ def _structured(body: dict, chat_template: str | None, st: Structured) -> None:
         if fmt.get("type") == "json_schema":
             rf = {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
         response_format_args({"response_format": rf}, st)
+    grammar_args(body, st)  # ondevice's extension, as on /v1/chat/completions
     tools, choice = body.get("tools"), body.get("tool_choice")
     oa: dict[str, Any] = {}
     if tools is not None:
@@ -180,12 +184,14 @@ class Responses(Dialect):
             raise _bad("previous_response_id", "must be a string")
         conv = [*(self.store.get(prev) if prev else []), *input_messages(body)]
         st = Structured()
-        _structured(body, rt.target.chat_template, st)
+        template = rt.target.chat_template
+        _structured(body, template, st)
         msgs = ([{"role": "system", "content": instructions}] if instructions else []) + conv
         try:  # the template is untrusted: it renders in its own budgeted process
-            ids = rt.render_chat(template_messages(msgs), tools=st.tools)
+            text, ids = render_prompt(rt, toolcalls.template_messages(msgs, st.family), tools=st.tools)
         except OndeviceError as e:
             raise ApiError(400, str(e), param="input") from e
+        st.thinking = reasoning.detect(template, text[-PROMPT_TAIL:])
         check_context(len(ids), rt.n_ctx)
         oa = {"max_tokens": body.get("max_output_tokens"),
               **{k: body[k] for k in ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "gamma")
@@ -209,17 +215,17 @@ def _usage(s: Stats) -> dict:
 
 
 class ResponseReply(Reply):
-    """A ``response`` object, whole or as its event stream (``sequence_number`` on every event)."""
+    """A ``response`` object (thinking, content and calls: ``structured.Answer``), whole or as its event stream
+    (``sequence_number`` on every event)."""
 
     def __init__(self, model: str, echo: dict, st: Structured, keep) -> None:
         self.model, self.echo, self.st, self.keep = model, echo, st, keep
         self.id = "resp_" + uuid.uuid4().hex[:24]
-        self.msg_id = "msg_" + uuid.uuid4().hex[:24]
         self.created = int(time.time())
-        self.tools = ToolStream(st.tool_format, st.tools, "grammar" in st.run) if st.tools else None
+        self.out = Answer(st)
         self.seq = 0
-        self.n_items = 0
-        self.text: str | None = None  # the streamed message's text once its item is open
+        self.items: list[dict] = []  # the finished output items
+        self.open: dict | None = None  # the streamed reasoning or message item, its text so far in "text"
 
     def encode(self, event: dict) -> bytes:
         if event.get("type", "").startswith("response."):
@@ -240,63 +246,91 @@ class ResponseReply(Reply):
                 "usage": _usage(stats) if stats is not None else None,
                 **({"ondevice": dataclasses.asdict(stats)} if stats is not None else {})}
 
-    def _message(self, text: str, status: str = "completed") -> dict:
-        content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status == "completed" else []
-        return {"type": "message", "id": self.msg_id, "status": status, "role": "assistant", "content": content}
+    @staticmethod
+    def _item(kind: str, item_id: str, text: str, status: str = "completed") -> dict:
+        """A 'reasoning' or 'message' output item holding ``text`` (no content while in progress)."""
+        if kind == "reasoning":
+            part = {"type": "reasoning_text", "text": text}
+            return {"type": "reasoning", "id": item_id, "summary": [], "status": status,
+                    "content": [part] if status == "completed" else []}
+        part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+        return {"type": "message", "id": item_id, "status": status, "role": "assistant",
+                "content": [part] if status == "completed" else []}
 
-    def _finished(self, text: str | None, calls: list[dict], stats: Stats) -> tuple[list[dict], dict]:
-        """(the output items, the final response); the conversation is kept for previous_response_id."""
-        output = ([self._message(text)] if text else []) + [_function_call(c) for c in calls]
+    def _finished(self, calls: list[dict], stats: Stats) -> dict:
+        """The final response (``self.items`` and the calls); the conversation is kept for previous_response_id."""
+        self.items += [_function_call(c) for c in calls]
         if self.keep is not None:
-            self.keep(self.id, [{"role": "assistant", "content": text or "",
-                                 **({"tool_calls": calls} if calls else {})}])
-        return output, self._response("completed", output, stats)
+            text = "".join(it["content"][0]["text"] for it in self.items if it["type"] == "message")
+            self.keep(self.id, [{"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}])
+        return self._response("completed", self.items, stats)
 
     def whole(self, pieces: list[Piece], stats: Stats) -> dict:
-        text, calls = "".join(p.chunk.text for p in pieces), []
-        if self.st.tools:
-            text, calls = parse_calls(text, self.st.tool_format, self.st.tools)
-            if "grammar" in self.st.run and not calls:
-                text = None
-        return self._finished(text, calls, stats)[1]
+        self.out.feed("".join(p.chunk.text for p in pieces))
+        self.out.finish()
+        thinking, text, calls = self.out.result()
+        if thinking:
+            self.items.append(self._item("reasoning", "rs_" + uuid.uuid4().hex[:24], thinking))
+        if text:
+            self.items.append(self._item("message", "msg_" + uuid.uuid4().hex[:24], text))
+        return self._finished(calls, stats)
 
     def opening(self) -> list[dict]:
         r = self._response("in_progress", [], None)
         return [{"type": "response.created", "response": r}, {"type": "response.in_progress", "response": r}]
 
-    def _delta(self, text: str) -> list[dict]:
+    def _delta(self, kind: str, text: str) -> list[dict]:
+        """A text delta of a 'reasoning' or 'message' item, the previous item closed and this one opened as
+        needed."""
         out = []
-        where = {"item_id": self.msg_id, "output_index": 0}
-        if self.text is None:
-            self.text = ""
-            self.n_items = 1
-            out += [{"type": "response.output_item.added", "output_index": 0, "item": self._message("", "in_progress")},
-                    {"type": "response.content_part.added", **where, "content_index": 0,
-                     "part": {"type": "output_text", "text": "", "annotations": [], "logprobs": []}}]
-        self.text += text
-        return [*out, {"type": "response.output_text.delta", **where, "content_index": 0, "delta": text,
-                       "logprobs": []}]
+        if self.open is None or self.open["kind"] != kind:
+            out += self._close()
+            item_id = ("rs_" if kind == "reasoning" else "msg_") + uuid.uuid4().hex[:24]
+            self.open = {"kind": kind, "id": item_id, "text": ""}
+            part = self._item(kind, item_id, "")["content"][0]
+            at = {"item_id": item_id, "output_index": len(self.items)}
+            out += [{"type": "response.output_item.added", "output_index": len(self.items),
+                     "item": self._item(kind, item_id, "", "in_progress")},
+                    {"type": "response.content_part.added", **at, "content_index": 0, "part": part}]
+        self.open["text"] += text
+        at = {"item_id": self.open["id"], "output_index": len(self.items), "content_index": 0}
+        if kind == "reasoning":
+            return [*out, {"type": "response.reasoning_text.delta", **at, "delta": text}]
+        return [*out, {"type": "response.output_text.delta", **at, "delta": text, "logprobs": []}]
+
+    def _close(self) -> list[dict]:
+        if self.open is None:
+            return []
+        o, self.open = self.open, None
+        item = self._item(o["kind"], o["id"], o["text"])
+        at = {"item_id": o["id"], "output_index": len(self.items), "content_index": 0}
+        done = ({"type": "response.reasoning_text.done", **at, "text": o["text"]} if o["kind"] == "reasoning" else
+                {"type": "response.output_text.done", **at, "text": o["text"], "logprobs": []})
+        out = [done, {"type": "response.content_part.done", **at, "part": item["content"][0]},
+               {"type": "response.output_item.done", "output_index": len(self.items), "item": item}]
+        self.items.append(item)
+        return out
+
+    def _events(self, deltas: list[dict]) -> list[dict]:
+        """``Answer``'s deltas as events (function calls are sent whole at the end: ``closing``)."""
+        out = []
+        for d in deltas:
+            if d.get("reasoning_content"):
+                out += self._delta("reasoning", d["reasoning_content"])
+            if d.get("content"):
+                out += self._delta("message", d["content"])
+        return out
 
     def piece(self, piece: Piece) -> list[dict]:
-        text = self.tools.feed(piece.chunk.text) if self.tools else piece.chunk.text
-        return self._delta(text) if text else []
+        return self._events(self.out.feed(piece.chunk.text))
 
     def closing(self, stats: Stats) -> list[dict]:
-        out, calls = [], []
-        if self.tools:
-            tail, calls = self.tools.finish()
-            if tail:
-                out += self._delta(tail)
-        if self.text is not None:
-            where = {"item_id": self.msg_id, "output_index": 0}
-            msg = self._message(self.text)
-            out += [{"type": "response.output_text.done", **where, "content_index": 0, "text": self.text, "logprobs": []},
-                    {"type": "response.content_part.done", **where, "content_index": 0, "part": msg["content"][0]},
-                    {"type": "response.output_item.done", "output_index": 0, "item": msg}]
-        output, final = self._finished(self.text if self.text else None, calls, stats)
-        for item in output[self.n_items:]:
-            i, args = self.n_items, item["arguments"]
-            self.n_items += 1
+        out = self._events(self.out.finish())
+        out += self._close()
+        n = len(self.items)
+        final = self._finished(self.out.result()[2], stats)
+        for i, item in enumerate(self.items[n:], n):
+            args = item["arguments"]
             out += [{"type": "response.output_item.added", "output_index": i,
                      "item": {**item, "arguments": "", "status": "in_progress"}},
                     {"type": "response.function_call_arguments.delta", "item_id": item["id"], "output_index": i,
@@ -309,6 +343,6 @@ class ResponseReply(Reply):
 
 
 def _function_call(call: dict) -> dict:
-    """An OpenAI chat tool call (``ondevice.tools.parse_calls``) as a ``function_call`` output item."""
+    """An OpenAI chat tool call (``structured.Answer``) as a ``function_call`` output item."""
     return {"type": "function_call", "id": "fc_" + call["id"].removeprefix("call_"), "call_id": call["id"],
             "name": call["function"]["name"], "arguments": call["function"]["arguments"], "status": "completed"}

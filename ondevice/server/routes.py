@@ -1,4 +1,4 @@
-"""The server's routes: the chat page, ``/health``, ``/v1/models``, ``/v1/embeddings``,
+"""The server's routes: the chat page, ``/health``, ``/v1/models``, ``/v1/embeddings``, ``/v1/rerank``,
 ``/v1/messages/count_tokens`` and one ``POST`` route per API dialect (``DIALECTS``; a new API is one more
 dialect module listed here)."""
 
@@ -14,7 +14,7 @@ from starlette.routing import Route
 from ondevice.server.chat_completions import ChatCompletions
 from ondevice.server.completions import Completions
 from ondevice.server.driver import Driver, lease, read_body
-from ondevice.server.embeddings import embeddings_answer
+from ondevice.server.embeddings import embeddings_answer, rerank_answer
 from ondevice.server.errors import ApiError, error_response
 from ondevice.server.messages import Messages, anthropic_error
 from ondevice.server.models import Model
@@ -78,6 +78,19 @@ def routes(server) -> list[Route]:
 
         return await _leased(request, run, lambda e: e.body())
 
+    async def rerank(request: Request) -> JSONResponse:
+        def run(held, body) -> dict:
+            from ondevice.embed import reranker_for
+            from ondevice.errors import OndeviceError
+
+            try:
+                rr = reranker_for(held.rt)
+            except OndeviceError as e:
+                raise ApiError(400, f"model {held.model_id!r}: {e}", param="model", code="unsupported_value") from e
+            return rerank_answer(rr, held.model_id, body)
+
+        return await _leased(request, run, lambda e: e.body())
+
     async def _leased(request: Request, work, shape) -> JSONResponse:
         """``work(lease, body)`` in a worker thread on the model the body names; errors in ``shape``."""
         held = None
@@ -99,6 +112,8 @@ def routes(server) -> list[Route]:
         Route("/v1/models/{model_id:path}", model, methods=["GET"]),
         Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
         Route("/v1/embeddings", embed, methods=["POST"]),
+        Route("/v1/rerank", rerank, methods=["POST"]),
+        Route("/rerank", rerank, methods=["POST"]),  # llama.cpp server's own path
         *[Route(d.path, _endpoint(driver, d), methods=["POST"]) for d in DIALECTS],
     ]
 

@@ -1,9 +1,10 @@
 """OpenAI's structured-output fields: ``response_format``, ``grammar``, ``tools`` / ``tool_choice``,
-``logprobs`` / ``top_logprobs``, ``chat_template_kwargs``, ``reasoning_format``.
+``logprobs`` / ``top_logprobs``, ``chat_template_kwargs``, ``reasoning_format``, ``reasoning_budget`` /
+``reasoning_effort``.
 
 Request side: one function per field group (``chat_logprobs_args``, ``completion_logprobs_args``,
 ``response_format_args``, ``grammar_args``, ``tool_args``, ``no_tool_args``, ``template_args``,
-``reasoning_args``) validates it
+``reasoning_args``, ``budget_args``) validates it
 (``ApiError`` 400 in OpenAI's shape, naming the field) into a ``Structured``: what the runtime and the reply
 need; each dialect calls the ones it speaks. Response side: ``Answer`` splits the output into thinking,
 content and tool calls (in the template's family format), whole or streamed; ``split_answer`` for a whole text.
@@ -55,8 +56,6 @@ class Structured:
     def call_family(self) -> str:
         """The family the answer's calls are parsed with."""
         return self.forced or self.family
-
-    tool_format = call_family  # the name ``ToolStream``'s dialects read
 
 
 def _bad(param: str, message: str, code: str = "invalid_value") -> ApiError:
@@ -178,6 +177,39 @@ def reasoning_args(body: dict, out: Structured) -> None:
     out.split_thinking = fmt != "none"
 
 
+# OpenAI's reasoning_effort as thinking-token budgets (``GenerateRequest.reasoning_budget``)
+EFFORT_BUDGETS = {"none": 0, "minimal": 64, "low": 256, "medium": 1024, "high": 4096}
+
+
+def budget_args(body: dict, thinking: Thinking | None, default: int | None, out: Structured) -> None:
+    """``reasoning_budget`` (llama-server's: thinking tokens at most, -1 = unbounded) or OpenAI's
+    ``reasoning_effort`` (``EFFORT_BUDGETS``), else the server's ``--reasoning-budget``, into ``out.run``.
+
+    Args:
+        thinking: the prompt's thinking convention: an explicit budget on a model without one is a 400;
+            ``reasoning_effort`` and the server's default are ignored there (as for any non-thinking model).
+        default: the server's budget (None: unbounded).
+    """
+    budget, effort = body.get("reasoning_budget"), body.get("reasoning_effort")
+    if budget is not None and effort is not None:
+        raise _bad("reasoning_budget", "give either reasoning_budget or reasoning_effort, not both")
+    if budget is not None:
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < -1:
+            raise _bad("reasoning_budget", "must be an integer >= 0 (thinking tokens), or -1 for unbounded")
+        if thinking is None and budget >= 0:
+            raise _bad("reasoning_budget", "this model's chat template has no thinking convention; drop "
+                       "reasoning_budget", code="unsupported_value")
+        budget = None if budget < 0 else budget
+    elif effort is not None:
+        if effort not in EFFORT_BUDGETS:
+            raise _bad("reasoning_effort", f"must be one of {', '.join(EFFORT_BUDGETS)}")
+        budget = EFFORT_BUDGETS[effort]
+    else:
+        budget = default
+    if budget is not None and thinking is not None:
+        out.run["reasoning_budget"] = budget
+
+
 def _cap_size(param: str, what: str, obj) -> None:
     n = len(json.dumps(obj, ensure_ascii=False))
     if n > MAX_SCHEMA_CHARS:
@@ -253,22 +285,3 @@ def split_answer(text: str, st: Structured) -> tuple[str | None, str | None, lis
     a.finish()
     return a.result()
 
-
-class ToolStream:
-    """Streamed text with tools for the dialects that do not split thinking yet (Anthropic Messages, OpenAI
-    Responses): content as text while no call may begin, the calls whole at the end, parsed in ``family``'s
-    format (``Structured.tool_format``). New code: ``Answer``, which also streams arguments and thinking."""
-
-    def __init__(self, family: str, tools: list, constrained: bool) -> None:
-        self.stream = TC.CallStream(TC.get(family), tools)
-        self.constrained = constrained  # the whole answer is a call: nothing is content
-
-    def feed(self, piece: str) -> str:
-        """Add generated text; return the content that may be sent now."""
-        out = "".join(d.get("content", "") for d in self.stream.feed(piece))
-        return "" if self.constrained else out
-
-    def finish(self) -> tuple[str, list[dict]]:
-        """(content not yet sent, the tool calls found in the whole answer)."""
-        tail = "".join(d.get("content", "") for d in self.stream.finish())
-        return ("" if self.constrained else tail), self.stream.calls

@@ -1,0 +1,124 @@
+"""Continuous batching (``--parallel N``) against the same requests one after another, side by side in one run.
+
+For each concurrency k (default 1, 2, 4): k greedy requests decoded together by a ``BatchEngine`` (a runtime
+loaded with ``parallel=max k``), and the same k requests one after another on a usual runtime (no drafter:
+both plain, so the comparison is batching alone). Reports aggregate tokens/s, per-request latency and time
+to first token, whether every batched answer equals its one-at-a-time answer, and the speed-up (the run with
+the median speed-up of ``--repeat``, the two modes alternated). JSON.
+
+    python scripts/bench_parallel.py [--model smollm2-135m-instruct] [--max-tokens 64] [--ks 1,2,4] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import ondevice
+from ondevice.batching import BatchEngine
+from ondevice.store import lookup
+
+PROMPTS = [  # prompts that keep going (no early end of generation): every request decodes max_tokens
+    "1, 2, 3, 4, 5, 6, 7, 8,",
+    "The alphabet, letter by letter: A, B, C, D,",
+    "Write a long story about a dragon who learns to bake bread. Once upon a time",
+    "List the months of the year, then the days of the week: January,",
+    "Repeat after me forever: the quick brown fox jumps over the lazy dog. The quick brown fox",
+    "Here are two hundred even numbers: 2, 4, 6, 8,",
+    "A very long poem about the sea, verse after verse:\n",
+    "Count from one to one hundred in words: one, two, three,",
+]
+
+
+def _row(results, wall: float) -> dict:
+    tokens = sum(len(r[0]) for r in results)
+    lat = [r[1] for r in results]
+    ttft = [r[2] for r in results]
+    return {"tokens": tokens, "seconds": round(wall, 3), "tokens_per_second": round(tokens / wall, 2),
+            "latency_mean": round(statistics.mean(lat), 3), "latency_max": round(max(lat), 3),
+            "ttft_mean": round(statistics.mean(ttft), 3)}
+
+
+def one_after_another(rt, prompts, max_tokens: int):
+    t0 = time.perf_counter()
+    out = []
+    for p in prompts:
+        rt.reset()  # no prefix reused from an earlier request (a batch slot keeps none either)
+        r = rt.generate(p, max_tokens=max_tokens, temperature=0)
+        done = time.perf_counter() - t0  # a queued request's latency includes its wait
+        out.append((r.tokens, done, done - r.stats.total_seconds + r.stats.time_to_first_token))
+    return out, time.perf_counter() - t0
+
+
+def batched(eng: BatchEngine, prompts, max_tokens: int):
+    """Every request queued before the first batched step, each read by a client thread of its own."""
+    import threading
+
+    out: list = [None] * len(prompts)
+
+    def client(i: int, s) -> None:
+        first = None
+        for c in s:
+            if c.tokens and first is None:
+                first = time.perf_counter() - t0
+        out[i] = (s.tokens, time.perf_counter() - t0, first or 0.0)
+
+    t0 = time.perf_counter()
+    with eng.rt._lock:
+        streams = [eng.stream(p, max_tokens=max_tokens, temperature=0) for p in prompts]
+    threads = [threading.Thread(target=client, args=(i, s)) for i, s in enumerate(streams)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out, time.perf_counter() - t0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--ks", default="1,2,4")
+    ap.add_argument("--n-ctx", type=int, default=512)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--repeat", type=int, default=3, help="runs per concurrency (the median speed-up is reported)")
+    ap.add_argument("--json", default=None, help="also write the report here")
+    a = ap.parse_args(argv)
+    ks = [int(k) for k in a.ks.split(",")]
+    if max(ks) > len(PROMPTS):
+        ap.error(f"--ks: at most {len(PROMPTS)} concurrent requests")
+    path = lookup.resolve(a.model)
+    rows = []
+    with ondevice.load(path, drafter="none", n_ctx=a.n_ctx, threads=a.threads) as rt, \
+            ondevice.load(path, drafter="none", n_ctx=a.n_ctx, threads=a.threads, parallel=max(max(ks), 2)) as prt:
+        eng = BatchEngine(prt)
+        rt.generate(PROMPTS[0], max_tokens=4, temperature=0)  # warm-up
+        eng.generate(PROMPTS[0], max_tokens=4, temperature=0)
+        for k in ks:
+            runs = []
+            for _ in range(a.repeat):  # alternated, so a change in the machine's load hits both alike
+                serial = one_after_another(rt, PROMPTS[:k], a.max_tokens)
+                prt.reset()  # no prefix kept from the previous round (sequences keep theirs otherwise)
+                runs.append((serial, batched(eng, PROMPTS[:k], a.max_tokens)))
+            (s_res, s_wall), (res, wall) = sorted(runs, key=lambda r: r[0][1] / r[1][1])[len(runs) // 2]
+            b, s = _row(res, wall), _row(s_res, s_wall)
+            rows.append({"concurrent": k, "batched": b, "one_after_another": s,
+                         "speedup": round(b["tokens_per_second"] / s["tokens_per_second"], 3),
+                         "speedups": sorted(round(r[0][1] / r[1][1], 3) for r in runs),
+                         "answers_equal": all([x[0] for x in r[1][0]] == [x[0] for x in r[0][0]] for r in runs)})
+    report = {"model": str(path.name), "max_tokens": a.max_tokens, "threads": rt.target.threads, "repeat": a.repeat,
+              "rows": rows}
+    text = json.dumps(report, indent=2)
+    print(text)
+    if a.json:
+        from ondevice.atomic import write_text
+
+        write_text(a.json, text + "\n")
+    return 0 if all(r["answers_equal"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
