@@ -178,12 +178,8 @@ class Runtime:
     def chat_prompt(self, messages: Sequence[dict], add_generation_prompt: bool = True,
                     tools: Sequence[dict] | None = None):
         """``render_chat``, or, when a message has ``image_url`` parts, a ``MediaPrompt`` for ``stream`` /
-        ``generate`` (``ondevice.media``: images read from data: URLs or local paths and checked, the projector
-        from ``load(mmproj=)`` or found beside the model, attached at the first image).
-
-        Raises:
-            OndeviceError: as ``render_chat``; a bad image; a model without a projector given an image.
-        """
+        ``generate`` (``ondevice.media``; the projector from ``load(mmproj=)`` or found beside the model). Raises
+        OndeviceError as ``render_chat``, for a bad image, or for a model without a projector given an image."""
         from ondevice.media import chat_prompt
 
         return chat_prompt(self, messages, add_generation_prompt, tools)
@@ -215,14 +211,9 @@ class Runtime:
         return text, not (bos and text.startswith(bos))
 
     def embed(self, texts):
-        """Unit-length embeddings of ``texts`` (a string, or a list of strings or token-id lists) with this
-        runtime's GGUF model, through llama.cpp's embedding path (a second context, made at the first call).
-
-        Returns:
-            A float32 array [len(texts), n_embd] (one row for a single string).
-        Raises:
-            OndeviceError: a model on another backend, empty or over-long input.
-        """
+        """Unit-length embeddings [len(texts), n_embd] of ``texts`` (a string, or a list of strings or token-id
+        lists) with this runtime's GGUF model (``ondevice.embed``: llama.cpp's embedding path, a second context).
+        Raises OndeviceError for a model on another backend, empty or over-long input."""
         from ondevice.embed import embed
 
         return embed(self, texts)
