@@ -86,3 +86,18 @@ def test_runtime_embed(tiny_gguf):
         assert one.shape[0] == 1 and two.shape[0] == 2
         assert np.allclose(np.linalg.norm(two, axis=1), 1, atol=1e-4)
         assert np.array_equal(one[0], embedder_for(rt).embed(["hello there"])[0][0])
+
+
+def test_parallel_takes_a_prompt_cache_and_refuses_cache_types(tiny_gguf, tmp_path):
+    path = tiny_gguf("llama")
+    with pytest.raises(OndeviceError, match="cache_type_k / cache_type_v with parallel: not yet"):
+        load(path, drafter="none", n_ctx=128, parallel=2, cache_type_v="q8_0")
+    with pytest.raises(OndeviceError, match="cache_type_v='q9'"):
+        load(path, drafter="none", n_ctx=128, parallel=2, cache_type_v="q9")
+    prompt = " ".join(f"item {i} costs {i * 3} coins." for i in range(12))
+    runs = []
+    for _ in range(2):
+        with load(path, drafter="none", n_ctx=256, threads=1, parallel=2, prompt_cache=tmp_path) as rt:
+            runs.append(rt.generate(prompt, max_tokens=8, temperature=0))
+    assert runs[0].tokens == runs[1].tokens
+    assert runs[0].stats.cached_tokens == 0 and runs[1].stats.cached_tokens == runs[1].stats.prompt_tokens - 1
