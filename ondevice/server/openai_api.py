@@ -180,7 +180,7 @@ def timings(s: Stats) -> dict:
 def usage(s: Stats) -> dict:
     return {"prompt_tokens": s.prompt_tokens, "completion_tokens": s.tokens,
             "total_tokens": s.prompt_tokens + s.tokens,
-            "prompt_tokens_details": {"cached_tokens": s.cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": s.prompt_tokens - s.prompt_eval_tokens}}
 
 
 class OpenAIReply(Reply):
