@@ -238,8 +238,10 @@ class ChatSession:
 
     def _render(self, messages: list[dict]) -> list[int]:
         from ondevice import reasoning
+        from ondevice.media import has_images, render_media  # images: a MediaPrompt (len() = positions)
 
-        text, ids = render_prompt(self.rt, messages, variables=self.variables)
+        to_ids = render_media if has_images(messages) else render_prompt
+        text, ids = to_ids(self.rt, messages, variables=self.variables)
         self.thinking = reasoning.detect(self.rt.target.chat_template, text[-PROMPT_TAIL:])
         return ids
 

@@ -20,6 +20,7 @@ from ondevice.errors import OndeviceError
 DEFAULT_MAX_TOKENS = 256
 DEFAULT_GAMMA = "auto"  # the cost-aware policy; an integer fixes γ (0 = plain decoding)
 DEFAULT_N_CTX = 4096
+DEFAULT_PROMPT_CACHE_SIZE = "4GiB"  # bound of load(prompt_cache=) (ondevice.prompt_cache.DEFAULT_MAX_BYTES)
 MAX_GAMMA = 64  # drafts one target pass may verify
 
 

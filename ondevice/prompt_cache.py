@@ -208,13 +208,15 @@ class PromptCache:
         return state
 
     # -- API ----------------------------------------------------------------------------------------
-    def lookup(self, ids: Sequence[int], max_tokens: int | None = None) -> tuple[int, Callable[..., int] | None]:
+    def lookup(self, ids: Sequence[int], max_tokens: int | None = None,
+               more_than: int = 0) -> tuple[int, Callable[..., int] | None]:
         """The longest prefix of ``ids`` a stored file holds.
 
         Args:
             ids: the request's tokens.
             max_tokens: reuse at most this many (default ``len(ids) - 1``: the last token is evaluated for its
                 logits).
+            more_than: only a prefix longer than this is worth reading (e.g. what the cache in memory reuses).
         Returns:
             (n, restore): ``restore(seq=0)`` makes the backend's sequence ``seq`` hold ``ids[:n]`` (whatever it
             held is replaced) and returns n, or returns 0 with the sequence empty when llama.cpp refuses the file
@@ -226,7 +228,7 @@ class PromptCache:
         scored = sorted(((min(_common(t, want), cap), -len(t), name) for name, t in self._entries().items()
                          if len(t) <= self.backend.n_ctx_seq), reverse=True)
         for n, neg_len, name in scored:
-            if n < self.min_tokens:
+            if n < self.min_tokens or n <= more_than:
                 break
             path = self.dir / name
             try:
@@ -280,7 +282,7 @@ class PromptCache:
         if total > self.max_bytes:
             return False
         path = self._path(ids)
-        with replacing(path) as f:
+        with replacing(path) as tmp, open(tmp, "wb") as f:  # a temp file renamed onto path once whole
             f.write(MAGIC + struct.pack("<I", len(head)) + head)
             f.write(np.asarray(ids, dtype="<i4").tobytes())
             f.write(state)

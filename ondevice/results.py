@@ -46,6 +46,7 @@ class Stats:
     probe_seconds: float = 0.0  # one-time cost measurement for gamma="auto" (not in tokens_per_second)
     prompt_tokens: int = 0
     prompt_eval_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens reused, from the cache in memory or the prompt cache on disk
     prompt_seconds: float = 0.0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0

@@ -12,6 +12,7 @@ from ondevice.backends.base import Backend
 from ondevice.costs import Costs, ProbeCancelled
 from ondevice.drafters.base import Drafter
 from ondevice.errors import OndeviceError
+from ondevice.media import MediaPrompt
 from ondevice.params import GenerateRequest
 from ondevice.policy import AdaptivePolicy, FixedGamma
 from ondevice.results import Chunk, Result, Stats
@@ -29,6 +30,8 @@ class Runtime:
 
     draft_choice: dict | None = None  # set by load(draft="auto"): what was chosen and why
     constraints_and_logprobs = True  # a sharded runtime does not replay them on its other ranks yet
+    projector = None  # the vision projector (``ondevice.backends.llama_mtmd.Projector``), once attached
+    mmproj = None  # set by load(): a projector found beside the model, attached at the first image
     reasoning_budget: int | None = None  # the server's default budget for thinking models (serve --reasoning-budget)
 
     def __init__(self, target: Backend, drafter: Drafter | None, *, vocab_limit: int, load_seconds: float = 0.0) -> None:
@@ -77,6 +80,8 @@ class Runtime:
                 self._closed = True
                 if self.drafter is not None:
                     self.drafter.close()
+                if self.projector is not None:
+                    self.projector.close()  # libmtmd holds the model: freed first
                 self.target.close()
         finally:
             self._exit()
@@ -95,7 +100,8 @@ class Runtime:
         """Generate, yielding ``Chunk(text, tokens, from_draft)`` as target passes complete.
 
         Args:
-            prompt: text (tokenized like create_completion) or token ids.
+            prompt: text (tokenized like create_completion), token ids, or a ``MediaPrompt`` (messages with
+                images: ``chat_prompt``; it serves this one request).
             request: a ``GenerateRequest`` (sampling, max_tokens, gamma, stop, response_format, grammar,
                 logprobs, top_logprobs), or none and the same options as keywords: ``max_tokens`` (default
                 256), ``temperature``, ``top_k``, ``top_p``, ``min_p``, ``repetition_penalty``, ``seed`` (see
@@ -114,7 +120,8 @@ class Runtime:
         """
         request = GenerateRequest.resolve(request, options)
         self._supersede()
-        ids = self._prompt_ids(prompt)
+        media = prompt if isinstance(prompt, MediaPrompt) else None
+        ids = self._prompt_ids(prompt if media is None else media.ids())
         constraint = self._constraint(request.response_format, request.grammar)
         if request.reasoning_budget is not None:
             constraint = self._budget(ids, request.reasoning_budget, constraint)
@@ -122,7 +129,7 @@ class Runtime:
         extra = {k: v for k, v in (("constraint", constraint), ("n_logprobs", n_lp)) if v is not None}
         if extra and not self.constraints_and_logprobs:
             raise OndeviceError(f"{', '.join(extra)}: not supported by a sharded target yet; load the model on one rank")
-        return Stream(lambda out: self._run(ids, request, out, **extra), Request())
+        return Stream(lambda out: self._run(ids, request, out, media=media, **extra), Request())
 
     def _constraint(self, response_format, grammar):
         """The request's compiled ``Constraint`` (None when unconstrained); compile errors raise here."""
@@ -162,10 +169,20 @@ class Runtime:
         """Render ``messages`` with the model's chat template, then ``generate``.
 
         ``messages``: a non-empty list of {role, content}; content is a string, None (empty) or a list of
-        OpenAI text parts (joined), as the server accepts them.
+        OpenAI content parts: ``{"type": "text", "text": ...}`` (joined) and ``{"type": "image_url", "image_url":
+        {"url": a data: URL or a local path}}`` (a GGUF model with its vision projector: ``chat_prompt``).
         """
         request = GenerateRequest.resolve(request, options)  # bad options fail before the template renders
-        return self.generate(self.render_chat(messages), request)
+        return self.generate(self.chat_prompt(messages), request)
+
+    def chat_prompt(self, messages: Sequence[dict], add_generation_prompt: bool = True,
+                    tools: Sequence[dict] | None = None):
+        """``render_chat``, or, when a message has ``image_url`` parts, a ``MediaPrompt`` for ``stream`` /
+        ``generate`` (``ondevice.media``; the projector from ``load(mmproj=)`` or found beside the model). Raises
+        OndeviceError as ``render_chat``, for a bad image, or for a model without a projector given an image."""
+        from ondevice.media import chat_prompt
+
+        return chat_prompt(self, messages, add_generation_prompt, tools)
 
     def render_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True,
                     tools: Sequence[dict] | None = None) -> list[int]:
@@ -176,6 +193,13 @@ class Runtime:
         Raises:
             OndeviceError: bad messages, no template, or a template that fails or exceeds its budget.
         """
+        text, add_bos = self.render_text(messages, add_generation_prompt, tools)
+        return self.tokenize(text, add_bos=add_bos)
+
+    def render_text(self, messages: Sequence[dict], add_generation_prompt: bool = True,
+                    tools: Sequence[dict] | None = None, variables: dict | None = None) -> tuple[str, bool]:
+        """``render_chat``'s text (``variables``: further template variables, e.g. enable_thinking), and whether
+        to add a BOS when tokenizing it (the template wrote none)."""
         from ondevice.chat import render
 
         t = self.target
@@ -183,8 +207,16 @@ class Runtime:
             self._check_open()
             bos = t.token_bytes(t.bos_id).decode("utf-8", "replace") if t.bos_id is not None else ""
         text = render(t.chat_template, messages, add_generation_prompt=add_generation_prompt, bos_token=bos,
-                      source=str(t.path), tools=tools)
-        return self.tokenize(text, add_bos=not (bos and text.startswith(bos)))
+                      source=str(t.path), tools=tools, variables=variables)
+        return text, not (bos and text.startswith(bos))
+
+    def embed(self, texts):
+        """Unit-length embeddings [len(texts), n_embd] of ``texts`` (a string, or a list of strings or token-id
+        lists) with this runtime's GGUF model (``ondevice.embed``: llama.cpp's embedding path, a second context).
+        Raises OndeviceError for a model on another backend, empty or over-long input."""
+        from ondevice.embed import embed
+
+        return embed(self, texts)
 
     def reset(self) -> None:
         """Forget the cached prefix: the next request evaluates its whole prompt. Always restores a
@@ -282,12 +314,13 @@ class Runtime:
             self.drafter.reset()
         return cached_measure(self.target, self.draft_backend, cancelled)
 
-    def _run(self, ids: list[int], req: GenerateRequest, out: Request, constraint=None, n_logprobs: int | None = None):
+    def _run(self, ids: list[int], req: GenerateRequest, out: Request, constraint=None, n_logprobs: int | None = None,
+             media=None):
         """The generator behind a ``Stream``: takes the turn at the first chunk, releases it when it ends."""
         self._enter(out)
         stats = out.stats
         try:
-            if self._admit(ids, req, out, constraint, n_logprobs):
+            if self._admit(ids, req, out, constraint, n_logprobs, media):
                 yield from self._iterate(req, out, constraint)
         except GeneratorExit:  # the stream was closed or dropped unfinished
             stats.stop_reason = stats.stop_reason or "cancelled"
@@ -298,9 +331,11 @@ class Runtime:
         finally:
             self.slot.finish(time.perf_counter())
             self.last_stats = stats
+            if media is not None:
+                media.close()
             self._exit()
 
-    def _admit(self, ids: list[int], req: GenerateRequest, out: Request, constraint, n_logprobs) -> bool:
+    def _admit(self, ids: list[int], req: GenerateRequest, out: Request, constraint, n_logprobs, media=None) -> bool:
         """Choose the request's policy (maybe probing costs first), prefill its prompt and set up its steps.
         Returns False when it was cancelled during the cost probe."""
         stats, slot = out.stats, self.slot
@@ -314,10 +349,11 @@ class Runtime:
             stats.stop_reason = "cancelled"
             return False
         trees = use_draft and self.drafter.traits.trees and constraint is None and self.observer is None \
-            and self.target.tree_unsupported() is None  # best-first trees sized by the policy (a chain is one)
+            and self.target.tree_unsupported() is None and media is None  # best-first trees sized by the policy
         with self._lock:
             slot.admit(ids, params=req.sampling, policy=policy, draft=use_draft, trees=trees, constraint=constraint,
-                       logprobs=n_logprobs, observer=self.observer)
+                       logprobs=n_logprobs, observer=self.observer,
+                       media=None if media is None else (media.projector, media.prompt))
         if n_logprobs is not None:
             out.logprobs = []
         return True

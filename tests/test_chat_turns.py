@@ -23,7 +23,9 @@ def test_chat_api_takes_openai_message_forms_and_refuses_bad_ones(tiny_gguf):
             rt.render_chat([{"role": "system", "content": ""}, {"role": "user", "content": "x"}])
         cases = {
             "non-empty list": dict(messages=[]),
-            "content part of type 'image_url'": dict(messages=[{"role": "user", "content": [{"type": "image_url"}]}]),
+            # an image to a text-only model: the missing projector (#38 item 2), before the part is read
+            "has no vision projector": dict(messages=[{"role": "user", "content": [{"type": "image_url"}]}]),
+            "content part of type 'input_audio'": dict(messages=[{"role": "user", "content": [{"type": "input_audio"}]}]),
             "'role' string": dict(messages=[{"content": "x"}]),
             "seed='abc'": dict(messages=[{"role": "user", "content": "x"}], seed="abc"),
             "temperature='hot'": dict(messages=[{"role": "user", "content": "x"}], temperature="hot"),

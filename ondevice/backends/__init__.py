@@ -48,7 +48,7 @@ DEVICES = ("gpu", "cpu", "mil")
 
 def open_backend(
     path: str | Path, *, n_ctx: int, threads: int | None = None, device: str | None = None, mmap: bool = True,
-    keep_ne: bool = False,
+    keep_ne: bool = False, cache_type_k: str = "f16", cache_type_v: str = "f16",
 ) -> Backend:
     """Open ``path`` with the backend its format needs.
 
@@ -61,11 +61,19 @@ def open_backend(
         mmap: memory-map GGUF weights (llama.cpp); False reads them into memory.
         keep_ne: a Core ML model runs on CPU_AND_NE whatever ``device`` says ('mil' aside): a draft whose
             device is inherited from the target stays on the Neural Engine.
+        cache_type_k, cache_type_v: KV-cache element types (``ondevice.backends.llama.KV_CACHE_TYPES``: f16,
+            q8_0, q4_0), llama.cpp only: an MLX or Core ML model given another than f16 is refused.
     """
     if device not in (None, *DEVICES):
         raise OndeviceError(f"device={device!r}: choose one of {', '.join(DEVICES)}")
+    from ondevice.backends.llama import check_cache_type
+
+    cache_type_k, cache_type_v = check_cache_type("cache_type_k", cache_type_k), check_cache_type("cache_type_v", cache_type_v)
     path = Path(path)
     fmt = detect_format(path)
+    if fmt != "gguf" and (cache_type_k, cache_type_v) != ("f16", "f16"):
+        raise OndeviceError(f"{path.name}: cache_type_k={cache_type_k} cache_type_v={cache_type_v}: KV-cache types are "
+                            f"llama.cpp's; a {fmt} model keeps its own cache, so leave them at f16")
     if device == "mil":
         if fmt != "coreml":
             raise OndeviceError(f"{path}: device='mil' runs Core ML packages only; use 'cpu' or 'gpu' for a {fmt} model")
@@ -77,7 +85,8 @@ def open_backend(
 
         if path.is_dir():
             path = path / "model.gguf"
-        return LlamaBackend(path, n_ctx=n_ctx, threads=threads, device=device, mmap=mmap)
+        return LlamaBackend(path, n_ctx=n_ctx, threads=threads, device=device, mmap=mmap, cache_type_k=cache_type_k,
+                            cache_type_v=cache_type_v)
     if fmt == "mlx":
         from ondevice.backends.mlx import MLXBackend
 

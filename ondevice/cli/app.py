@@ -139,6 +139,16 @@ DeviceOpt = Annotated[str | None, typer.Option("--device", help="gpu | cpu | mil
 DraftDeviceOpt = Annotated[str | None, typer.Option("--draft-device", help="gpu | cpu | mil for the draft (default: "
                                                      "--device; a Core ML draft stays on the Neural Engine).")]
 ThreadsOpt = Annotated[int | None, typer.Option("--threads", min=1, help="CPU threads (default: the physical cores not busy with other processes at load).")]
+CacheTypeKOpt = Annotated[str, typer.Option("--cache-type-k", help="KV-cache type of K: f16 | q8_0 | q4_0 (llama.cpp).")]
+CacheTypeVOpt = Annotated[str, typer.Option("--cache-type-v", help="KV-cache type of V: f16 | q8_0 | q4_0 (llama.cpp; "
+                                             "a quantized V turns flash attention on).")]
+PromptCacheOpt = Annotated[str | None, typer.Option("--prompt-cache", metavar="DIR", help="Keep KV states of long "
+                                                     "prompt prefixes in DIR and restore them, also after a restart "
+                                                     "(llama.cpp).")]
+PromptCacheSizeOpt = Annotated[str, typer.Option("--prompt-cache-size", help="Bound of --prompt-cache: bytes or e.g. "
+                                                  "4GiB, 512MB (least recently used files go first).")]
+MmprojOpt = Annotated[str | None, typer.Option("--mmproj", metavar="FILE", help="Vision projector (mmproj GGUF) for "
+                                                "images [default: one beside the model].")]
 
 
 # The options of one GenerateRequest: the API's names and defaults (ondevice.params), in --help order.

@@ -11,12 +11,17 @@ import typer
 
 from ondevice.cli import bench, models  # noqa: F401  (their commands register on the app)
 from ondevice.cli.app import (
+    CacheTypeKOpt,
+    CacheTypeVOpt,
     CtxOpt,
     DeviceOpt,
     DraftDeviceOpt,
     DraftOpt,
+    MmprojOpt,
     NgramOpt,
     NoSpecOpt,
+    PromptCacheOpt,
+    PromptCacheSizeOpt,
     ThreadsOpt,
     _csv,
     _drafter,
@@ -26,7 +31,7 @@ from ondevice.cli.app import (
     command,
     request_options,
 )
-from ondevice.params import DEFAULT_N_CTX, GenerateRequest
+from ondevice.params import DEFAULT_N_CTX, DEFAULT_PROMPT_CACHE_SIZE, GenerateRequest
 
 
 def _prompt_text(prompt: str | None) -> str:
@@ -57,6 +62,10 @@ def generate_cmd(
     threads: ThreadsOpt = None,
     device: DeviceOpt = None,
     draft_device: DraftDeviceOpt = None,
+    cache_type_k: CacheTypeKOpt = "f16",
+    cache_type_v: CacheTypeVOpt = "f16",
+    prompt_cache: PromptCacheOpt = None,
+    prompt_cache_size: PromptCacheSizeOpt = DEFAULT_PROMPT_CACHE_SIZE,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object: text, tokens, stats.")] = False,
     request: GenerateRequest | None = None,
 ) -> None:
@@ -68,7 +77,8 @@ def generate_cmd(
     prompt = _prompt_text(prompt)
 
     with load(model, draft, drafter=_drafter(draft, ngram, no_spec), n_ctx=n_ctx, threads=threads, device=device,
-              draft_device=draft_device) as rt:
+              draft_device=draft_device, cache_type_k=cache_type_k, cache_type_v=cache_type_v,
+              prompt_cache=prompt_cache, prompt_cache_size=prompt_cache_size) as rt:
         if json_out:
             res = rt.generate(prompt, request)
             doc = {"text": res.text, "tokens": res.tokens, "stats": dataclasses.asdict(res.stats)}
@@ -104,6 +114,13 @@ def chat_cmd(
     threads: ThreadsOpt = None,
     device: DeviceOpt = None,
     draft_device: DraftDeviceOpt = None,
+    cache_type_k: CacheTypeKOpt = "f16",
+    cache_type_v: CacheTypeVOpt = "f16",
+    prompt_cache: PromptCacheOpt = None,
+    prompt_cache_size: PromptCacheSizeOpt = DEFAULT_PROMPT_CACHE_SIZE,
+    mmproj: MmprojOpt = None,
+    image: Annotated[list[str] | None, typer.Option("--image", metavar="FILE", help="An image (PNG, JPEG, GIF, BMP) "
+                                                    "for the first message (repeatable; the model needs its mmproj).")] = None,
     show_draft: Annotated[bool, typer.Option("--show-draft", help="Colour tokens that came from the draft.")] = False,
     stats: Annotated[bool, typer.Option("--stats", help="Print tok/s and acceptance after each answer.")] = False,
     think: Annotated[bool | None, typer.Option("--think/--no-think", help="A thinking model thinks or not (the template's enable_thinking; /think on|off in the chat) [default: the template's].")] = None,
@@ -116,7 +133,9 @@ def chat_cmd(
 
     drafter = _drafter(draft, ngram, no_spec)
     request = _with_budget(request, reasoning_budget)
-    with load(model, draft, drafter=drafter, n_ctx=n_ctx, threads=threads, device=device, draft_device=draft_device) as rt:
+    with load(model, draft, drafter=drafter, n_ctx=n_ctx, threads=threads, device=device, draft_device=draft_device,
+              cache_type_k=cache_type_k, cache_type_v=cache_type_v, prompt_cache=prompt_cache,
+              prompt_cache_size=prompt_cache_size, mmproj=mmproj) as rt:
         _check_budget(rt, reasoning_budget)
         name = rt.drafter.name if rt.drafter else "none"
         if rt.draft_choice:  # --draft auto: say what was chosen and why
@@ -124,7 +143,7 @@ def chat_cmd(
             if stats:
                 typer.echo(f"draft: {rt.draft_choice['reason']}", err=True)
         code = run_chat(rt, system=system, show_draft=show_draft, show_stats=stats, request=request,
-                        title=f"ondevice chat · {model} · drafter {name}", think=think)
+                        title=f"ondevice chat · {model} · drafter {name}", think=think, images=image)
     if code:
         raise typer.Exit(code)
 
@@ -153,6 +172,11 @@ def serve_cmd(
     device: DeviceOpt = None,
     reasoning_budget: ReasoningBudgetOpt = None,
     parallel: Annotated[int, typer.Option("--parallel", min=1, max=64, help="Requests of one model decoded together in one llama.cpp batch (each slot gets --n-ctx; GGUF models only; slots decode without speculation).")] = 1,
+    cache_type_k: CacheTypeKOpt = "f16",
+    cache_type_v: CacheTypeVOpt = "f16",
+    prompt_cache: PromptCacheOpt = None,
+    prompt_cache_size: PromptCacheSizeOpt = DEFAULT_PROMPT_CACHE_SIZE,
+    mmproj: MmprojOpt = None,
 ) -> None:
     """Serve the OpenAI and Anthropic APIs (/v1/chat/completions, /v1/completions, /v1/responses, /v1/messages, /v1/embeddings, /v1/models) and a chat page at /."""
     from functools import partial
@@ -170,9 +194,14 @@ def serve_cmd(
     check_exposure(host, api_key, no_auth)  # before anything listens
     sock = open_socket(host, port)  # fail fast on a busy port, before the model loads
     specs = [(Path(m).name.removesuffix(".gguf") if Path(m).exists() else m, m) for m in names]
+    if len(names) > 1 and mmproj is not None:
+        raise OndeviceError("--mmproj is one model's projector; with several models keep each one's beside it")
     loader = partial(_budgeted, reasoning_budget, partial(load, draft=draft, drafter=_drafter(draft, ngram, no_spec),
-                                                        n_ctx=n_ctx, threads=threads, device=device,
-                                                        **({"parallel": parallel} if parallel > 1 else {})))
+                                                         n_ctx=n_ctx, threads=threads, device=device,
+                                                         cache_type_k=cache_type_k, cache_type_v=cache_type_v,
+                                                         prompt_cache=prompt_cache,
+                                                         prompt_cache_size=prompt_cache_size, mmproj=mmproj,
+                                                         **({"parallel": parallel} if parallel > 1 else {})))
     served = Models(specs, loader, max_loaded=max_loaded, keep_alive=keep_alive_seconds(keep_alive, "--keep-alive"),
                     max_queue=max_queue)
     served.adopt(specs[0][0], loader(names[0]))  # the first model loads now: a bad one fails at once

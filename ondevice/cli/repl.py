@@ -13,7 +13,7 @@ from ondevice.reasoning import Splitter
 
 HELP = ("/help shows this · /reset clears the history · /stats shows the last answer's statistics · "
         "/think on|off turns a thinking model's thinking on or off · /thinking shows the last thinking · "
-        "/exit quits · Ctrl-C stops an answer")
+        "/image FILE attaches an image to your next message · /exit quits · Ctrl-C stops an answer")
 FOLD_LINES = 4  # lines of thinking shown (dimmed) while it streams; then it folds into one line
 
 
@@ -106,9 +106,17 @@ def _lines(stdin):
             yield line
 
 
+def _with_images(line: str, images: list[str]):
+    """The user's content: the text alone, or OpenAI image parts (local paths) followed by the text."""
+    if not images:
+        return line
+    return [*({"type": "image_url", "image_url": {"url": f}} for f in images), {"type": "text", "text": line}]
+
+
 def run_chat(runtime, *, system: str | None, show_draft: bool, show_stats: bool, request: GenerateRequest,
-             title: str, think: bool | None = None) -> int:
-    """Run the chat loop until /exit, EOF or (at the prompt) Ctrl-C.
+             title: str, think: bool | None = None, images: list[str] | None = None) -> int:
+    """Run the chat loop until /exit, EOF or (at the prompt) Ctrl-C. ``images`` (paths) go with the first
+    message, and ``/image FILE`` attaches one to the next.
 
     A turn that fails (too long for the context, a broken chat template) is reported in one line and the
     session goes on with the next turn, its history kept. A thinking model's thinking (the template's
@@ -127,6 +135,7 @@ def run_chat(runtime, *, system: str | None, show_draft: bool, show_stats: bool,
                           variables={} if think is None else {"enable_thinking": think})
     interactive = sys.stdin.isatty()
     warned = False
+    pending = list(images or [])
     thoughts = None
     if interactive:
         err.print(f"[dim]{title}\n{HELP}[/dim]")
@@ -165,18 +174,25 @@ def run_chat(runtime, *, system: str | None, show_draft: bool, show_stats: bool,
             s = runtime.last_stats
             err.print(_stats_line(s) if s else "[dim]no answer yet[/dim]")
             continue
+        if line.startswith("/image "):
+            pending.append(line.removeprefix("/image ").strip())
+            err.print("[dim]the image goes with your next message[/dim]")
+            continue
         if line.startswith("/") and " " not in line:
             err.print(f"[yellow]unknown command {line}[/yellow] · {HELP}")
             continue
+        user = _with_images(line, pending)
         try:
-            stream = session.ask(line)
+            stream = session.ask(user)
         except OndeviceError as e:
             err.print(f"[bold red]error:[/bold red] {escape(str(e).splitlines()[0])}")
             refused += 1
+            pending = []
             continue
         except KeyboardInterrupt:  # Ctrl-C while the prompt renders: stop this turn, not the chat
             err.print("[dim](stopped)[/dim]")
             continue
+        pending = []
         if session.dropped and not warned:
             err.print("[yellow]the conversation outgrew the context: dropping the oldest turns (the system prompt stays)[/yellow]")
             warned = True
@@ -194,7 +210,7 @@ def run_chat(runtime, *, system: str | None, show_draft: bool, show_stats: bool,
             err.print("[dim](stopped)[/dim]")
         elif note := context_note(stream.stats, runtime.n_ctx):
             err.print(f"[yellow]{note}[/yellow]")
-        session.commit(line, "".join(thoughts.answer))
+        session.commit(user, "".join(thoughts.answer))
         if show_stats:
             err.print(f"[dim]{_stats_line(stream.stats)}[/dim]")
     return 1 if refused and not interactive else 0
