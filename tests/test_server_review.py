@@ -1,0 +1,64 @@
+"""Regressions found reviewing #39 as a user (hostile bodies, several models on demand)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+
+class _FakeRuntime:
+    drafter = None
+    n_ctx = 64
+
+    class target:  # noqa: N801
+        vocab_size = 8
+
+    def __init__(self, name: str, log: list) -> None:
+        self.name, self.log = name, log
+
+    def close(self) -> None:
+        self.log.append(("close", self.name))
+
+
+def test_a_waiting_request_loads_once_the_other_models_job_has_closed():
+    """max_loaded 1: a request for b waits while a's lease is released but a's engine is still closing its
+    job (the lease ends before the engine's lock does); once the job closes, b must load at once, not after
+    a's keep_alive (the hang seen with `serve A B --max-loaded 1` and two clients)."""
+    from ondevice.server.models import Models
+
+    log: list = []
+
+    async def main() -> None:
+        ms = Models([("a", "a"), ("b", "b")], lambda s: (log.append(("load", s)), _FakeRuntime(s, log))[1],
+                    max_loaded=1, keep_alive=300)
+        held = await ms.acquire("a")
+        lock = held.engine._lock
+        await lock.acquire()  # a's job is still running
+        waiting = asyncio.ensure_future(ms.acquire("b"))
+        await asyncio.sleep(0.2)
+        held.release()  # the lease ends first ...
+        await asyncio.sleep(0.2)
+        lock.release()  # ... then the job closes
+        other = await asyncio.wait_for(waiting, 5)
+        assert other.model_id == "b" and log == [("load", "a"), ("close", "a"), ("load", "b")]
+        other.release()
+        ms.close()
+
+    asyncio.run(main())
+
+
+def test_a_deeply_nested_body_is_a_400_not_a_500():
+    """'[[[[...' deeper than Python's recursion limit: invalid JSON (400), not an internal error."""
+    from ondevice.server.driver import read_body
+    from ondevice.server.errors import ApiError
+
+    class _Req:
+        headers: dict = {}
+
+        async def stream(self):
+            yield b"[" * 100_000
+
+    with pytest.raises(ApiError) as e:
+        asyncio.run(read_body(_Req()))
+    assert e.value.status == 400 and "nested too deeply" in str(e.value)
