@@ -62,3 +62,19 @@ def test_a_deeply_nested_body_is_a_400_not_a_500():
     with pytest.raises(ApiError) as e:
         asyncio.run(read_body(_Req()))
     assert e.value.status == 400 and "nested too deeply" in str(e.value)
+
+
+def test_a_text_block_whose_text_is_not_a_string_is_named_as_such():
+    """{"type": "text", "text": 5} is a text block with a bad 'text', not an unsupported block type (the
+    message said "a block of type 'text' is not supported", sending the user to the wrong fix)."""
+    from ondevice.server.errors import ApiError
+    from ondevice.server.messages import _text, _turn
+    from ondevice.server.responses import _part_text
+
+    calls = [(_turn, (0, {"role": "user", "content": [{"type": "text", "text": 5}]}), "messages[0].content[0].text"),
+             (_text, ([{"type": "text", "text": None}], "system"), "system[0].text"),
+             (_part_text, ([{"type": "input_text", "text": 5}], "input[0].content"), "input[0].content[0].text")]
+    for fn, args, param in calls:
+        with pytest.raises(ApiError) as e:
+            fn(*args)
+        assert e.value.param == param and "must be a string" in str(e.value) and "not supported" not in str(e.value)

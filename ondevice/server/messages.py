@@ -60,7 +60,9 @@ def _text(content: Any, where: str) -> str:
     if isinstance(content, list):
         parts = []
         for i, b in enumerate(content):
-            if not (isinstance(b, dict) and b.get("type") == "text" and isinstance(b.get("text"), str)):
+            if isinstance(b, dict) and b.get("type") == "text" and not isinstance(b.get("text"), str):
+                raise _bad(f"{where}[{i}].text", f"must be a string, not {type(b.get('text')).__name__}")
+            if not (isinstance(b, dict) and b.get("type") == "text"):
                 kind = b.get("type") if isinstance(b, dict) else type(b).__name__
                 raise _bad(f"{where}[{i}]", f"a block of type {kind!r} is not supported here (text blocks only)")
             parts.append(b["text"])
@@ -83,6 +85,8 @@ def _turn(i: int, m: Any) -> list[dict]:
         kind = b.get("type") if isinstance(b, dict) else None
         if kind == "text" and isinstance(b.get("text"), str):
             texts.append(b["text"])
+        elif kind == "text":
+            raise _bad(where + ".text", f"must be a string, not {type(b.get('text')).__name__}")
         elif kind == "tool_use" and role == "assistant":
             if not isinstance(b.get("name"), str) or not isinstance(b.get("input", {}), dict):
                 raise _bad(where, "a tool_use block needs 'id', 'name' and an 'input' object")

@@ -83,6 +83,8 @@ def _part_text(content: Any, where: str) -> str:
         kind = p.get("type") if isinstance(p, dict) else type(p).__name__
         if kind in ("input_text", "output_text", "text") and isinstance(p.get("text"), str):
             parts.append(p["text"])
+        elif kind in ("input_text", "output_text", "text"):
+            raise _bad(f"{where}[{j}].text", f"must be a string, not {type(p.get('text')).__name__}")
         elif kind != "refusal":
             raise _bad(f"{where}[{j}]", f"a part of type {kind!r} is not supported (text only)",
                        code="unsupported_value")
