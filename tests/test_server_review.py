@@ -78,3 +78,20 @@ def test_a_text_block_whose_text_is_not_a_string_is_named_as_such():
         with pytest.raises(ApiError) as e:
             fn(*args)
         assert e.value.param == param and "must be a string" in str(e.value) and "not supported" not in str(e.value)
+
+
+def test_thinking_budget_and_text_format_errors_name_the_field_the_client_sent():
+    """thinking.budget_tokens "x" was accepted silently; a bad Responses text.format was blamed on
+    'response_format', a field the Responses API does not have."""
+    from ondevice.server.errors import ApiError
+    from ondevice.server.messages import _thinking
+    from ondevice.server.responses import _structured
+    from ondevice.server.structured import Structured
+
+    with pytest.raises(ApiError) as e:
+        _thinking({"thinking": {"type": "enabled", "budget_tokens": "x"}}, Structured())
+    assert e.value.param == "thinking.budget_tokens"
+    _thinking({"thinking": {"type": "enabled", "budget_tokens": 2048}}, Structured())  # still fine
+    with pytest.raises(ApiError) as e:
+        _structured({"text": {"format": {"type": "json_schema", "name": "x", "schema": 5}}}, None, Structured())
+    assert e.value.param == "text.format" and "response_format" not in str(e.value), str(e.value)

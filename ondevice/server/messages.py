@@ -161,6 +161,9 @@ def _thinking(body: dict, st: Structured) -> None:
         return
     if not isinstance(v, dict) or v.get("type") not in ("enabled", "disabled"):
         raise _bad("thinking", "must be {'type': 'enabled', 'budget_tokens': N} or {'type': 'disabled'}")
+    b = v.get("budget_tokens")
+    if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 1):
+        raise _bad("thinking.budget_tokens", f"must be a positive integer (got {b!r}; it is not enforced here)")
     st.variables["enable_thinking"] = v["type"] == "enabled"
 
 

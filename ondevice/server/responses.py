@@ -137,7 +137,11 @@ def _structured(body: dict, chat_template: str | None, st: Structured) -> None:
         rf = dict(fmt)
         if fmt.get("type") == "json_schema":
             rf = {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
-        response_format_args({"response_format": rf}, st)
+        try:
+            response_format_args({"response_format": rf}, st)
+        except ApiError as e:  # the client sent text.format: name it, not chat's response_format
+            raise ApiError(e.status, str(e).replace("'response_format'", "'text.format'"),
+                           param="text.format", code=e.code) from None
     grammar_args(body, st)  # ondevice's extension, as on /v1/chat/completions
     tools, choice = body.get("tools"), body.get("tool_choice")
     oa: dict[str, Any] = {}
