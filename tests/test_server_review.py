@@ -95,3 +95,18 @@ def test_thinking_budget_and_text_format_errors_name_the_field_the_client_sent()
     with pytest.raises(ApiError) as e:
         _structured({"text": {"format": {"type": "json_schema", "name": "x", "schema": 5}}}, None, Structured())
     assert e.value.param == "text.format" and "response_format" not in str(e.value), str(e.value)
+
+
+def test_an_empty_tools_list_is_no_tools_in_both_dialects():
+    """tools: [] (which agent SDKs send when no tool is registered) was a 400 demanding a non-empty list of
+    OpenAI-shaped tools, in the Anthropic dialect too."""
+    from ondevice.server.messages import _tools
+    from ondevice.server.responses import _structured
+    from ondevice.server.structured import Structured
+
+    st = Structured()
+    _tools({"tools": []}, None, st)
+    assert not st.tools
+    st = Structured()
+    _structured({"tools": []}, None, st)
+    assert not st.tools

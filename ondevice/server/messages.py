@@ -132,7 +132,7 @@ def _tools(body: dict, chat_template: str | None, st: Structured) -> None:
     """Anthropic ``tools`` / ``tool_choice`` → the OpenAI fields ``structured.tool_args`` checks and applies."""
     tools, choice = body.get("tools"), body.get("tool_choice")
     oa: dict[str, Any] = {}
-    if tools is not None:
+    if tools is not None and tools != []:  # an empty list (SDKs send one) is no tools, not an error
         if not isinstance(tools, list):
             raise _bad("tools", "must be a list of {name, description, input_schema} objects")
         oa["tools"] = []

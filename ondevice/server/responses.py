@@ -145,7 +145,7 @@ def _structured(body: dict, chat_template: str | None, st: Structured) -> None:
     grammar_args(body, st)  # ondevice's extension, as on /v1/chat/completions
     tools, choice = body.get("tools"), body.get("tool_choice")
     oa: dict[str, Any] = {}
-    if tools is not None:
+    if tools is not None and tools != []:  # an empty list (SDKs send one) is no tools, not an error
         if not isinstance(tools, list):
             raise _bad("tools", "must be a list of function tools")
         oa["tools"] = []
