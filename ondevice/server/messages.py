@@ -60,7 +60,9 @@ def _text(content: Any, where: str) -> str:
     if isinstance(content, list):
         parts = []
         for i, b in enumerate(content):
-            if not (isinstance(b, dict) and b.get("type") == "text" and isinstance(b.get("text"), str)):
+            if isinstance(b, dict) and b.get("type") == "text" and not isinstance(b.get("text"), str):
+                raise _bad(f"{where}[{i}].text", f"must be a string, not {type(b.get('text')).__name__}")
+            if not (isinstance(b, dict) and b.get("type") == "text"):
                 kind = b.get("type") if isinstance(b, dict) else type(b).__name__
                 raise _bad(f"{where}[{i}]", f"a block of type {kind!r} is not supported here (text blocks only)")
             parts.append(b["text"])
@@ -83,6 +85,8 @@ def _turn(i: int, m: Any) -> list[dict]:
         kind = b.get("type") if isinstance(b, dict) else None
         if kind == "text" and isinstance(b.get("text"), str):
             texts.append(b["text"])
+        elif kind == "text":
+            raise _bad(where + ".text", f"must be a string, not {type(b.get('text')).__name__}")
         elif kind == "tool_use" and role == "assistant":
             if not isinstance(b.get("name"), str) or not isinstance(b.get("input", {}), dict):
                 raise _bad(where, "a tool_use block needs 'id', 'name' and an 'input' object")
@@ -128,7 +132,7 @@ def _tools(body: dict, chat_template: str | None, st: Structured) -> None:
     """Anthropic ``tools`` / ``tool_choice`` → the OpenAI fields ``structured.tool_args`` checks and applies."""
     tools, choice = body.get("tools"), body.get("tool_choice")
     oa: dict[str, Any] = {}
-    if tools is not None:
+    if tools is not None and tools != []:  # an empty list (SDKs send one) is no tools, not an error
         if not isinstance(tools, list):
             raise _bad("tools", "must be a list of {name, description, input_schema} objects")
         oa["tools"] = []
@@ -157,6 +161,9 @@ def _thinking(body: dict, st: Structured) -> None:
         return
     if not isinstance(v, dict) or v.get("type") not in ("enabled", "disabled"):
         raise _bad("thinking", "must be {'type': 'enabled', 'budget_tokens': N} or {'type': 'disabled'}")
+    b = v.get("budget_tokens")
+    if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 1):
+        raise _bad("thinking.budget_tokens", f"must be a positive integer (got {b!r}; it is not enforced here)")
     st.variables["enable_thinking"] = v["type"] == "enabled"
 
 

@@ -181,7 +181,12 @@ class Models:
                     if idle:
                         evict.append(self._unhook(idle[0]))
                         continue
-                    await self._cond.wait()
+                    # an engine's job may still be closing after its lease ended, and its end notifies
+                    # nobody: look again soon rather than wait for a keep_alive expiry
+                    try:
+                        await asyncio.wait_for(self._cond.wait(), 0.25)
+                    except TimeoutError:
+                        pass
                 task = m.load
             # shielded: a client that leaves does not cancel a load other requests may be waiting for
             await asyncio.shield(task)  # then lease it (unless it was unloaded meanwhile: round again)

@@ -83,6 +83,8 @@ def _part_text(content: Any, where: str) -> str:
         kind = p.get("type") if isinstance(p, dict) else type(p).__name__
         if kind in ("input_text", "output_text", "text") and isinstance(p.get("text"), str):
             parts.append(p["text"])
+        elif kind in ("input_text", "output_text", "text"):
+            raise _bad(f"{where}[{j}].text", f"must be a string, not {type(p.get('text')).__name__}")
         elif kind != "refusal":
             raise _bad(f"{where}[{j}]", f"a part of type {kind!r} is not supported (text only)",
                        code="unsupported_value")
@@ -135,11 +137,15 @@ def _structured(body: dict, chat_template: str | None, st: Structured) -> None:
         rf = dict(fmt)
         if fmt.get("type") == "json_schema":
             rf = {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
-        response_format_args({"response_format": rf}, st)
+        try:
+            response_format_args({"response_format": rf}, st)
+        except ApiError as e:  # the client sent text.format: name it, not chat's response_format
+            raise ApiError(e.status, str(e).replace("'response_format'", "'text.format'"),
+                           param="text.format", code=e.code) from None
     grammar_args(body, st)  # ondevice's extension, as on /v1/chat/completions
     tools, choice = body.get("tools"), body.get("tool_choice")
     oa: dict[str, Any] = {}
-    if tools is not None:
+    if tools is not None and tools != []:  # an empty list (SDKs send one) is no tools, not an error
         if not isinstance(tools, list):
             raise _bad("tools", "must be a list of function tools")
         oa["tools"] = []
