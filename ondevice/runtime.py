@@ -36,11 +36,11 @@ class Runtime:
 
     def __init__(self, target: Backend, drafter: Drafter | None, *, vocab_limit: int, load_seconds: float = 0.0) -> None:
         self.target = target
-        self.drafter = drafter
         self.vocab_limit = vocab_limit
         self.load_seconds = load_seconds
         # Both caches must hold every position: a pair agrees on the smaller context.
-        self.n_ctx = min(target.n_ctx, self.draft_backend.n_ctx) if self.draft_backend is not None else target.n_ctx
+        db = drafter.backend if drafter is not None else None
+        self.n_ctx = min(target.n_ctx, db.n_ctx) if db is not None else target.n_ctx
         self._lock = threading.RLock()  # guards native state; user code runs under it only as an observer
         self._turn = threading.Lock()  # one request at a time (a stream holds it until it ends)
         self._owner: int | None = None  # the thread whose request holds the slot
@@ -51,6 +51,9 @@ class Runtime:
         self.observer = None  # optional verify observer (benchmarks): see speculative.steps
         self.last_stats: Stats | None = None  # statistics of the last finished request
         self._adaptive = None  # AdaptivePolicy, created at the first gamma="auto" request
+
+    drafter = property(lambda self: self.slot.drafter, lambda self, d: setattr(self.slot, "drafter", d),
+                       doc="The drafter: the slot's (one sequence, one drafter); setting it swaps the slot's.")
 
     @property
     def draft_backend(self) -> Backend | None:
