@@ -27,6 +27,7 @@ from typing import Literal
 import numpy as np
 
 from ondevice.backends.base import Backend, check_room
+from ondevice.backends.llama_features import LlamaFeatures
 from ondevice.backends.llama_tree import TREE_SEQS, LlamaTree
 from ondevice.errors import OndeviceError
 from ondevice.formats.gguf import check_gguf_file
@@ -74,7 +75,7 @@ def _ctrl_c_deferred():
             signal.raise_signal(signal.SIGINT)
 
 
-class LlamaBackend(LlamaTree, Backend):
+class LlamaBackend(LlamaTree, LlamaFeatures, Backend):
     """A GGUF model and its KV cache in llama.cpp (see ``ondevice.backends.Backend``).
 
     Args:
@@ -94,7 +95,8 @@ class LlamaBackend(LlamaTree, Backend):
             buffer their cells interleave and llama.cpp's attention rounds differently (greedy answers flip).
     """
 
-    features = frozenset({"hidden"})  # post-norm hidden states, after ``enable_hidden`` (heads)
+    # post-norm hidden states (``enable_hidden``: heads); layer inputs (``enable_layer_inputs``: EAGLE-3)
+    features = frozenset({"hidden", "layer_inputs"})
 
     def __init__(
         self,
@@ -247,6 +249,23 @@ class LlamaBackend(LlamaTree, Backend):
             self._hidden_on = bool(on)
             self._set_emb(self._hidden_on)
 
+    def enable_features(self, needs: frozenset[str]) -> dict[str, int]:
+        out = {}
+        for name in sorted(needs):
+            if name == "layer_inputs" and self._layer_ids is None:
+                raise OndeviceError(f"{self.path.name}: layer inputs need their layer ids (enable_layer_inputs)")
+            if name not in self.features:
+                raise self._no_feature(name)
+            out[name] = self.enable_hidden() if name == "hidden" else len(self._layer_ids) * self._n_embd_trunk
+        return out
+
+    def keep_features(self, on: bool) -> None:
+        self.want_hidden(on)
+        self._keep_layer_inputs(on)
+
+    def feature(self, name: str, pos: int) -> np.ndarray | None:
+        return self.hidden(pos) if name == "hidden" else self._layer_row(pos) if name == "layer_inputs" else None
+
     def _set_emb(self, on: bool) -> None:
         if self._emb != on:
             self._lib.llama_set_embeddings(self._ctx, on)
@@ -283,6 +302,7 @@ class LlamaBackend(LlamaTree, Backend):
             rc = lib.llama_decode(self._ctx, b)
             if rc != 0:
                 raise OndeviceError(f"{self.path.name}: llama_decode failed (code {rc}) at position {n_past}")
+            self._read_features(n_past, m)  # per chunk: llama.cpp keeps the last decode's layer inputs only
             n_past += m
             n_out = m if logits == "all" else int(last_chunk)
             if n_out:
@@ -300,6 +320,7 @@ class LlamaBackend(LlamaTree, Backend):
         cur = self.n_past
         if n_past > cur or n_past < 0:
             raise ValueError(f"cannot roll back to {n_past}: cache holds {cur} positions")
+        self._trim_features(n_past)
         if n_past == 0:
             self._lib.llama_memory_clear(self._mem, False)  # always possible, whatever the cache holds
             return

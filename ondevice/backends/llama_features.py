@@ -1,0 +1,71 @@
+"""What a llama.cpp target pass hands a drafter beyond its logits (``Backend.features``), kept per cached position.
+
+``layer_inputs`` (EAGLE-3): the inputs of the draft's 3 target layers (``llama_ext.record_layer_inputs``), read
+after *every* ``llama_decode`` chunk (llama.cpp keeps only the last decode's rows) while the features are kept
+(``keep_features``), stored one row per cached position and cut back on every rollback, so after a verify pass
+and its rollback the rows of exactly the accepted prefix are there. A pass made while they were not kept leaves
+a gap (``feature`` answers None there); the drafter drops rows it has consumed (``release_features``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ondevice.backends import llama_ext
+from ondevice.errors import OndeviceError
+
+
+class LlamaFeatures:
+    """Mixin of ``LlamaBackend``: the per-position feature rows (see the module docstring)."""
+
+    _layer_ids: list[int] | None = None  # layers whose inputs are recorded (``enable_layer_inputs``)
+    _layer_on = False  # the next decodes' rows are read
+    _layer_pos0 = 0  # position of _layer_rows[0]
+    _layer_rows: list[np.ndarray]
+
+    def enable_layer_inputs(self, ids: list[int]) -> int:
+        """Record the inputs of target layers ``ids`` for every token of each later pass; returns a row's width
+        (len(ids) × hidden size). Raises ``OndeviceError`` (one line naming the architecture) where this
+        llama.cpp's graph does not record them (qwen2: its process would abort)."""
+        self._check_open()
+        llama_ext.record_layer_inputs(self._ctx, self._model, ids, name=self.path.name)
+        self._layer_ids = [int(i) for i in ids]
+        self._layer_on = True
+        self._layer_rows, self._layer_pos0 = [], 0
+        self._n_embd_trunk = int(self._lib.llama_model_n_embd(self._model))
+        return len(ids) * self._n_embd_trunk
+
+    def _keep_layer_inputs(self, on: bool) -> None:
+        if self._layer_ids is not None:
+            self._layer_on = bool(on)
+
+    def _read_features(self, pos0: int, m: int) -> None:
+        """After a decode of ``m`` tokens at ``pos0``: keep their layer-input rows (when asked to)."""
+        if self._layer_ids is None or not self._layer_on:
+            return
+        rows = llama_ext.layer_inputs(self._ctx, self._layer_ids, m, self._n_embd_trunk)
+        if pos0 != self._layer_pos0 + len(self._layer_rows):  # a gap (passes made without them): start over
+            self._layer_rows, self._layer_pos0 = [], pos0
+        self._layer_rows.extend(rows)
+
+    def _trim_features(self, n_past: int) -> None:
+        """The cache now holds ``n_past`` positions: rows beyond are gone."""
+        if self._layer_ids is not None:
+            del self._layer_rows[max(0, n_past - self._layer_pos0):]
+
+    def release_features(self, before: int) -> None:
+        """Drop kept rows of positions below ``before`` (the drafter has consumed them)."""
+        if self._layer_ids is not None and before > self._layer_pos0:
+            k = min(before - self._layer_pos0, len(self._layer_rows))
+            del self._layer_rows[:k]
+            self._layer_pos0 += k
+
+    def _layer_row(self, pos: int) -> np.ndarray | None:
+        i = pos - self._layer_pos0
+        if self._layer_ids is None or not 0 <= i < len(self._layer_rows) or pos >= self.n_past:
+            return None
+        return self._layer_rows[i]
+
+    def _no_feature(self, name: str) -> OndeviceError:
+        return OndeviceError(f"{self.path.name}: {type(self).__name__} cannot give a drafter {name!r} "
+                             f"(it gives: {', '.join(sorted(self.features))})")
