@@ -61,7 +61,8 @@ def _draft(base, target, favourites):
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
 def pair(request, tmp_path_factory):
-    """(target GGUF, eagle3 draft GGUF, the exact law, its prompt ids) for a tiny target of each architecture."""
+    """(target GGUF, eagle3 draft GGUF, the exact law, its prompt ids) for a tiny target of each architecture; the
+    draft's vocabulary is the tokens the law and greedy answers favour (so drafts are both kept and rejected)."""
     base = tmp_path_factory.mktemp(f"e3d-{request.param}")
     target = _target(base, request.param)
     law, ids = _law(target)
@@ -69,7 +70,13 @@ def pair(request, tmp_path_factory):
     for seq, pr in law.items():
         for t in seq:
             mass[t] = mass.get(t, 0.0) + pr
-    favourites = sorted(mass, key=mass.get, reverse=True)[:12]
+    favourites = set(sorted(mass, key=mass.get, reverse=True)[:12])
+    seen: dict[int, int] = {}
+    with ondevice.load(target, drafter="none", threads=1) as rt:  # the tokens greedy answers repeat
+        for prompt in PROMPTS:
+            for t in rt.generate(prompt, max_tokens=40, temperature=0).tokens:
+                seen[t] = seen.get(t, 0) + 1
+    favourites |= set(sorted(seen, key=seen.get, reverse=True)[:10])
     return target, _draft(base, target, favourites), law, ids
 
 

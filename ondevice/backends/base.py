@@ -79,8 +79,14 @@ class Backend:
 
     # What a target pass can hand a drafter (``ondevice.drafters.base.Traits.needs``): "hidden", the post-norm
     # hidden state of each row kept (heads); "layer_inputs", the inputs of chosen target layers of every token
-    # (EAGLE-3, after ``enable_layer_inputs``); room for "nextn" (MTP embeddings).
+    # (EAGLE-3, after ``enable_layer_inputs``); "nextn", the model's own MTP head fed every pass (``mtp``).
     features: frozenset[str] = frozenset()
+
+    def mtp(self):
+        """The model's own MTP head (``ondevice.backends.llama_mtp.MtpHead``) after ``enable_features({"nextn"})``;
+        raises ``OndeviceError`` where the backend has none (the default)."""
+        raise OndeviceError(f"{Path(self.path).name}: {type(self).__name__} runs no MTP heads (a GGUF with MTP layers "
+                            "on llama.cpp does)")
 
     def enable_layer_inputs(self, ids: list[int]) -> int:
         """Record the inputs of layers ``ids`` of every token each later ``eval`` passes (``feature("layer_inputs",

@@ -27,7 +27,8 @@ from typing import Literal
 import numpy as np
 
 from ondevice.backends.base import Backend, check_room
-from ondevice.backends.llama_features import LlamaFeatures
+from ondevice.backends.llama_features import MTP_RS_SEQ, LlamaFeatures
+from ondevice.backends.llama_mtp import file_mtp_layers
 from ondevice.backends.llama_tree import TREE_SEQS, LlamaTree
 from ondevice.errors import OndeviceError
 from ondevice.formats.gguf import check_gguf_file
@@ -96,7 +97,7 @@ class LlamaBackend(LlamaTree, LlamaFeatures, Backend):
     """
 
     # post-norm hidden states (``enable_hidden``: heads); layer inputs (``enable_layer_inputs``: EAGLE-3)
-    features = frozenset({"hidden", "layer_inputs"})
+    features = frozenset({"hidden", "layer_inputs", "nextn"})  # nextn: the model's own MTP head (``enable_nextn``)
 
     def __init__(
         self,
@@ -130,6 +131,8 @@ class LlamaBackend(LlamaTree, LlamaFeatures, Backend):
             mp.n_gpu_layers = 0
         elif device == "gpu":
             mp.n_gpu_layers = 999  # all layers on Metal/CUDA when llama.cpp was built with it
+        self.n_mtp = file_mtp_layers(self.path)  # a model's own MTP heads: loaded (mmap: untouched until used)
+        mp.load_mtp = self.n_mtp > 0
         self.device = "gpu" if mp.n_gpu_layers != 0 and llama_cpp.llama_supports_gpu_offload() else "cpu"
         with _ctrl_c_deferred():
             self._model = llama_cpp.llama_model_load_from_file(str(self.path).encode(), mp)
@@ -152,6 +155,8 @@ class LlamaBackend(LlamaTree, LlamaFeatures, Backend):
         cp.no_perf = True
         # A full-size SWA cache keeps every position, so rolling back across the window is exact.
         cp.swa_full = self.n_swa > 0
+        if self.n_mtp:  # a hybrid (recurrent) trunk rolls back a verify pass from its snapshots
+            cp.n_rs_seq = MTP_RS_SEQ
         with _ctrl_c_deferred():
             self._ctx = llama_cpp.llama_init_from_model(self._model, cp)
         if not self._ctx:
@@ -256,7 +261,8 @@ class LlamaBackend(LlamaTree, LlamaFeatures, Backend):
                 raise OndeviceError(f"{self.path.name}: layer inputs need their layer ids (enable_layer_inputs)")
             if name not in self.features:
                 raise self._no_feature(name)
-            out[name] = self.enable_hidden() if name == "hidden" else len(self._layer_ids) * self._n_embd_trunk
+            out[name] = self.enable_hidden() if name == "hidden" else self.enable_nextn() if name == "nextn" \
+                else len(self._layer_ids) * self._n_embd_trunk
         return out
 
     def keep_features(self, on: bool) -> None:
@@ -302,7 +308,7 @@ class LlamaBackend(LlamaTree, LlamaFeatures, Backend):
             rc = lib.llama_decode(self._ctx, b)
             if rc != 0:
                 raise OndeviceError(f"{self.path.name}: llama_decode failed (code {rc}) at position {n_past}")
-            self._read_features(n_past, m)  # per chunk: llama.cpp keeps the last decode's layer inputs only
+            self._read_features(n_past, chunk)  # per chunk: llama.cpp keeps the last decode's layer inputs only
             n_past += m
             n_out = m if logits == "all" else int(last_chunk)
             if n_out:
@@ -316,11 +322,14 @@ class LlamaBackend(LlamaTree, LlamaFeatures, Backend):
         return rows[0] if len(rows) == 1 else np.concatenate(rows)
 
     def rollback(self, n_past: int) -> None:
+        self._rollback_trunk(n_past)
+        self._trim_features(n_past)  # after the trunk's: a refused rollback leaves the features as they were
+
+    def _rollback_trunk(self, n_past: int) -> None:
         self._drop_unkept_tree()  # Ctrl-C between eval_tree and the end of keep_path: back to the context alone
         cur = self.n_past
         if n_past > cur or n_past < 0:
             raise ValueError(f"cannot roll back to {n_past}: cache holds {cur} positions")
-        self._trim_features(n_past)
         if n_past == 0:
             self._lib.llama_memory_clear(self._mem, False)  # always possible, whatever the cache holds
             return
@@ -341,6 +350,7 @@ class LlamaBackend(LlamaTree, LlamaFeatures, Backend):
 
     def close(self) -> None:
         lib = self._lib
+        self._close_mtp()
         if self._batch is not None:
             lib.llama_batch_free(self._batch)
             self._batch = None

@@ -5,14 +5,23 @@ after *every* ``llama_decode`` chunk (llama.cpp keeps only the last decode's row
 (``keep_features``), stored one row per cached position and cut back on every rollback, so after a verify pass
 and its rollback the rows of exactly the accepted prefix are there. A pass made while they were not kept leaves
 a gap (``feature`` answers None there); the drafter drops rows it has consumed (``release_features``).
+
+``nextn`` (a model's own MTP heads): a GGUF whose architecture has an MTP graph here and that carries MTP layers
+is loaded with them (``load_mtp``; mmap leaves them untouched until used) and its context keeps
+``MTP_RS_SEQ`` recurrent-state snapshots (a hybrid trunk, qwen35, can then roll back a verify pass).
+``enable_features({"nextn"})`` opens the head (``llama_mtp.MtpHead``) and makes every later decode chunk output
+its h rows, which the head observes (whether or not a drafter will read them: its cache must follow the
+trunk's); the rows are kept per position, so a rollback to any cached position hands the head its h.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from ondevice.backends import llama_ext
+from ondevice.backends import llama_ext, llama_mtp
 from ondevice.errors import OndeviceError
+
+MTP_RS_SEQ = 9  # recurrent snapshots: a rollback over a verify pass of up to 8 drafts (``Traits.max_gamma``)
 
 
 class LlamaFeatures:
@@ -22,6 +31,35 @@ class LlamaFeatures:
     _layer_on = False  # the next decodes' rows are read
     _layer_pos0 = 0  # position of _layer_rows[0]
     _layer_rows: list[np.ndarray]
+    n_mtp = 0  # MTP blocks loaded with the model (``file_mtp_layers``)
+    _mtp: llama_mtp.MtpHead | None = None  # the open head (``enable_nextn``)
+    _nextn_rows: list[np.ndarray]  # the target's h row of every cached position (the head's rollback)
+
+    def enable_nextn(self) -> int:
+        """Open the model's MTP head and feed it every later decode; returns the h width. Raises ``OndeviceError``
+        (one line) where the model carries no MTP layers this llama.cpp runs."""
+        self._check_open()
+        if self._mtp is None:
+            if not self.n_mtp:
+                llama_mtp.file_mtp_layers(self.path, strict=True)  # says why not
+                raise OndeviceError(f"{self.path.name}: loaded without its MTP layers")
+            self.rollback(0)  # the head observes every position from the first
+            self._mtp = llama_mtp.MtpHead(self._model, n_ctx=self.n_ctx, threads=self.threads, n_batch=self.n_batch,
+                                          name=self.path.name)
+            llama_mtp.enable_nextn(self._ctx)
+            self._nextn_rows = []
+        return self._mtp.n_embd
+
+    def mtp(self) -> llama_mtp.MtpHead:
+        """The open MTP head (``enable_nextn`` first)."""
+        if self._mtp is None:
+            raise OndeviceError(f"{self.path.name}: no MTP head is open (enable_features({{'nextn'}}) first)")
+        return self._mtp
+
+    def _close_mtp(self) -> None:
+        if self._mtp is not None:
+            self._mtp.close()  # before the model it runs on
+            self._mtp = None
 
     def enable_layer_inputs(self, ids: list[int]) -> int:
         """Record the inputs of target layers ``ids`` for every token of each later pass; returns a row's width
@@ -39,8 +77,15 @@ class LlamaFeatures:
         if self._layer_ids is not None:
             self._layer_on = bool(on)
 
-    def _read_features(self, pos0: int, m: int) -> None:
-        """After a decode of ``m`` tokens at ``pos0``: keep their layer-input rows (when asked to)."""
+    def _read_features(self, pos0: int, tokens) -> None:
+        """After a decode of ``tokens`` at ``pos0``: the MTP head observes them; their layer-input rows are kept
+        (when asked to)."""
+        m = len(tokens)
+        if self._mtp is not None:
+            h = llama_mtp.nextn_rows(self._ctx, m, self._mtp.n_embd)
+            del self._nextn_rows[pos0:]
+            self._nextn_rows.extend(h)
+            self._mtp.observe(tokens, h, pos0)
         if self._layer_ids is None or not self._layer_on:
             return
         rows = llama_ext.layer_inputs(self._ctx, self._layer_ids, m, self._n_embd_trunk)
@@ -49,7 +94,10 @@ class LlamaFeatures:
         self._layer_rows.extend(rows)
 
     def _trim_features(self, n_past: int) -> None:
-        """The cache now holds ``n_past`` positions: rows beyond are gone."""
+        """The cache now holds ``n_past`` positions: rows beyond are gone; the MTP head keeps positions below it."""
+        if self._mtp is not None:
+            del self._nextn_rows[n_past:]
+            self._mtp.rollback(n_past, self._nextn_rows[-1] if n_past else None)
         if self._layer_ids is not None:
             del self._layer_rows[max(0, n_past - self._layer_pos0):]
 

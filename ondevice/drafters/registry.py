@@ -15,6 +15,7 @@ from ondevice.drafters.base import Drafter, Traits
 from ondevice.drafters.eagle3 import Eagle3Drafter
 from ondevice.drafters.heads import HeadsDrafter
 from ondevice.drafters.model import ModelDrafter
+from ondevice.drafters.mtp import MtpDrafter
 from ondevice.drafters.ngram import NgramDrafter
 from ondevice.errors import OndeviceError
 
@@ -135,6 +136,10 @@ def _eagle3_file(draft: str) -> bool:
     return is_eagle3_gguf(draft)
 
 
+def _mtp(b: Build) -> Drafter:
+    return MtpDrafter(b.target)
+
+
 def _heads_file(draft: str) -> bool:
     return draft == "heads" or draft.endswith(".heads.safetensors")
 
@@ -146,4 +151,6 @@ register(Kind(traits=HeadsDrafter.traits, build=_heads, claims=_heads_file,
               help="heads trained for the target (ondevice train-heads) on its hidden states"))
 register(Kind(traits=Eagle3Drafter.traits, build=_eagle3, claims=_eagle3_file,
               help="an EAGLE-3 draft (GGUF arch eagle3) on the target's layer inputs (--draft DIR/x.gguf)"))
+register(Kind(traits=MtpDrafter.traits, build=_mtp, claims=lambda draft: draft == "mtp",
+              help="the model's own MTP (nextn) heads, inside its GGUF (--draft mtp)"))
 register(Kind(traits=Traits(name="none"), build=lambda b: None, help="plain decoding"))
