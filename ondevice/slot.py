@@ -16,6 +16,7 @@ import numpy as np
 
 from ondevice.backends.base import Backend
 from ondevice.drafters.base import Drafter, common_prefix
+from ondevice.errors import OndeviceError
 from ondevice.policy import Policy
 from ondevice.results import Stats
 from ondevice.sampling import SamplingParams
@@ -94,7 +95,13 @@ class Slot:
         if reads and 0 < keep == len(ids) - 1 and any(t.feature(f, keep - 1) is None for f in needs):
             keep -= 1  # drafts read that row: evaluate it again
         self.kv = self.kv[:keep]
-        t.rollback(keep)
+        try:
+            t.rollback(keep)
+        except OndeviceError:  # a recurrent state keeps snapshots of its last few positions only: start over
+            if keep == 0:
+                raise
+            keep, self.kv = 0, []
+            t.rollback(0)
         if len(ids) - 1 > keep:
             t.eval(ids[keep:-1], logits="last")
         self.kv = list(ids[:-1])

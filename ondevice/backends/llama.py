@@ -141,6 +141,8 @@ class LlamaBackend(LlamaTree, LlamaFeatures, Backend):
         self._vocab = llama_cpp.llama_model_get_vocab(self._model)
         self.vocab_size = int(llama_cpp.llama_vocab_n_tokens(self._vocab))
         self.n_swa = int(llama_cpp.llama_model_n_swa(self._model))
+        # a recurrent state (qwen35's gated delta net) reports only its last position: rollbacks restore snapshots
+        self._recurrent = bool(llama_cpp.llama_model_is_recurrent(self._model) or llama_cpp.llama_model_is_hybrid(self._model))
         self.threads = int(threads or default_threads())
         self.n_batch = int(n_batch)
         cp = llama_cpp.llama_context_default_params()
@@ -341,7 +343,7 @@ class LlamaBackend(LlamaTree, LlamaFeatures, Backend):
         pos_max = self._lib.llama_memory_seq_pos_max(self._mem, 0)
         # The next token at position n_past attends to [n_past − n_swa, n_past) (everything without SWA):
         # all of it must still be cached, or the logits after rollback would silently differ.
-        need = max(0, n_past - self.n_swa) if self.n_swa > 0 else 0
+        need = max(0, n_past - self.n_swa) if self.n_swa > 0 else n_past - 1 if self._recurrent else 0
         if pos_max != n_past - 1 or pos_min > need:
             raise OndeviceError(
                 f"{self.path.name}: rollback to {n_past} is not exact (cache holds positions {pos_min}..{pos_max}); "
