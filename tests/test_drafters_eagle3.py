@@ -142,3 +142,27 @@ def test_refusals_are_one_line(pair, tmp_path):
     with pytest.raises(OndeviceError, match="architecture 'qwen2' does not expose its layer inputs") as e:
         ondevice.load(other, draft=str(draft), threads=1)
     assert "\n" not in str(e.value)
+
+
+def test_the_two_commands(pair, tmp_path):
+    """``ondevice convert EAGLE_DIR --to gguf --target TARGET --out DIR`` then ``ondevice generate TARGET --draft
+    DIR/model.gguf --gamma 3 --temperature 0 --json`` drafts with it (stats.drafted > 0)."""
+    import json
+    import subprocess
+    import sys
+
+    target, draft = pair[:2]
+    src = draft.parent.parent / "e3src"
+    run = [sys.executable, "-m", "ondevice"]
+    out = subprocess.run([*run, "convert", str(src), "--to", "gguf", "--target", str(target), "--out",
+                          str(tmp_path / "d"), "--json"], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    gen = subprocess.run([*run, "generate", str(target), "--draft", str(tmp_path / "d" / "model.gguf"), "--gamma", "3",
+                          "--temperature", "0", "--json", "-p", PROMPTS[0], "--threads", "1"],
+                         capture_output=True, text=True, timeout=600)
+    assert gen.returncode == 0, gen.stderr
+    stats = json.loads(gen.stdout)["stats"]
+    assert stats["drafter"] == "eagle3" and stats["drafted"] > 0
+    bad = subprocess.run([*run, "convert", str(src), "--to", "gguf", "--out", str(tmp_path / "e")],
+                         capture_output=True, text=True, timeout=600)
+    assert bad.returncode == 2 and "--target" in bad.stderr and not (tmp_path / "e").exists()

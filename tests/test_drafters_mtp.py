@@ -102,3 +102,19 @@ def test_a_model_without_mtp_layers_is_refused_in_one_line(tiny_gguf):
     with pytest.raises(OndeviceError, match="carries no MTP") as e:
         ondevice.load(tiny_gguf("llama"), draft="mtp", threads=1)
     assert "\n" not in str(e.value)
+
+
+def test_auto_prefers_the_models_own_heads_and_info_shows_them(target):
+    """``draft="auto"`` drafts with the model's own MTP heads (no local draft model is timed); ``ondevice info``
+    lists the MTP layers."""
+    import json
+    import subprocess
+    import sys
+
+    with ondevice.load(target, draft="auto", threads=1) as rt:
+        assert rt.drafter.name == "mtp" and "MTP heads" in rt.draft_choice["reason"]
+        assert rt.drafter.seconds_per_token() > 0  # what the adaptive policy charges per drafted token
+    out = subprocess.run([sys.executable, "-m", "ondevice", "info", str(target), "--json"], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["mtp_layers"] == 1
