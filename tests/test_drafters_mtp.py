@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import chisquare, exact_law, sampled_counts
+from helpers import chisquare, sampled_counts
 
 import ondevice
 from ondevice import sampling
@@ -36,6 +36,31 @@ def _agreeing(make, trunk=0.3, noise=0.5):
         return t
 
     return build
+
+
+def _law(path, ids, params, depth=3):
+    """The target's exact law of the next ``depth`` tokens, each prefix evaluated from an empty cache (a recurrent
+    state, qwen35's, cannot roll back across passes: ``helpers.exact_law``'s walk would be refused)."""
+    from ondevice.backends.llama import LlamaBackend
+
+    b = LlamaBackend(path, n_ctx=128, threads=1)
+    law = {}
+
+    def walk(prefix, mass):
+        ctx = ids + list(prefix)
+        b.rollback(0)
+        p = sampling.probs(b.eval(ctx, "last")[-1], params, ctx)
+        for t in np.flatnonzero(p):
+            if len(prefix) + 1 == depth:
+                law[(*prefix, int(t))] = mass * p[t]
+            else:
+                walk((*prefix, int(t)), mass * p[t])
+
+    try:
+        walk((), 1.0)
+    finally:
+        b.close()
+    return law
 
 
 @pytest.fixture(scope="module", params=["glm4moe", "qwen35"])
@@ -68,15 +93,10 @@ def test_sampled_law_is_the_targets(target, monkeypatch):
     """Joint law of 3 tokens at T = 0.8, top-k 6 against the exact target law (γ = 3; q = the head's processed
     distribution); two planted controls must fail the same test: a residual that does not subtract q, and q rows
     that are not the law the drafts were drawn from (uniform over their support)."""
-    from ondevice.backends.llama import LlamaBackend
     from ondevice.drafters.mtp import MtpDrafter
 
     ids, n = PROMPTS[0], 3000
-    b = LlamaBackend(target, n_ctx=128, threads=1)
-    try:
-        law = exact_law(b, ids, sampling.SamplingParams(**LAW))
-    finally:
-        b.close()
+    law = _law(target, ids, sampling.SamplingParams(**LAW))
     with ondevice.load(target, drafter="mtp", threads=1) as rt:
         runs = [rt.generate(ids, max_tokens=3, seed=s, gamma=3, **LAW).stats for s in range(40)]
         accepted, drafted = sum(r.accepted for r in runs), sum(r.drafted for r in runs)
@@ -96,6 +116,29 @@ def test_sampled_law_is_the_targets(target, monkeypatch):
 
         monkeypatch.setattr(MtpDrafter, "propose", wrong_q)  # planted bug 2
         assert chisquare(sampled_counts(rt, ids, n, 0.8, 6, 3), law, n) < 1e-4
+
+
+def test_a_recurrent_state_rolls_back_only_into_its_last_pass(target):
+    """qwen35's gated delta net: llama.cpp restores a state from its snapshots inside the last decode only (and
+    reports success elsewhere, with a wrong state), so a rollback elsewhere is refused; inside, the logits equal
+    a fresh evaluation's."""
+    from ondevice.backends.llama import LlamaBackend
+
+    ids = PROMPTS[0]
+    b = LlamaBackend(target, n_ctx=128, threads=1)
+    try:
+        ref = b.eval([*ids, 33])[-1]
+        b.rollback(0)
+        b.eval(ids[:-1])
+        b.eval([ids[-1], 2, 3, 4])  # a verify pass that keeps one token
+        b.rollback(len(ids))
+        assert np.abs(b.eval([33])[-1] - ref).max() < 1e-4
+        if b._recurrent:
+            b.eval([7])
+            with pytest.raises(OndeviceError, match="cannot roll back"):
+                b.rollback(len(ids))  # back across two passes
+    finally:
+        b.close()
 
 
 def test_a_model_without_mtp_layers_is_refused_in_one_line(tiny_gguf):

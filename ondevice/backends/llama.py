@@ -157,8 +157,9 @@ class LlamaBackend(LlamaTree, LlamaFeatures, Backend):
         cp.no_perf = True
         # A full-size SWA cache keeps every position, so rolling back across the window is exact.
         cp.swa_full = self.n_swa > 0
-        if self.n_mtp:  # a hybrid (recurrent) trunk rolls back a verify pass from its snapshots
-            cp.n_rs_seq = MTP_RS_SEQ
+        self._n_rs = MTP_RS_SEQ if self.n_mtp else 0  # a hybrid (recurrent) trunk rolls back a verify pass from
+        cp.n_rs_seq = self._n_rs  # its snapshots (positions into its last decode)
+        self._last_decode: tuple[int, int] | None = None
         with _ctrl_c_deferred():
             self._ctx = llama_cpp.llama_init_from_model(self._model, cp)
         if not self._ctx:
@@ -267,10 +268,6 @@ class LlamaBackend(LlamaTree, LlamaFeatures, Backend):
                 else len(self._layer_ids) * self._n_embd_trunk
         return out
 
-    def keep_features(self, on: bool) -> None:
-        self.want_hidden(on)
-        self._keep_layer_inputs(on)
-
     def feature(self, name: str, pos: int) -> np.ndarray | None:
         return self.hidden(pos) if name == "hidden" else self._layer_row(pos) if name == "layer_inputs" else None
 
@@ -310,6 +307,7 @@ class LlamaBackend(LlamaTree, LlamaFeatures, Backend):
             rc = lib.llama_decode(self._ctx, b)
             if rc != 0:
                 raise OndeviceError(f"{self.path.name}: llama_decode failed (code {rc}) at position {n_past}")
+            self._last_decode = (n_past, n_past + m)  # (first position, end): a recurrent state rolls back inside it
             self._read_features(n_past, chunk)  # per chunk: llama.cpp keeps the last decode's layer inputs only
             n_past += m
             n_out = m if logits == "all" else int(last_chunk)
@@ -337,13 +335,19 @@ class LlamaBackend(LlamaTree, LlamaFeatures, Backend):
             return
         if n_past == cur:
             return
+        last, self._last_decode = self._last_decode, None
+        if self._recurrent and (last is None or last[1] != cur or not max(last[0] + 1, cur - self._n_rs + 1) <= n_past):
+            # llama.cpp restores a recurrent state only inside the last decode, from its snapshots (and says it
+            # succeeded elsewhere too, with a wrong state): refuse what it cannot do exactly
+            raise OndeviceError(f"{self.path.name}: this model's recurrent state cannot roll back to position {n_past} "
+                                "(only into its last pass)")
         if not self._lib.llama_memory_seq_rm(self._mem, 0, n_past, -1):
             raise OndeviceError(f"{self.path.name}: this model's cache cannot roll back to position {n_past}")
         pos_min = self._lib.llama_memory_seq_pos_min(self._mem, 0)
         pos_max = self._lib.llama_memory_seq_pos_max(self._mem, 0)
         # The next token at position n_past attends to [n_past − n_swa, n_past) (everything without SWA):
         # all of it must still be cached, or the logits after rollback would silently differ.
-        need = max(0, n_past - self.n_swa) if self.n_swa > 0 else n_past - 1 if self._recurrent else 0
+        need = max(0, n_past - self.n_swa) if self.n_swa > 0 else n_past - 1 if self._recurrent else 0  # its last state
         if pos_max != n_past - 1 or pos_min > need:
             raise OndeviceError(
                 f"{self.path.name}: rollback to {n_past} is not exact (cache holds positions {pos_min}..{pos_max}); "

@@ -1,10 +1,11 @@
 """What a llama.cpp target pass hands a drafter beyond its logits (``Backend.features``), kept per cached position.
 
 ``layer_inputs`` (EAGLE-3): the inputs of the draft's 3 target layers (``llama_ext.record_layer_inputs``), read
-after *every* ``llama_decode`` chunk (llama.cpp keeps only the last decode's rows) while the features are kept
-(``keep_features``), stored one row per cached position and cut back on every rollback, so after a verify pass
-and its rollback the rows of exactly the accepted prefix are there. A pass made while they were not kept leaves
-a gap (``feature`` answers None there); the drafter drops rows it has consumed (``release_features``).
+after *every* ``llama_decode`` chunk (llama.cpp keeps only the last decode's rows), stored one row per cached
+position and cut back on every rollback, so after a verify pass and its rollback the rows of exactly the accepted
+prefix are there. They are read even on steps that will not draft (``keep_features`` is only a hint): the
+draft's cache needs every position, and a read is a copy. A pass that did not go through ``eval`` (a tree)
+leaves a gap (``feature`` answers None there); the drafter drops rows it has consumed (``release_features``).
 
 ``nextn`` (a model's own MTP heads): a GGUF whose architecture has an MTP graph here and that carries MTP layers
 is loaded with them (``load_mtp``; mmap leaves them untouched until used) and its context keeps
@@ -28,7 +29,6 @@ class LlamaFeatures:
     """Mixin of ``LlamaBackend``: the per-position feature rows (see the module docstring)."""
 
     _layer_ids: list[int] | None = None  # layers whose inputs are recorded (``enable_layer_inputs``)
-    _layer_on = False  # the next decodes' rows are read
     _layer_pos0 = 0  # position of _layer_rows[0]
     _layer_rows: list[np.ndarray]
     n_mtp = 0  # MTP blocks loaded with the model (``file_mtp_layers``)
@@ -68,25 +68,19 @@ class LlamaFeatures:
         self._check_open()
         llama_ext.record_layer_inputs(self._ctx, self._model, ids, name=self.path.name)
         self._layer_ids = [int(i) for i in ids]
-        self._layer_on = True
         self._layer_rows, self._layer_pos0 = [], 0
         self._n_embd_trunk = int(self._lib.llama_model_n_embd(self._model))
         return len(ids) * self._n_embd_trunk
 
-    def _keep_layer_inputs(self, on: bool) -> None:
-        if self._layer_ids is not None:
-            self._layer_on = bool(on)
-
     def _read_features(self, pos0: int, tokens) -> None:
-        """After a decode of ``tokens`` at ``pos0``: the MTP head observes them; their layer-input rows are kept
-        (when asked to)."""
+        """After a decode of ``tokens`` at ``pos0``: the MTP head observes them; their layer-input rows are kept."""
         m = len(tokens)
         if self._mtp is not None:
             h = llama_mtp.nextn_rows(self._ctx, m, self._mtp.n_embd)
             del self._nextn_rows[pos0:]
             self._nextn_rows.extend(h)
             self._mtp.observe(tokens, h, pos0)
-        if self._layer_ids is None or not self._layer_on:
+        if self._layer_ids is None:
             return
         rows = llama_ext.layer_inputs(self._ctx, self._layer_ids, m, self._n_embd_trunk)
         if pos0 != self._layer_pos0 + len(self._layer_rows):  # a gap (passes made without them): start over
