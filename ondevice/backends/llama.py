@@ -257,20 +257,6 @@ class LlamaBackend(LlamaTree, LlamaFeatures, Backend):
             self._hidden_on = bool(on)
             self._set_emb(self._hidden_on)
 
-    def enable_features(self, needs: frozenset[str]) -> dict[str, int]:
-        out = {}
-        for name in sorted(needs):
-            if name == "layer_inputs" and self._layer_ids is None:
-                raise OndeviceError(f"{self.path.name}: layer inputs need their layer ids (enable_layer_inputs)")
-            if name not in self.features:
-                raise self._no_feature(name)
-            out[name] = self.enable_hidden() if name == "hidden" else self.enable_nextn() if name == "nextn" \
-                else len(self._layer_ids) * self._n_embd_trunk
-        return out
-
-    def feature(self, name: str, pos: int) -> np.ndarray | None:
-        return self.hidden(pos) if name == "hidden" else self._layer_row(pos) if name == "layer_inputs" else None
-
     def _set_emb(self, on: bool) -> None:
         if self._emb != on:
             self._lib.llama_set_embeddings(self._ctx, on)
@@ -335,12 +321,7 @@ class LlamaBackend(LlamaTree, LlamaFeatures, Backend):
             return
         if n_past == cur:
             return
-        last, self._last_decode = self._last_decode, None
-        if self._recurrent and (last is None or last[1] != cur or not max(last[0] + 1, cur - self._n_rs + 1) <= n_past):
-            # llama.cpp restores a recurrent state only inside the last decode, from its snapshots (and says it
-            # succeeded elsewhere too, with a wrong state): refuse what it cannot do exactly
-            raise OndeviceError(f"{self.path.name}: this model's recurrent state cannot roll back to position {n_past} "
-                                "(only into its last pass)")
+        self._check_recurrent_rollback(n_past, cur)
         if not self._lib.llama_memory_seq_rm(self._mem, 0, n_past, -1):
             raise OndeviceError(f"{self.path.name}: this model's cache cannot roll back to position {n_past}")
         pos_min = self._lib.llama_memory_seq_pos_min(self._mem, 0)

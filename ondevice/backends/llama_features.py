@@ -111,3 +111,26 @@ class LlamaFeatures:
     def _no_feature(self, name: str) -> OndeviceError:
         return OndeviceError(f"{self.path.name}: {type(self).__name__} cannot give a drafter {name!r} "
                              f"(it gives: {', '.join(sorted(self.features))})")
+
+    def enable_features(self, needs: frozenset[str]) -> dict[str, int]:
+        out = {}
+        for name in sorted(needs):
+            if name == "layer_inputs" and self._layer_ids is None:
+                raise OndeviceError(f"{self.path.name}: layer inputs need their layer ids (enable_layer_inputs)")
+            if name not in self.features:
+                raise self._no_feature(name)
+            out[name] = self.enable_hidden() if name == "hidden" else self.enable_nextn() if name == "nextn" \
+                else len(self._layer_ids) * self._n_embd_trunk
+        return out
+
+    def feature(self, name: str, pos: int) -> np.ndarray | None:
+        return self.hidden(pos) if name == "hidden" else self._layer_row(pos) if name == "layer_inputs" else None
+
+    def _check_recurrent_rollback(self, n_past: int, cur: int) -> None:
+        """Refuse a rollback from ``cur`` to ``n_past`` a recurrent state cannot make exactly: llama.cpp restores one
+        only inside the last decode, from its ``n_rs_seq`` snapshots (and says it succeeded elsewhere too, with a
+        wrong state)."""
+        last, self._last_decode = self._last_decode, None
+        if self._recurrent and (last is None or last[1] != cur or not max(last[0] + 1, cur - self._n_rs + 1) <= n_past):
+            raise OndeviceError(f"{self.path.name}: this model's recurrent state cannot roll back to position {n_past} "
+                                "(only into its last pass)")
