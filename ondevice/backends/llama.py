@@ -131,7 +131,10 @@ class LlamaBackend(LlamaTree, LlamaFeatures, Backend):
             mp.n_gpu_layers = 0
         elif device == "gpu":
             mp.n_gpu_layers = 999  # all layers on Metal/CUDA when llama.cpp was built with it
-        self.n_mtp = file_mtp_layers(self.path)  # a model's own MTP heads: loaded (mmap: untouched until used)
+        try:  # a model's own MTP heads: loaded (mmap: untouched until used)
+            self.n_mtp = file_mtp_layers(self.path)
+        except OndeviceError:
+            self.n_mtp = 0  # a header we cannot read: llama.cpp's load below says what is wrong
         mp.load_mtp = self.n_mtp > 0
         self.device = "gpu" if mp.n_gpu_layers != 0 and llama_cpp.llama_supports_gpu_offload() else "cpu"
         with _ctrl_c_deferred():
