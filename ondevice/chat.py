@@ -5,6 +5,7 @@ jinja template in a sandboxed worker with a time, memory, output and recursion b
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from ondevice.errors import OndeviceError
@@ -68,6 +69,7 @@ def render(
     eos_token: str = "",
     source: str = "this model",
     tools: Sequence[dict] | None = None,
+    variables: dict | None = None,
 ) -> str:
     """Render ``messages`` ([{role, content}]) with the model's jinja chat template, within a budget.
 
@@ -77,6 +79,8 @@ def render(
         add_generation_prompt, bos_token, eos_token: template variables.
         source: the model file, named in errors.
         tools: OpenAI's function list, handed to the template as ``tools`` (as llama.cpp's --jinja does).
+        variables: further template variables (a request's ``chat_template_kwargs``, e.g. enable_thinking);
+            they never replace the ones above.
     Raises:
         OndeviceError: no template, bad messages, or a template that fails, tries to escape the sandbox,
             or exceeds its time, memory, output or recursion budget.
@@ -85,9 +89,88 @@ def render(
 
     if not template:
         raise OndeviceError(f"{source} has no chat template in its metadata; use generate with a plain prompt")
+    own = dict(add_generation_prompt=add_generation_prompt, bos_token=bos_token, eos_token=eos_token,
+               **({"tools": list(tools)} if tools else {}))
     return templates.render(template, normalize_messages(messages), source=source,
-                            add_generation_prompt=add_generation_prompt, bos_token=bos_token, eos_token=eos_token,
-                            **({"tools": list(tools)} if tools else {}))
+                            **{k: v for k, v in (variables or {}).items() if k not in own and k != "messages"}, **own)
+
+
+def render_prompt(rt, messages: Sequence[dict], *, tools: Sequence[dict] | None = None,
+                  variables: dict | None = None) -> tuple[str, list[int]]:
+    """(prompt text, token ids) of ``messages`` for the runtime ``rt``'s model: ``Runtime.render_chat`` with
+    template variables, and the text, whose end says whether the answer starts inside thinking
+    (``ondevice.reasoning.detect``).
+
+    Raises:
+        OndeviceError: as ``render``.
+    """
+    t = rt.target
+    bos = t.token_bytes(t.bos_id).decode("utf-8", "replace") if t.bos_id is not None else ""
+    text = render(t.chat_template, messages, bos_token=bos, source=str(t.path), tools=tools, variables=variables)
+    return text, rt.tokenize(text, add_bos=not (bos and text.startswith(bos)))
+
+
+PROMPT_TAIL = 512  # characters of a rendered prompt that tell whether it opened a thinking block
+
+
+def split_output(text: str, template: str | None, prompt: str, tools: Sequence[dict] | None = None,
+                 family: str | None = None) -> tuple[str | None, str | None, list[dict]]:
+    """A whole answer as (thinking or None, content, tool calls): the template's thinking convention split
+    off first (``ondevice.reasoning``), then, when ``tools`` are given, calls parsed in the template's family
+    format (``ondevice.toolcalls``; ``family`` overrides it). The same split the server streams.
+
+    Args:
+        text: the model's output.
+        template: the chat template it was prompted with; prompt: the rendered prompt (its end tells whether
+            the answer starts inside thinking).
+    Returns:
+        (reasoning, content: the text outside thinking and calls, stripped and None when empty if tools were
+        given, else as written; the OpenAI ``tool_calls``).
+    """
+    from ondevice import reasoning, toolcalls
+
+    thought, content = reasoning.split(text, reasoning.detect(template, prompt[-PROMPT_TAIL:]))
+    if not tools:
+        return thought, content, []
+    content, calls = toolcalls.parse(content, family or toolcalls.detect(template), tools)
+    return thought, content, calls
+
+
+@dataclass
+class ChatReply:
+    """A chat answer split into thinking, content and tool calls (``reply``).
+
+    Attributes:
+        reasoning: the thinking (None when the model did not think or the template has no convention).
+        content: the answer without thinking or calls.
+        tool_calls: OpenAI ``tool_calls`` (when tools were given).
+        result: the ``Result`` (its ``text`` is the whole output, tokens, stats).
+    """
+
+    reasoning: str | None
+    content: str | None
+    tool_calls: list[dict] = field(default_factory=list)
+    result: Any = None
+
+
+def reply(rt, messages: Sequence[dict], *, tools: Sequence[dict] | None = None,
+          template_kwargs: dict | None = None, request: GenerateRequest | None = None, **options) -> ChatReply:
+    """``Runtime.chat`` with thinking and tools: ``messages`` (tool calls and results included, shaped for the
+    template's family) rendered with ``tools`` and ``template_kwargs`` (e.g. {"enable_thinking": False}),
+    generated with ``request`` / ``options``, and split (``split_output``).
+
+    Raises:
+        OndeviceError: bad options or messages, or a template that fails.
+    """
+    from ondevice import toolcalls
+
+    request = GenerateRequest.resolve(request, options)
+    template = rt.target.chat_template
+    text, ids = render_prompt(rt, toolcalls.template_messages(normalize_messages(messages),
+                                                              toolcalls.detect(template)),
+                              tools=tools, variables=template_kwargs)
+    result = rt.generate(ids, request)
+    return ChatReply(*split_output(result.text, template, text, tools), result=result)
 
 
 class ChatSession:
@@ -101,12 +184,21 @@ class ChatSession:
         system: optional system prompt (always kept).
         request: the ``GenerateRequest`` every answer is made with, or none and its options as keywords
             (max_tokens, temperature, ... as ``Runtime.stream`` takes them).
+        variables: template variables for every turn (e.g. {"enable_thinking": False}); ``variables`` may be
+            changed between turns.
+
+    Attributes:
+        thinking: the template's thinking convention for the last prompt (``ondevice.reasoning.detect``):
+            split an answer with ``ondevice.reasoning.Splitter(session.thinking)``.
     """
 
-    def __init__(self, runtime, system: str | None = None, request: GenerateRequest | None = None, **options) -> None:
+    def __init__(self, runtime, system: str | None = None, request: GenerateRequest | None = None,
+                 variables: dict | None = None, **options) -> None:
         self.rt = runtime
         self.system = system
         self.request = GenerateRequest.resolve(request, options)
+        self.variables = dict(variables or {})
+        self.thinking = None
         from ondevice import templates
 
         templates.warm()  # the first turn does not wait for the template worker to start
@@ -132,17 +224,24 @@ class ChatSession:
         """
         n_ctx = self.rt.n_ctx
         budget = n_ctx - self.request.max_tokens
-        ids = self.rt.render_chat(self.messages(user))
+        ids = self._render(self.messages(user))
         if len(ids) <= budget or not self.turns:
             return self._check_fits(ids)
-        alone = self.rt.render_chat(self.messages(user, history=False))
+        alone = self._render(self.messages(user, history=False))
         if len(alone) >= n_ctx:
             self._check_fits(alone)
         while len(ids) > budget and self.turns:
             self.turns.pop(0)
             self.dropped += 1
-            ids = self.rt.render_chat(self.messages(user))
+            ids = self._render(self.messages(user))
         return self._check_fits(ids)
+
+    def _render(self, messages: list[dict]) -> list[int]:
+        from ondevice import reasoning
+
+        text, ids = render_prompt(self.rt, messages, variables=self.variables)
+        self.thinking = reasoning.detect(self.rt.target.chat_template, text[-PROMPT_TAIL:])
+        return ids
 
     def _check_fits(self, ids: list[int]) -> list[int]:
         if len(ids) >= self.rt.n_ctx:
@@ -155,6 +254,8 @@ class ChatSession:
         return self.rt.stream(self.prompt_ids(user), self.request)
 
     def commit(self, user: str, answer: str) -> None:
+        """Keep a finished turn (``answer``: what the model answered; give its content without the thinking,
+        which templates leave out of past turns)."""
         self.turns.append((user, answer))
 
     def reset(self) -> None:

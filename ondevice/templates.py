@@ -8,9 +8,17 @@ own session so a terminal's Ctrl-C does not reach it) with:
 
 - time: the caller waits at most ``RENDER_SECONDS`` (``ONDEVICE_TEMPLATE_SECONDS``) and then kills the
   worker (the next render starts a fresh one);
-- memory: the worker's address space is capped (``RLIMIT_AS``, ``MEMORY_BYTES``) where the OS enforces it;
+- memory: the worker's address space is capped (``RLIMIT_AS``, ``MEMORY_BYTES``; Linux enforces it) and its
+  data size (``RLIMIT_DATA``); macOS enforces neither for mmap'd memory, so there a thread also polls the
+  worker's peak resident size every 20 ms and exits past the limit (not a hard limit: a burst can overshoot);
 - output: rendering stops beyond ``MAX_CHARS`` characters;
 - recursion: a low recursion limit, reported as such.
+
+The worker sees no environment but ``PYTHONPATH`` (the directories holding ondevice, jinja2 and markupsafe)
+and ``TZ``: no tokens or keys of the user's. Where the OS allows (``ondevice.quality.confine``: bubblewrap on
+Linux, sandbox-exec on macOS) it runs confined: no network, nothing writable, only the Python installation
+and those packages readable; elsewhere it runs unconfined (the jinja2 sandbox and the budgets still hold).
+It never imports from the working directory (``-P``).
 
 Every failure is one ``OndeviceError`` naming the model file. The caller's thread only waits on a pipe,
 so an event loop stays free when it renders in an executor, and Ctrl-C (KeyboardInterrupt) while
@@ -39,19 +47,53 @@ MEMORY_BYTES = 1 << 30  # the worker's address space
 RECURSION_LIMIT = 1000
 
 
+def _worker_command(args: Sequence[str] = ("-m", "ondevice.templates")) -> tuple[list[str], dict[str, str], str | None]:
+    """How the worker starts: (argv, environment, the OS confinement used or None).
+
+    ``args`` follow ``python -P`` (tests pass ``-c CODE`` to see what code running in the worker could reach)."""
+    import importlib.util
+
+    from ondevice.quality.confine import available, bwrap_argv, macos_argv
+
+    packages = [os.path.dirname(os.path.abspath(__file__))]  # ondevice/
+    for name in ("jinja2", "markupsafe"):
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.submodule_search_locations:
+            packages.append(os.path.abspath(next(iter(spec.submodule_search_locations))))
+    env = {"PYTHONPATH": os.pathsep.join(dict.fromkeys(os.path.dirname(p) for p in packages))}
+    if os.environ.get("TZ"):
+        env["TZ"] = os.environ["TZ"]  # strftime_now renders the user's local time
+    argv = [sys.executable, "-P", *args]
+    kind = available()
+    if kind in ("bwrap", "bwrap+inodes"):
+        # started from warm()'s short-lived thread: not --die-with-parent (it would die with that thread); the
+        # worker ends when its stdin closes, i.e. when this process ends, or when it is killed
+        argv = bwrap_argv(kind, argv, read_only=packages, env=env, writable=False, die_with_parent=False)
+        return argv, {"PATH": "/usr/bin:/bin"}, kind
+    if kind == "sandbox-exec":
+        return macos_argv(argv, work=None, read_only=packages), env, kind
+    return argv, env, None
+
+
 class _Worker:
     def __init__(self) -> None:
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-        self.proc = subprocess.Popen([sys.executable, "-m", "ondevice.templates"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env,
-                                     start_new_session=True)
+        argv, env, self.confinement = _worker_command()
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                     env=env, start_new_session=True, cwd="/" if os.name == "posix" else None)
         self.ready = False
 
-    def kill(self) -> None:
+    def signal_kill(self) -> None:
+        """SIGKILL the worker's whole session (a sandbox tool, its PID 1 and the Python inside)."""
         try:
-            self.proc.kill()
+            if os.name == "posix":
+                os.killpg(self.proc.pid, 9)
+            else:
+                self.proc.kill()
         except OSError:
             pass
+
+    def kill(self) -> None:
+        self.signal_kill()
         self.proc.wait()
         for f in (self.proc.stdin, self.proc.stdout):
             try:
@@ -89,10 +131,7 @@ def shutdown() -> None:
     """Kill the worker now (a render in progress fails at once with an OndeviceError). Safe to call any time."""
     w = _worker
     if w is not None:
-        try:
-            w.proc.kill()
-        except OSError:
-            pass
+        w.signal_kill()
 
 
 atexit.register(shutdown)
@@ -111,8 +150,9 @@ def _started(source: str) -> _Worker:
             status = w.proc.poll()
             _kill_worker()
             why = f"it exited with status {status}" if status is not None else f"no answer in {START_SECONDS:g} s"
+            how = f" under {w.confinement}" if w.confinement else ""
             raise OndeviceError(f"{source}: could not start the chat template worker "
-                                f"({sys.executable} -m ondevice.templates: {why})")
+                                f"({sys.executable} -P -m ondevice.templates{how}: {why})")
         w.ready = True
     return w
 
@@ -195,6 +235,12 @@ def _raise(message: str):
 _compiled: dict[str, object] = {}
 
 
+def _tojson(x, ensure_ascii: bool = False, indent=None, separators=None, sort_keys: bool = False) -> str:
+    """Plain ``json.dumps``, as transformers and llama.cpp render ``tojson`` (jinja2's own returns HTML-escaped
+    Markup, so ``'<marker>' + x|tojson`` escaped the marker, and it takes no ``ensure_ascii``)."""
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
 def _compile(template: str):
     import datetime
 
@@ -205,6 +251,7 @@ def _compile(template: str):
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+        env.filters["tojson"] = _tojson
         t = env.from_string(template)
         if len(_compiled) > 8:
             _compiled.clear()
@@ -241,11 +288,15 @@ def _render_one(req: dict) -> dict:
 
 def _watch_memory() -> None:
     """Exit when resident memory passes ``MEMORY_BYTES`` (where RLIMIT_AS is not enforced, e.g. macOS); the
-    parent reports the death as running out of memory."""
+    parent reports the death as running out of memory. Exit too when the parent is gone (stdin hung up): a
+    worker busy with a hostile template would otherwise render on, orphaned, until the template ends."""
     try:
         import resource
+        import select
     except ImportError:  # no resource module (Windows): the time and output budgets still hold
         return
+    hangup = select.poll()
+    hangup.register(sys.stdin.fileno(), select.POLLHUP)
 
     scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KiB on Linux
 
@@ -258,6 +309,8 @@ def _watch_memory() -> None:
     while True:
         if peak() - start > MEMORY_BYTES:
             os._exit(3)
+        if any(ev & (select.POLLHUP | select.POLLERR | select.POLLNVAL) for _, ev in hangup.poll(0)):
+            os._exit(4)
         time.sleep(0.02)
 
 
@@ -268,8 +321,12 @@ def _serve() -> None:
     try:
         import resource
 
-        resource.setrlimit(resource.RLIMIT_AS, (MEMORY_BYTES, MEMORY_BYTES))
-    except (ImportError, ValueError, OSError):  # not enforced everywhere (macOS): the watchdog below is
+        for limit in ("RLIMIT_AS", "RLIMIT_DATA"):
+            try:
+                resource.setrlimit(getattr(resource, limit), (MEMORY_BYTES, MEMORY_BYTES))
+            except (ValueError, OSError, AttributeError):
+                pass
+    except ImportError:  # no resource module (Windows): the watchdog below and the time budget still hold
         pass
     threading.Thread(target=_watch_memory, daemon=True).start()
     import jinja2.sandbox  # noqa: F401 - imported before the first request is timed

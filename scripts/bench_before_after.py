@@ -65,9 +65,13 @@ def main() -> None:
               "load_average": list(os.getloadavg()), "modes": {}}
     for drafter, gamma in modes:
         same, ratios = 0, []
-        for _ in range(a.rounds):
-            b = run(a.before, a.model, drafter, gamma, a.max_tokens, prompts)
-            c = run(a.after, a.model, drafter, gamma, a.max_tokens, prompts)
+        for r in range(a.rounds):  # the order alternates, so a drifting load favours neither side
+            if r % 2:
+                c = run(a.after, a.model, drafter, gamma, a.max_tokens, prompts)
+                b = run(a.before, a.model, drafter, gamma, a.max_tokens, prompts)
+            else:
+                b = run(a.before, a.model, drafter, gamma, a.max_tokens, prompts)
+                c = run(a.after, a.model, drafter, gamma, a.max_tokens, prompts)
             same += sum(x["tokens"] == y["tokens"] for x, y in zip(b, c, strict=True))
             ratios += [y["decode_tps"] / x["decode_tps"] for x, y in zip(b, c, strict=True) if x["decode_tps"] > 0]
         report["modes"][f"{drafter}_g{gamma}"] = {

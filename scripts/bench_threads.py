@@ -27,7 +27,7 @@ PROMPT = "<|im_start|>user\nWrite a short poem about the sea.<|im_end|>\n<|im_st
 
 
 def _spin(n: int) -> list[subprocess.Popen]:
-    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    return [subprocess.Popen([sys.executable, "-P", "-c", "while True: pass"]) for _ in range(n)]
 
 
 def _stop(procs: list[subprocess.Popen]) -> None:

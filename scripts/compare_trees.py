@@ -40,7 +40,7 @@ PROMPTS = [
 
 def run(tree: str, model: str, n: int, threads: int) -> dict:
     env = {**os.environ, "PYTHONPATH": os.path.abspath(tree)}
-    r = subprocess.run([sys.executable, "-c", CHILD, model, str(n), str(threads), json.dumps(PROMPTS)],
+    r = subprocess.run([sys.executable, "-P", "-c", CHILD, model, str(n), str(threads), json.dumps(PROMPTS)],
                        capture_output=True, text=True, env=env, cwd=os.path.abspath(tree), check=True)
     return json.loads(r.stdout.strip().splitlines()[-1])
 

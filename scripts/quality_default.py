@@ -50,7 +50,7 @@ def clean_run(model: str, threads: int | None) -> dict:
     """README command 1 in a fresh process on an empty cache: pull + load + answer, wall time."""
     with tempfile.TemporaryDirectory(prefix="ondevice-clean-") as home:
         env = {**os.environ, "ONDEVICE_HOME": home}
-        args = [sys.executable, "-m", "ondevice", "chat", model, "--stats"] + (["--threads", str(threads)] if threads else [])
+        args = [sys.executable, "-P", "-m", "ondevice", "chat", model, "--stats"] + (["--threads", str(threads)] if threads else [])
         t0 = time.perf_counter()
         r = subprocess.run(args, input=PROMPT + "\n", capture_output=True, text=True, env=env, timeout=1800)
         wall = time.perf_counter() - t0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -46,6 +47,27 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "macos" in item.keywords:
                 item.add_marker(skip)
+
+
+@pytest.fixture
+def sigint_default():
+    """Ctrl-C (SIGINT) at Python's default for this test: KeyboardInterrupt here, and SIGINT at its default in
+    every child started meanwhile. A job started in the background (``pytest ... &`` from a script, nohup)
+    begins with SIGINT ignored; Python then leaves it ignored and so do the children, which a test that
+    sends SIGINT and waits for its effect would wait on forever."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_DFL if previous is None else previous)
+
+
+@pytest.fixture
+def time_scale():
+    """``helpers.TimeScale``: time limits that grow with the machine's load (measured in this test)."""
+    from helpers import TimeScale
+
+    return TimeScale()
 
 
 @pytest.fixture(scope="session")
@@ -126,6 +148,31 @@ def tiny_mlx(tiny_gguf, tmp_path_factory):
         return cache[name]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def heads_trained(tiny_gguf, tmp_path_factory):
+    """(target, home, summary): the tiny llama target copied outside the test cache, and one uninterrupted small
+    train-heads run on it (``helpers.SMALL_HEADS``) whose heads are stored under ``home`` (its ONDEVICE_HOME)."""
+    import shutil
+
+    from helpers import SMALL_HEADS
+
+    from ondevice.heads import train
+
+    target = tmp_path_factory.mktemp("models") / "tiny.gguf"
+    shutil.copy(tiny_gguf("llama"), target)
+    home = tmp_path_factory.mktemp("clean")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("ONDEVICE_HOME", str(home))
+        summary = train.train_heads(target, **SMALL_HEADS)
+    return target, home, summary
+
+
+@pytest.fixture
+def heads_home(heads_trained):
+    """(target, home) of ``heads_trained``."""
+    return heads_trained[:2]
 
 
 @pytest.fixture

@@ -4,12 +4,80 @@ reference for the converters."""
 
 from __future__ import annotations
 
+import os
+import sys
+import time
+from pathlib import Path
+
 import numpy as np
 from scipy import stats as sps
 
 from ondevice import sampling
 
 PROMPT = "The model draft and the target verify"
+# train-heads on the tiny llama target in seconds (the session's trained heads, and runs compared with them)
+SMALL_HEADS = dict(tokens=600, max_new=48, rank=32, epochs=3, vocab=256, threads=1, n_ctx=512, slots=8, quiet=True)
+
+
+def slowdown(seconds: float = 0.2) -> float:
+    """How many times slower than on an idle core this process runs now (≥ 1): the wall time over the CPU
+    time of a short CPU-bound loop. Other jobs on the machine stretch it (one busy process on a 2-core
+    machine shared with this test and its child: ~1.5; load 6 there: ~3); a slow but idle machine does not."""
+    t0, c0 = time.perf_counter(), time.thread_time()
+    while time.thread_time() - c0 < seconds:
+        sum(range(1000))
+    return max(1.0, (time.perf_counter() - t0) / (time.thread_time() - c0))
+
+
+class TimeScale:
+    """Time limits for a test, scaled by the machine's load: ``scale(30)`` is 30 s times ``slowdown()``,
+    measured when the object was made (the test's start) and again at the call, the larger kept. A limit
+    written for an idle machine then holds under load, and still fails a wait that does not end (a hang, an
+    ignored signal)."""
+
+    def __init__(self) -> None:
+        self.factor = slowdown()
+
+    def __call__(self, seconds: float) -> float:
+        self.factor = max(self.factor, slowdown())
+        return seconds * self.factor
+
+
+def _proc_stat(pid: int) -> tuple[str, int, float] | None:
+    """(state, parent pid, CPU seconds) of a Linux process from /proc, or None when it is gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2 :].split()  # after "pid (comm) "; comm may hold spaces
+    return fields[0], int(fields[1]), (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def wait_until_child_busy(pid: int, module: str, cpu_seconds: float, timeout: float, fallback: float,
+                          exclude: tuple[int, ...] = ()) -> int | None:
+    """Wait until a live child of ``pid`` running ``python -m module`` (not in ``exclude``) has used more than
+    ``cpu_seconds`` of CPU: it is at work, not starting. A fixed sleep there broke under load (the model
+    still loading when the signal came). Returns the child's pid. Where /proc is missing (macOS), sleeps
+    ``fallback`` seconds instead and returns None. Raises AssertionError after ``timeout`` seconds."""
+    if not sys.platform.startswith("linux"):
+        time.sleep(fallback)
+        return None
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit() or int(entry) in exclude:
+                continue
+            stat = _proc_stat(int(entry))
+            if stat is None or stat[0] == "Z" or stat[1] != pid or stat[2] <= cpu_seconds:
+                continue
+            try:
+                argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if module.encode() in argv:
+                return int(entry)
+        time.sleep(0.1)
+    raise AssertionError(f"no child of {pid} running {module} used {cpu_seconds} s of CPU in {timeout:.0f} s")
 
 
 def batch_invariant(path, k: int = 6, kind: str = "gguf") -> bool:

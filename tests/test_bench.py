@@ -13,7 +13,7 @@ from ondevice.bench.run import SCHEMA
 
 def test_bench_json_follows_schema(tiny_gguf, tmp_path):
     out = tmp_path / "bench.json"
-    r = subprocess.run([sys.executable, "-m", "ondevice", "bench", str(tiny_gguf("llama")), "--draft", str(tiny_gguf("llama_draft")),
+    r = subprocess.run([sys.executable, "-P", "-m", "ondevice", "bench", str(tiny_gguf("llama")), "--draft", str(tiny_gguf("llama_draft")),
                         "--ngram", "--max-tokens", "8", "--repeats", "2", "--per-class", "1", "--gamma", "sweep",
                         "--anchors", "--json", str(out), "--plot", str(tmp_path / "plots")],
                        capture_output=True, text=True, timeout=600, env={**__import__("os").environ, "ONDEVICE_HOME": str(tmp_path)})
@@ -33,7 +33,7 @@ def test_bench_json_follows_schema(tiny_gguf, tmp_path):
 def test_bench_mlx_anchors(tiny_mlx, tmp_path):
     """An MLX target and draft: the anchors are mlx-lm's stream_generate, plain and with draft_model."""
     out = tmp_path / "bench.json"
-    r = subprocess.run([sys.executable, "-m", "ondevice", "bench", str(tiny_mlx("llama")), "--draft", str(tiny_mlx("llama_draft")),
+    r = subprocess.run([sys.executable, "-P", "-m", "ondevice", "bench", str(tiny_mlx("llama")), "--draft", str(tiny_mlx("llama_draft")),
                         "--classes", "code", "--max-tokens", "8", "--repeats", "1", "--per-class", "1", "--gamma", "3",
                         "--anchors", "--device", "cpu", "--json", str(out)],
                        capture_output=True, text=True, timeout=600, env={**__import__("os").environ, "ONDEVICE_HOME": str(tmp_path)})

@@ -18,14 +18,14 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def run_cli(*args, env=None, input=None):
-    return subprocess.run([sys.executable, "-m", "ondevice", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-P", "-m", "ondevice", *args], capture_output=True, text=True,
                           env={**os.environ, **(env or {})}, input=input, timeout=600)
 
 
 def test_import_and_help_do_not_load_heavy_backends():
     code = ("import sys, ondevice, ondevice.cli.main; heavy = [m for m in ('llama_cpp', 'mlx', 'coremltools', 'numpy', 'torch') "
             "if m in sys.modules]; print(heavy)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
     r = run_cli("--help")
     assert r.returncode == 0 and "generate" in r.stdout and "pull" in r.stdout
@@ -151,7 +151,7 @@ def test_real_default_model_is_pulled_and_verified(smollm2):
 
 
 def test_wheel_ships_the_catalog(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(ROOT)],
+    r = subprocess.run([sys.executable, "-P", "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(ROOT)],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     (whl,) = tmp_path.glob("ondevice-*.whl")
@@ -160,10 +160,10 @@ def test_wheel_ships_the_catalog(tmp_path):
     assert any(n.startswith("converters/") for n in names) and "ondevice/backends/llama.py" in names
     # the installed (non-editable) package finds its catalog
     target = tmp_path / "site"
-    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(whl)], check=True,
+    subprocess.run([sys.executable, "-P", "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(whl)], check=True,
                    capture_output=True)
     code = "from ondevice.store import catalog; print(catalog._catalog_file()); print(len(catalog.names()))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,
+    out = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, cwd=tmp_path,
                          env={**os.environ, "PYTHONPATH": str(target)}, check=True).stdout.split()
     assert out[0].startswith(str(target)) and int(out[1]) >= 5
 

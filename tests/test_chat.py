@@ -17,7 +17,7 @@ SMOL = "smollm2-135m-instruct"  # the fast tiny model, named: these tests need a
 
 
 def _chat(*args, input: bytes):
-    return subprocess.run([sys.executable, "-m", "ondevice", "chat", *args], input=input, capture_output=True, timeout=600)
+    return subprocess.run([sys.executable, "-P", "-m", "ondevice", "chat", *args], input=input, capture_output=True, timeout=600)
 
 
 def test_piped_chat_on_default_model_reuses_prefix(smollm2):

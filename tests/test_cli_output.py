@@ -28,13 +28,13 @@ def test_models_table_through_a_pipe_keeps_whole_names():
     import os
 
     env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
-    r = subprocess.run([sys.executable, "-m", "ondevice", "models"], capture_output=True, text=True, timeout=120, env=env)
+    r = subprocess.run([sys.executable, "-P", "-m", "ondevice", "models"], capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 0, r.stderr
     assert "qwen2.5-coder-0.5b-instruct " in r.stdout and "…" not in r.stdout
 
 
 def test_chat_under_a_closed_pipe_exits_141_like_generate(smollm2):
-    cmd = (f"printf 'Hi\\nTell me a long story\\n' | {sys.executable} -m ondevice chat smollm2-135m-instruct "
+    cmd = (f"printf 'Hi\\nTell me a long story\\n' | {sys.executable} -P -m ondevice chat smollm2-135m-instruct "
            f"--max-tokens 200 --temperature 0 --no-spec --threads 1 | head -c 5; echo \" rc=${{PIPESTATUS[1]}}\"")
     r = subprocess.run(["bash", "-c", cmd], capture_output=True, timeout=300)
     assert r.stdout.rstrip().endswith((b" rc=0", b" rc=141")), r.stdout  # was rc=1: a refused turn's status
@@ -46,7 +46,7 @@ def test_generate_reads_a_piped_prompt(tiny_gguf):
     import json
 
     def gen(*args, stdin=None):
-        r = subprocess.run([sys.executable, "-m", "ondevice", "generate", str(tiny_gguf("llama")), "--max-tokens", "6",
+        r = subprocess.run([sys.executable, "-P", "-m", "ondevice", "generate", str(tiny_gguf("llama")), "--max-tokens", "6",
                             "--temperature", "0", "--no-spec", "--threads", "1", "--json", *args], input=stdin,
                            capture_output=True, timeout=300)
         assert r.returncode == 0, r.stderr
@@ -54,7 +54,7 @@ def test_generate_reads_a_piped_prompt(tiny_gguf):
 
     want = gen("-p", "Once upon a time\n")
     assert gen(stdin=b"Once upon a time\n") == want and gen("-p", "-", stdin=b"Once upon a time\n") == want
-    r = subprocess.run([sys.executable, "-m", "ondevice", "generate", str(tiny_gguf("llama"))], input=b"\xff\xfe",
+    r = subprocess.run([sys.executable, "-P", "-m", "ondevice", "generate", str(tiny_gguf("llama"))], input=b"\xff\xfe",
                        capture_output=True, timeout=300)
     assert r.returncode == 2 and b"not valid UTF-8" in r.stderr and b"Traceback" not in r.stderr
 
@@ -68,7 +68,7 @@ def test_an_answer_cut_by_the_context_says_so(tiny_gguf):
         n_ctx = rt.n_ctx
         prompt = next("word " * k for k in range(n_ctx, 0, -1) if len(rt.tokenize("word " * k)) <= n_ctx - 3)
         assert rt.generate(prompt, max_tokens=50, temperature=0).stats.stop_reason == "context"
-    r = subprocess.run([sys.executable, "-m", "ondevice", "generate", model, "-p", prompt, "--n-ctx", str(n_ctx),
+    r = subprocess.run([sys.executable, "-P", "-m", "ondevice", "generate", model, "-p", prompt, "--n-ctx", str(n_ctx),
                         "--max-tokens", "50", "--temperature", "0", "--no-spec", "--threads", "1"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and f"end of the context, {n_ctx} tokens; raise --n-ctx" in r.stderr, r.stderr

@@ -24,7 +24,7 @@ def _peak_convert(src: Path, out: Path, *args: str) -> tuple[int, dict]:
     from converters.memwatch import MemoryWatch
 
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "ondevice", "convert", str(src), "--out", str(out), "--json", *args],
+    proc = subprocess.Popen([sys.executable, "-P", "-m", "ondevice", "convert", str(src), "--out", str(out), "--json", *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=ROOT)
     with MemoryWatch(proc.pid, tree=True, interval=0.005) as mw:
         stdout, stderr = proc.communicate(timeout=900)
@@ -189,7 +189,7 @@ def test_ctrl_c_swallowed_by_a_c_callback_is_remembered_and_not_printed():
         "        check_interrupted()\n"
         "except KeyboardInterrupt:\n"
         "    print('stopped')\n")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60,
+    r = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60,
                        env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert r.stdout.strip() == "stopped" and "Exception ignored" not in r.stderr, r.stderr
 

@@ -124,7 +124,7 @@ def test_pair_conversion_and_check(tiny_hf, tmp_path):
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "ondevice", *args], capture_output=True, text=True, timeout=600)
+    return subprocess.run([sys.executable, "-P", "-m", "ondevice", *args], capture_output=True, text=True, timeout=600)
 
 
 def _one_line_error(r, needle):
@@ -348,7 +348,7 @@ except KeyboardInterrupt:
     sys.exit(130)
 sys.exit(0)
 """
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    r = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 130, (r.returncode, r.stderr[-2000:])
     assert list(tmp_path.iterdir()) == [], list(tmp_path.iterdir())
 

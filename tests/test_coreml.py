@@ -164,14 +164,14 @@ def test_static_cache_draft_equal_to_target_accepts_everything(tiny_hf):
 def test_coreml_off_macos_is_a_clear_error(tiny_coreml, tiny_gguf):
     with pytest.raises(OndeviceError, match="Core ML runs on macOS only"):
         open_backend(tiny_coreml("llama"), n_ctx=CTX)
-    r = subprocess.run([sys.executable, "-m", "ondevice", "generate", str(tiny_gguf("llama")), "-p", "hi", "--draft",
+    r = subprocess.run([sys.executable, "-P", "-m", "ondevice", "generate", str(tiny_gguf("llama")), "-p", "hi", "--draft",
                         str(tiny_coreml("llama") / "model.mlpackage")], capture_output=True, text=True)
     assert r.returncode == 2 and "Core ML runs on macOS only" in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
 def test_convert_cli_from_gguf_and_bad_options(tiny_gguf, tmp_path):
     src = tiny_gguf("qwen2", "q8_0")
-    r = subprocess.run([sys.executable, "-m", "ondevice", "convert", str(src), "--to", "coreml", "--out",
+    r = subprocess.run([sys.executable, "-P", "-m", "ondevice", "convert", str(src), "--to", "coreml", "--out",
                         str(tmp_path / "c"), "--context", "32", "--compress", "none", "--json"], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     summary = json.loads(r.stdout)
@@ -179,10 +179,10 @@ def test_convert_cli_from_gguf_and_bad_options(tiny_gguf, tmp_path):
     assert {"tokenizer.json", "config.json", "manifest.json", "model.mlpackage"} <= {p.name for p in (tmp_path / "c").iterdir()}
     f = describe_package(tmp_path / "c" / "model.mlpackage")["functions"]["prefill"]
     assert f["weights"] == {"fp16": 16 + 2}
-    info = json.loads(subprocess.run([sys.executable, "-m", "ondevice", "info", str(tmp_path / "c"), "--json"],
+    info = json.loads(subprocess.run([sys.executable, "-P", "-m", "ondevice", "info", str(tmp_path / "c"), "--json"],
                                      capture_output=True, text=True, check=True).stdout)
     assert info["format"] == "coreml" and info["context_length"] == 32 and info["functions"] == ["decode", "prefill"]
-    bad = subprocess.run([sys.executable, "-m", "ondevice", "convert", str(src), "--to", "coreml", "--out",
+    bad = subprocess.run([sys.executable, "-P", "-m", "ondevice", "convert", str(src), "--to", "coreml", "--out",
                           str(tmp_path / "d"), "--compress", "int3"], capture_output=True, text=True)
     assert bad.returncode == 2 and "--compress int3" in bad.stderr
     assert not (tmp_path / "d").exists() and not list(tmp_path.glob(".d.*"))
@@ -193,13 +193,13 @@ def test_missing_tokenizer_and_manifest_are_one_line_errors(tiny_hf, tiny_coreml
 
     src = shutil.copytree(tiny_hf["llama"], tmp_path / "hf")
     (src / "tokenizer.json").unlink()
-    r = subprocess.run([sys.executable, "-m", "ondevice", "convert", str(src), "--to", "coreml", "--out", str(tmp_path / "c")],
+    r = subprocess.run([sys.executable, "-P", "-m", "ondevice", "convert", str(src), "--to", "coreml", "--out", str(tmp_path / "c")],
                        capture_output=True, text=True)
     assert r.returncode == 2 and "tokenizer.json: missing" in r.stderr and len(r.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "c").exists()
     pkg = shutil.copytree(tiny_coreml("llama"), tmp_path / "pkg")
     (pkg / "manifest.json").unlink()
-    r = subprocess.run([sys.executable, "-m", "ondevice", "info", str(pkg)], capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-P", "-m", "ondevice", "info", str(pkg)], capture_output=True, text=True)
     assert r.returncode == 2 and "manifest.json: missing or unreadable" in r.stderr and "reconvert" in r.stderr
 
 
@@ -315,7 +315,7 @@ def test_interpreted_coreml_draft_in_the_loop(tiny_gguf, tiny_coreml, tmp_path):
             res = rt.generate(PROMPT, max_tokens=40, temperature=0, gamma=gamma)
             assert res.tokens == ref.tokens, f"gamma={gamma}"
             assert 0 < res.stats.accepted < res.stats.drafted
-    r = subprocess.run([sys.executable, "-m", "ondevice", "generate", str(target), "-p", PROMPT, "--max-tokens", "24",
+    r = subprocess.run([sys.executable, "-P", "-m", "ondevice", "generate", str(target), "-p", PROMPT, "--max-tokens", "24",
                         "--temperature", "0", "--draft", str(draft), "--draft-device", "mil", "--json",
                         "--n-ctx", str(CTX)],
                        capture_output=True, text=True)

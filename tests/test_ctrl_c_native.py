@@ -33,7 +33,7 @@ def _native_call_interrupted_inside_a_callback() -> list[int]:
     return list(arr)
 
 
-def test_ctrl_c_inside_a_native_callback_is_delivered_after_the_call(monkeypatch):
+def test_ctrl_c_inside_a_native_callback_is_delivered_after_the_call(monkeypatch, sigint_default):
     import sys
 
     dropped = []

@@ -6,11 +6,12 @@ import os
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import use_trees
+from helpers import TimeScale, use_trees
 
 import ondevice
 from ondevice import sampling
@@ -31,10 +32,10 @@ def trained(tiny_gguf, tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("ONDEVICE_HOME", str(home))
         target = tiny_gguf("llama")
-        t0 = time.perf_counter()
+        scale, t0 = TimeScale(), time.perf_counter()
         # a draft vocabulary below the target's 512 ids: the rest are input-only rows (embedded, never drafted)
         r = train_heads(target, tokens=2000, epochs=8, K=3, rank=64, vocab=384, max_new=64, threads=1, n_ctx=512, quiet=True)
-        r["test_seconds"] = time.perf_counter() - t0
+        r["test_seconds"], r["test_limit"] = time.perf_counter() - t0, scale(60)  # 60 s on an idle machine
         yield target, Path(r["path"]), r, home
 
 
@@ -46,7 +47,7 @@ def home(trained, monkeypatch):
 
 def test_train_heads_end_to_end(trained, home):
     target, path, r, _ = trained
-    assert r["test_seconds"] < 60, r["test_seconds"]
+    assert r["test_seconds"] < r["test_limit"], (r["test_seconds"], r["test_limit"])
     assert path.is_file() and path.parent == home / "heads"
     from ondevice.heads import store
 
@@ -91,7 +92,7 @@ def test_heads_file_found_by_a_new_process(trained, home):
             "    r = rt.generate('def add(a, b):', max_tokens=8, temperature=0, gamma=3)\n"
             "    print(rt.drafter.name, r.stats.drafted)")
     env = {**os.environ, "ONDEVICE_HOME": str(home), "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    out = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr
     name, drafted = out.stdout.split()
     assert name == "heads" and int(drafted) > 0
@@ -158,12 +159,19 @@ def test_hidden_rows_are_the_lm_heads_input(tiny_gguf):
         b.close()
 
 
-def _counts(rt, ids, n, gamma, **kw):
-    counts = {}
+def _outputs(rt, ids, n, gamma, **kw) -> list[tuple[int, ...]]:
+    """The 3-token answers of seeds 0 … n − 1, in seed order."""
+    out = []
     for seed in range(n):
         rt.reset()  # the prompt is evaluated again, so its last row's hidden state feeds the first draft
-        res = rt.generate(ids, max_tokens=3, seed=seed, gamma=gamma, **kw)
-        counts[tuple(res.tokens)] = counts.get(tuple(res.tokens), 0) + 1
+        out.append(tuple(rt.generate(ids, max_tokens=3, seed=seed, gamma=gamma, **kw).tokens))
+    return out
+
+
+def _counts(rt, ids, n, gamma, **kw):
+    counts = {}
+    for key in _outputs(rt, ids, n, gamma, **kw):
+        counts[key] = counts.get(key, 0) + 1
     return counts
 
 
@@ -278,7 +286,12 @@ def test_sampled_with_heads_matches_target_law(trained, home, monkeypatch, shape
     """Joint law of 3 tokens at T = 0.7, top-p 0.9 (top-k 6 keeps it enumerable) against the exact target law,
     for a sampled chain (q = the heads' processed softmax), for best-first trees of point masses, and for a
     chain drafted from a low-rank shortlist (q zero off it); the planted control (a residual that does not
-    subtract q) must fail the same test."""
+    subtract q) must fail the same test.
+
+    The control's power is the share of answers the planted bug changes, which grows with the overlap of the
+    heads' q and the target's p (the tiny heads rarely agree with a random target): the seeds are the same in
+    both runs, so the answers it changed are counted and reported. γ is fixed (3), never "auto", so which steps
+    draft does not depend on this machine's timings."""
     from helpers import chisquare, exact_law
 
     from ondevice import tree
@@ -289,7 +302,9 @@ def test_sampled_with_heads_matches_target_law(trained, home, monkeypatch, shape
     with ondevice.load(target, draft="heads", threads=1) as rt:  # 1 thread: 2 collapse on a loaded 2-core machine
         use_trees(rt.drafter, shape == "tree")
         if shape == "chain-shortlist":  # the tiny heads are too small for one by default: force a narrow one
-            assert rt.drafter.heads.with_shortlist(rank=8, size=16).short_a is not None
+            # 32 of the 384 draft rows (q zero on the other 352); rank 8 and 16 rows left the heads' q so far from
+            # the target's p that the planted bug changed 3% of the answers (8% here; 9% for a plain chain)
+            assert rt.drafter.heads.with_shortlist(rank=16, size=32).short_a is not None
         trees, orig = [], rt.target.eval_tree
         rt.target.eval_tree = lambda tokens, parents: trees.append(len(tokens)) or orig(tokens, parents)
         ids = rt.tokenize(PROMPTS[1])
@@ -305,14 +320,17 @@ def test_sampled_with_heads_matches_target_law(trained, home, monkeypatch, shape
             b.close()
         acc = rt.generate(ids, max_tokens=48, seed=1, gamma=3, **kw).stats
         assert 0 < acc.accepted < acc.drafted, acc  # both outcomes occur
-        assert chisquare(_counts(rt, ids, n, 3, **kw), law, n) > 1e-3
+        clean = _outputs(rt, ids, n, 3, **kw)
+        assert chisquare(Counter(clean), law, n) > 1e-3
         assert bool(trees) == (shape == "tree")
         if shape == "chain-copies":  # copies (point masses) and heads' q both drafted
             assert any(seen) and not all(seen)
         monkeypatch.setattr(sampling, "residual", lambda p, q: p)  # the planted bug
         monkeypatch.setattr(sampling, "residual_sparse", lambda ids, pr, qv, V: pr)
         monkeypatch.setattr(tree, "residual_sparse", lambda ids, pr, qv, V: pr)
-        assert chisquare(_counts(rt, ids, n, 3, **kw), law, n) < 1e-4
+        bug = _outputs(rt, ids, n, 3, **kw)
+        changed = sum(a != b for a, b in zip(clean, bug, strict=True))
+        assert chisquare(Counter(bug), law, n) < 1e-4, f"the planted bug changed {changed} of {n} answers"
 
 
 def test_corrupt_or_foreign_heads_file_is_one_line_and_writes_nothing(trained, home, tiny_gguf, tmp_path):
@@ -341,13 +359,16 @@ def test_auto_draft_considers_stored_heads(trained, home, monkeypatch):
 
     assert abs(sum(alpha_from_tau(1.75, 3) ** i for i in range(4)) - 1.75) < 1e-6
     monkeypatch.setattr("ondevice.store.discovery.local_models", lambda: [])  # no draft models: heads or n-gram
+    # the heads' cost as timed on an idle machine (2% of a target pass on these curves): timed here, a loaded
+    # machine made it 0.99 of a pass and the flat curve chose n-gram too
+    monkeypatch.setattr("ondevice.drafters.heads.seconds_per_token", lambda heads, reps=15: 2e-5)
     for curve, want in (({1: 1e-3, 2: 1.01e-3, 4: 1.02e-3, 8: 1.05e-3}, "heads"), ({1: 1e-3, 2: 2e-3, 4: 4e-3, 8: 8e-3}, "ngram")):
         monkeypatch.setattr("ondevice.costs.cached_measure", lambda target, draft=None, cancelled=None, c=curve: Costs(dict(c), 0.0))
         with ondevice.load(trained[0], draft="auto", threads=1) as rt:
             choice = rt.draft_choice
             assert choice["drafter"] == want and rt.drafter.name == want, choice["reason"]
             row = choice["candidates"][0]
-            assert row["name"] == "heads" and row["ok"] and row["draft_cost_ratio"] > 0
+            assert row["name"] == "heads" and row["ok"] and row["draft_cost_ratio"] == 0.02
             if want == "heads":
                 assert "held-out τ" in choice["reason"]
                 assert rt.generate(PROMPTS[0], max_tokens=8, temperature=0, gamma=3).stats.drafted > 0
@@ -415,11 +436,11 @@ def test_prompt_keeps_hidden_rows_only_when_the_first_step_may_draft(trained, ho
         calls, orig = [], rt.target._eval
         rt.target._eval = lambda tokens, logits="all": calls.append(len(tokens)) or orig(tokens, logits)
         ids = rt.tokenize(PROMPTS[2])
-        rt._prefill(ids, drafts=False)
+        rt.slot.prefill(ids, drafts=False)
         assert calls == [len(ids) - 1] and rt.target.hidden(len(ids) - 2) is None
         calls.clear()
         rt.reset()
-        rt._prefill(ids, drafts=True)
+        rt.slot.prefill(ids, drafts=True)
         assert calls == [len(ids) - 2, 1] and rt.target.hidden(len(ids) - 2) is not None
 
 

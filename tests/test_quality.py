@@ -12,8 +12,12 @@ import pytest
 
 from ondevice.errors import OndeviceError
 from ondevice.quality import CLASSES, check, load_tasks, select, wilson
+from ondevice.quality.confine import available, unavailable_reason
 from ondevice.quality.extract import extract_code, extract_number, same_text
 from ondevice.quality.sandbox import run_python
+
+# code answers run only inside an OS sandbox (bubblewrap on Linux): without one these tests skip and say how
+needs_os_sandbox = pytest.mark.skipif(available() is None, reason=f"no OS sandbox here: {unavailable_reason()}")
 
 TASKS = {t.id: t for t in load_tasks()}
 
@@ -73,6 +77,7 @@ def test_the_task_set_is_well_formed():
         select(["poetry"])
 
 
+@needs_os_sandbox
 @pytest.mark.parametrize("task_id", sorted(RIGHT))
 def test_every_code_task_accepts_a_right_answer_and_rejects_a_wrong_one(task_id):
     task = TASKS[task_id]
@@ -141,6 +146,7 @@ def test_extractor_reads_fenced_and_unfenced_code():
     assert extract_code("Call <code>f</code> with a string.", "f") is None
 
 
+@needs_os_sandbox
 def test_sandbox_kills_an_infinite_loop_at_its_time_limit():
     t0 = time.perf_counter()
     r = run_python("while True:\n    pass", timeout=2)
@@ -153,6 +159,7 @@ def test_sandbox_kills_an_infinite_loop_at_its_time_limit():
     assert "not allowed" in run_python("import os\nos.system('sleep 60')").reason()
 
 
+@needs_os_sandbox
 def test_sandbox_contains_a_file_deleting_answer(tmp_path):
     victim = tmp_path / "keep" / "important.txt"
     victim.parent.mkdir()
@@ -173,7 +180,8 @@ def test_sandbox_contains_a_file_deleting_answer(tmp_path):
     ]
     for code in answers:
         r = run_python(code)
-        assert not r.ok and "PermissionError" in r.stderr, (code, r.stderr)
+        # refused by the guard (PermissionError) or the path does not exist inside the OS sandbox
+        assert not r.ok and ("PermissionError" in r.stderr or "FileNotFoundError" in r.stderr), (code, r.stderr)
     reply = f"```python\nimport shutil\nshutil.rmtree({str(tmp_path)!r}, ignore_errors=True)\n\n" + RIGHT["code-factorial"] + "\n```"
     assert not check(TASKS["code-factorial"], reply).passed
     assert victim.read_text() == "precious" and (home / "notes.md").read_text() == "mine"
@@ -186,6 +194,7 @@ def test_sandbox_contains_a_file_deleting_answer(tmp_path):
     assert not Path(r.stdout.strip()).exists()
 
 
+@needs_os_sandbox
 def test_sandbox_limits_memory_and_output():
     assert "MemoryError" in run_python("x = bytearray(8 << 30)", memory_bytes=512 << 20).stderr
     r = run_python("while True:\n    print('x' * 4096)", timeout=5, file_bytes=1 << 20)
@@ -202,6 +211,7 @@ def test_wilson_interval_matches_scipy():
     assert wilson(0, 0) == (0.0, 1.0)
 
 
+@needs_os_sandbox
 def test_evaluate_end_to_end_on_a_tiny_model(tiny_gguf, tmp_path):
     from ondevice.quality import evaluate
     from ondevice.quality.report import markdown, plot, table
@@ -223,10 +233,11 @@ def test_evaluate_end_to_end_on_a_tiny_model(tiny_gguf, tmp_path):
     assert [m["overall"] for m in again["models"]] == [m["overall"] for m in doc["models"]]
 
 
+@needs_os_sandbox
 def test_bench_quality_cli(tiny_gguf, tmp_path):
     model = str(tiny_gguf("qwen2", "q8_0"))
     out = tmp_path / "q.json"
-    r = subprocess.run([sys.executable, "-m", "ondevice", "bench", "--quality", f"{model},{model}", "--per-class", "1",
+    r = subprocess.run([sys.executable, "-P", "-m", "ondevice", "bench", "--quality", f"{model},{model}", "--per-class", "1",
                         "--threads", "1", "--json", str(out)], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     doc = json.loads(out.read_text())
@@ -251,6 +262,7 @@ def default_chat_model():
     return DEFAULT_CHAT_MODEL, fetch.pull(DEFAULT_CHAT_MODEL, quiet=True)
 
 
+@needs_os_sandbox
 def test_default_chat_model_answers_the_readme_example_with_code_that_runs(default_chat_model):
     """README command 1 (`echo "Write a Python function that reverses a string." | ondevice chat`), greedy, and at
     the command's own sampling settings (temperature 0.8, 256 tokens) for fixed seeds: every answer's code is
@@ -263,7 +275,7 @@ def test_default_chat_model_answers_the_readme_example_with_code_that_runs(defau
     assert task.prompt == README_PROMPT
     # --threads 1: on a shared, oversubscribed machine two llama.cpp threads wait on each other (5-9x slower);
     # the answer does not depend on it
-    r = subprocess.run([sys.executable, "-m", "ondevice", "chat", "--temperature", "0", "--threads", "1"],
+    r = subprocess.run([sys.executable, "-P", "-m", "ondevice", "chat", "--temperature", "0", "--threads", "1"],
                        input=README_PROMPT + "\n", capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     v = check(task, r.stdout)

@@ -82,7 +82,7 @@ def test_a_bad_tensor_type_is_one_line_and_leaves_nothing(tiny_gguf, tmp_path):
     with pytest.raises(OndeviceError, match="need a quantized --quant"):
         convert(q8, to="gguf", quant="f16", out=tmp_path / "f16", output_type="q4_0")
     assert list(tmp_path.iterdir()) == []
-    r = subprocess.run([sys.executable, "-m", "ondevice", "convert", str(q8), "--to", "gguf", "--quant", "q4_0",
+    r = subprocess.run([sys.executable, "-P", "-m", "ondevice", "convert", str(q8), "--to", "gguf", "--quant", "q4_0",
                         "--out", str(tmp_path / "cli"), "--allow-requantize", "--embedding-type", "bogus"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "q6_k" in r.stderr

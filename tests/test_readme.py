@@ -18,7 +18,7 @@ def _snippets() -> list[str]:
 
 
 def _run(code: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900)
+    return subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, timeout=900)
 
 
 def test_desktop_snippet_streams_an_answer_and_its_stats(smollm2):

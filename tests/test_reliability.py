@@ -37,7 +37,7 @@ def _python(code: str, *args: str, timeout: int = 300, env: dict | None = None) 
     """Run ``code`` (which may import this module's helpers) in a fresh interpreter."""
     full_env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS), os.environ.get("PYTHONPATH", "")]),
                 **(env or {})}
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-P", "-c", textwrap.dedent(code), *args], capture_output=True, text=True,
                           timeout=timeout, env=full_env)
 
 
@@ -203,7 +203,7 @@ def test_04_an_abandoned_stream_releases_the_slot(tiny_gguf):
 
 
 def test_04_cli_under_a_closed_pipe_exits_quietly(tiny_gguf):
-    cmd = (f"{sys.executable} -m ondevice generate {tiny_gguf('llama')} -p '{PROMPT}' --max-tokens 300 "
+    cmd = (f"{sys.executable} -P -m ondevice generate {tiny_gguf('llama')} -p '{PROMPT}' --max-tokens 300 "
            f"--temperature 0 --no-spec --threads 1 | head -c 20; echo \" rc=${{PIPESTATUS[0]}}\"")
     r = subprocess.run(["bash", "-c", cmd], capture_output=True, timeout=300)
     assert r.stdout.rstrip().endswith((b" rc=0", b" rc=141")), r.stdout
@@ -529,7 +529,7 @@ def test_13_bad_request_inputs_are_one_line_errors(tiny_gguf):
             assert "\n" not in str(e.value) and "no BOS" not in str(e.value)
         assert rt.generate("", max_tokens=2, temperature=0).stats.tokens == 2  # "" starts from BOS
         assert rt.generate(np.array(rt.tokenize(PROMPT)), max_tokens=2).stats.tokens == 2
-    r = subprocess.run([sys.executable, "-m", "ondevice", "generate", str(tiny_gguf("llama")), "-p", b"caf\xe9"],
+    r = subprocess.run([sys.executable, "-P", "-m", "ondevice", "generate", str(tiny_gguf("llama")), "-p", b"caf\xe9"],
                        capture_output=True, timeout=300)  # invalid UTF-8 in argv
     assert r.returncode == 2 and r.stderr.decode().count("\n") == 1 and b"not valid text" in r.stderr
 
@@ -624,7 +624,7 @@ def _fault_main(kind: str, target: str, draft: str) -> None:
 
 
 @pytest.mark.parametrize("kind", ["gguf", "mlx"])
-def test_sigint_at_every_point_leaves_an_exact_runtime(kind, tiny_gguf, tiny_mlx, tmp_path):
+def test_sigint_at_every_point_leaves_an_exact_runtime(kind, tiny_gguf, tiny_mlx, tmp_path, sigint_default):
     if kind == "mlx":
         pytest.importorskip("mlx.core")
     target = tiny_gguf("llama") if kind == "gguf" else tiny_mlx("llama")
@@ -638,7 +638,7 @@ def test_sigint_at_every_point_leaves_an_exact_runtime(kind, tiny_gguf, tiny_mlx
 
 
 # -- Ctrl-C in `ondevice chat` ----------------------------------------------------------------------------
-def test_ctrl_c_in_chat_stops_the_answer_and_keeps_the_session(tiny_gguf, tmp_path):
+def test_ctrl_c_in_chat_stops_the_answer_and_keeps_the_session(tiny_gguf, tmp_path, sigint_default):
     turns = tmp_path / "turns.txt"
     turns.write_bytes(b"first question\nsecond question\n")
     slow_chat = textwrap.dedent("""
@@ -656,7 +656,7 @@ def test_ctrl_c_in_chat_stops_the_answer_and_keeps_the_session(tiny_gguf, tmp_pa
         main()
     """)
     with open(turns, "rb") as stdin:
-        p = subprocess.Popen([sys.executable, "-c", slow_chat, "chat", str(tiny_gguf("llama")), "--no-spec",
+        p = subprocess.Popen([sys.executable, "-P", "-c", slow_chat, "chat", str(tiny_gguf("llama")), "--no-spec",
                               "--max-tokens", "1000", "--temperature", "0", "--threads", "1", "--stats"],
                              stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     first = p.stdout.read(1)  # the first answer is streaming

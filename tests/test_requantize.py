@@ -76,12 +76,12 @@ def test_requantize_refuses_or_warns_on_a_low_bit_source(tiny_gguf, tmp_path):
 
 
 def test_requantize_cli_prints_the_warning_and_quality(tiny_gguf, tmp_path):
-    r = subprocess.run([sys.executable, "-m", "ondevice", "convert", str(tiny_gguf("llama", "q8_0")), "--to", "gguf",
+    r = subprocess.run([sys.executable, "-P", "-m", "ondevice", "convert", str(tiny_gguf("llama", "q8_0")), "--to", "gguf",
                         "--quant", "q4_0", "--out", str(tmp_path / "o"), "--allow-requantize"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "warning:" in r.stderr and "top-1 agreement" in r.stderr and "mean KL" in r.stderr
-    r = subprocess.run([sys.executable, "-m", "ondevice", "convert", str(tiny_gguf("llama", "q8_0")), "--to", "gguf",
+    r = subprocess.run([sys.executable, "-P", "-m", "ondevice", "convert", str(tiny_gguf("llama", "q8_0")), "--to", "gguf",
                         "--quant", "q4_0", "--out", str(tmp_path / "p")], capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "--allow-requantize" in r.stderr and len(r.stderr.strip().splitlines()) == 1
 

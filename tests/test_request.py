@@ -47,7 +47,7 @@ def test_gamma_followed_from_every_surface_to_the_same_rule(tiny_gguf):
     with pytest.raises(ApiError) as e:
         generation_args({"gamma": MAX_GAMMA + 1}, 3, 64)
     assert RULE in str(e.value.body())
-    r = subprocess.run([sys.executable, "-m", "ondevice", "generate", str(tiny_gguf("llama")), "-p", "hi",
+    r = subprocess.run([sys.executable, "-P", "-m", "ondevice", "generate", str(tiny_gguf("llama")), "-p", "hi",
                         "--gamma", str(MAX_GAMMA + 1)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and RULE in r.stderr and "Traceback" not in r.stderr
 

@@ -128,7 +128,7 @@ def test_one_bad_gguf_in_a_store_is_listed_with_its_error_the_rest_still_work(st
     assert by_name["lmstudio:org/small-GGUF/small-Q8_0.gguf"]["ok"]
     assert not by_name["lmstudio:org/evil-GGUF/evil-Q8_0.gguf"]["ok"]
     # and as the user sees it
-    out = subprocess.run([sys.executable, "-m", "ondevice", "models", "--local", "--json"], capture_output=True,
+    out = subprocess.run([sys.executable, "-P", "-m", "ondevice", "models", "--local", "--json"], capture_output=True,
                          text=True, env={**os.environ, **env}, timeout=300)
     assert out.returncode == 0, out.stderr
     names = {m["name"] for m in json.loads(out.stdout)["models"]}

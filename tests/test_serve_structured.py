@@ -110,7 +110,8 @@ def test_tool_calls_required_and_named(served, choice, stream):
               extra_body={"gamma": gamma})
     if stream:
         chunks = list(client.chat.completions.create(stream=True, **kw))
-        calls = [t for c in chunks if c.choices and c.choices[0].delta.tool_calls for t in c.choices[0].delta.tool_calls]
+        calls = _accumulate([t for c in chunks if c.choices and c.choices[0].delta.tool_calls
+                             for t in c.choices[0].delta.tool_calls])
         finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ""
     else:
@@ -121,6 +122,22 @@ def test_tool_calls_required_and_named(served, choice, stream):
     name = calls[0].function.name
     assert choice in ("required", name) and calls[0].id.startswith("call_")
     jsonschema.validate(json.loads(calls[0].function.arguments), _params(name))
+
+
+def _accumulate(deltas):
+    """Streamed ``tool_calls`` deltas (a call's id and name first, then its arguments in pieces, as OpenAI
+    streams them) → the calls, in index order."""
+    from types import SimpleNamespace as NS
+
+    calls = {}
+    for d in deltas:
+        if d.index not in calls:
+            assert d.id and d.function.name, "a call's first delta has its id and name"
+            calls[d.index] = NS(id=d.id, function=NS(name=d.function.name, arguments=""))
+        else:
+            assert d.id is None and not d.function.name
+        calls[d.index].function.arguments += d.function.arguments or ""
+    return [calls[i] for i in sorted(calls)]
 
 
 def test_forced_call_cut_short_is_no_content_whole_or_streamed(served):

@@ -18,7 +18,7 @@ httpx = pytest.importorskip("httpx")
 
 
 def _serve(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ondevice", "serve", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-P", "-m", "ondevice", "serve", *args], capture_output=True, text=True,
                           timeout=120)
 
 

@@ -23,7 +23,7 @@ SLACK = 10.0  # seconds beyond the deadline a loaded machine may take to act on 
 def raising_model(tiny_gguf, tmp_path_factory):
     """A tiny GGUF whose chat template raises: its error names the model file."""
     out = tmp_path_factory.mktemp("limits") / "raises.gguf"
-    subprocess.run([sys.executable, "-m", "gguf.scripts.gguf_new_metadata", str(tiny_gguf("llama")), str(out),
+    subprocess.run([sys.executable, "-P", "-m", "gguf.scripts.gguf_new_metadata", str(tiny_gguf("llama")), str(out),
                     "--chat-template", "{{ raise_exception('no chat here') }}", "--force"], check=True,
                    capture_output=True, timeout=300)
     return out

@@ -195,7 +195,7 @@ def test_models_local_lists_every_store(stores):
 
     # the CLI, as a user runs it (offline, the stores from the environment)
     env = {**os.environ, **stores["env"]}
-    out = subprocess.run([sys.executable, "-m", "ondevice", "models", "--local", "--json"], env=env,
+    out = subprocess.run([sys.executable, "-P", "-m", "ondevice", "models", "--local", "--json"], env=env,
                          capture_output=True, text=True, check=True)
     doc = json.loads(out.stdout)
     assert {m["name"] for m in doc["models"]} == set(rows) and doc["stores"]["ollama"] == str(stores["ollama"])
@@ -216,7 +216,7 @@ def test_fingerprints_are_cached_by_path_size_and_mtime(stores, monkeypatch):
 
 
 def _cli_error(env, *args) -> str:
-    out = subprocess.run([sys.executable, "-m", "ondevice", *args], env={**os.environ, **env}, capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-P", "-m", "ondevice", *args], env={**os.environ, **env}, capture_output=True, text=True)
     assert out.returncode == 2, out.stderr
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:"), out.stderr
@@ -353,16 +353,16 @@ def test_auto_draft_falls_back_when_no_draft_would_pay(stores, monkeypatch):
 
 def test_cli_draft_auto_and_candidates(stores):
     env = {**os.environ, **stores["env"]}
-    out = subprocess.run([sys.executable, "-m", "ondevice", "generate", "hf:tiny/target-GGUF:Q8_0", "-p", "the", "--draft",
+    out = subprocess.run([sys.executable, "-P", "-m", "ondevice", "generate", "hf:tiny/target-GGUF:Q8_0", "-p", "the", "--draft",
                           "auto", "--max-tokens", "4", "--json", "--n-ctx", "128", "--threads", "1", "--gamma", "2"],
                          env=env, capture_output=True, text=True, check=True)
     choice = json.loads(out.stdout)["draft_choice"]
     assert choice["drafter"] in ("model", "ngram") and choice["reason"]
     assert [c["name"] for c in choice["candidates"] if c["ok"] or "expected_speedup" in c] == ["ollama:tinydraft:latest"]
-    out = subprocess.run([sys.executable, "-m", "ondevice", "check-pair", "hf:tiny/target-GGUF:Q8_0"],
+    out = subprocess.run([sys.executable, "-P", "-m", "ondevice", "check-pair", "hf:tiny/target-GGUF:Q8_0"],
                          env=env, capture_output=True, text=True, check=True)
     assert "ollama:tinydraft:latest" in out.stdout and "not much smaller" in out.stdout
-    out = subprocess.run([sys.executable, "-m", "ondevice", "models", "--local", "--target", "hf:tiny/target-GGUF:Q8_0",
+    out = subprocess.run([sys.executable, "-P", "-m", "ondevice", "models", "--local", "--target", "hf:tiny/target-GGUF:Q8_0",
                           "--json"], env=env, capture_output=True, text=True, check=True)
     doc = json.loads(out.stdout)
     assert [d["name"] for d in doc["drafts"] if d["ok"]] == ["ollama:tinydraft:latest"]

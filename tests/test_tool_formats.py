@@ -525,18 +525,15 @@ GEMMA4 = """{%- macro format_argument(argument, escape_keys=True) -%}
     {%- endif -%}
 {%- endif -%}"""
 
-TOJSON = pytest.mark.xfail(strict=True, reason=(
-    "jinja2's tojson returns Markup, so `'<marker>' + x|tojson` HTML-escapes the marker; transformers and "
-    "llama.cpp render tojson as plain json.dumps: ondevice/templates.py needs that filter"))
 ROUND_TRIP = [  # (family, template, what the tool result must render as)
     ("hermes", QWEN25, "<tool_response>\n18 C, sunny\n</tool_response>"),
     ("qwen3_coder", QWEN3_CODER, "<tool_response>\n18 C, sunny\n</tool_response>"),
     ("llama3", LLAMA32, '<|start_header_id|>ipython<|end_header_id|>\n\n"18 C, sunny"<|eot_id|>'),
     ("mistral", MISTRAL_NEMO, '[TOOL_RESULTS]{"content": 18 C, sunny, "call_id": "'),
     ("mistral", MISTRAL_SMALL32, "[TOOL_CONTENT]18 C, sunny[/TOOL_RESULTS]"),
-    pytest.param("deepseek", DEEPSEEK_V31, "<｜tool▁output▁begin｜>18 C, sunny<｜tool▁output▁end｜>", marks=TOJSON),
+    pytest.param("deepseek", DEEPSEEK_V31, "<｜tool▁output▁begin｜>18 C, sunny<｜tool▁output▁end｜>"),
     pytest.param("harmony", GPT_OSS, '<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>'
-                 '"18 C, sunny"<|end|>', marks=TOJSON),
+                 '"18 C, sunny"<|end|>'),
     ("gemma4", GEMMA4, "<|tool_response>response:get_weather{value:<|\"|>18 C, sunny<|\"|>}<tool_response|>"),
 ]
 
@@ -568,7 +565,7 @@ def test_calls_round_trip_through_the_family_template(family, template, result):
     assert result in full
 
 
-REAL = {  # llama.cpp's models/templates file → family (DeepSeek and GLM wait for the tojson fix above)
+REAL = {  # llama.cpp's models/templates file → family
     "Qwen-Qwen2.5-7B-Instruct.jinja": "hermes", "Qwen-Qwen3-0.6B.jinja": "hermes", "Qwen-QwQ-32B.jinja": "hermes",
     "NousResearch-Hermes-3-Llama-3.1-8B-tool_use.jinja": "hermes", "ibm-granite-granite-4.0.jinja": "hermes",
     "Qwen3-Coder.jinja": "qwen3_coder", "Qwen3.5-4B.jinja": "qwen3_coder",

@@ -8,6 +8,7 @@ import jsonschema
 import pytest
 
 import ondevice
+from ondevice import toolcalls
 from ondevice import tools as T
 from ondevice.errors import OndeviceError
 
@@ -45,13 +46,6 @@ def test_parse_hermes_calls_and_content():
     assert T.parse_calls('a {"x": 1}', "hermes", TOOLS) == ('a {"x": 1}', [])
 
 
-def test_held_back_stops_before_a_call():
-    assert T.held_back("Sure <tool", "hermes") == 5
-    assert T.held_back("Sure <tool_call>\n{", "hermes") == 5
-    assert T.held_back("Sure", "hermes") == 4 and T.held_back("a <tool", "json") == 7
-    assert T.held_back('Sure.\n{"na', "hermes") == 6 and T.held_back('{"a', "json") == 0
-
-
 def test_choice_and_checks():
     assert T.choice_of(None, TOOLS) == "auto"
     assert T.choice_of({"type": "function", "function": {"name": "get_time"}}, TOOLS) == "get_time"
@@ -77,11 +71,11 @@ def test_qwen_template_renders_tools_and_calls():
         pytest.skip("qwen2.5-coder-0.5b-instruct is not pulled (ondevice pull qwen2.5-coder-0.5b-instruct)")
     tmpl = read_header(catalog.cached_path(entry))[0]["tokenizer.chat_template"]
     assert T.call_format(tmpl) == "hermes"
-    msgs = T.template_messages([
+    msgs = toolcalls.template_messages([
         {"role": "user", "content": "Weather in Paris?"},
         {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
             "name": "get_weather", "arguments": '{"city": "Paris", "unit": "C"}'}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "18 C"}])
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C"}], toolcalls.detect(tmpl))
     text = render(tmpl, msgs, tools=TOOLS)
     assert '"name": "get_weather"' in text and "<tools>" in text and "<tool_response>" in text
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}\n</tool_call>' in text

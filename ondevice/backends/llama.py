@@ -29,12 +29,24 @@ import numpy as np
 from ondevice.backends.base import Backend, check_room
 from ondevice.backends.llama_features import MTP_RS_SEQ, LlamaFeatures
 from ondevice.backends.llama_mtp import file_mtp_layers
+from ondevice.backends.llama_state import LlamaState
 from ondevice.backends.llama_tree import TREE_SEQS, LlamaTree
 from ondevice.errors import OndeviceError
 from ondevice.formats.gguf import check_gguf_file
 from ondevice.threads import default_threads
 
 _LOG_CB = None
+
+# KV-cache element types (``-ctk/-ctv``): name → llama_cpp's GGML type constant. A quantized V cache needs flash
+# attention (llama.cpp refuses it otherwise), so the backend switches it on for one.
+KV_CACHE_TYPES = {"f16": "GGML_TYPE_F16", "q8_0": "GGML_TYPE_Q8_0", "q4_0": "GGML_TYPE_Q4_0"}
+
+
+def check_cache_type(name: str, value) -> str:
+    """``value`` if it names a KV-cache type, else a one-line ``OndeviceError`` naming ``name`` and the choices."""
+    if not isinstance(value, str) or value.lower() not in KV_CACHE_TYPES:
+        raise OndeviceError(f"{name}={value!r}: choose a KV-cache type among {', '.join(KV_CACHE_TYPES)}")
+    return value.lower()
 
 
 def init_llama(debug: bool = False) -> None:
@@ -76,7 +88,7 @@ def _ctrl_c_deferred():
             signal.raise_signal(signal.SIGINT)
 
 
-class LlamaBackend(LlamaTree, LlamaFeatures, Backend):
+class LlamaBackend(LlamaTree, LlamaState, LlamaFeatures, Backend):
     """A GGUF model and its KV cache in llama.cpp (see ``ondevice.backends.Backend``).
 
     Args:
@@ -94,6 +106,9 @@ class LlamaBackend(LlamaTree, LlamaFeatures, Backend):
             ``n_ctx_seq = n_ctx / n_seq_max`` cells, laid out as a one-sequence context lays them out, so
             answers generated together (``eval_seqs``) are bit for bit the ones generated alone; with one
             buffer their cells interleave and llama.cpp's attention rounds differently (greedy answers flip).
+        cache_type_k, cache_type_v: element type of the K and V cache, one of ``KV_CACHE_TYPES`` (f16, q8_0,
+            q4_0). A quantized V cache runs with flash attention on (llama.cpp requires it). Every pass reads
+            the cache it wrote, so verify and rollback stay exact for the cache they run on.
     """
 
     # post-norm hidden states (``enable_hidden``: heads); layer inputs (``enable_layer_inputs``: EAGLE-3)
@@ -112,11 +127,15 @@ class LlamaBackend(LlamaTree, LlamaFeatures, Backend):
         debug: bool = False,
         n_seq_max: int = TREE_SEQS,
         kv_unified: bool = True,
+        cache_type_k: str = "f16",
+        cache_type_v: str = "f16",
     ) -> None:
         import llama_cpp
 
         self._lib = llama_cpp
         self.path = Path(path)
+        self.cache_type_k = check_cache_type("cache_type_k", cache_type_k)
+        self.cache_type_v = check_cache_type("cache_type_v", cache_type_v)
         check_gguf_file(self.path)
         self._model = self._ctx = self._batch = None  # close() (and __del__) free whatever a Ctrl-C left
         init_llama(debug or bool(os.environ.get("ONDEVICE_DEBUG")))
@@ -163,10 +182,19 @@ class LlamaBackend(LlamaTree, LlamaFeatures, Backend):
         self._n_rs = MTP_RS_SEQ if self.n_mtp else 0  # a hybrid (recurrent) trunk rolls back a verify pass from
         cp.n_rs_seq = self._n_rs  # its snapshots (positions into its last decode)
         self._last_decode: tuple[int, int] | None = None
+        cp.type_k = getattr(llama_cpp, KV_CACHE_TYPES[self.cache_type_k])
+        cp.type_v = getattr(llama_cpp, KV_CACHE_TYPES[self.cache_type_v])
+        if self.cache_type_v != "f16":  # llama.cpp refuses a quantized V cache without flash attention
+            cp.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
         with _ctrl_c_deferred():
             self._ctx = llama_cpp.llama_init_from_model(self._model, cp)
         if not self._ctx:
             self.close()
+            if (self.cache_type_k, self.cache_type_v) != ("f16", "f16"):
+                raise OndeviceError(
+                    f"{self.path}: llama.cpp could not create a context with cache_type_k={self.cache_type_k} "
+                    f"cache_type_v={self.cache_type_v} (a quantized cache needs head sizes divisible by 32 and flash "
+                    "attention on this device); use f16")
             raise OndeviceError(f"{self.path}: llama.cpp could not create a context of n_ctx={n_ctx}; try a smaller --n-ctx")
         # What the context really got: llama.cpp rounds n_ctx up (to 256) and caps n_batch at the n_ctx
         # asked for; one llama_decode takes at most n_batch tokens (GGML_ASSERT otherwise).

@@ -75,11 +75,12 @@ class LlamaFeatures:
     def _read_features(self, pos0: int, tokens) -> None:
         """After a decode of ``tokens`` at ``pos0``: the MTP head observes them; their layer-input rows are kept."""
         m = len(tokens)
-        if self._mtp is not None:
+        if self._mtp is not None and pos0 == len(self._nextn_rows) == self._mtp.n_past:
             h = llama_mtp.nextn_rows(self._ctx, m, self._mtp.n_embd)
-            del self._nextn_rows[pos0:]
             self._nextn_rows.extend(h)
             self._mtp.observe(tokens, h, pos0)
+        # else positions the head never saw (a KV state loaded from the prompt cache): it stays behind, and the MTP
+        # drafter proposes nothing, until the cache is rolled back to what the head holds
         if self._layer_ids is None:
             return
         rows = llama_ext.layer_inputs(self._ctx, self._layer_ids, m, self._n_embd_trunk)
@@ -90,8 +91,9 @@ class LlamaFeatures:
     def _trim_features(self, n_past: int) -> None:
         """The cache now holds ``n_past`` positions: rows beyond are gone; the MTP head keeps positions below it."""
         if self._mtp is not None:
-            del self._nextn_rows[n_past:]
-            self._mtp.rollback(n_past, self._nextn_rows[-1] if n_past else None)
+            n = min(n_past, self._mtp.n_past)
+            del self._nextn_rows[n:]
+            self._mtp.rollback(n, self._nextn_rows[-1] if n else None)
         if self._layer_ids is not None:
             del self._layer_rows[max(0, n_past - self._layer_pos0):]
 

@@ -171,8 +171,8 @@ def run_bench(
     runtimes = {"plain": load(model, drafter="none", threads=threads, n_ctx=n_ctx)}
     for d in [x.strip() for x in str(draft or "").split(",") if x.strip()]:  # e.g. "heads,qwen2.5-coder-0.5b-instruct"
         rt = load(model, d, threads=threads, n_ctx=n_ctx)
-        model = rt.drafter is not None and rt.drafter.traits.model  # a draft model; else the kind's name (heads)
-        kind = rt.drafter.name if not model else "draft" if "draft" not in runtimes else f"draft{len(runtimes)}"
+        is_model = rt.drafter is not None and rt.drafter.traits.model  # a draft model; else the kind's name (heads)
+        kind = rt.drafter.name if not is_model else "draft" if "draft" not in runtimes else f"draft{len(runtimes)}"
         runtimes[kind] = rt
     if ngram:
         runtimes["ngram"] = load(model, drafter="ngram", threads=threads, n_ctx=n_ctx)

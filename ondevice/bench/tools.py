@@ -62,7 +62,7 @@ def cold_start(model_path: Path, repeats: int = 5, threads: int | None = None) -
                     if state == "cold":
                         method = evict(model_path)
                     t0 = time.perf_counter()
-                    r = subprocess.run([sys.executable, "-c", _COLD, kind, str(model_path), "1" if mmap else "0",
+                    r = subprocess.run([sys.executable, "-P", "-c", _COLD, kind, str(model_path), "1" if mmap else "0",
                                         str(threads)], capture_output=True, text=True, timeout=600)
                     wall = time.perf_counter() - t0
                     if r.returncode != 0:
@@ -85,7 +85,7 @@ def cold_start(model_path: Path, repeats: int = 5, threads: int | None = None) -
 
 def _import_time() -> float:
     code = "import time; t = time.perf_counter(); import ondevice; print(time.perf_counter() - t)"
-    return float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+    return float(subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, check=True).stdout)
 
 
 def table(doc: dict) -> None:

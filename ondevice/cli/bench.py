@@ -35,6 +35,7 @@ def bench_cmd(
     link_latency: Annotated[float | None, typer.Option("--link-latency", help="With --synthetic: predict tok/s with the target sharded over --world-size machines on a link of this many ms per collective.")] = None,
     world_size: Annotated[int, typer.Option("--world-size", min=2, help="Machines for --link-latency.")] = 2,
     quality: Annotated[bool, typer.Option("--quality", help="Task eval: MODEL[,MODEL...] answer the shipped tasks (code run in a sandbox, exact-match answers); pass rates side by side.")] = False,
+    unsafe_no_sandbox: Annotated[bool, typer.Option("--unsafe-no-sandbox", help="--quality: run model-written code even where no OS sandbox (bubblewrap / sandbox-exec) is available; it can then read and write your files.")] = False,
 ) -> None:
     """Benchmark plain vs speculative decoding (and anchors) on the prompt suite; JSON + table + plots."""
     from ondevice.bench import run as bench
@@ -45,7 +46,8 @@ def bench_cmd(
         from ondevice.quality.report import bench_quality
 
         return bench_quality(_csv(model), json_path=json_path, plot_dir=plot, per_class=per_class, threads=threads,
-                             echo=typer.echo, progress=lambda m: typer.echo(m, err=True))
+                             echo=typer.echo, progress=lambda m: typer.echo(m, err=True),
+                             unsafe_no_sandbox=unsafe_no_sandbox)
     if draft is None:
         pair = lookup.resolve_pair(model)
         if pair:

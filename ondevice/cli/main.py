@@ -103,6 +103,7 @@ def chat_cmd(
     draft_device: DraftDeviceOpt = None,
     show_draft: Annotated[bool, typer.Option("--show-draft", help="Colour tokens that came from the draft.")] = False,
     stats: Annotated[bool, typer.Option("--stats", help="Print tok/s and acceptance after each answer.")] = False,
+    think: Annotated[bool | None, typer.Option("--think/--no-think", help="A thinking model thinks or not (the template's enable_thinking; /think on|off in the chat) [default: the template's].")] = None,
     request: GenerateRequest | None = None,
 ) -> None:
     """Chat in the terminal (streaming). With no arguments: Qwen2.5-Coder-0.5B-Instruct with n-gram drafting. Piped stdin: one turn per line."""
@@ -117,41 +118,61 @@ def chat_cmd(
             if stats:
                 typer.echo(f"draft: {rt.draft_choice['reason']}", err=True)
         code = run_chat(rt, system=system, show_draft=show_draft, show_stats=stats, request=request,
-                        title=f"ondevice chat · {model} · drafter {name}")
+                        title=f"ondevice chat · {model} · drafter {name}", think=think)
     if code:
         raise typer.Exit(code)
 
 
 @command("serve")
 def serve_cmd(
-    model: Annotated[str, typer.Argument(help="Model: path or catalog name.")] = DEFAULT_CHAT_MODEL,
+    model: Annotated[list[str] | None, typer.Argument(metavar="MODEL", help="Models to serve (paths, catalog or store names), each under "
+                                                       "its name; loaded on first use [default: "
+                                                       f"{DEFAULT_CHAT_MODEL}].")] = None,
     draft: DraftOpt = None,
     ngram: NgramOpt = False,
     no_spec: NoSpecOpt = False,
     host: Annotated[str, typer.Option("--host", help="Address to bind; anything but loopback is reachable by others.")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", min=0, max=65535, help="TCP port.")] = 8080,
-    api_key: Annotated[str | None, typer.Option("--api-key", envvar="ONDEVICE_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1 (needed off loopback).")] = None,
+    api_key: Annotated[str | None, typer.Option("--api-key", envvar="ONDEVICE_API_KEY", help="Require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on /v1 (needed off loopback).")] = None,
     no_auth: Annotated[bool, typer.Option("--no-auth", help="Serve off loopback without --api-key (any web page a browser on the network opens could drive the API).")] = False,
     allowed_host: Annotated[list[str] | None, typer.Option("--allowed-host", help="Also answer requests whose Host header is NAME (repeatable; against DNS rebinding only loopback names, IP addresses and --host are answered).")] = None,
     n_ctx: CtxOpt = DEFAULT_N_CTX,
-    max_queue: Annotated[int, typer.Option("--max-queue", min=0, help="Requests that may wait behind the running one (more get 503).")] = 16,
+    max_queue: Annotated[int, typer.Option("--max-queue", min=0, help="Requests that may wait per model behind its running one (more get 503).")] = 16,
+    max_loaded: Annotated[int, typer.Option("--max-loaded", min=1, help="Models loaded at once at most (the least recently used idle one is unloaded to make room).")] = 3,
+    keep_alive: Annotated[float, typer.Option("--keep-alive", help="Seconds an idle model stays loaded (negative: until exit; a request's keep_alive overrides it).")] = 300.0,
     cors_origin: Annotated[list[str] | None, typer.Option("--cors-origin", help="Allow browser calls from this origin (repeatable; '*' = any).")] = None,
     read_timeout: Annotated[float | None, typer.Option("--read-timeout", min=0.1, help="Seconds a client may take to send a request (head, then body) [default: 30].")] = None,
     max_connections: Annotated[int | None, typer.Option("--max-connections", min=1, help="Open connections at most; more get 503 [default: max(64, max-queue + 16)].")] = None,
     threads: ThreadsOpt = None,
     device: DeviceOpt = None,
 ) -> None:
-    """Serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models) and a chat page at /."""
+    """Serve the OpenAI and Anthropic APIs (/v1/chat/completions, /v1/completions, /v1/responses, /v1/messages, /v1/embeddings, /v1/models) and a chat page at /."""
+    from functools import partial
+
+    from ondevice.drafters import registry
+    from ondevice.errors import OndeviceError
     from ondevice.loader import load
+    from ondevice.server.models import Models, keep_alive_seconds
     from ondevice.server.run import check_exposure, open_socket, serve
 
+    names = model or [DEFAULT_CHAT_MODEL]
+    if len(names) > 1 and draft not in (None, "auto") and not registry.per_target(draft):
+        raise OndeviceError(f"--draft {draft} is one model's draft; with several models use --draft auto (each "
+                            "model chooses its own) or heads")
     check_exposure(host, api_key, no_auth)  # before anything listens
     sock = open_socket(host, port)  # fail fast on a busy port, before the model loads
-    with load(model, draft, drafter=_drafter(draft, ngram, no_spec), n_ctx=n_ctx, threads=threads, device=device) as rt:
-        model_id = Path(model).name.removesuffix(".gguf") if Path(model).exists() else model
-        serve(rt, model_id, host=host, port=port, api_key=api_key, no_auth=no_auth, allowed_hosts=allowed_host or [],
-              max_queue=max_queue, cors_origins=cors_origin, read_seconds=read_timeout, max_connections=max_connections,
-              sock=sock)
+    specs = [(Path(m).name.removesuffix(".gguf") if Path(m).exists() else m, m) for m in names]
+    loader = partial(load, draft=draft, drafter=_drafter(draft, ngram, no_spec), n_ctx=n_ctx, threads=threads,
+                     device=device)
+    served = Models(specs, loader, max_loaded=max_loaded, keep_alive=keep_alive_seconds(keep_alive, "--keep-alive"),
+                    max_queue=max_queue)
+    served.adopt(specs[0][0], loader(names[0]))  # the first model loads now: a bad one fails at once
+    try:
+        serve(served, host=host, port=port, api_key=api_key, no_auth=no_auth, allowed_hosts=allowed_host or [],
+              max_queue=max_queue, cors_origins=cors_origin, read_seconds=read_timeout,
+              max_connections=max_connections, sock=sock)
+    finally:
+        served.close_all()
 
 
 @command("check-pair")

@@ -9,8 +9,63 @@ from contextlib import contextmanager
 from ondevice.chat import ChatSession
 from ondevice.errors import OndeviceError
 from ondevice.params import GenerateRequest
+from ondevice.reasoning import Splitter
 
-HELP = "/help shows this · /reset clears the history · /stats shows the last answer's statistics · /exit quits · Ctrl-C stops an answer"
+HELP = ("/help shows this · /reset clears the history · /stats shows the last answer's statistics · "
+        "/think on|off turns a thinking model's thinking on or off · /thinking shows the last thinking · "
+        "/exit quits · Ctrl-C stops an answer")
+FOLD_LINES = 4  # lines of thinking shown (dimmed) while it streams; then it folds into one line
+
+
+class _Turn:
+    """One answer as the REPL shows it: a thinking model's thinking with its last lines dimmed while it streams
+    (a transient rich Live on a terminal), then folded into one dim line (``/thinking`` prints it all); the
+    answer printed as it comes."""
+
+    def __init__(self, out, err, interactive: bool) -> None:
+        self.out, self.err, self.interactive = out, err, interactive
+        self.parts: list[str] = []
+        self.answer: list[str] = []
+        self.live = None
+        self.folded = False
+
+    def show(self, reasoning: str, content: str, style: str | None = None) -> None:
+        """Show a piece of thinking and / or answer (``ondevice.reasoning.Splitter``'s output)."""
+        if reasoning:
+            self.add(reasoning)
+        if content:
+            self.fold()
+            self.out.print(content, style=style, end="", markup=False)
+            self.answer.append(content)
+
+    def add(self, text: str) -> None:
+        from rich.text import Text
+
+        self.parts.append(text)
+        if not self.interactive:
+            return
+        tail = "\n".join("".join(self.parts).strip().splitlines()[-FOLD_LINES:])
+        view = Text(tail, style="dim italic")
+        if self.live is None:
+            from rich.live import Live
+
+            self.live = Live(view, console=self.out, transient=True, auto_refresh=False)
+            self.live.start()
+        self.live.update(view, refresh=True)
+
+    def fold(self) -> None:
+        """End the live view and leave one line saying how much was thought (nothing if nothing was)."""
+        if self.live is not None:
+            self.live.stop()
+            self.live = None
+        text = self.text
+        if text and not self.folded:
+            self.folded = True
+            self.err.print(f"[dim]▸ thought for {len(text.split())} words · /thinking shows it[/dim]")
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts).strip()
 
 
 @contextmanager
@@ -52,12 +107,14 @@ def _lines(stdin):
 
 
 def run_chat(runtime, *, system: str | None, show_draft: bool, show_stats: bool, request: GenerateRequest,
-             title: str) -> int:
+             title: str, think: bool | None = None) -> int:
     """Run the chat loop until /exit, EOF or (at the prompt) Ctrl-C.
 
     A turn that fails (too long for the context, a broken chat template) is reported in one line and the
-    session goes on with the next turn, its history kept. Returns the exit status: 0, or 1 when a turn of
-    piped input was refused.
+    session goes on with the next turn, its history kept. A thinking model's thinking (the template's
+    convention, ``ondevice.reasoning``) is shown dimmed while it streams, then folded into one line; only the
+    answer is kept in the history. ``think``: the template's enable_thinking (None: its default). Returns the
+    exit status: 0, or 1 when a turn of piped input was refused.
     """
     from rich.markup import escape
 
@@ -66,9 +123,11 @@ def run_chat(runtime, *, system: str | None, show_draft: bool, show_stats: bool,
     out = console(highlight=False, soft_wrap=True, emoji=False)
     err = console(stderr=True, highlight=False, soft_wrap=True, emoji=False)
     refused = 0
-    session = ChatSession(runtime, system=system, request=request)
+    session = ChatSession(runtime, system=system, request=request,
+                          variables={} if think is None else {"enable_thinking": think})
     interactive = sys.stdin.isatty()
     warned = False
+    thoughts = None
     if interactive:
         err.print(f"[dim]{title}\n{HELP}[/dim]")
     lines = None if interactive else _lines(sys.stdin)
@@ -94,6 +153,14 @@ def run_chat(runtime, *, system: str | None, show_draft: bool, show_stats: bool,
             session.reset()
             err.print("[dim]history cleared[/dim]")
             continue
+        if line in ("/think on", "/think off"):
+            session.variables["enable_thinking"] = line == "/think on"
+            err.print(f"[dim]thinking {line.split()[1]} (the template's enable_thinking; a template without it "
+                      "ignores this)[/dim]")
+            continue
+        if line == "/thinking":
+            err.print(f"[dim]{escape(thoughts.text)}[/dim]" if thoughts and thoughts.text else "[dim]no thinking yet[/dim]")
+            continue
         if line == "/stats":
             s = runtime.last_stats
             err.print(_stats_line(s) if s else "[dim]no answer yet[/dim]")
@@ -113,18 +180,21 @@ def run_chat(runtime, *, system: str | None, show_draft: bool, show_stats: bool,
         if session.dropped and not warned:
             err.print("[yellow]the conversation outgrew the context: dropping the oldest turns (the system prompt stays)[/yellow]")
             warned = True
-        answer = []
-        with _ctrl_c_cancels(stream):
-            for chunk in stream:
-                style = "cyan" if show_draft and chunk.from_draft and all(chunk.from_draft) else None
-                out.print(chunk.text, style=style, end="", markup=False)
-                answer.append(chunk.text)
+        split, thoughts = Splitter(session.thinking), _Turn(out, err, interactive)
+        try:
+            with _ctrl_c_cancels(stream):
+                for chunk in stream:
+                    style = "cyan" if show_draft and chunk.from_draft and all(chunk.from_draft) else None
+                    thoughts.show(*split.feed(chunk.text), style)
+            thoughts.show(*split.finish())
+        finally:
+            thoughts.fold()
         out.print()
         if stream.stats.stop_reason == "cancelled":
             err.print("[dim](stopped)[/dim]")
         elif note := context_note(stream.stats, runtime.n_ctx):
             err.print(f"[yellow]{note}[/yellow]")
-        session.commit(line, "".join(answer))
+        session.commit(line, "".join(thoughts.answer))
         if show_stats:
             err.print(f"[dim]{_stats_line(stream.stats)}[/dim]")
     return 1 if refused and not interactive else 0

@@ -69,7 +69,7 @@ def launch(hosts: list[str] | None, command: list[str], *, backend: str = "ring"
     fd, path = tempfile.mkstemp(prefix="ondevice-hosts-", suffix=".json")
     with os.fdopen(fd, "w") as f:
         json.dump(doc, f, indent=1)
-    cmd = [exe, "--hostfile", path, "--backend", backend, "--", python or sys.executable, "-m", "ondevice", *command]
+    cmd = [exe, "--hostfile", path, "--backend", backend, "--", python or sys.executable, "-P", "-m", "ondevice", *command]
     try:
         if dry_run:
             print(json.dumps(doc, indent=1))

@@ -87,6 +87,13 @@ def choose(drafter: str | None, draft: str | Path | None) -> tuple[Kind | None, 
     return asked, draft, None
 
 
+def per_target(draft: str | Path | None) -> bool:
+    """``draft`` names a kind that each target resolves for itself (``"heads"``: the heads stored for it), not one
+    model's draft file."""
+    kind = _KINDS.get(str(draft))
+    return kind is not None and kind.claims is not None and kind.claims(str(draft))
+
+
 def settle(kind: Kind | None, draft: str | Path | None) -> Kind:
     """The kind once pairs are resolved: a draft model's kind when one is given, else prompt lookup; a draft
     given to a kind that would not use it (or none to one that needs it) is refused in one line."""

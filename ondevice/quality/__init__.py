@@ -2,7 +2,7 @@
 
 A small task set written for this project (``tasks.toml``: code with unit tests, arithmetic, facts, unit
 conversions), asked greedily through each model's chat template and checked: code by running the answer's
-unit tests in a sandboxed subprocess (``sandbox``), short answers by exact match after extraction
+unit tests in an OS sandbox (``sandbox``; bubblewrap / sandbox-exec, ``confine``), short answers by exact match after extraction
 (``extract``). ``evaluate`` returns pass rates per class with 95 % Wilson intervals, time and decode tok/s;
 ``report`` prints the table and the plot. CLI: ``ondevice bench --quality MODEL[,MODEL...]``.
 """

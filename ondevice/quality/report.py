@@ -73,14 +73,16 @@ def plot(doc: dict, out_dir: Path) -> Path:
 
 def bench_quality(models: list[str], *, json_path: Path | None = None, plot_dir: Path | None = None,
                   per_class: int | None = None, classes: list[str] | None = None, threads: int | None = None,
-                  echo: Callable[[str], None] = print, progress: Callable[[str], None] | None = None) -> dict:
+                  echo: Callable[[str], None] = print, progress: Callable[[str], None] | None = None,
+                  unsafe_no_sandbox: bool = False) -> dict:
     """``ondevice bench --quality MODEL[,MODEL…]``: evaluate, write the JSON (temp then rename) before the table
     (a display error must not lose a long run), print the table, optionally plot; without ``json_path`` the
-    JSON goes to stdout via ``echo``."""
+    JSON goes to stdout via ``echo``. ``unsafe_no_sandbox``: see ``evaluate``."""
     from ondevice.atomic import write_text
     from ondevice.quality.runner import evaluate
 
-    doc = evaluate(models, classes=classes, per_class=per_class, threads=threads, progress=progress)
+    doc = evaluate(models, classes=classes, per_class=per_class, threads=threads, progress=progress,
+                   unsafe_no_sandbox=unsafe_no_sandbox)
     if plot_dir:
         doc["plots"] = [str(plot(doc, plot_dir))]
     text = json.dumps(doc, indent=2, default=str)

@@ -54,7 +54,7 @@ def _load_average() -> list[float] | None:
 
 def evaluate(models: Sequence[str | Path], *, classes: list[str] | None = None, per_class: int | None = None,
              ids: list[str] | None = None, seed: int = 0, drafter: str = "none", n_ctx: int = 2048,
-             threads: int | None = None, timeout: float = 10.0,
+             threads: int | None = None, timeout: float = 10.0, unsafe_no_sandbox: bool = False,
              progress: Callable[[str], None] | None = None) -> dict:
     """Ask every model every task (greedy, fixed seed), check the answers, and summarise per model and class.
 
@@ -70,6 +70,8 @@ def evaluate(models: Sequence[str | Path], *, classes: list[str] | None = None, 
             "model"; greedy speculative decoding gives the same answers token for token.
         n_ctx: context of each runtime; threads: CPU threads.
         timeout: wall-clock seconds for each code answer's tests in the sandbox.
+        unsafe_no_sandbox: run code answers without an OS sandbox where none is available (with a warning);
+            by default the eval refuses to start there (``sandbox.require``).
         progress: called with one line per answer.
     Returns:
         JSON document: ``config``, ``machine``, ``models`` (one summary per model: per-class and overall pass
@@ -79,7 +81,10 @@ def evaluate(models: Sequence[str | Path], *, classes: list[str] | None = None, 
     """
     import ondevice
     from ondevice.bench.run import machine
+    from ondevice.quality.sandbox import require
     from ondevice.store import lookup
+
+    require(unsafe_no_sandbox)  # before any model is pulled or loaded
 
     say = progress or (lambda s: None)
     tasks = select(classes, per_class, ids)
@@ -101,7 +106,7 @@ def evaluate(models: Sequence[str | Path], *, classes: list[str] | None = None, 
                 t0 = time.perf_counter()
                 res = _ask(run["rt"], task, seed)
                 t1 = time.perf_counter()
-                verdict = check(task, res.text, timeout=timeout)
+                verdict = check(task, res.text, timeout=timeout, unsafe=unsafe_no_sandbox)
                 t2 = time.perf_counter()
                 st = res.stats
                 run["answer_seconds"] += t1 - t0
@@ -137,7 +142,7 @@ def evaluate(models: Sequence[str | Path], *, classes: list[str] | None = None, 
             "models": summaries, "answers": answers}
 
 
-def rejudge(doc: dict, *, timeout: float = 10.0) -> dict:
+def rejudge(doc: dict, *, timeout: float = 10.0, unsafe_no_sandbox: bool = False) -> dict:
     """Check the answers stored in an ``evaluate`` document again (after a fix to a task's tests or to the
     extractor) without asking the models again: greedy answers do not change. Returns a new document whose
     verdicts and pass rates are recomputed (times, tok/s and the replies are kept) and ``config.rejudged``."""
@@ -148,7 +153,7 @@ def rejudge(doc: dict, *, timeout: float = 10.0) -> dict:
     for m, a in zip(doc["models"], doc["answers"], strict=True):
         rows = []
         for r in a["tasks"]:
-            v = check(tasks[r["id"]], r["answer"], timeout=timeout)
+            v = check(tasks[r["id"]], r["answer"], timeout=timeout, unsafe=unsafe_no_sandbox)
             rows.append({**r, "passed": v.passed, "detail": v.detail, "extracted": v.extracted})
         classes = {c: rate([r for r in rows if r["class"] == c]) for c in CLASSES if any(r["class"] == c for r in rows)}
         out["models"].append({**m, "classes": classes, "overall": rate(rows)})

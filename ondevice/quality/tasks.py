@@ -119,12 +119,13 @@ def select(classes: list[str] | None = None, per_class: int | None = None, ids: 
     return out
 
 
-def check(task: Task, answer: str, *, timeout: float = 10.0) -> Verdict:
+def check(task: Task, answer: str, *, timeout: float = 10.0, unsafe: bool = False) -> Verdict:
     """Judge ``answer`` (the model's whole reply) to ``task``.
 
     Code: the extracted program and the task's tests run in the sandbox (``sandbox.run_python``) under a
     wall-clock limit of ``timeout`` seconds; it passes when every assert holds. Numbers: the extracted number
     equals the answer exactly. Text: a normalised reading of the reply equals one of the answers.
+    ``unsafe``: run code even where no OS sandbox is available (``sandbox.require``).
     """
     if task.kind == "code":
         from ondevice.quality.sandbox import run_python
@@ -132,7 +133,8 @@ def check(task: Task, answer: str, *, timeout: float = 10.0) -> Verdict:
         code = extract_code(answer, task.entry)
         if code is None:
             return Verdict(False, "no Python code found in the answer")
-        r = run_python(_HARNESS.format(entry=task.entry, tests=task.tests), files={"solution.py": code}, timeout=timeout)
+        r = run_python(_HARNESS.format(entry=task.entry, tests=task.tests), files={"solution.py": code}, timeout=timeout,
+                       unsafe=unsafe)
         return Verdict(r.ok, "all tests passed" if r.ok else r.reason(), code)
     if task.kind == "number":
         got = extract_number(answer)

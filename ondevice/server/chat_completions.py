@@ -1,6 +1,7 @@
 """The OpenAI chat.completions dialect (``POST /v1/chat/completions``): messages rendered with the model's chat
-template, tools, response_format and logprobs; answers as ``chat.completion`` or streamed
-``chat.completion.chunk`` objects (a role chunk first, tool calls as ``tool_calls`` deltas)."""
+template (and ``chat_template_kwargs``), tools, response_format, grammar and logprobs; answers as
+``chat.completion`` or streamed ``chat.completion.chunk`` objects (a role chunk first; thinking as
+``reasoning_content`` / ``reasoning``, tool calls as ``tool_calls`` deltas with arguments streamed)."""
 
 from __future__ import annotations
 
@@ -8,21 +9,25 @@ import dataclasses
 import math
 from collections.abc import Callable, Sequence
 
+from ondevice import reasoning, toolcalls
+from ondevice.chat import PROMPT_TAIL, render_prompt
 from ondevice.errors import OndeviceError
 from ondevice.logprobs import TokenLogprob
 from ondevice.server.engine import Piece
 from ondevice.server.errors import FINISH, ApiError
 from ondevice.server.openai_api import OpenAIReply, chat_messages, check_context, generation_args, stream_args
 from ondevice.server.structured import (
+    Answer,
     Structured,
-    ToolStream,
     chat_logprobs_args,
+    grammar_args,
+    reasoning_args,
     response_format_args,
+    template_args,
     tool_args,
 )
 from ondevice.server.types import Call, Dialect
 from ondevice.speculative import Stats
-from ondevice.tools import parse_calls, template_messages
 
 
 class ChatCompletions(Dialect):
@@ -34,11 +39,17 @@ class ChatCompletions(Dialect):
         st = Structured()
         chat_logprobs_args(body, st)
         response_format_args(body, st)
-        tool_args(body, rt.target.chat_template, st)
+        grammar_args(body, st)
+        template = rt.target.chat_template
+        tool_args(body, template, st)
+        template_args(body, st)
+        reasoning_args(body, st)
         try:  # the template is untrusted: it renders in its own budgeted process
-            ids = rt.render_chat(template_messages(chat_messages(body)), tools=st.tools)
+            text, ids = render_prompt(rt, toolcalls.template_messages(chat_messages(body), st.family),
+                                      tools=st.tools, variables=st.variables)
         except OndeviceError as e:
             raise ApiError(400, str(e), param="messages") from e
+        st.thinking = reasoning.detect(template, text[-PROMPT_TAIL:]) if st.split_thinking else None
         if not ids:
             raise ApiError(400, "the prompt is empty", param="prompt")
         check_context(len(ids), rt.n_ctx)
@@ -47,7 +58,7 @@ class ChatCompletions(Dialect):
 
 
 class ChatReply(OpenAIReply):
-    """A chat answer: content and tool calls (parsed from the text when tools were given), chat-shaped logprobs."""
+    """A chat answer: thinking, content and tool calls (``structured.Answer``), chat-shaped logprobs."""
 
     prefix, object, chunk_object = "chatcmpl-", "chat.completion", "chat.completion.chunk"
 
@@ -55,19 +66,19 @@ class ChatReply(OpenAIReply):
         super().__init__(model, with_usage)
         self.st = st
         self.token_bytes = token_bytes
-        self.tools = ToolStream(st.tool_format, st.tools, "grammar" in st.run) if st.tools else None
+        self.out = Answer(st)
 
     def whole(self, pieces: list[Piece], stats: Stats) -> dict:
         st = self.st
-        answer, calls = "".join(p.chunk.text for p in pieces), None
-        if st.tools:
-            answer, calls = parse_calls(answer, st.tool_format, st.tools)
-            if "grammar" in st.run and not calls:
-                answer = None  # a forced call cut short is no content (as streamed: ToolStream)
+        self.out.feed("".join(p.chunk.text for p in pieces))
+        self.out.finish()
+        thinking, answer, calls = self.out.result()
         lp = chat_logprobs([x for p in pieces for x in p.chunk.logprobs or []], self.token_bytes) if st.logprobs else None
-        msg = {"role": "assistant", "content": answer, "refusal": None, **({"tool_calls": calls} if calls else {})}
-        finish = "tool_calls" if calls else FINISH.get(stats.stop_reason, "stop")
-        return self.answer({"index": 0, "message": msg, "logprobs": lp, "finish_reason": finish}, stats)
+        msg = {"role": "assistant", "content": answer, "refusal": None,
+               **({"reasoning_content": thinking, "reasoning": thinking} if thinking else {}),
+               **({"tool_calls": calls} if calls else {})}
+        return self.answer({"index": 0, "message": msg, "logprobs": lp, "finish_reason": _finish(calls, stats)},
+                           stats)
 
     def opening(self) -> list[dict]:
         return [self.head(_delta({"role": "assistant", "content": ""}))]
@@ -75,20 +86,19 @@ class ChatReply(OpenAIReply):
     def piece(self, piece: Piece) -> list[dict]:
         c = piece.chunk
         lp = chat_logprobs(c.logprobs or [], self.token_bytes) if self.st.logprobs else None
-        text = self.tools.feed(c.text) if self.tools else c.text
-        return [self.chunk(_delta({"content": text} if text else {}, lp), c.from_draft, piece.drafted, piece.accepted)]
+        deltas = self.out.feed(c.text) or [{}]  # every piece is a chunk: it carries the draft counters
+        return [self.chunk(_delta(d, lp if i == 0 else None), c.from_draft if i == 0 else [], piece.drafted,
+                           piece.accepted) for i, d in enumerate(deltas)]
 
     def closing(self, stats: Stats) -> list[dict]:
-        out, calls = [], []
-        if self.tools:
-            tail, calls = self.tools.finish()
-            if tail or calls:
-                delta = {"content": tail} if tail else {}
-                if calls:
-                    delta["tool_calls"] = tool_call_deltas(calls)
-                out.append(self.chunk(_delta(delta), [], 0, 0))
-        finish = "tool_calls" if calls else FINISH.get(stats.stop_reason, "stop")
-        return out + self.finish(_delta({}, finish=finish), stats)
+        out = [self.chunk(_delta(d), [], 0, 0) for d in self.out.finish()]
+        return out + self.finish(_delta({}, finish=_finish(self.out.result()[2], stats)), stats)
+
+
+def _finish(calls: list[dict], stats: Stats) -> str:
+    """'tool_calls' when the answer ended with calls; a call cut by the token limit is 'length', as OpenAI."""
+    reason = FINISH.get(stats.stop_reason, "stop")
+    return "tool_calls" if calls and reason == "stop" else reason
 
 
 def _delta(delta: dict, logprobs: dict | None = None, finish: str | None = None) -> dict:
@@ -105,8 +115,3 @@ def chat_logprobs(lps: Sequence[TokenLogprob], token_bytes: Callable[[int], byte
     return {"content": [{**_bytes_entry(token_bytes, x.token, x.logprob),
                          "top_logprobs": [_bytes_entry(token_bytes, i, v) for i, v in x.top]} for x in lps],
             "refusal": None}
-
-
-def tool_call_deltas(calls: Sequence[dict]) -> list[dict]:
-    """Streamed ``delta.tool_calls`` entries (one per call, with its index)."""
-    return [{"index": i, "id": c["id"], "type": "function", "function": dict(c["function"])} for i, c in enumerate(calls)]

@@ -1,5 +1,6 @@
-"""The one request path every API dialect goes through: read the body, ``Dialect.parse`` it in a worker thread,
-admit the ``Call`` to the engine, generate, and answer whole or as server-sent events.
+"""The one request path every API dialect goes through: read the body, lease the model it names (loading it if
+needed: ``ondevice.server.models``), ``Dialect.parse`` it in a worker thread, admit the ``Call`` to that model's
+engine, generate, and answer whole or as server-sent events; the lease ends with the answer.
 
 Either way the answer waits for the runtime *before* anything is sent (so 503 and 400 keep their status), a
 generation that did not end by itself is an error, never a finished answer (``errors.cut_short``), and the
@@ -18,6 +19,7 @@ from ondevice.errors import OndeviceError
 from ondevice.params import GenerateRequest
 from ondevice.server.engine import Busy, Engine, Job, Piece
 from ondevice.server.errors import ApiError, cut_short, error_response
+from ondevice.server.models import Lease, Models
 from ondevice.server.types import Call, Dialect, Reply
 
 MAX_BODY = 4 << 20  # bytes; a full 32k-token conversation is well under 1 MiB of JSON
@@ -58,33 +60,50 @@ async def read_body(request: Request, seconds: float = READ_SECONDS) -> dict:
     return body
 
 
+async def lease(models: Models, body: dict) -> Lease:
+    """The model ``body`` names (``model``, required), leased for one request (``keep_alive``: Ollama's field)."""
+    if body.get("model") is None:
+        raise ApiError(400, f"'model' is required; this server serves {', '.join(map(repr, models.ids))}",
+                       param="model", code="missing_required_parameter")
+    return await models.acquire(body["model"], body.get("keep_alive"))
+
+
 class Driver:
-    """Runs any dialect's requests on one ``Engine``.
+    """Runs any dialect's requests on the engine of the model each names.
 
     Args:
-        engine: the server's scheduler.
+        models: the served models.
         read_seconds: the longest a client may take to send its request body.
     """
 
-    def __init__(self, engine: Engine, read_seconds: float = READ_SECONDS) -> None:
-        self.engine = engine
+    def __init__(self, models: Models, read_seconds: float = READ_SECONDS) -> None:
+        self.models = models
         self.read_seconds = read_seconds
 
-    async def handle(self, request: Request, dialect: Dialect) -> Response:
+    async def handle(self, request: Request, dialect: type[Dialect]) -> Response:
         """The answer to one request in ``dialect``."""
+        held = None
         try:
             body = await read_body(request, self.read_seconds)
-            call = await asyncio.to_thread(dialect.parse, body)
+            held = await lease(self.models, body)
+            call = await asyncio.to_thread(dialect(held).parse, body)
         except ApiError as e:
+            if held is not None:
+                held.release()
             return error_response(e, dialect.error(e))
         except ClientDisconnect:  # the client left while sending its body: nobody to answer
             return Response(status_code=499)
-        return Exchange(self, call)
+        except BaseException:
+            if held is not None:
+                held.release()
+            raise
+        return Exchange(self, call, held)
 
-    async def start(self, ids: list[int], req: GenerateRequest) -> Job:
+    @staticmethod
+    async def start(engine: Engine, ids: list[int], req: GenerateRequest) -> Job:
         """Admit a job or raise ApiError (503 when the queue is full, 400 when the runtime refuses)."""
         try:
-            return await self.engine.start(ids, req)
+            return await engine.start(ids, req)
         except Busy as e:
             raise ApiError(503, f"the server is busy: {e}; retry later", code="server_busy",
                            headers={"Retry-After": RETRY_AFTER}) from None
@@ -101,8 +120,8 @@ async def _disconnected(receive) -> None:
 class Exchange:
     """One call's answer as an ASGI response: generates while watching for the client leaving."""
 
-    def __init__(self, driver: Driver, call: Call) -> None:
-        self.driver, self.call = driver, call
+    def __init__(self, driver: Driver, call: Call, held: Lease) -> None:
+        self.driver, self.call, self.held = driver, call, held
 
     async def __call__(self, scope, receive, send) -> None:
         watcher = asyncio.ensure_future(_disconnected(receive))
@@ -117,11 +136,13 @@ class Exchange:
                 await body
             except (asyncio.CancelledError, OSError):
                 pass
+            finally:
+                self.held.release()
 
     async def _run(self, scope, send) -> None:
         reply = self.call.reply
         try:
-            job = await self.driver.start(self.call.ids, self.call.request)
+            job = await self.driver.start(self.held.engine, self.call.ids, self.call.request)
         except ApiError as e:
             await error_response(e, reply.error(e))(scope, None, send)
             return

@@ -5,14 +5,14 @@ reaches the server with that name as its Host): on a loopback address only loopb
 off loopback also IP addresses and the bound address. Names given with ``--allowed-host`` are answered
 either way. A browser request from another origin is refused unless that origin was allowed with
 ``--cors-origin``; allowed origins get CORS headers on every answer, errors included. ``--api-key`` makes
-every ``/v1`` route require ``Authorization: Bearer KEY``.
+every ``/v1`` route require ``Authorization: Bearer KEY`` (or Anthropic's ``x-api-key: KEY``).
 """
 
 from __future__ import annotations
 
 import hmac
 import ipaddress
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from starlette.responses import JSONResponse, Response
 
@@ -47,11 +47,14 @@ class Guard:
         loopback_only: answer only loopback names (and ``allowed_hosts``) in the Host header; else also IP
             addresses.
         allowed_hosts: further names the Host header may hold (the bound address, ``--allowed-host``).
+        error_body: (request path, error) → the refusal's JSON body in that API's shape (OpenAI's by default).
     """
 
     def __init__(self, app, *, api_key: str | None, cors_origins: list[str], loopback_only: bool,
-                 allowed_hosts: Sequence[str] = ()) -> None:
+                 allowed_hosts: Sequence[str] = (),
+                 error_body: Callable[[str, ApiError], dict] | None = None) -> None:
         self.app = app
+        self.error_body = error_body or (lambda path, e: e.body())
         self.api_key = api_key
         self.cors = list(cors_origins)
         self.loopback_only = loopback_only
@@ -67,7 +70,7 @@ class Guard:
             try:
                 self._guard(scope, headers, origin)
             except ApiError as e:
-                await JSONResponse(e.body(), e.status, e.headers)(scope, receive, send)
+                await JSONResponse(self.error_body(scope["path"], e), e.status, e.headers)(scope, receive, send)
                 return
             if cross and scope["method"] == "OPTIONS":
                 await self._preflight(headers)(scope, receive, send)
@@ -90,10 +93,11 @@ class Guard:
                            f"with --cors-origin {origin} to allow it", code="forbidden_origin")
         if self.api_key and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":
             auth = headers.get("authorization", "")
-            given = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+            given = auth[7:].strip() if auth[:7].lower() == "bearer " else headers.get("x-api-key", "").strip()
             if not hmac.compare_digest(given.encode(), self.api_key.encode()):
                 what = "no API key was sent" if not given else "the API key is wrong"
-                raise ApiError(401, f"{what}: send 'Authorization: Bearer KEY' with the server's --api-key",
+                raise ApiError(401, f"{what}: send 'Authorization: Bearer KEY' (or 'x-api-key: KEY') with the "
+                               "server's --api-key",
                                code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
     def _origin_allowed(self, origin: str, host: str | None = None) -> bool:

@@ -1,5 +1,5 @@
 """The OpenAI family's shared request fields and response envelope, used by every OpenAI dialect
-(``chat_completions``, ``completions``; later ``responses``).
+(``chat_completions``, ``completions``, ``responses``).
 
 Request side: ``check_model``, ``stream_args``, ``generation_args`` (sampling, limits, stop, γ),
 ``chat_messages``; every rejected request raises ``ApiError`` with the status, OpenAI ``type`` and ``code``,
@@ -126,7 +126,8 @@ def generation_args(body: dict, n_prompt: int, n_ctx: int) -> GenerateRequest:
 
 
 def chat_messages(body: dict) -> list[dict]:
-    """``messages`` → [{role, content}] for the chat template (text parts joined; 'developer' → 'system')."""
+    """``messages`` → [{role, content}] for the chat template (text parts joined; 'developer' → 'system'; tool
+    calls, tool results and an assistant's ``reasoning_content`` kept)."""
     from ondevice.chat import OPENAI_ROLES, normalize_messages
 
     msgs = body.get("messages")
@@ -135,11 +136,22 @@ def chat_messages(body: dict) -> list[dict]:
                        code="invalid_value")
     try:
         return [{"role": m["role"], "content": m["content"],
-                 **{k: m[k] for k in ("tool_calls", "tool_call_id", "name") if m.get(k) is not None}}
-                for m in normalize_messages(msgs, roles=OPENAI_ROLES)]
+                 **{k: m[k] for k in ("tool_calls", "tool_call_id", "name") if m.get(k) is not None},
+                 **_reasoning(m)} for m in normalize_messages(msgs, roles=OPENAI_ROLES)]
     except OndeviceError as e:
         code = "unsupported_value" if "not supported" in str(e) else "invalid_value"
         raise ApiError(400, str(e), param="messages", code=code) from None
+
+
+def _reasoning(m: dict) -> dict:
+    """An assistant turn's thinking (``reasoning_content``, or ``reasoning`` as mlx-lm / LM Studio send it)
+    for templates that render it back (Qwen3 does for the turns after the last user message)."""
+    r = m.get("reasoning_content", m.get("reasoning"))
+    if r is None or m["role"] != "assistant":
+        return {}
+    if not isinstance(r, str):
+        raise OndeviceError("an assistant message's reasoning_content must be a string")
+    return {"reasoning_content": r}
 
 
 def check_context(n_prompt: int, n_ctx: int) -> None:

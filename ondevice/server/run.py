@@ -63,21 +63,22 @@ def open_socket(host: str = "127.0.0.1", port: int = 8080):
     return sock
 
 
-def serve(runtime, model_id: str, *, host: str = "127.0.0.1", port: int = 8080, api_key: str | None = None,
-          no_auth: bool = False, allowed_hosts: Sequence[str] = (), max_queue: int = 16,
+def serve(models, model_id: str | None = None, *, host: str = "127.0.0.1", port: int = 8080,
+          api_key: str | None = None, no_auth: bool = False, allowed_hosts: Sequence[str] = (), max_queue: int = 16,
           cors_origins: list[str] | None = None, read_seconds: float | None = None,
           max_connections: int | None = None, log_level: str = "warning", sock=None) -> None:
-    """Serve ``runtime`` until Ctrl-C (the caller closes the runtime afterwards).
+    """Serve until Ctrl-C (the caller frees the models afterwards: ``Models.close_all`` or ``Runtime.close``).
 
     Args:
-        runtime: a loaded ``Runtime``.
-        model_id: the model name clients use.
+        models: the served models (``ondevice.server.models.Models``), or one loaded ``Runtime`` served as
+            ``model_id`` until exit.
+        model_id: with a ``Runtime``: the model name clients use.
         host, port: where to listen (127.0.0.1 by default; anything else prints a warning).
-        api_key: require ``Authorization: Bearer api_key`` on /v1 routes (needed off loopback).
+        api_key: require ``Authorization: Bearer api_key`` (or ``x-api-key``) on /v1 routes (needed off loopback).
         no_auth: serve off loopback without an API key (a warning says what that exposes).
         allowed_hosts: Host header names to answer besides loopback names, IP addresses and ``host``
             (``--allowed-host``: a name this machine is reached by, e.g. through a proxy).
-        max_queue: requests that may wait behind the running one (more get 503).
+        max_queue: requests that may wait per model behind its running one (more get 503).
         cors_origins: browser origins allowed to call the API from other pages ("*" = any).
         read_seconds: the longest a client may take to send a request (its head, then its body; default
             ``driver.READ_SECONDS``).
@@ -87,6 +88,7 @@ def serve(runtime, model_id: str, *, host: str = "127.0.0.1", port: int = 8080, 
     import uvicorn
 
     from ondevice.server import connections
+    from ondevice.server.models import Models
 
     check_exposure(host, api_key, no_auth)
     read_seconds = read_seconds or READ_SECONDS
@@ -99,13 +101,14 @@ def serve(runtime, model_id: str, *, host: str = "127.0.0.1", port: int = 8080, 
         print(warning, file=sys.stderr)
     if cors_origins and "*" in cors_origins:
         print("warning: --cors-origin '*': any web page you open can call this server", file=sys.stderr)
-    app = Server(runtime, model_id, api_key=api_key, max_queue=max_queue, cors_origins=cors_origins,
-                 loopback_only=loopback, allowed_hosts=[host, *allowed_hosts], read_seconds=read_seconds)
-    if runtime.target.chat_template:
-        from ondevice import templates
+    one = None if isinstance(models, Models) else models
+    app = Server(one, model_id, models=None if one is not None else models, api_key=api_key, max_queue=max_queue,
+                 cors_origins=cors_origins, loopback_only=loopback, allowed_hosts=[host, *allowed_hosts],
+                 read_seconds=read_seconds)
+    from ondevice import templates
 
-        templates.warm()  # the first /v1/chat/completions does not wait for the template worker to start
-    # On a signal the running job is cancelled at once and ends after the native pass in progress (a long
+    templates.warm()  # the first chat request does not wait for the template worker to start
+    # On a signal the running jobs are cancelled at once and end after the native pass in progress (a long
     # prefill on a busy machine can take seconds); only then is the connection closed. A second Ctrl-C forces.
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=GRACE_SECONDS,
                             lifespan="off", server_header=False,
@@ -114,19 +117,19 @@ def serve(runtime, model_id: str, *, host: str = "127.0.0.1", port: int = 8080, 
 
     class _Uvicorn(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:  # Ctrl-C: end the running generation now, not after a timeout
-            from ondevice import templates
-
-            app.engine.close()
+            app.models.close()
             templates.shutdown()  # a chat template rendering now fails at once
             super().handle_exit(sig, frame)
 
     server = _Uvicorn(config)
     shown = f"[{host}]" if ":" in host else host
-    print(f"ondevice serve: {model_id} on http://{shown}:{port}/ (OpenAI API at /v1; Ctrl-C stops)", file=sys.stderr)
+    names = ", ".join(app.models.ids)
+    print(f"ondevice serve: {names} on http://{shown}:{port}/ (OpenAI and Anthropic APIs at /v1; Ctrl-C stops)",
+          file=sys.stderr)
     try:
         server.run(sockets=[sock])
     finally:
-        app.engine.close()
+        app.models.close()
 
 
 def launch(model: str, *args: str, host: str = "127.0.0.1", api_key: str | None = None, timeout: float = 120.0,
@@ -157,7 +160,7 @@ def launch(model: str, *args: str, host: str = "127.0.0.1", api_key: str | None 
         port = s.getsockname()[1]
     env = {**os.environ, **({"ONDEVICE_API_KEY": api_key} if api_key else {})}
     log = stderr if stderr is not None else tempfile.TemporaryFile()
-    proc = subprocess.Popen([sys.executable, "-m", "ondevice", "serve", model, "--host", host, "--port", str(port), *args],
+    proc = subprocess.Popen([sys.executable, "-P", "-m", "ondevice", "serve", model, "--host", host, "--port", str(port), *args],
                             stdout=subprocess.DEVNULL, stderr=log, env=env)
     url = f"http://{host}:{port}"
     deadline = time.monotonic() + timeout

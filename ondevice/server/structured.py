@@ -1,22 +1,25 @@
-"""OpenAI's structured-output fields: ``response_format``, ``tools`` / ``tool_choice``, ``logprobs`` / ``top_logprobs``.
+"""OpenAI's structured-output fields: ``response_format``, ``grammar``, ``tools`` / ``tool_choice``,
+``logprobs`` / ``top_logprobs``, ``chat_template_kwargs``, ``reasoning_format``.
 
 Request side: one function per field group (``chat_logprobs_args``, ``completion_logprobs_args``,
-``response_format_args``, ``tool_args``, ``no_tool_args``) validates it (``ApiError`` 400 in OpenAI's shape,
-naming the field) into a ``Structured``: what the runtime and the reply need; each dialect calls the ones it
-speaks. Response side: ``ToolStream`` holds back streamed text from the start of a tool call so calls arrive
-as tool calls, never as content.
+``response_format_args``, ``grammar_args``, ``tool_args``, ``no_tool_args``, ``template_args``,
+``reasoning_args``) validates it
+(``ApiError`` 400 in OpenAI's shape, naming the field) into a ``Structured``: what the runtime and the reply
+need; each dialect calls the ones it speaks. Response side: ``Answer`` splits the output into thinking,
+content and tool calls (in the template's family format), whole or streamed; ``split_answer`` for a whole text.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from ondevice import toolcalls as TC
 from ondevice import tools as T
 from ondevice.constrain import grammar_text
 from ondevice.errors import OndeviceError
 from ondevice.params import MAX_TOP_LOGPROBS
+from ondevice.reasoning import Splitter, Thinking
 from ondevice.server.errors import ApiError
 
 MAX_SCHEMA_CHARS = 200_000  # JSON of a response_format schema, or of all tools: about 1 s to compile on a laptop
@@ -30,14 +33,30 @@ class Structured:
     Attributes:
         run: extra keyword arguments for ``Runtime.stream`` (response_format / grammar, logprobs, top_logprobs).
         tools: the checked tools to render into the prompt (None: no tools, or tool_choice 'none').
-        tool_format: 'hermes' | 'json' (``ondevice.tools.call_format``).
+        family: the template's tool-call family (``ondevice.toolcalls.detect``): how past calls render.
+        forced: 'hermes' | 'json' when tool_choice forces one call (``ondevice.tools.call_grammar``'s format,
+            which is also how it parses), else None.
         logprobs: whether the reply carries logprobs.
+        variables: template variables from ``chat_template_kwargs``.
+        thinking: the template's thinking convention for this prompt (``ondevice.reasoning.detect``).
+        split_thinking: False when the request asks for thinking left in the content (``reasoning_format``).
     """
 
     run: dict = field(default_factory=dict)
     tools: list | None = None
-    tool_format: str = "json"
+    family: str = "json"
+    forced: str | None = None
     logprobs: bool = False
+    variables: dict = field(default_factory=dict)
+    thinking: Thinking | None = None
+    split_thinking: bool = True
+
+    @property
+    def call_family(self) -> str:
+        """The family the answer's calls are parsed with."""
+        return self.forced or self.family
+
+    tool_format = call_family  # the name ``ToolStream``'s dialects read
 
 
 def _bad(param: str, message: str, code: str = "invalid_value") -> ApiError:
@@ -94,6 +113,7 @@ def response_format_args(body: dict, out: Structured) -> None:
 def tool_args(body: dict, chat_template: str | None, out: Structured) -> None:
     """``tools`` and ``tool_choice``: the tools to render and, for 'required' or a named function, the grammar
     of one call (``chat_template``: the model's template, which says the call format)."""
+    out.family = TC.detect(chat_template)
     tools = body.get("tools")
     if tools is None:
         if body.get("tool_choice") not in (None, "none", "auto"):
@@ -109,11 +129,53 @@ def tool_args(body: dict, chat_template: str | None, out: Structured) -> None:
         raise _bad("tools" if "tool_choice" not in str(e) else "tool_choice", str(e)) from None
     if choice != "none":
         out.tools = tools
-        out.tool_format = T.call_format(chat_template)
         if choice != "auto":
-            if "response_format" in out.run:
-                raise _bad("tool_choice", f"{choice!r} forces a tool call; it cannot be combined with response_format")
-            out.run["grammar"] = T.call_grammar(tools, choice, out.tool_format)
+            if "response_format" in out.run or "grammar" in out.run:
+                raise _bad("tool_choice", f"{choice!r} forces a tool call; it cannot be combined with "
+                           f"{'response_format' if 'response_format' in out.run else 'grammar'}")
+            out.forced = T.call_format(chat_template)
+            out.run["grammar"] = T.call_grammar(tools, choice, out.forced)
+
+
+def grammar_args(body: dict, out: Structured) -> None:
+    """``grammar`` (an extension, as llama-server's): a Lark or GBNF grammar the answer must follow."""
+    g = body.get("grammar")
+    if g is None:
+        return
+    if not isinstance(g, str) or not g.strip():
+        raise _bad("grammar", "must be a non-empty string (a Lark or GBNF grammar)")
+    if "response_format" in out.run:
+        raise _bad("grammar", "give either response_format or grammar, not both")
+    if len(g) > MAX_SCHEMA_CHARS:
+        raise _bad("grammar", f"is {len(g):,} characters; the limit is {MAX_SCHEMA_CHARS:,}")
+    out.run["grammar"] = g
+
+
+_OWN_VARIABLES = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token")
+
+
+def template_args(body: dict, out: Structured) -> None:
+    """``chat_template_kwargs`` (as vLLM and llama-server take it): extra variables for the chat template,
+    e.g. ``{"enable_thinking": false}``."""
+    kw = body.get("chat_template_kwargs")
+    if kw is None:
+        return
+    if not isinstance(kw, dict) or not all(isinstance(k, str) and k.isidentifier() for k in kw):
+        raise _bad("chat_template_kwargs", "must be an object of template variables, e.g. {'enable_thinking': false}")
+    own = [k for k in kw if k in _OWN_VARIABLES]
+    if own:
+        raise _bad("chat_template_kwargs", f"{own[0]!r} is set by the server; give it in its own field")
+    _cap_size("chat_template_kwargs", "the variables", kw)
+    out.variables = dict(kw)
+
+
+def reasoning_args(body: dict, out: Structured) -> None:
+    """``reasoning_format`` (llama-server's): 'auto' (default) or 'deepseek' split thinking into
+    ``reasoning_content``; 'none' leaves it, tags and all, in the content."""
+    fmt = body.get("reasoning_format", "auto")
+    if fmt not in ("auto", "deepseek", "none"):
+        raise _bad("reasoning_format", "must be 'auto', 'deepseek' or 'none'")
+    out.split_thinking = fmt != "none"
 
 
 def _cap_size(param: str, what: str, obj) -> None:
@@ -131,29 +193,82 @@ def no_tool_args(body: dict) -> None:
         raise _bad("tool_choice", "needs 'tools'")
 
 
-class ToolStream:
-    """Streamed text with tools: content goes out until a tool call may begin; calls are parsed at the end."""
+class Answer:
+    """A model's output as OpenAI chat deltas, whole or streamed: thinking split off first
+    (``ondevice.reasoning.Splitter``), then tool calls parsed from the answer in the family's format
+    (``ondevice.toolcalls.CallStream``), arguments streamed as they are written. ``feed`` / ``finish``
+    return the deltas to send; ``result`` is the whole answer (the same pipeline, so whole == streamed).
 
-    def __init__(self, fmt: str, tools: Sequence[dict], constrained: bool) -> None:
-        self.fmt, self.tools = fmt, tools
+    Args:
+        st: the request's ``Structured`` (thinking convention, tools, call family, forced call).
+    """
+
+    def __init__(self, st: Structured) -> None:
+        self.splitter = Splitter(st.thinking)
+        self.calls = TC.CallStream(TC.get(st.call_family), st.tools) if st.tools else None
+        self.forced = st.forced  # the whole answer is a call: nothing is content
+        self.reasoning: list[str] = []
+        self.content: list[str] = []
+
+    def feed(self, piece: str) -> list[dict]:
+        """Add generated text; return the deltas that may be sent now."""
+        return self._deltas(*self.splitter.feed(piece))
+
+    def finish(self) -> list[dict]:
+        """The deltas held back until the end (the splitter is flushed before the call parser)."""
+        out = self._deltas(*self.splitter.finish())
+        if self.calls is not None:
+            out += self._calls(self.calls.finish())
+        return out
+
+    def _deltas(self, r: str, c: str) -> list[dict]:
+        out = []
+        if r:
+            self.reasoning.append(r)
+            out.append({"reasoning_content": r, "reasoning": r})
+        if self.calls is not None:
+            out += self._calls(self.calls.feed(c)) if c else []
+        elif c:
+            self.content.append(c)
+            out.append({"content": c})
+        return out
+
+    def _calls(self, deltas: list[dict]) -> list[dict]:
+        return [d for d in deltas if "content" not in d] if self.forced else deltas
+
+    def result(self) -> tuple[str | None, str | None, list[dict]]:
+        """(thinking or None, content or None, tool calls) of everything fed; call after ``finish``."""
+        reasoning = "".join(self.reasoning) or None
+        if self.calls is None:
+            return reasoning, "".join(self.content), []
+        content = None if self.forced else (self.calls.content.strip() or None)
+        return reasoning, content, self.calls.calls
+
+
+def split_answer(text: str, st: Structured) -> tuple[str | None, str | None, list[dict]]:
+    """(thinking or None, content, tool calls) of a whole output: ``Answer`` fed once (for other dialects:
+    Anthropic thinking / tool_use blocks, Responses reasoning / function_call items)."""
+    a = Answer(st)
+    a.feed(text)
+    a.finish()
+    return a.result()
+
+
+class ToolStream:
+    """Streamed text with tools for the dialects that do not split thinking yet (Anthropic Messages, OpenAI
+    Responses): content as text while no call may begin, the calls whole at the end, parsed in ``family``'s
+    format (``Structured.tool_format``). New code: ``Answer``, which also streams arguments and thinking."""
+
+    def __init__(self, family: str, tools: list, constrained: bool) -> None:
+        self.stream = TC.CallStream(TC.get(family), tools)
         self.constrained = constrained  # the whole answer is a call: nothing is content
-        self.text = ""
-        self.sent = 0
 
     def feed(self, piece: str) -> str:
         """Add generated text; return the content that may be sent now."""
-        self.text += piece
-        if self.constrained:
-            return ""
-        end = max(T.held_back(self.text, self.fmt), self.sent)
-        out, self.sent = self.text[self.sent : end], end
-        return out
+        out = "".join(d.get("content", "") for d in self.stream.feed(piece))
+        return "" if self.constrained else out
 
     def finish(self) -> tuple[str, list[dict]]:
         """(content not yet sent, the tool calls found in the whole answer)."""
-        before, calls, after = T.split_calls(self.text, self.fmt, self.tools)
-        if self.constrained:
-            return "", calls
-        tail = (before[self.sent :] + after) if calls else self.text[self.sent :]
-        self.sent = len(self.text)
-        return tail, calls
+        tail = "".join(d.get("content", "") for d in self.stream.finish())
+        return ("" if self.constrained else tail), self.stream.calls

@@ -1,7 +1,7 @@
 """What an API dialect is, as the driver (``ondevice.server.driver``) sees it.
 
-A ``Dialect`` is one API surface (OpenAI chat.completions, OpenAI completions; later Anthropic Messages or
-OpenAI Responses): ``parse`` turns a request body into a ``Call`` — the prompt ids, the ``GenerateRequest``,
+A ``Dialect`` is one API surface (OpenAI chat.completions, OpenAI completions, OpenAI Responses, Anthropic
+Messages): ``parse`` turns a request body into a ``Call`` — the prompt ids, the ``GenerateRequest``,
 whether to stream, and the ``Reply`` that writes the answer back in the dialect's own shape, whole or as
 stream events. The driver runs any ``Call`` the same way: admit, generate, cut short, finish.
 """
@@ -20,10 +20,12 @@ from ondevice.speculative import Stats
 
 
 class Context(Protocol):
-    """What a dialect reads from the server: the loaded ``Runtime`` and the served model's name."""
+    """What a dialect reads: the named model's loaded ``Runtime``, its name, and state a dialect keeps across
+    requests and models (``shared``; e.g. the Responses store). The server's ``models.Lease`` is one."""
 
     rt: Any
     model_id: str
+    shared: dict
 
 
 class Reply(ABC):
@@ -88,7 +90,7 @@ class Dialect(ABC):
     path: ClassVar[str]
 
     def __init__(self, ctx: Context) -> None:
-        self.ctx = ctx
+        self.ctx = ctx  # a dialect is made per request, for the model the request names
 
     @abstractmethod
     def parse(self, body: dict) -> Call:
@@ -99,6 +101,7 @@ class Dialect(ABC):
             ApiError: the request is refused (a 4xx naming the field).
         """
 
-    def error(self, e: ApiError) -> dict:
+    @classmethod
+    def error(cls, e: ApiError) -> dict:
         """A refused request's JSON body in this dialect's shape (before any ``Reply`` exists)."""
         return e.body()

