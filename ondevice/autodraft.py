@@ -7,7 +7,8 @@ Of the candidates, the smallest ``MAX_MEASURED`` are timed against the target (`
 measured on first use, cached in ``$ONDEVICE_HOME/costs.json``) and the one with the best expected
 speedup at an assumed acceptance rate wins — if that speedup is above 1; otherwise n-gram drafting.
 Heads stored for the target (``ondevice train-heads``) compete too, judged by the held-out τ recorded in
-their file and their measured cost per drafted token.
+their file and their measured cost per drafted token. A model that carries its own MTP heads (``mtp_row``) is
+drafted by them first: they were trained with the model and cost a fraction of a target pass.
 """
 
 from __future__ import annotations
@@ -134,6 +135,20 @@ def heads_row(target) -> dict | None:
     return row
 
 
+def mtp_row(target) -> dict | None:
+    """The target's own MTP heads as a choice, when its GGUF carries MTP layers this llama.cpp runs (else None)."""
+    from ondevice.backends.llama_mtp import file_mtp_layers
+
+    path = Path(target.path)
+    if "nextn" not in target.features or path.suffix != ".gguf" or not path.is_file():
+        return None
+    n = file_mtp_layers(path)
+    if not n:
+        return None
+    return {"drafter": "mtp", "draft": "mtp", "path": str(path),
+            "reason": f"{path.name} carries its own MTP heads ({n} layer{'s' * (n != 1)}): drafting with them"}
+
+
 def choose_draft(target, *, n_ctx: int, threads: int | None = None, device: str | None = None,
                  mmap: bool = True, models: list[dict] | None = None):
     """Open the local draft the cost model expects to be fastest beside the open ``target`` backend.
@@ -150,6 +165,10 @@ def choose_draft(target, *, n_ctx: int, threads: int | None = None, device: str 
     from ondevice.costs import cached_measure
 
     t0 = time.perf_counter()
+    own = mtp_row(target)
+    if own is not None:  # trained with the model, a fraction of a target pass: preferred to any local draft
+        return None, {**own, "assumed_acceptance": ASSUMED_ACCEPTANCE, "candidates": [],
+                      "seconds": round(time.perf_counter() - t0, 3)}
     _, rows = candidates(target.path, models)
     choice: dict = {"drafter": "ngram", "draft": None, "assumed_acceptance": ASSUMED_ACCEPTANCE, "candidates": rows}
     best, best_speedup = None, 1.0

@@ -116,7 +116,13 @@ class Slot:
                 keep = restore(self.seq_id)
                 self.kv = list(ids[:keep])
         self.kv = self.kv[:keep]
-        t.rollback(keep)
+        try:
+            t.rollback(keep)
+        except OndeviceError:  # a recurrent state keeps snapshots of its last few positions only: start over
+            if keep == 0:
+                raise
+            keep, self.kv = 0, []
+            t.rollback(0)
         if len(ids) - 1 > keep:
             t.eval(ids[keep:-1], logits="last")
         self.kv = list(ids[:-1])

@@ -78,8 +78,25 @@ class Backend:
         raise NotImplementedError
 
     # What a target pass can hand a drafter (``ondevice.drafters.base.Traits.needs``): "hidden", the post-norm
-    # hidden state of each row kept (heads); room for "layer_inputs" (EAGLE-3) and "nextn" (MTP embeddings).
+    # hidden state of each row kept (heads); "layer_inputs", the inputs of chosen target layers of every token
+    # (EAGLE-3, after ``enable_layer_inputs``); "nextn", the model's own MTP head fed every pass (``mtp``).
     features: frozenset[str] = frozenset()
+
+    def mtp(self):
+        """The model's own MTP head (``ondevice.backends.llama_mtp.MtpHead``) after ``enable_features({"nextn"})``;
+        raises ``OndeviceError`` where the backend has none (the default)."""
+        raise OndeviceError(f"{Path(self.path).name}: {type(self).__name__} runs no MTP heads (a GGUF with MTP layers "
+                            "on llama.cpp does)")
+
+    def enable_layer_inputs(self, ids: list[int]) -> int:
+        """Record the inputs of layers ``ids`` of every token each later ``eval`` passes (``feature("layer_inputs",
+        pos)`` reads them, concatenated); returns a row's width. Raises ``OndeviceError`` where the backend
+        cannot (the default)."""
+        raise OndeviceError(f"{Path(self.path).name}: EAGLE-3 drafts need a llama.cpp (GGUF) target that records "
+                            f"its layer inputs; {type(self).__name__} does not")
+
+    def release_features(self, before: int) -> None:
+        """Kept feature rows of positions below ``before`` are no longer needed (a memory hint)."""
 
     def enable_features(self, needs: frozenset[str]) -> dict[str, int]:
         """Switch on what a drafter reads from each pass; returns each feature's row size. Raises

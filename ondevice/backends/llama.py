@@ -27,6 +27,8 @@ from typing import Literal
 import numpy as np
 
 from ondevice.backends.base import Backend, check_room
+from ondevice.backends.llama_features import MTP_RS_SEQ, LlamaFeatures
+from ondevice.backends.llama_mtp import file_mtp_layers
 from ondevice.backends.llama_state import LlamaState
 from ondevice.backends.llama_tree import TREE_SEQS, LlamaTree
 from ondevice.errors import OndeviceError
@@ -86,7 +88,7 @@ def _ctrl_c_deferred():
             signal.raise_signal(signal.SIGINT)
 
 
-class LlamaBackend(LlamaTree, LlamaState, Backend):
+class LlamaBackend(LlamaTree, LlamaState, LlamaFeatures, Backend):
     """A GGUF model and its KV cache in llama.cpp (see ``ondevice.backends.Backend``).
 
     Args:
@@ -109,7 +111,8 @@ class LlamaBackend(LlamaTree, LlamaState, Backend):
             the cache it wrote, so verify and rollback stay exact for the cache they run on.
     """
 
-    features = frozenset({"hidden"})  # post-norm hidden states, after ``enable_hidden`` (heads)
+    # post-norm hidden states (``enable_hidden``: heads); layer inputs (``enable_layer_inputs``: EAGLE-3)
+    features = frozenset({"hidden", "layer_inputs", "nextn"})  # nextn: the model's own MTP head (``enable_nextn``)
 
     def __init__(
         self,
@@ -147,6 +150,11 @@ class LlamaBackend(LlamaTree, LlamaState, Backend):
             mp.n_gpu_layers = 0
         elif device == "gpu":
             mp.n_gpu_layers = 999  # all layers on Metal/CUDA when llama.cpp was built with it
+        try:  # a model's own MTP heads: loaded (mmap: untouched until used)
+            self.n_mtp = file_mtp_layers(self.path)
+        except OndeviceError:
+            self.n_mtp = 0  # a header we cannot read: llama.cpp's load below says what is wrong
+        mp.load_mtp = self.n_mtp > 0
         self.device = "gpu" if mp.n_gpu_layers != 0 and llama_cpp.llama_supports_gpu_offload() else "cpu"
         with _ctrl_c_deferred():
             self._model = llama_cpp.llama_model_load_from_file(str(self.path).encode(), mp)
@@ -155,6 +163,8 @@ class LlamaBackend(LlamaTree, LlamaState, Backend):
         self._vocab = llama_cpp.llama_model_get_vocab(self._model)
         self.vocab_size = int(llama_cpp.llama_vocab_n_tokens(self._vocab))
         self.n_swa = int(llama_cpp.llama_model_n_swa(self._model))
+        # a recurrent state (qwen35's gated delta net) reports only its last position: rollbacks restore snapshots
+        self._recurrent = bool(llama_cpp.llama_model_is_recurrent(self._model) or llama_cpp.llama_model_is_hybrid(self._model))
         self.threads = int(threads or default_threads())
         self.n_batch = int(n_batch)
         cp = llama_cpp.llama_context_default_params()
@@ -169,6 +179,9 @@ class LlamaBackend(LlamaTree, LlamaState, Backend):
         cp.no_perf = True
         # A full-size SWA cache keeps every position, so rolling back across the window is exact.
         cp.swa_full = self.n_swa > 0
+        self._n_rs = MTP_RS_SEQ if self.n_mtp else 0  # a hybrid (recurrent) trunk rolls back a verify pass from
+        cp.n_rs_seq = self._n_rs  # its snapshots (positions into its last decode)
+        self._last_decode: tuple[int, int] | None = None
         cp.type_k = getattr(llama_cpp, KV_CACHE_TYPES[self.cache_type_k])
         cp.type_v = getattr(llama_cpp, KV_CACHE_TYPES[self.cache_type_v])
         if self.cache_type_v != "f16":  # llama.cpp refuses a quantized V cache without flash attention
@@ -311,6 +324,8 @@ class LlamaBackend(LlamaTree, LlamaState, Backend):
             rc = lib.llama_decode(self._ctx, b)
             if rc != 0:
                 raise OndeviceError(f"{self.path.name}: llama_decode failed (code {rc}) at position {n_past}")
+            self._last_decode = (n_past, n_past + m)  # (first position, end): a recurrent state rolls back inside it
+            self._read_features(n_past, chunk)  # per chunk: llama.cpp keeps the last decode's layer inputs only
             n_past += m
             n_out = m if logits == "all" else int(last_chunk)
             if n_out:
@@ -324,6 +339,10 @@ class LlamaBackend(LlamaTree, LlamaState, Backend):
         return rows[0] if len(rows) == 1 else np.concatenate(rows)
 
     def rollback(self, n_past: int) -> None:
+        self._rollback_trunk(n_past)
+        self._trim_features(n_past)  # after the trunk's: a refused rollback leaves the features as they were
+
+    def _rollback_trunk(self, n_past: int) -> None:
         self._drop_unkept_tree()  # Ctrl-C between eval_tree and the end of keep_path: back to the context alone
         cur = self.n_past
         if n_past > cur or n_past < 0:
@@ -333,13 +352,14 @@ class LlamaBackend(LlamaTree, LlamaState, Backend):
             return
         if n_past == cur:
             return
+        self._check_recurrent_rollback(n_past, cur)
         if not self._lib.llama_memory_seq_rm(self._mem, 0, n_past, -1):
             raise OndeviceError(f"{self.path.name}: this model's cache cannot roll back to position {n_past}")
         pos_min = self._lib.llama_memory_seq_pos_min(self._mem, 0)
         pos_max = self._lib.llama_memory_seq_pos_max(self._mem, 0)
         # The next token at position n_past attends to [n_past − n_swa, n_past) (everything without SWA):
         # all of it must still be cached, or the logits after rollback would silently differ.
-        need = max(0, n_past - self.n_swa) if self.n_swa > 0 else 0
+        need = max(0, n_past - self.n_swa) if self.n_swa > 0 else n_past - 1 if self._recurrent else 0  # its last state
         if pos_max != n_past - 1 or pos_min > need:
             raise OndeviceError(
                 f"{self.path.name}: rollback to {n_past} is not exact (cache holds positions {pos_min}..{pos_max}); "
@@ -348,6 +368,7 @@ class LlamaBackend(LlamaTree, LlamaState, Backend):
 
     def close(self) -> None:
         lib = self._lib
+        self._close_mtp()
         if self._batch is not None:
             lib.llama_batch_free(self._batch)
             self._batch = None

@@ -233,15 +233,16 @@ class MtpHead:
         self._pending, self._pending_pos = h[-1].copy(), pos0 + len(tokens) - 1
         self._rows = (pos0, h)
 
-    def rollback(self, n_past: int) -> None:
-        """Keep positions below ``n_past`` (the target's, after acceptance); h_{n_past-1} from the last observe."""
+    def rollback(self, n_past: int, h: np.ndarray | None = None) -> None:
+        """Keep positions below ``n_past`` (the target's, after acceptance); h_{n_past-1} is ``h`` (the target's row
+        of position n_past − 1, kept by a host that keeps them all) or else taken from the last observe."""
         if n_past > self.n_past or n_past < 0:
             raise OndeviceError(f"{self.name}: cannot roll the MTP cache back to {n_past}: it holds {self.n_past}")
         if n_past == 0:
             self._lib.llama_memory_clear(self._mem, False)
             self._pending, self._pending_pos, self._rows = np.zeros(self.n_embd, np.float32), -1, None
             return
-        h = self._h_before(n_past).copy()
+        h = self._h_before(n_past).copy() if h is None else np.asarray(h, np.float32).reshape(self.n_embd).copy()
         if not self._lib.llama_memory_seq_rm(self._mem, 0, n_past, -1):
             raise OndeviceError(f"{self.name}: MTP cache cannot roll back to position {n_past}")
         self._pending, self._pending_pos = h, n_past - 1

@@ -270,6 +270,12 @@ def info_cmd(
 
         path = Path(info["path"])
         info["heads"] = heads_store.summary(path / "model.gguf" if path.is_dir() and info["format"] == "gguf" else path)
+    if info["format"] == "gguf":  # a model's own MTP heads (draft="mtp")
+        from ondevice.backends.llama_mtp import file_mtp_layers
+
+        path = Path(info["path"])
+        n = file_mtp_layers(path / "model.gguf" if path.is_dir() else path)
+        info["mtp_layers"] = n if json_out else f"{n} (--draft mtp)" if n else "none"
     if json_out:
         return _dump(info)
     h = info.get("heads")

@@ -92,6 +92,7 @@ def convert_cmd(
     tokenizer_check: Annotated[str, typer.Option("--tokenizer-check", help="warn | strict: when transformers and the "
                                                  "tokenizers library read the source's tokenizer differently, convert "
                                                  "and report it (warn) or refuse (strict).")] = "warn",
+    target: Annotated[str | None, typer.Option("--target", help="EAGLE-3 draft: the model it drafts for (HF directory or GGUF).")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print a JSON summary on stdout.")] = False,
 ) -> None:
     """Convert weights: HF → INT4 GGUF or MLX 4-bit, GGUF → GGUF (requantize), GGUF → MLX, HF or GGUF → Core ML."""
@@ -100,7 +101,7 @@ def convert_cmd(
     summary = convert(src, to=to, out=out, quant=quant, bits=bits, group_size=group_size, draft=draft,
                       context=context, compress=compress, compute_units=compute_units,
                       allow_requantize=allow_requantize, output_type=output_type, embedding_type=embedding_type,
-                      progress=not json_out, tokenizer_check=tokenizer_check)
+                      progress=not json_out, tokenizer_check=tokenizer_check, target=target)
     if json_out:
         _dump(summary)
     else:

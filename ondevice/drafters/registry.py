@@ -12,8 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ondevice.drafters.base import Drafter, Traits
+from ondevice.drafters.eagle3 import Eagle3Drafter
 from ondevice.drafters.heads import HeadsDrafter
 from ondevice.drafters.model import ModelDrafter
+from ondevice.drafters.mtp import MtpDrafter
 from ondevice.drafters.ngram import NgramDrafter
 from ondevice.errors import OndeviceError
 
@@ -128,6 +130,23 @@ def _heads(b: Build) -> Drafter:
     return HeadsDrafter.for_target(b.target, b.source)
 
 
+def _eagle3(b: Build) -> Drafter:
+    if b.source is None:
+        raise OndeviceError("drafter='eagle3' needs the draft: pass draft=DIR/x.gguf (an eagle3 GGUF from "
+                            "`ondevice convert EAGLE_DIR --to gguf --target TARGET --out DIR`)")
+    return Eagle3Drafter(b.target, b.source, threads=b.threads)
+
+
+def _eagle3_file(draft: str) -> bool:
+    from ondevice.drafters.eagle3 import is_eagle3_gguf
+
+    return is_eagle3_gguf(draft)
+
+
+def _mtp(b: Build) -> Drafter:
+    return MtpDrafter(b.target)
+
+
 def _heads_file(draft: str) -> bool:
     return draft == "heads" or draft.endswith(".heads.safetensors")
 
@@ -137,4 +156,8 @@ register(Kind(traits=ModelDrafter.traits, build=_model,
 register(Kind(traits=NgramDrafter.traits, build=_ngram, help="prompt lookup: copies of earlier text"))
 register(Kind(traits=HeadsDrafter.traits, build=_heads, claims=_heads_file,
               help="heads trained for the target (ondevice train-heads) on its hidden states"))
+register(Kind(traits=Eagle3Drafter.traits, build=_eagle3, claims=_eagle3_file,
+              help="an EAGLE-3 draft (GGUF arch eagle3) on the target's layer inputs (--draft DIR/x.gguf)"))
+register(Kind(traits=MtpDrafter.traits, build=_mtp, claims=lambda draft: draft == "mtp",
+              help="the model's own MTP (nextn) heads, inside its GGUF (--draft mtp)"))
 register(Kind(traits=Traits(name="none"), build=lambda b: None, help="plain decoding"))

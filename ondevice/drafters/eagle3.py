@@ -1,0 +1,169 @@
+"""The EAGLE-3 drafter: a published EAGLE-3 draft (a GGUF of arch ``eagle3``, ``ondevice convert EAGLE_DIR --to
+gguf --target TARGET``) run by llama.cpp's own graph (``ondevice.backends.eagle3``) on the target's layer inputs.
+
+The target records the inputs of the draft's 3 layers for every token of every pass (``Traits.needs``:
+"layer_inputs"; ``LlamaBackend.enable_layer_inputs``), so drafting costs no extra target pass. The draft keeps
+its own KV cache, position P holding the pair (token at P + 1, g of the target's features at P): before each
+chain it is rolled back to the positions built from true features of the same context (the accepted prefix),
+the new ones are absorbed from the last verify pass's rows, and the chain is drafted from the pending token.
+
+q: each drafted token is drawn from the draft's logits (over the target vocabulary, −inf outside the draft's)
+processed with the request's own ``SamplingParams`` (``probs_sparse``: temperature, top-k/p, min-p, repetition
+penalty), masked first by the request's constraint: the shared rejection rule keeps the target's law at any
+temperature. Greedy drafting is deterministic (q None).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from ondevice.drafters.base import Drafter, Traits, common_prefix
+from ondevice.errors import OndeviceError
+from ondevice.sampling import SamplingParams, probs_sparse, sample_sparse
+
+_GREEDY = SamplingParams(temperature=0.0)
+
+
+def is_eagle3_gguf(path: str) -> bool:
+    """Whether ``path`` is a GGUF file whose architecture is ``eagle3`` (read from its header alone)."""
+    p = Path(path)
+    if p.suffix != ".gguf" or not p.is_file():
+        return False
+    from ondevice.formats.gguf import read_header
+
+    try:
+        return read_header(p)[0].get("general.architecture") == "eagle3"
+    except (OndeviceError, OSError):
+        return False
+
+
+class Eagle3Drafter(Drafter):
+    """Chains from an EAGLE-3 draft fed the target's layer inputs (see the module docstring).
+
+    Args:
+        target: the target backend; it must record layer inputs (a llama.cpp target of an architecture whose
+            graph keeps them; others are refused in one line naming the architecture).
+        path: the eagle3 GGUF.
+        threads: CPU threads of the draft's context.
+    """
+
+    traits = Traits(name="eagle3", needs=frozenset({"layer_inputs"}))
+
+    def __init__(self, target, path: str | Path, threads: int | None = None) -> None:
+        from ondevice.backends.eagle3 import Eagle3Graph
+
+        if "layer_inputs" not in target.features:
+            target.enable_layer_inputs([])  # raises the backend's one-line refusal
+        self.target = target
+        self.target_vocab = target.vocab_size
+        # checks hidden size, vocabulary and depth against the target; borrows its embeddings (ctx_other)
+        self.graph = Eagle3Graph(path, target._ctx, target._model, n_ctx=target.n_ctx, threads=threads)
+        try:
+            self.width = target.enable_layer_inputs(self.graph.layer_ids)
+        except BaseException:
+            self.graph.close()
+            raise
+        self._tokens: list[int] = []  # context[:valid + 1]: what the valid draft positions were built from
+        self._valid = 0  # draft positions 0..valid-1 hold pairs made from the target's true features
+        self._spt: float | None = None
+
+    def _absorb(self, context: Sequence[int]) -> tuple[np.ndarray, np.ndarray] | None:
+        """Bring the draft's cache to pairs 0..L-2 (L = len(context)); the depth-1 (logits, pre-norm) rows, or
+        None when the target kept no features for the last cached position."""
+        from ondevice.backends.eagle3 import absorb
+
+        last = len(context) - 2
+        if last < 0 or self.target.feature("layer_inputs", last) is None:
+            return None
+        keep = max(0, min(self._valid, common_prefix(self._tokens, context) - 1, last))
+        self._valid = keep  # shortened before the draft's cache changes (an interruption leaves a prefix)
+        feats = np.zeros((last + 1 - keep, self.width), np.float32)
+        for i, pos in enumerate(range(keep, last + 1)):
+            row = self.target.feature("layer_inputs", pos)
+            if row is not None:  # a pass made without features leaves zeros: only the guesses change, never the law
+                feats[i] = row
+        logits, pre = absorb(self.graph, feats, context[keep:last + 1], keep, int(context[-1]))
+        self._valid, self._tokens = last + 1, [int(t) for t in context]
+        self.target.release_features(last)
+        return logits, pre
+
+    def propose(self, context, gamma, params, rng, keep_drafting=None, constraint=None):
+        """Up to ``gamma`` tokens after ``context`` (its last token pending, the rest in the target's cache), each
+        drawn from the draft's processed (and constrained) distribution; (tokens, q rows [γ', V] or None greedy).
+        Nothing (a plain step) when the target kept no features for the last cached position."""
+        V = self.target_vocab
+        none = ([], None if params.greedy else np.zeros((0, V)))
+        gamma = min(gamma, self.graph_room(context))
+        if gamma <= 0:
+            return none
+        first = self._absorb(context)
+        if first is None:
+            return none
+        logits, pre = first
+        pos = len(context) - 1
+        hist = [int(t) for t in context]
+        tokens, rows, confs = [], [], []
+        mark = constraint.checkpoint() if constraint is not None else 0
+        try:
+            while True:
+                row = logits[-1] if constraint is None else constraint.mask_row(logits[-1])
+                if not np.isfinite(row).any():
+                    break  # the constraint allows nothing the draft can propose
+                ids, pr = probs_sparse(row, params, hist)
+                t = int(ids[0]) if params.greedy else sample_sparse(ids, pr, rng)
+                tokens.append(t)
+                rows.append((ids, pr))
+                confs.append(float(pr[np.flatnonzero(ids == t)[0]]))
+                hist.append(t)
+                if constraint is not None:
+                    if t in constraint.eos_ids:
+                        break  # nothing follows an end of generation
+                    constraint.advance([t])
+                if len(tokens) >= gamma or (keep_drafting is not None and not keep_drafting(confs)):
+                    break
+                logits, pre = self.graph.decode([t], pre[-1:], pos)
+                pos += 1
+        finally:
+            if constraint is not None:
+                constraint.restore(mark)
+        if params.greedy:
+            return tokens, None
+        q = np.zeros((len(rows), V))
+        for i, (ids, pr) in enumerate(rows):
+            q[i, ids] = pr
+        return tokens, q
+
+    def graph_room(self, context: Sequence[int]) -> int:
+        """Drafts the draft's cache has room for after ``context``."""
+        return self.target.n_ctx - len(context)
+
+    def seconds_per_token(self, reps: int = 7) -> float:
+        """Median seconds of one drafted token (a decoder step and its logits), timed once on the draft's cache
+        (left as it was found); charged by the adaptive policy."""
+        if self._spt is None:
+            g = self.graph
+            base = g.n_past
+            pre = np.zeros((1, g.n_embd), np.float32)
+            times = []
+            try:
+                for _ in range(reps):
+                    t0 = time.perf_counter()
+                    logits, pre = g.decode([0], pre, g.n_past)
+                    probs_sparse(logits[0], _GREEDY, [])
+                    times.append(time.perf_counter() - t0)
+            finally:
+                g.rollback(base)
+            self._spt = float(np.median(times))
+        return self._spt
+
+    def reset(self) -> None:
+        self._valid, self._tokens = 0, []
+        self.graph.rollback(0)
+
+    def close(self) -> None:
+        self.graph.close()  # before the target: the draft borrows its context
+

@@ -1,0 +1,168 @@
+"""The EAGLE-3 drafter through the runtime (``draft=DIR/x.gguf`` of arch eagle3, ``drafter="eagle3"``): greedy
+speculation equals plain decoding token for token, and the sampled law is the target's (chi-square at T = 0.8,
+with a planted-bug control that must fail), on tiny llama and qwen3 targets with random-weight drafts."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from helpers import chisquare, exact_law, sampled_counts
+
+import ondevice
+from ondevice import sampling
+from ondevice.errors import OndeviceError
+
+PROMPTS = ["def add(a, b):", "The model draft and the target verify", "class Cache:\n    def __init__(self, n):"]
+LAW_PROMPT = "The model draft"
+LAW = dict(temperature=0.8, top_k=6, top_p=1.0, min_p=0.0)
+
+
+def _target(base, arch):
+    from converters import convert
+    from ondevice.testing import make_tiny_hf
+
+    hf = make_tiny_hf(base / "hf", arch=arch, n_layers=4)
+    convert(hf, to="gguf", quant="f16", out=base / "gguf", progress=False)
+    return base / "gguf" / "model.gguf"
+
+
+def _law(target):
+    """The target's exact law of 3 tokens after ``LAW_PROMPT`` (top-k 6 keeps it enumerable) and the prompt ids."""
+    from ondevice.backends.llama import LlamaBackend
+
+    b = LlamaBackend(target, n_ctx=128, threads=1)
+    try:
+        ids = b.tokenize(LAW_PROMPT)
+        return exact_law(b, ids, sampling.SamplingParams(**LAW)), ids
+    finally:
+        b.close()
+
+
+def _draft(base, target, favourites):
+    """A random-weight EAGLE-3 draft for ``target`` whose draft vocabulary is the ``favourites`` ids (d2t / t2d
+    rewritten), so its q overlaps the target's p and both acceptance and rejection occur; converted to GGUF."""
+    from safetensors.numpy import load_file, save_file
+
+    from converters.eagle3 import convert_eagle3
+    from ondevice.testing.eagle3 import make_tiny_eagle3
+
+    src = make_tiny_eagle3(base / "e3src", own_embeddings=False, dtype="float32", draft_vocab=len(favourites),
+                           layer_ids=[0, 2, 3])
+    t = load_file(src / "model.safetensors")
+    ids = np.array(sorted(favourites), np.int64)
+    t["d2t"] = ids - np.arange(len(ids), dtype=np.int64)
+    mask = np.zeros(512, bool)
+    mask[ids] = True
+    t["t2d"] = mask
+    save_file(t, src / "model.safetensors")
+    convert_eagle3(src, target=target, out=base / "e3", dtype="f32")
+    return base / "e3" / "model.gguf"
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def pair(request, tmp_path_factory):
+    """(target GGUF, eagle3 draft GGUF, the exact law, its prompt ids) for a tiny target of each architecture; the
+    draft's vocabulary is the tokens the law and greedy answers favour (so drafts are both kept and rejected)."""
+    base = tmp_path_factory.mktemp(f"e3d-{request.param}")
+    target = _target(base, request.param)
+    law, ids = _law(target)
+    mass: dict[int, float] = {}
+    for seq, pr in law.items():
+        for t in seq:
+            mass[t] = mass.get(t, 0.0) + pr
+    favourites = set(sorted(mass, key=mass.get, reverse=True)[:12])
+    seen: dict[int, int] = {}
+    with ondevice.load(target, drafter="none", threads=1) as rt:  # the tokens greedy answers repeat
+        for prompt in PROMPTS:
+            for t in rt.generate(prompt, max_tokens=40, temperature=0).tokens:
+                seen[t] = seen.get(t, 0) + 1
+    favourites |= set(sorted(seen, key=seen.get, reverse=True)[:10])
+    return target, _draft(base, target, favourites), law, ids
+
+
+def test_the_draft_file_names_its_kind_and_greedy_equals_plain(pair):
+    """``draft=x.gguf`` of arch eagle3 selects the EAGLE-3 drafter; greedy speculation with a fixed γ emits plain
+    decoding's tokens, with drafts both accepted and rejected."""
+    target, draft = pair[:2]
+    with ondevice.load(target, draft=str(draft), threads=1) as spec, \
+            ondevice.load(target, drafter="none", threads=1) as plain:
+        assert spec.drafter.name == "eagle3"
+        drafted = accepted = 0
+        for prompt in PROMPTS:
+            for gamma in (1, 3):
+                ref = plain.generate(prompt, max_tokens=40, temperature=0, gamma=0)
+                res = spec.generate(prompt, max_tokens=40, temperature=0, gamma=gamma)
+                assert res.tokens == ref.tokens, (prompt, gamma)
+                drafted, accepted = drafted + res.stats.drafted, accepted + res.stats.accepted
+        assert drafted > 0 and accepted > 0
+
+
+def test_sampled_law_is_the_targets(pair, monkeypatch):
+    """Joint law of 3 tokens at T = 0.8, top-k 6 against the exact target law (γ = 3; q = the draft's processed
+    distribution); the planted control, a residual that does not subtract q, must fail the same test."""
+    target, draft, law, ids = pair
+    n = 3000
+    with ondevice.load(target, drafter="eagle3", draft=str(draft), threads=1) as rt:
+        runs = [rt.generate(ids, max_tokens=3, seed=s, gamma=3, **LAW).stats for s in range(40)]
+        accepted, drafted = sum(r.accepted for r in runs), sum(r.drafted for r in runs)
+        assert 0 < accepted < drafted, (accepted, drafted)  # both outcomes occur, so the controls can fail
+        assert chisquare(sampled_counts(rt, ids, n, 0.8, 6, 3), law, n) > 1e-3
+        monkeypatch.setattr(sampling, "residual", lambda p, q: p)  # the planted bug
+        monkeypatch.setattr(sampling, "residual_sparse", lambda ids, pr, qv, V: pr)
+        assert chisquare(sampled_counts(rt, ids, n, 0.8, 6, 3), law, n) < 1e-4
+
+
+def test_a_wrong_q_fails_the_law(pair, monkeypatch):
+    """Second planted control: q rows replaced by a uniform law over the draft vocabulary (not the distribution
+    the tokens were drawn from) break the target's law."""
+    from ondevice.drafters.eagle3 import Eagle3Drafter
+
+    target, draft, law, ids = pair
+    n = 3000
+    real = Eagle3Drafter.propose
+
+    def wrong_q(self, *a, **kw):
+        tokens, q = real(self, *a, **kw)
+        if q is not None and len(q):
+            q = (q > 0) / np.maximum((q > 0).sum(-1, keepdims=True), 1)
+        return tokens, q
+
+    with ondevice.load(target, draft=str(draft), threads=1) as rt:
+        monkeypatch.setattr(Eagle3Drafter, "propose", wrong_q)
+        assert chisquare(sampled_counts(rt, ids, n, 0.8, 6, 3), law, n) < 1e-4
+
+
+def test_refusals_are_one_line(pair, tmp_path):
+    """A qwen2 target (no recorded layer inputs in this llama.cpp) is refused naming its architecture; a draft
+    made for another target (vocabulary) is refused; drafter='eagle3' without a draft says what to pass."""
+    target, draft = pair[:2]
+    with pytest.raises(OndeviceError, match="needs the draft"):
+        ondevice.load(target, drafter="eagle3", threads=1)
+    other = _target(tmp_path / "q2", "qwen2")
+    with pytest.raises(OndeviceError, match="architecture 'qwen2' does not expose its layer inputs") as e:
+        ondevice.load(other, draft=str(draft), threads=1)
+    assert "\n" not in str(e.value)
+
+
+def test_the_two_commands(pair, tmp_path):
+    """``ondevice convert EAGLE_DIR --to gguf --target TARGET --out DIR`` then ``ondevice generate TARGET --draft
+    DIR/model.gguf --gamma 3 --temperature 0 --json`` drafts with it (stats.drafted > 0)."""
+    import json
+    import subprocess
+    import sys
+
+    target, draft = pair[:2]
+    src = draft.parent.parent / "e3src"
+    run = [sys.executable, "-m", "ondevice"]
+    out = subprocess.run([*run, "convert", str(src), "--to", "gguf", "--target", str(target), "--out",
+                          str(tmp_path / "d"), "--json"], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    gen = subprocess.run([*run, "generate", str(target), "--draft", str(tmp_path / "d" / "model.gguf"), "--gamma", "3",
+                          "--temperature", "0", "--json", "-p", PROMPTS[0], "--threads", "1"],
+                         capture_output=True, text=True, timeout=600)
+    assert gen.returncode == 0, gen.stderr
+    stats = json.loads(gen.stdout)["stats"]
+    assert stats["drafter"] == "eagle3" and stats["drafted"] > 0
+    bad = subprocess.run([*run, "convert", str(src), "--to", "gguf", "--out", str(tmp_path / "e")],
+                         capture_output=True, text=True, timeout=600)
+    assert bad.returncode == 2 and "--target" in bad.stderr and not (tmp_path / "e").exists()
