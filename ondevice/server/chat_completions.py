@@ -14,6 +14,7 @@ from ondevice import reasoning, toolcalls
 from ondevice.chat import PROMPT_TAIL, render_prompt
 from ondevice.errors import OndeviceError
 from ondevice.logprobs import TokenLogprob
+from ondevice.media import has_images, render_media
 from ondevice.server.engine import Piece
 from ondevice.server.errors import FINISH, ApiError
 from ondevice.server.openai_api import OpenAIReply, chat_messages, check_context, generation_args, stream_args
@@ -46,9 +47,13 @@ class ChatCompletions(Dialect):
         tool_args(body, template, st)
         template_args(body, st)
         reasoning_args(body, st)
+        msgs = toolcalls.template_messages(chat_messages(body), st.family)
+        render = render_prompt
+        if has_images(msgs):  # over HTTP an image is data only: a client never names a file on this machine
+            data_urls_only(msgs)
+            render = render_media
         try:  # the template is untrusted: it renders in its own budgeted process
-            text, ids = render_prompt(rt, toolcalls.template_messages(chat_messages(body), st.family),
-                                      tools=st.tools, variables=st.variables)
+            text, ids = render(rt, msgs, tools=st.tools, variables=st.variables)
         except OndeviceError as e:
             raise ApiError(400, str(e), param="messages") from e
         thinking = reasoning.detect(template, text[-PROMPT_TAIL:])
@@ -119,3 +124,16 @@ def chat_logprobs(lps: Sequence[TokenLogprob], token_bytes: Callable[[int], byte
     return {"content": [{**_bytes_entry(token_bytes, x.token, x.logprob),
                          "top_logprobs": [_bytes_entry(token_bytes, i, v) for i, v in x.top]} for x in lps],
             "refusal": None}
+
+
+def data_urls_only(messages: list[dict]) -> None:
+    """Refuse an ``image_url`` part whose url is not a ``data:`` URL (a path or file:// URL would read this
+    machine's files for a remote client; http(s) is not fetched)."""
+    for i, m in enumerate(messages):
+        for part in m["content"] if isinstance(m.get("content"), list) else []:
+            if isinstance(part, dict) and part.get("type") == "image_url":
+                url = part.get("image_url", {}).get("url") if isinstance(part.get("image_url"), dict) else None
+                if not (isinstance(url, str) and url.startswith("data:")):
+                    raise ApiError(400, f"messages[{i}]: an image_url must be a data: URL "
+                                   "(data:image/png;base64,...); this server reads no paths and fetches no URLs",
+                                   param="messages", code="invalid_value")

@@ -19,6 +19,7 @@ import threading
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
+from ondevice.errors import OndeviceError
 from ondevice.params import GenerateRequest
 from ondevice.speculative import Chunk, Stats
 
@@ -189,8 +190,16 @@ class Engine:
         return job
 
     def _open(self, ids: Sequence[int], req: GenerateRequest):
+        from ondevice.media import MediaPrompt
+
         if self.closing:
             raise Busy("the server is shutting down")
+        if isinstance(ids, MediaPrompt):  # a prompt with images: the one-at-a-time path evaluates them
+            if self.batch is not None:
+                ids.close()
+                raise OndeviceError("images are not decoded in --parallel slots yet; serve this model without "
+                                    "--parallel to send images")
+            return self.rt.stream(ids, req)
         if self.batch is not None:
             return self.batch.stream(list(ids), req)
         return self.rt.stream(list(ids), req)

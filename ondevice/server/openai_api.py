@@ -134,13 +134,24 @@ def chat_messages(body: dict) -> list[dict]:
     if not isinstance(msgs, list) or not msgs:
         raise ApiError(400, "'messages' must be a non-empty list of {role, content} objects", param="messages",
                        code="invalid_value")
-    try:
-        return [{"role": m["role"], "content": m["content"],
+    from ondevice.media import has_images
+
+    try:  # image parts are checked as empty text here and kept for ondevice.media to render
+        norm = normalize_messages([_images_as_text(m) for m in msgs], roles=OPENAI_ROLES)
+        return [{"role": m["role"], "content": raw["content"] if has_images([raw]) else m["content"],
                  **{k: m[k] for k in ("tool_calls", "tool_call_id", "name") if m.get(k) is not None},
-                 **_reasoning(m)} for m in normalize_messages(msgs, roles=OPENAI_ROLES)]
+                 **_reasoning(m)} for raw, m in zip(msgs, norm, strict=True)]
     except OndeviceError as e:
         code = "unsupported_value" if "not supported" in str(e) else "invalid_value"
         raise ApiError(400, str(e), param="messages", code=code) from None
+
+
+def _images_as_text(m):
+    """``m`` with each ``image_url`` part as an empty text part (what ``normalize_messages`` checks)."""
+    if not isinstance(m, dict) or not isinstance(m.get("content"), list):
+        return m
+    return {**m, "content": [{"type": "text", "text": ""} if isinstance(p, dict) and p.get("type") == "image_url"
+                             else p for p in m["content"]]}
 
 
 def _reasoning(m: dict) -> dict:
