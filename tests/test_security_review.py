@@ -1,0 +1,59 @@
+"""Findings of the security review of issue #41's hardening (each test failed before its fix)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+
+async def _ok(scope, receive, send):
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    await send({"type": "http.response.body", "body": b"ok"})
+
+
+def _call(guard, host: str, path: str = "/health", method: str = "POST", headers: dict | None = None) -> int:
+    """One request through the ASGI guard in process: its status."""
+    sent: list = []
+
+    async def receive():
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    hdrs = [(b"host", host.encode())] + [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
+    scope = {"type": "http", "method": method, "path": path, "root_path": "", "query_string": b"", "headers": hdrs,
+             "scheme": "http", "http_version": "1.1", "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2)}
+    asyncio.run(guard(scope, receive, send))
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    if sent[0]["status"] != 200:
+        json.loads(body)  # refusals are JSON errors
+    return sent[0]["status"]
+
+
+def test_api_key_guards_every_model_route_not_only_v1():
+    """Before: only paths starting with /v1 needed the key, so llama.cpp's ``POST /rerank`` (the same reranker
+    as /v1/rerank) ran the model for anyone on the network of a server started with --api-key."""
+    from ondevice.server.guard import Guard
+
+    guard = Guard(_ok, api_key="k", cors_origins=[], loopback_only=False, allowed_hosts=["0.0.0.0"])
+    for path in ("/rerank", "/v1/rerank", "/anything/else", "//v1/chat/completions"):
+        assert _call(guard, "192.168.1.5:8080", path) == 401, path
+        assert _call(guard, "192.168.1.5:8080", path, headers={"authorization": "Bearer k"}) == 200, path
+    # the chat page and the health check stay open (the page asks for the key itself)
+    assert _call(guard, "192.168.1.5:8080", "/", method="GET") == 200
+    assert _call(guard, "192.168.1.5:8080", "/health", method="GET") == 200
+    assert _call(guard, "192.168.1.5:8080", "/rerank", method="OPTIONS") == 200
+
+
+def test_bracketed_host_with_trailing_junk_is_not_loopback():
+    """Before: a Host of ``[::1]evil.example`` was read as ``::1`` and answered as a loopback name."""
+    from ondevice.server.guard import Guard
+
+    guard = Guard(_ok, api_key=None, cors_origins=[], loopback_only=True, allowed_hosts=["127.0.0.1"])
+    for host in ("[::1]evil.example", "[::1].evil.example:80", "[::1]:80x", "[::1]:"):
+        assert _call(guard, host) == 403, host
+    for host in ("[::1]", "[::1]:8080", "[::1]:80", "LOCALHOST.", "127.0.0.1.:8080", "localhost:8080"):
+        assert _call(guard, host) == 200, host
+    for host in ("localhost.evil.example", "127.0.0.1.nip.io", "evil.example:80:localhost", "", "[::2]:80"):
+        assert _call(guard, host) == 403, host
