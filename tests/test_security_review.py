@@ -57,3 +57,39 @@ def test_bracketed_host_with_trailing_junk_is_not_loopback():
         assert _call(guard, host) == 200, host
     for host in ("localhost.evil.example", "127.0.0.1.nip.io", "evil.example:80:localhost", "", "[::2]:80"):
         assert _call(guard, host) == 403, host
+
+
+def _gguf(n_kv: int, body: bytes, n_tensors: int = 0) -> bytes:
+    import struct
+
+    return b"GGUF" + struct.pack("<IQQ", 3, n_tensors, n_kv) + body
+
+
+def test_gguf_file_refuses_header_counts_before_gguf_reader(tmp_path):
+    """``ondevice info`` reads through ``GGUFFile`` (gguf.GGUFReader), which trusts every count. Before: a 65-byte
+    file declaring an array of 2**62 bytes made it allocate for minutes (6.6 GB after 120 s), and arrays nested
+    50,000 deep surfaced as a RecursionError. Now the capped header walk refuses them first, in well under a
+    second, with one line naming the file (run in a child so that the old behaviour fails the test by its
+    timeout instead of eating this machine's memory)."""
+    import struct
+    import subprocess
+    import sys
+
+    def key(name: bytes) -> bytes:
+        return struct.pack("<Q", len(name)) + name
+
+    cases = {
+        "hugecount.gguf": (_gguf(1, key(b"z") + struct.pack("<IIQ", 9, 0, 1 << 62) + b"\0" * 16), "4611686018427387904"),
+        "deep.gguf": (_gguf(1, key(b"x") + struct.pack("<I", 9) + struct.pack("<IQ", 9, 1) * 5000
+                            + struct.pack("<IQ", 0, 0)), "nested more than"),
+        "tensors.gguf": (_gguf(0, b"\0" * 64, n_tensors=1 << 40), "1099511627776 tensors"),
+    }
+    for name, (data, says) in cases.items():
+        path = tmp_path / name
+        path.write_bytes(data)
+        code = ("import resource, sys; resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))\n"
+                "from ondevice.errors import OndeviceError\nfrom ondevice.formats.gguf import GGUFFile\n"
+                "try:\n    GGUFFile(sys.argv[1])\nexcept OndeviceError as e:\n    print(e)\n")
+        r = subprocess.run([sys.executable, "-P", "-c", code, str(path)], capture_output=True, text=True, timeout=60)
+        out = r.stdout.strip()
+        assert r.returncode == 0 and str(path) in out and says in out and "\n" not in out, (name, out, r.stderr[-300:])
