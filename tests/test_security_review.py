@@ -93,3 +93,21 @@ def test_gguf_file_refuses_header_counts_before_gguf_reader(tmp_path):
         r = subprocess.run([sys.executable, "-P", "-c", code, str(path)], capture_output=True, text=True, timeout=60)
         out = r.stdout.strip()
         assert r.returncode == 0 and str(path) in out and says in out and "\n" not in out, (name, out, r.stderr[-300:])
+
+
+def test_deeply_nested_json_body_is_a_400():
+    """Before: a body of 100,000 '[' raised RecursionError out of ``read_body`` (an unhandled 500)."""
+    import pytest
+
+    from ondevice.server.driver import read_body
+    from ondevice.server.errors import ApiError
+
+    class Request:
+        headers: dict = {}
+
+        async def stream(self):
+            yield b"[" * 100_000
+
+    with pytest.raises(ApiError) as e:
+        asyncio.run(read_body(Request()))
+    assert e.value.status == 400 and "nests too deeply" in str(e.value)

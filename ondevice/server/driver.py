@@ -49,6 +49,8 @@ async def read_body(request: Request, seconds: float = READ_SECONDS) -> dict:
         body = json.loads(data)
     except (ValueError, UnicodeDecodeError) as e:
         raise ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    except RecursionError:  # "[[[[..." deeper than the interpreter's limit: was an unhandled 500
+        raise ApiError(400, "the request body's JSON nests too deeply", code="invalid_json") from None
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
     try:  # JSON may spell unpaired UTF-16 surrogates ("\\ud800"), which no tokenizer can encode
