@@ -111,3 +111,19 @@ def test_deeply_nested_json_body_is_a_400():
     with pytest.raises(ApiError) as e:
         asyncio.run(read_body(Request()))
     assert e.value.status == 400 and "nests too deeply" in str(e.value)
+
+
+def test_sandbox_reason_escapes_the_programs_control_characters():
+    """The eval prints ``reason()`` (the last line the model's program wrote to stderr) on the terminal. Before:
+    an escape sequence in it reached the terminal as is (OSC 52 writes the clipboard in many terminals; a bidi
+    override reorders the line)."""
+    from ondevice.quality.sandbox import SandboxResult
+
+    line = "AssertionError\x1b]52;c;cHduZWQ=\x07 \x1b[2J\u202eok\x9b"
+    r = SandboxResult(ok=False, returncode=1, timed_out=False, stdout="", stderr="Traceback\n" + line + "\n", seconds=0.1)
+    why = r.reason()
+    assert why.isprintable() and why.startswith("AssertionError") and "\\x1b]52;c;cHduZWQ=\\x07" in why, why
+    assert "\\u202e" in why and "\\x9b" in why
+    ok = SandboxResult(ok=False, returncode=1, timed_out=False, stdout="", stderr="NameError: name 'é' is not defined\n",
+                       seconds=0.1)
+    assert ok.reason() == "NameError: name 'é' is not defined"
