@@ -127,3 +127,19 @@ def test_sandbox_reason_escapes_the_programs_control_characters():
     ok = SandboxResult(ok=False, returncode=1, timed_out=False, stdout="", stderr="NameError: name 'é' is not defined\n",
                        seconds=0.1)
     assert ok.reason() == "NameError: name 'é' is not defined"
+
+
+def test_template_error_from_the_model_file_is_escaped_and_bounded():
+    """``raise_exception`` text comes from the model file and ends in the one-line error the CLI prints. Before:
+    escape sequences and newlines in it reached the terminal as is, at any length."""
+    import pytest
+
+    from ondevice.errors import OndeviceError
+    from ondevice.templates import render
+
+    hostile = "{{ raise_exception('bad\\x1b]52;c;cHduZWQ=\\x07\\nsecond line\\u202e' ~ 'x' * 100000) }}"
+    with pytest.raises(OndeviceError) as e:
+        render(hostile, [{"role": "user", "content": "hi"}], source="m.gguf")
+    msg = str(e.value)
+    assert msg.isprintable() and "\\x1b]52;c;cHduZWQ=\\x07\\x0asecond line\\u202e" in msg, msg[:300]
+    assert len(msg) < 3000
