@@ -222,7 +222,10 @@ def render(template: str, messages: Sequence[dict], *, source: str, seconds: flo
         reply = json.loads(line)
         if "text" in reply:
             return reply["text"]
-        raise OndeviceError(f"chat template of {source} {reply['error']}")
+        # the model file's text (raise_exception's message): escape control characters before it reaches a terminal
+        why = "".join(c if c.isprintable() else f"\\x{ord(c):02x}" if ord(c) < 256 else f"\\u{ord(c):04x}"
+                      for c in str(reply["error"])[:2000])
+        raise OndeviceError(f"chat template of {source} {why}")
 
 
 # -- the worker process -----------------------------------------------------------------------------

@@ -261,10 +261,27 @@ class GGUFFile:
 
         self.path = Path(path)
         check_gguf_file(self.path)
+        self._check_header()
         try:
             self.reader = gguf.GGUFReader(str(self.path))
         except Exception as e:  # gguf raises ValueError/IndexError/struct errors on corrupt files
             raise OndeviceError(f"{self.path}: corrupt GGUF ({type(e).__name__}: {e}); re-download or reconvert it") from e
+
+    def _check_header(self) -> None:
+        """The capped walk of ``read_header`` and the tensor count against the bytes left, before ``GGUFReader``
+        (which trusts every count: a 65-byte header declaring an array of 2**62 items made it allocate memory
+        for minutes, and nested arrays recursed until RecursionError).
+
+        Raises:
+            OndeviceError: one line naming the file, as ``read_header``.
+        """
+        with open(self.path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            _, _, pos = _parse(mm, self.path)
+            end = "<" if struct.unpack_from("<I", mm, 4)[0] < 0x10000 else ">"
+            n_tensors = struct.unpack_from(end + "Q", mm, 8)[0]
+            if n_tensors > min(MAX_COUNT, (len(mm) - pos) // 24):  # name length, n_dims, type, offset at least
+                raise OndeviceError(f"{self.path}: corrupt GGUF tensor table (it declares {n_tensors} tensors in "
+                                    f"{len(mm) - pos} bytes); re-download or reconvert it")
 
     def get(self, key: str, default=None):
         field = self.reader.fields.get(key)

@@ -120,8 +120,9 @@ class SandboxResult:
         if self.timed_out:
             return "wall-clock limit reached (killed)"
         last = [ln for ln in self.stderr.strip().splitlines() if ln.strip()]
-        if last:
-            return last[-1][:300]
+        if last:  # written by the program: escape control characters (terminal escape sequences, bidi overrides)
+            return "".join(c if c.isprintable() else f"\\x{ord(c):02x}" if ord(c) < 256 else f"\\u{ord(c):04x}"
+                           for c in last[-1][:300])
         if self.returncode is not None and self.returncode < 0:
             return f"killed by {signal.Signals(-self.returncode).name}"
         return f"exit code {self.returncode}"

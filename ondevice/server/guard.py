@@ -5,7 +5,7 @@ reaches the server with that name as its Host): on a loopback address only loopb
 off loopback also IP addresses and the bound address. Names given with ``--allowed-host`` are answered
 either way. A browser request from another origin is refused unless that origin was allowed with
 ``--cors-origin``; allowed origins get CORS headers on every answer, errors included. ``--api-key`` makes
-every ``/v1`` route require ``Authorization: Bearer KEY`` (or Anthropic's ``x-api-key: KEY``).
+every route but the chat page and ``/health`` (``OPEN_PATHS``) require ``Authorization: Bearer KEY`` (or Anthropic's ``x-api-key: KEY``).
 """
 
 from __future__ import annotations
@@ -19,12 +19,15 @@ from starlette.responses import JSONResponse, Response
 from ondevice.server.errors import ApiError
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+OPEN_PATHS = frozenset({"/", "/health"})  # answered without the API key: the chat page and the health check
 
 
 def _host_name(host_header: str) -> str:
     h = host_header.strip().lower()
     if h.startswith("["):
-        return h[1:].split("]", 1)[0]
+        name, _, rest = h[1:].partition("]")
+        # "[::1]evil.example" is no URL's host: only "[addr]" or "[addr]:port" names the address
+        return name if rest == "" or (rest[:1] == ":" and rest[1:].isdigit()) else h
     return (h.rsplit(":", 1)[0] if h.count(":") == 1 else h).rstrip(".")
 
 
@@ -42,7 +45,7 @@ class Guard:
 
     Args:
         app: the ASGI application to protect.
-        api_key: when set, /v1 routes need ``Authorization: Bearer api_key``.
+        api_key: when set, every route but ``OPEN_PATHS`` needs ``Authorization: Bearer api_key``.
         cors_origins: browser origins allowed to call the API ("*" = any).
         loopback_only: answer only loopback names (and ``allowed_hosts``) in the Host header; else also IP
             addresses.
@@ -91,7 +94,8 @@ class Guard:
         if origin and not self._origin_allowed(origin, headers.get("host", "")):
             raise ApiError(403, f"requests from the web origin {origin!r} are not allowed; start the server "
                            f"with --cors-origin {origin} to allow it", code="forbidden_origin")
-        if self.api_key and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":
+        # every route but OPEN_PATHS (not only /v1: llama.cpp's /rerank path runs the model too)
+        if self.api_key and scope["path"] not in OPEN_PATHS and scope["method"] != "OPTIONS":
             auth = headers.get("authorization", "")
             given = auth[7:].strip() if auth[:7].lower() == "bearer " else headers.get("x-api-key", "").strip()
             if not hmac.compare_digest(given.encode(), self.api_key.encode()):
