@@ -132,7 +132,9 @@ class Runtime:
         extra = {k: v for k, v in (("constraint", constraint), ("n_logprobs", n_lp)) if v is not None}
         if extra and not self.constraints_and_logprobs:
             raise OndeviceError(f"{', '.join(extra)}: not supported by a sharded target yet; load the model on one rank")
-        return Stream(lambda out: self._run(ids, request, out, media=media, **extra), Request())
+        if media is not None:
+            extra["media"] = media
+        return Stream(lambda out: self._run(ids, request, out, **extra), Request())
 
     def _constraint(self, response_format, grammar):
         """The request's compiled ``Constraint`` (None when unconstrained); compile errors raise here."""
