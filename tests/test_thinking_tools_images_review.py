@@ -35,3 +35,46 @@ def test_an_undecodable_image_names_no_video_tool(tiny_gguf, tmp_path):
         assert "cut.png: the PNG image cannot be decoded" in msg and "\n" not in msg
         assert "ffprobe" not in msg and "video" not in msg
         assert rt.chat(_image_messages(str(good)), max_tokens=2).stats.tokens == 2  # it goes on
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+TWO_CALLS = ('start: "<tool_call>\\n{\\"name\\": \\"get_weather\\", \\"arguments\\": {\\"city\\": \\"a\\"}}\\n'
+             '</tool_call>\\n<tool_call>\\n{\\"name\\": \\"get_weather\\", \\"arguments\\": {\\"city\\": \\"b\\"}}\\n'
+             '</tool_call>"')
+
+
+def test_a_call_marker_cut_by_the_token_limit_is_not_content(tiny_hf, tmp_path_factory):
+    """Two parallel calls, the second cut by max_tokens inside its '<tool_call>' marker: the first call came
+    back and the cut marker ('<tool_cal') leaked into content, in all three APIs, whole and streamed."""
+    openai = pytest.importorskip("openai")
+    anthropic = pytest.importorskip("anthropic")
+    from ondevice.server.run import launch
+    from tests.test_reasoning_server import QWEN3, templated
+
+    path = templated(tiny_hf, tmp_path_factory, "qwen3cut", QWEN3)
+    proc, base = launch(path, "--n-ctx", "1024", "--threads", "1")
+    try:
+        client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=300)
+        kw = dict(model="model", messages=[{"role": "user", "content": "Weather?"}], tools=[WEATHER], temperature=0)
+        full = client.chat.completions.create(**kw, max_tokens=200, extra_body={"grammar": TWO_CALLS})
+        n = full.usage.completion_tokens
+        assert [c.function.arguments for c in full.choices[0].message.tool_calls] == ['{"city": "a"}',
+                                                                                    '{"city": "b"}']
+        for m in range(1, n):  # every cut: in a marker, a call's head, its arguments, its closer
+            r = client.chat.completions.create(**kw, max_tokens=m, extra_body={"grammar": TWO_CALLS})
+            assert r.choices[0].message.content is None, (m, r.choices[0].message)
+            assert r.choices[0].finish_reason == "length"
+            chunks = list(client.chat.completions.create(**kw, max_tokens=m, stream=True,
+                                                         extra_body={"grammar": TWO_CALLS}))
+            assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices).strip() == "", m
+        cut = next(m for m in range(n - 1, 0, -1) if len(client.chat.completions.create(
+            **kw, max_tokens=m, extra_body={"grammar": TWO_CALLS}).choices[0].message.tool_calls or []) == 1)
+        ant = anthropic.Anthropic(base_url=base, api_key="none", max_retries=0, timeout=300)
+        a = ant.messages.create(model="model", max_tokens=cut, messages=[{"role": "user", "content": "Weather?"}],
+                                tools=[{"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}],
+                                extra_body={"grammar": TWO_CALLS})
+        assert [b.type for b in a.content] == ["tool_use"], a.content
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)

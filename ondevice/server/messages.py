@@ -30,7 +30,14 @@ from ondevice.errors import OndeviceError
 from ondevice.server.engine import Piece
 from ondevice.server.errors import ApiError
 from ondevice.server.openai_api import check_context, check_model, generation_args
-from ondevice.server.structured import Answer, Structured, grammar_args, response_format_args, tool_args
+from ondevice.server.structured import (
+    Answer,
+    Structured,
+    cut_by_limit,
+    grammar_args,
+    response_format_args,
+    tool_args,
+)
 from ondevice.server.types import Call, Dialect, Reply
 from ondevice.speculative import Stats
 
@@ -276,7 +283,7 @@ class MessageReply(Reply):
 
     def whole(self, pieces: list[Piece], stats: Stats) -> dict:
         self.out.feed("".join(p.chunk.text for p in pieces))
-        self.out.finish()
+        self.out.finish(cut_by_limit(stats))
         thinking, text, calls = self.out.result()
         content = ([{"type": "thinking", "thinking": thinking, "signature": ""}] if thinking else []) + (
             [{"type": "text", "text": text}] if text else []) + [_tool_use(c) for c in calls]
@@ -320,7 +327,7 @@ class MessageReply(Reply):
         return self._events(self.out.feed(piece.chunk.text))
 
     def closing(self, stats: Stats) -> list[dict]:
-        out = self._events(self.out.finish())
+        out = self._events(self.out.finish(cut_by_limit(stats)))
         calls = self.out.result()[2]
         out += self._close()
         for c in calls:

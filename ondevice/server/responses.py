@@ -32,7 +32,14 @@ from ondevice.errors import OndeviceError
 from ondevice.server.engine import Piece
 from ondevice.server.errors import ApiError
 from ondevice.server.openai_api import check_context, generation_args, stream_args
-from ondevice.server.structured import Answer, Structured, grammar_args, response_format_args, tool_args
+from ondevice.server.structured import (
+    Answer,
+    Structured,
+    cut_by_limit,
+    grammar_args,
+    response_format_args,
+    tool_args,
+)
 from ondevice.server.types import Call, Dialect, Reply
 from ondevice.speculative import Stats
 
@@ -273,7 +280,7 @@ class ResponseReply(Reply):
 
     def whole(self, pieces: list[Piece], stats: Stats) -> dict:
         self.out.feed("".join(p.chunk.text for p in pieces))
-        self.out.finish()
+        self.out.finish(cut_by_limit(stats))
         thinking, text, calls = self.out.result()
         if thinking:
             self.items.append(self._item("reasoning", "rs_" + uuid.uuid4().hex[:24], thinking))
@@ -331,7 +338,7 @@ class ResponseReply(Reply):
         return self._events(self.out.feed(piece.chunk.text))
 
     def closing(self, stats: Stats) -> list[dict]:
-        out = self._events(self.out.finish())
+        out = self._events(self.out.finish(cut_by_limit(stats)))
         out += self._close()
         n = len(self.items)
         final = self._finished(self.out.result()[2], stats)
