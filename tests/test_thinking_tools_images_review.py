@@ -78,3 +78,56 @@ def test_a_call_marker_cut_by_the_token_limit_is_not_content(tiny_hf, tmp_path_f
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+
+
+def test_the_thinking_budget_holds_in_every_api(tiny_hf, tmp_path_factory):
+    """``serve --reasoning-budget`` and a request's budget held on /v1/chat/completions only: an Anthropic
+    request (no ``thinking``, or ``budget_tokens``) and a Responses request (``reasoning.effort``) thought on
+    until max_tokens, and a bad ``reasoning.effort`` was taken silently."""
+    openai = pytest.importorskip("openai")
+    anthropic = pytest.importorskip("anthropic")
+    import httpx
+
+    from ondevice.server.run import launch
+    from tests.test_reasoning_budget import OPENED
+    from tests.test_reasoning_server import MSGS, templated
+
+    path = templated(tiny_hf, tmp_path_factory, "qwen3budget", OPENED)
+    proc, base = launch(path, "--n-ctx", "1024", "--threads", "1", "--reasoning-budget", "5")
+    try:
+        client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=300)
+        args = dict(model="model", messages=MSGS, temperature=0, max_tokens=40)
+
+        def chat(**extra):
+            m = client.chat.completions.create(**args, extra_body=extra).choices[0].message
+            return m.model_extra["reasoning_content"], m.content
+
+        default, three, zero = chat(), chat(reasoning_budget=3), chat(reasoning_effort="none")
+        assert default[1] and three[1] and len(three[0]) < len(default[0])  # cut, then an answer
+        ant = anthropic.Anthropic(base_url=base, api_key="none", max_retries=0, timeout=300)
+
+        def blocks(**extra):
+            a = ant.messages.create(model="model", max_tokens=40, messages=MSGS, extra_body={"temperature": 0}, **extra)
+            return tuple(b.thinking if b.type == "thinking" else b.text for b in a.content)
+
+        assert blocks() == default
+        assert blocks(thinking={"type": "enabled", "budget_tokens": 3}) == three
+        with httpx.Client(timeout=300) as h:
+            def responses(**extra):
+                r = h.post(base + "/v1/responses", json={"model": "model", "input": MSGS[0]["content"],
+                                                         "max_output_tokens": 40, "temperature": 0, **extra})
+                return r.status_code, r.json()
+
+            def items(body):
+                texts = {o["type"]: o["content"][0]["text"] for o in body["output"]}
+                return texts.get("reasoning", ""), texts.get("message")
+
+            code, body = responses()
+            assert code == 200 and items(body) == default
+            code, body = responses(reasoning={"effort": "none"})
+            assert code == 200 and items(body) == (zero[0] or "", zero[1])
+            code, body = responses(reasoning={"effort": 5})
+            assert code == 400 and "reasoning.effort" in body["error"]["message"]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)

@@ -4,7 +4,8 @@ Request: ``system`` (a string or text blocks), ``messages`` (user / assistant tu
 or blocks: text, ``tool_use`` in assistant turns, ``tool_result`` in user turns; a last assistant turn is a
 prefill the answer continues), ``max_tokens`` (required), ``stop_sequences``, ``temperature`` / ``top_p`` /
 ``top_k`` (which the newest ``anthropic`` clients send through ``extra_body``), ``thinking`` (enabled / disabled:
-the template variable ``enable_thinking``; ``budget_tokens`` is not enforced), ``output_config.format``
+the template variable ``enable_thinking``; ``budget_tokens``: thinking tokens at most on a thinking model, else
+the server's ``--reasoning-budget``), ``output_config.format``
 (a JSON schema the answer follows), ``grammar`` and ``gamma`` (ondevice's extensions), ``tools``
 ({name, description, input_schema}) and ``tool_choice`` (auto / any / tool / none). The
 turns are rendered with the model's chat template exactly as the OpenAI chat dialect renders the same
@@ -33,6 +34,7 @@ from ondevice.server.openai_api import check_context, check_model, generation_ar
 from ondevice.server.structured import (
     Answer,
     Structured,
+    budget_args,
     cut_by_limit,
     grammar_args,
     response_format_args,
@@ -170,7 +172,7 @@ def _thinking(body: dict, st: Structured) -> None:
         raise _bad("thinking", "must be {'type': 'enabled', 'budget_tokens': N} or {'type': 'disabled'}")
     b = v.get("budget_tokens")
     if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 1):
-        raise _bad("thinking.budget_tokens", f"must be a positive integer (got {b!r}; it is not enforced here)")
+        raise _bad("thinking.budget_tokens", f"must be a positive integer (thinking tokens), not {b!r}")
     st.variables["enable_thinking"] = v["type"] == "enabled"
 
 
@@ -236,6 +238,9 @@ class Messages(Dialect):
         except OndeviceError as e:
             raise ApiError(400, str(e), param="messages") from e
         st.thinking = reasoning.detect(template, (text + prefill)[-PROMPT_TAIL:])
+        think = body.get("thinking") or {}
+        b = think.get("budget_tokens") if think.get("type") == "enabled" and st.thinking else None
+        budget_args({} if b is None else {"reasoning_budget": b}, st.thinking, rt.reasoning_budget, st)
         return ids, st
 
     def parse(self, body: dict) -> Call:
