@@ -131,3 +131,25 @@ def test_the_thinking_budget_holds_in_every_api(tiny_hf, tmp_path_factory):
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+
+
+def test_repl_checks_an_image_and_its_commands_at_once(tiny_gguf, tmp_path):
+    """``/image`` of a missing file was taken, then the next message refused (and lost) for it; ``/think maybe``
+    and a bare ``/think`` went to the model as a message; a bare ``/image`` was an 'unknown command'."""
+    from typer.testing import CliRunner
+
+    from ondevice.cli.main import app
+
+    args = ["chat", str(tiny_gguf("llama")), "--no-spec", "--max-tokens", "4", "--temperature", "0", "--n-ctx",
+            "256", "--threads", "1"]
+    plain = CliRunner().invoke(app, args, input="hello\n")
+    assert plain.exit_code == 0 and plain.stdout.strip(), plain.output
+    bad = tmp_path / "nope.png"
+    (tmp_path / "notes.png").write_text("not an image")
+    for lines, says in (([f"/image {bad}"], "nope.png: no such image file"),
+                        ([f"/image {tmp_path / 'notes.png'}"], "notes.png: not a PNG, JPEG, GIF or BMP"),
+                        (["/think maybe", "/think"], "use /think on or /think off"),
+                        (["/image"], "use /image FILE")):
+        r = CliRunner().invoke(app, args, input="\n".join([*lines, "hello", ""]))
+        assert says in r.output, r.output
+        assert r.stdout == plain.stdout, r.output  # the message is answered as without the bad command
