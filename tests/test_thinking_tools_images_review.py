@@ -153,3 +153,23 @@ def test_repl_checks_an_image_and_its_commands_at_once(tiny_gguf, tmp_path):
         r = CliRunner().invoke(app, args, input="\n".join([*lines, "hello", ""]))
         assert says in r.output, r.output
         assert r.stdout == plain.stdout, r.output  # the message is answered as without the bad command
+
+
+@pytest.mark.parametrize("text, want", [("<think>\nabc</think>\n\nanswer", ("\nabc", "answer")),
+                                        ("  <think>abc</think>answer", ("abc", "answer")),
+                                        ("<think></think>answer", (None, "answer")),
+                                        ("<think>cut", ("cut", "")),
+                                        ("<thin>k</think>a", ("<thin>k", "a"))])
+def test_an_opened_block_whose_model_opens_it_again_leaks_no_tag(text, want):
+    """A generation prompt that opens thinking (R1 distills, Qwen3-Thinking) and a model that writes
+    ``<think>`` once more anyway: the tag landed in reasoning_content. Whole and streamed at every cut."""
+    from ondevice.reasoning import Splitter, detect, split
+    from tests.test_reasoning_server import QWEN3
+
+    th = detect(QWEN3, "<think>\n")
+    assert th is not None and th.opened
+    assert split(text, th) == want
+    for cut in range(1, len(text)):
+        s = Splitter(th)
+        parts = [s.feed(text[:cut]), s.feed(text[cut:]), s.finish()]
+        assert ("".join(p[0] for p in parts) or None, "".join(p[1] for p in parts)) == want, cut
