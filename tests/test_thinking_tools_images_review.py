@@ -173,3 +173,13 @@ def test_an_opened_block_whose_model_opens_it_again_leaks_no_tag(text, want):
         s = Splitter(th)
         parts = [s.feed(text[:cut]), s.feed(text[cut:]), s.finish()]
         assert ("".join(p[0] for p in parts) or None, "".join(p[1] for p in parts)) == want, cut
+
+
+def test_an_image_file_over_the_limit_names_its_own_size(tmp_path):
+    """A 3 MB file over a 1 MB limit was reported as '1000001 bytes' (the capped read), not its size."""
+    from ondevice.images import load_image
+
+    big = tmp_path / "big.png"
+    big.write_bytes(bytes(3_000_008))
+    with pytest.raises(OndeviceError, match=r"^.*big.png: 3000008 bytes is over the 1000000-byte image limit"):
+        load_image(str(big), max_bytes=1_000_000)
