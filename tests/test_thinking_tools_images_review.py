@@ -183,3 +183,20 @@ def test_an_image_file_over_the_limit_names_its_own_size(tmp_path):
     big.write_bytes(bytes(3_000_008))
     with pytest.raises(OndeviceError, match=r"^.*big.png: 3000008 bytes is over the 1000000-byte image limit"):
         load_image(str(big), max_bytes=1_000_000)
+
+
+@pytest.mark.parametrize("value", ["false", "no", 0, [False]])
+def test_enable_thinking_must_be_a_boolean(value):
+    """``chat_template_kwargs: {"enable_thinking": "false"}`` was passed to the template, where Jinja takes the
+    non-empty string as true: thinking stayed on. A non-boolean is a 400 naming the field (as llama-server)."""
+    from ondevice.server.errors import ApiError
+    from ondevice.server.structured import Structured, template_args
+
+    with pytest.raises(ApiError, match="enable_thinking must be true or false") as e:
+        template_args({"chat_template_kwargs": {"enable_thinking": value}}, Structured())
+    assert e.value.status == 400
+    st = Structured()
+    template_args({"chat_template_kwargs": {"enable_thinking": False, "other": "x"}}, st)
+    assert st.variables == {"enable_thinking": False, "other": "x"}
+    template_args({"chat_template_kwargs": {"enable_thinking": None}}, st)
+    assert st.variables == {}  # null: the template's default, as if not given

@@ -153,6 +153,9 @@ def grammar_args(body: dict, out: Structured) -> None:
 _OWN_VARIABLES = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token")
 
 
+_FLAGS = ("enable_thinking", "thinking")  # template switches the families test with `if` (booleans only)
+
+
 def template_args(body: dict, out: Structured) -> None:
     """``chat_template_kwargs`` (as vLLM and llama-server take it): extra variables for the chat template,
     e.g. ``{"enable_thinking": false}``."""
@@ -164,6 +167,10 @@ def template_args(body: dict, out: Structured) -> None:
     own = [k for k in kw if k in _OWN_VARIABLES]
     if own:
         raise _bad("chat_template_kwargs", f"{own[0]!r} is set by the server; give it in its own field")
+    kw = {k: v for k, v in kw.items() if not (k in _FLAGS and v is None)}  # null: the template's default
+    flag = next((k for k in _FLAGS if k in kw and not isinstance(kw[k], bool)), None)
+    if flag is not None:  # Jinja takes any non-empty string as true: "false" would turn thinking on
+        raise _bad("chat_template_kwargs", f"{flag} must be true or false (a JSON boolean), not {kw[flag]!r}")
     _cap_size("chat_template_kwargs", "the variables", kw)
     out.variables = dict(kw)
 
