@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import os
 import re
 import secrets
 import struct
@@ -125,6 +126,10 @@ def _read_source(src: str | Path, name: str | None, max_bytes: int) -> tuple[byt
     try:
         with open(path, "rb") as f:
             data = f.read(max_bytes + 1)
+            if len(data) > max_bytes:  # the read stops past the limit: name the file's own size
+                n = os.fstat(f.fileno()).st_size
+                raise OndeviceError(f"{label}: {n} bytes is over the {max_bytes}-byte image limit; send a smaller "
+                                    "image")
     except FileNotFoundError:
         raise OndeviceError(f"{label}: no such image file; check the path") from None
     except IsADirectoryError:

@@ -106,8 +106,8 @@ class Splitter:
         elif thinking.kind == "harmony":
             self.state = "body" if thinking.opened else "between"
             self.route = "reasoning"  # where the current harmony body goes: reasoning | content | raw
-        else:
-            self.state = "think" if thinking.opened else "start"
+        else:  # lead: opened by the prompt, yet a model may write the opening tag again (R1 distills do)
+            self.state = "lead" if thinking.opened else "start"
         self.strip = False  # drop whitespace at the start of the answer (after a closing tag)
 
     @property
@@ -117,7 +117,7 @@ class Splitter:
             return False
         if self.thinking.kind == "harmony":
             return self.state == "body" and self.route == "reasoning"
-        return self.state == "think"
+        return self.state in ("think", "lead")
 
     def feed(self, piece: str) -> tuple[str, str]:
         """Add generated text; return (reasoning, content) that may be sent now (either may be '')."""
@@ -153,16 +153,17 @@ class Splitter:
             if self.state == "content":
                 c.append(self.buf)
                 self.buf = ""
-            elif self.state == "start":  # thinking only opens at the very start (after whitespace)
+            elif self.state in ("start", "lead"):  # thinking only opens at the very start (after whitespace)
                 s = self.buf.lstrip()
+                no_tag = "content" if self.state == "start" else "think"  # lead: thinking is open already
                 if len(self.buf) - len(s) > MAX_HEADER:
-                    self.state = "content"  # thinking opens near the start or not at all
+                    self.state = no_tag  # thinking opens near the start or not at all
                 elif s.startswith(t.start):
                     self.buf, self.state = s[len(t.start):], "think"
                 elif t.start.startswith(s) and not final:
                     return
                 else:
-                    self.state = "content"
+                    self.state = no_tag
             else:  # think
                 i = self.buf.find(t.end)
                 if i >= 0:

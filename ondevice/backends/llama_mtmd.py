@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +36,7 @@ from ondevice.inputs import check_text
 _LOG_CB = None
 _DEBUG = False
 _ERRORS: list[str] = []  # libmtmd's error lines since last cleared, quoted in our one-line errors
+_VIDEO_PROBE = re.compile(r"ffprobe|video", re.I)
 
 
 def _init_log(debug: bool) -> None:
@@ -60,7 +62,9 @@ def _init_log(debug: bool) -> None:
 
 
 def _why() -> str:
-    text = " ".join(e for e in _ERRORS if e)
+    # libmtmd's helper tries video (ffprobe) and audio after an image fails to decode; those lines only
+    # mislead here, where load_image admits images alone
+    text = " ".join(e for e in _ERRORS if e and not _VIDEO_PROBE.search(e))
     _ERRORS.clear()
     return f" (libmtmd: {text[-300:]})" if text else ""
 
@@ -240,6 +244,7 @@ class Projector:
     def _bitmap(self, image: Image):
         data = image.data
         buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        _ERRORS.clear()  # quote only this decode's lines
         with _ctrl_c_deferred():
             bm = self._mtmd.mtmd_helper_bitmap_init_from_buf(self._ctx, buf, len(data), False)
         if not bm:

@@ -8,6 +8,7 @@ from contextlib import contextmanager
 
 from ondevice.chat import ChatSession
 from ondevice.errors import OndeviceError
+from ondevice.images import load_image
 from ondevice.params import GenerateRequest
 from ondevice.reasoning import Splitter
 
@@ -162,6 +163,9 @@ def run_chat(runtime, *, system: str | None, show_draft: bool, show_stats: bool,
             session.reset()
             err.print("[dim]history cleared[/dim]")
             continue
+        if line == "/think" or (line.startswith("/think ") and line not in ("/think on", "/think off")):
+            err.print("[yellow]use /think on or /think off[/yellow]")  # not a message to the model
+            continue
         if line in ("/think on", "/think off"):
             session.variables["enable_thinking"] = line == "/think on"
             err.print(f"[dim]thinking {line.split()[1]} (the template's enable_thinking; a template without it "
@@ -174,8 +178,18 @@ def run_chat(runtime, *, system: str | None, show_draft: bool, show_stats: bool,
             s = runtime.last_stats
             err.print(_stats_line(s) if s else "[dim]no answer yet[/dim]")
             continue
-        if line.startswith("/image "):
-            pending.append(line.removeprefix("/image ").strip())
+        if line == "/image" or line.startswith("/image "):
+            path = line.removeprefix("/image").strip()
+            if not path:
+                err.print("[yellow]use /image FILE (a PNG, JPEG, GIF or BMP)[/yellow]")
+                continue
+            try:  # checked now: a missing or bad file must not cost the next message
+                load_image(path)
+            except OndeviceError as e:
+                err.print(f"[bold red]error:[/bold red] {escape(str(e).splitlines()[0])}")
+                refused += 1
+                continue
+            pending.append(path)
             err.print("[dim]the image goes with your next message[/dim]")
             continue
         if line.startswith("/") and " " not in line:

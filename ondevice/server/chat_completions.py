@@ -23,6 +23,7 @@ from ondevice.server.structured import (
     Structured,
     budget_args,
     chat_logprobs_args,
+    cut_by_limit,
     grammar_args,
     reasoning_args,
     response_format_args,
@@ -80,7 +81,7 @@ class ChatReply(OpenAIReply):
     def whole(self, pieces: list[Piece], stats: Stats) -> dict:
         st = self.st
         self.out.feed("".join(p.chunk.text for p in pieces))
-        self.out.finish()
+        self.out.finish(cut_by_limit(stats))
         thinking, answer, calls = self.out.result()
         lp = chat_logprobs([x for p in pieces for x in p.chunk.logprobs or []], self.token_bytes) if st.logprobs else None
         msg = {"role": "assistant", "content": answer, "refusal": None,
@@ -100,7 +101,7 @@ class ChatReply(OpenAIReply):
                            piece.accepted) for i, d in enumerate(deltas)]
 
     def closing(self, stats: Stats) -> list[dict]:
-        out = [self.chunk(_delta(d), [], 0, 0) for d in self.out.finish()]
+        out = [self.chunk(_delta(d), [], 0, 0) for d in self.out.finish(cut_by_limit(stats))]
         return out + self.finish(_delta({}, finish=_finish(self.out.result()[2], stats)), stats)
 
 

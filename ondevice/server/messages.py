@@ -4,7 +4,8 @@ Request: ``system`` (a string or text blocks), ``messages`` (user / assistant tu
 or blocks: text, ``tool_use`` in assistant turns, ``tool_result`` in user turns; a last assistant turn is a
 prefill the answer continues), ``max_tokens`` (required), ``stop_sequences``, ``temperature`` / ``top_p`` /
 ``top_k`` (which the newest ``anthropic`` clients send through ``extra_body``), ``thinking`` (enabled / disabled:
-the template variable ``enable_thinking``; ``budget_tokens`` is not enforced), ``output_config.format``
+the template variable ``enable_thinking``; ``budget_tokens``: thinking tokens at most on a thinking model, else
+the server's ``--reasoning-budget``), ``output_config.format``
 (a JSON schema the answer follows), ``grammar`` and ``gamma`` (ondevice's extensions), ``tools``
 ({name, description, input_schema}) and ``tool_choice`` (auto / any / tool / none). The
 turns are rendered with the model's chat template exactly as the OpenAI chat dialect renders the same
@@ -30,7 +31,15 @@ from ondevice.errors import OndeviceError
 from ondevice.server.engine import Piece
 from ondevice.server.errors import ApiError
 from ondevice.server.openai_api import check_context, check_model, generation_args
-from ondevice.server.structured import Answer, Structured, grammar_args, response_format_args, tool_args
+from ondevice.server.structured import (
+    Answer,
+    Structured,
+    budget_args,
+    cut_by_limit,
+    grammar_args,
+    response_format_args,
+    tool_args,
+)
 from ondevice.server.types import Call, Dialect, Reply
 from ondevice.speculative import Stats
 
@@ -163,7 +172,7 @@ def _thinking(body: dict, st: Structured) -> None:
         raise _bad("thinking", "must be {'type': 'enabled', 'budget_tokens': N} or {'type': 'disabled'}")
     b = v.get("budget_tokens")
     if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 1):
-        raise _bad("thinking.budget_tokens", f"must be a positive integer (got {b!r}; it is not enforced here)")
+        raise _bad("thinking.budget_tokens", f"must be a positive integer (thinking tokens), not {b!r}")
     st.variables["enable_thinking"] = v["type"] == "enabled"
 
 
@@ -229,6 +238,9 @@ class Messages(Dialect):
         except OndeviceError as e:
             raise ApiError(400, str(e), param="messages") from e
         st.thinking = reasoning.detect(template, (text + prefill)[-PROMPT_TAIL:])
+        think = body.get("thinking") or {}
+        b = think.get("budget_tokens") if think.get("type") == "enabled" and st.thinking else None
+        budget_args({} if b is None else {"reasoning_budget": b}, st.thinking, rt.reasoning_budget, st)
         return ids, st
 
     def parse(self, body: dict) -> Call:
@@ -276,7 +288,7 @@ class MessageReply(Reply):
 
     def whole(self, pieces: list[Piece], stats: Stats) -> dict:
         self.out.feed("".join(p.chunk.text for p in pieces))
-        self.out.finish()
+        self.out.finish(cut_by_limit(stats))
         thinking, text, calls = self.out.result()
         content = ([{"type": "thinking", "thinking": thinking, "signature": ""}] if thinking else []) + (
             [{"type": "text", "text": text}] if text else []) + [_tool_use(c) for c in calls]
@@ -320,7 +332,7 @@ class MessageReply(Reply):
         return self._events(self.out.feed(piece.chunk.text))
 
     def closing(self, stats: Stats) -> list[dict]:
-        out = self._events(self.out.finish())
+        out = self._events(self.out.finish(cut_by_limit(stats)))
         calls = self.out.result()[2]
         out += self._close()
         for c in calls:

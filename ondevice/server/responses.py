@@ -5,8 +5,9 @@ parts, ``function_call`` and ``function_call_output`` items), ``instructions``, 
 ``temperature`` / ``top_p``, ``grammar`` and ``gamma`` (ondevice's extensions), function ``tools`` and
 ``tool_choice``, ``text.format`` (text, json_object,
 json_schema), ``previous_response_id`` (the conversation of a stored response continues: the last
-``MAX_STORED`` answers with ``store`` not false are kept in memory, never on disk). ``reasoning`` is accepted
-and has no effect (a model thinks as its chat template says).
+``MAX_STORED`` answers with ``store`` not false are kept in memory, never on disk). ``reasoning.effort``: a
+thinking budget (``structured.EFFORT_BUDGETS``) on a model whose template thinks, else the server's
+``--reasoning-budget``.
 
 Answer: a ``response`` object (``reasoning`` items when the template's model thinks, ``message`` and
 ``function_call`` output items, ``status`` completed or incomplete, ``usage``), or its event stream:
@@ -32,7 +33,16 @@ from ondevice.errors import OndeviceError
 from ondevice.server.engine import Piece
 from ondevice.server.errors import ApiError
 from ondevice.server.openai_api import check_context, generation_args, stream_args
-from ondevice.server.structured import Answer, Structured, grammar_args, response_format_args, tool_args
+from ondevice.server.structured import (
+    EFFORT_BUDGETS,
+    Answer,
+    Structured,
+    budget_args,
+    cut_by_limit,
+    grammar_args,
+    response_format_args,
+    tool_args,
+)
 from ondevice.server.types import Call, Dialect, Reply
 from ondevice.speculative import Stats
 
@@ -125,6 +135,17 @@ def input_messages(body: dict) -> list[dict]:
     return out
 
 
+def _effort(body: dict) -> str | None:
+    """``reasoning`` ({"effort": "none" | "minimal" | "low" | "medium" | "high", "summary": ...}): the effort."""
+    r = body.get("reasoning")
+    if r is None:
+        return None
+    effort = r.get("effort") if isinstance(r, dict) else None
+    if not isinstance(r, dict) or (effort is not None and effort not in EFFORT_BUDGETS):
+        raise _bad("reasoning.effort", f"must be one of {', '.join(EFFORT_BUDGETS)} (in {{'effort': ...}})")
+    return effort
+
+
 def _structured(body: dict, chat_template: str | None, st: Structured) -> None:
     """``text.format``, ``tools`` and ``tool_choice`` in the chat shapes ``structured`` checks."""
     text = body.get("text")
@@ -192,12 +213,14 @@ class Responses(Dialect):
         st = Structured()
         template = rt.target.chat_template
         _structured(body, template, st)
+        effort = _effort(body)
         msgs = ([{"role": "system", "content": instructions}] if instructions else []) + conv
         try:  # the template is untrusted: it renders in its own budgeted process
             text, ids = render_prompt(rt, toolcalls.template_messages(msgs, st.family), tools=st.tools)
         except OndeviceError as e:
             raise ApiError(400, str(e), param="input") from e
         st.thinking = reasoning.detect(template, text[-PROMPT_TAIL:])
+        budget_args({"reasoning_effort": effort} if effort is not None else {}, st.thinking, rt.reasoning_budget, st)
         check_context(len(ids), rt.n_ctx)
         oa = {"max_tokens": body.get("max_output_tokens"),
               **{k: body[k] for k in ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "gamma")
@@ -209,7 +232,7 @@ class Responses(Dialect):
                 "tools": body.get("tools") or [], "text": {"format": (body.get("text") or {}).get("format")
                                                             or {"type": "text"}},
                 "metadata": body.get("metadata") or {}, "parallel_tool_calls": True, "truncation": "disabled",
-                "reasoning": {"effort": None, "summary": None}}
+                "reasoning": {"effort": effort, "summary": None}}
         keep = (lambda rid, out: self.store.put(rid, [*conv, *out])) if store else None
         return Call(ids, req, ResponseReply(self.ctx.model_id, echo, st, keep), stream)
 
@@ -273,7 +296,7 @@ class ResponseReply(Reply):
 
     def whole(self, pieces: list[Piece], stats: Stats) -> dict:
         self.out.feed("".join(p.chunk.text for p in pieces))
-        self.out.finish()
+        self.out.finish(cut_by_limit(stats))
         thinking, text, calls = self.out.result()
         if thinking:
             self.items.append(self._item("reasoning", "rs_" + uuid.uuid4().hex[:24], thinking))
@@ -331,7 +354,7 @@ class ResponseReply(Reply):
         return self._events(self.out.feed(piece.chunk.text))
 
     def closing(self, stats: Stats) -> list[dict]:
-        out = self._events(self.out.finish())
+        out = self._events(self.out.finish(cut_by_limit(stats)))
         out += self._close()
         n = len(self.items)
         final = self._finished(self.out.result()[2], stats)

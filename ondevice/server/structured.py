@@ -21,7 +21,7 @@ from ondevice.constrain import grammar_text
 from ondevice.errors import OndeviceError
 from ondevice.params import MAX_TOP_LOGPROBS
 from ondevice.reasoning import Splitter, Thinking
-from ondevice.server.errors import ApiError
+from ondevice.server.errors import FINISH, ApiError
 
 MAX_SCHEMA_CHARS = 200_000  # JSON of a response_format schema, or of all tools: about 1 s to compile on a laptop
 MAX_TOOLS = 128  # as OpenAI
@@ -153,6 +153,9 @@ def grammar_args(body: dict, out: Structured) -> None:
 _OWN_VARIABLES = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token")
 
 
+_FLAGS = ("enable_thinking", "thinking")  # template switches the families test with `if` (booleans only)
+
+
 def template_args(body: dict, out: Structured) -> None:
     """``chat_template_kwargs`` (as vLLM and llama-server take it): extra variables for the chat template,
     e.g. ``{"enable_thinking": false}``."""
@@ -164,6 +167,10 @@ def template_args(body: dict, out: Structured) -> None:
     own = [k for k in kw if k in _OWN_VARIABLES]
     if own:
         raise _bad("chat_template_kwargs", f"{own[0]!r} is set by the server; give it in its own field")
+    kw = {k: v for k, v in kw.items() if not (k in _FLAGS and v is None)}  # null: the template's default
+    flag = next((k for k in _FLAGS if k in kw and not isinstance(kw[k], bool)), None)
+    if flag is not None:  # Jinja takes any non-empty string as true: "false" would turn thinking on
+        raise _bad("chat_template_kwargs", f"{flag} must be true or false (a JSON boolean), not {kw[flag]!r}")
     _cap_size("chat_template_kwargs", "the variables", kw)
     out.variables = dict(kw)
 
@@ -246,11 +253,12 @@ class Answer:
         """Add generated text; return the deltas that may be sent now."""
         return self._deltas(*self.splitter.feed(piece))
 
-    def finish(self) -> list[dict]:
-        """The deltas held back until the end (the splitter is flushed before the call parser)."""
+    def finish(self, cut: bool = False) -> list[dict]:
+        """The deltas held back until the end (the splitter is flushed before the call parser); ``cut``: the
+        token limit ended the output (``CallStream.finish``)."""
         out = self._deltas(*self.splitter.finish())
         if self.calls is not None:
-            out += self._calls(self.calls.finish())
+            out += self._calls(self.calls.finish(cut))
         return out
 
     def _deltas(self, r: str, c: str) -> list[dict]:
@@ -275,6 +283,11 @@ class Answer:
             return reasoning, "".join(self.content), []
         content = None if self.forced else (self.calls.content.strip() or None)
         return reasoning, content, self.calls.calls
+
+
+def cut_by_limit(stats) -> bool:
+    """Whether the token limit (or the context) ended the output (``Answer.finish``'s ``cut``)."""
+    return FINISH.get(stats.stop_reason) == "length"
 
 
 def split_answer(text: str, st: Structured) -> tuple[str | None, str | None, list[dict]]:

@@ -117,7 +117,7 @@ class CallStream:
         self.buf = "\n"  # one character of context before the unread text: the output starts a line
         self.p = 1  # where the unread text starts in buf
         self.region: Region | None = None
-        self.done = False
+        self.done = self.cut = False
 
     @property
     def content(self) -> str:
@@ -133,11 +133,19 @@ class CallStream:
         b += piece  # a local with one reference: CPython appends in place, so long calls stay linear
         return self._run(b, final=False)
 
-    def finish(self) -> list[dict]:
-        """The deltas held back until the end (a call cut short keeps the arguments written so far)."""
+    def finish(self, cut: bool = False) -> list[dict]:
+        """The deltas held back until the end (a call cut short keeps the arguments written so far).
+
+        Args:
+            cut: the output was cut by the token limit: a start of a call marker at its very end (``<tool_c``),
+                or a marked call cut before its name and arguments began, was a call, not content: it is dropped.
+        """
         if self.done:
             return []
-        self.done = True
+        self.done, self.cut = True, cut
+        if cut and self.region is None:
+            b, p = self.buf, self.p
+            self.buf = b[:len(b) - partial(b[max(p, len(b) - 64):], self.markers)]
         return self._run(self.buf, final=True)
 
     def _run(self, b: str, final: bool) -> list[dict]:
@@ -171,7 +179,7 @@ class CallStream:
                     sink.text(b[i])
                     p = i + 1
                     continue
-            r = self.region.advance(b, final)
+            r = self._cut_call(b) if final and self.cut else self.region.advance(b, final)
             if r is None:
                 if not final:
                     break
@@ -184,6 +192,18 @@ class CallStream:
             b, p = b[p - 1:], 1
         self.buf, self.p = b, p
         return sink.take()
+
+    def _cut_call(self, b: str) -> tuple[str, int] | None:
+        """The region's end when the token limit ended the output: a marked call that was still waiting for
+        its name and arguments (more text would have told) was cut before it began and is dropped, not
+        content; otherwise the region decides at the end as always."""
+        region = self.region
+        if region.started or region.opener not in self.family.openers:
+            return region.advance(b, True)
+        r = region.advance(b, False)
+        if r is None:
+            return ("done", len(b)) if not region.started else region.advance(b, True)
+        return r
 
     def _hold(self, b: str, p: int) -> int:
         """How much of the end of ``b`` to hold back: a start of a marker, or a line's leading blanks (a

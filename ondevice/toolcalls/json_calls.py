@@ -18,6 +18,8 @@ def _closers(b: str, i: int, closers: tuple[str, ...], final: bool) -> int | Non
             i = j + len(lit)
         elif not final and (j >= len(b) or (lit.startswith(b[j:j + len(lit)]) and j + len(lit) > len(b))):
             return None
+        elif final and j < len(b) and lit.startswith(b[j:]):  # the output ends inside the closer: cut there
+            return len(b)
     return i
 
 
