@@ -207,3 +207,22 @@ def use_trees(drafter, on: bool) -> None:
     import dataclasses
 
     drafter.traits = dataclasses.replace(drafter.traits, trees=on)
+
+
+def steady_probe(monkeypatch) -> None:
+    """The real cost probe, its curve clamped into what ``costs.plausible`` accepts: a test of caching or of a
+    decision made from a probe must not depend on whether a loaded machine stalled the probe's threads (an
+    implausible curve is, rightly, never cached)."""
+    import dataclasses
+
+    from ondevice import costs
+
+    real = costs.measure
+
+    def measure(*a, **kw):
+        c = real(*a, **kw)
+        t1 = c.target_seconds[1]
+        return dataclasses.replace(c, target_seconds={k: min(max(t, 0.8 * t1), 1.5 * k * t1)
+                                                      for k, t in c.target_seconds.items()})
+
+    monkeypatch.setattr(costs, "measure", measure)

@@ -223,7 +223,10 @@ def test_sampled_law_with_ngram_drafts(tiny_gguf, monkeypatch):
 
 
 def test_auto_is_default_and_reports_gamma_histogram(tiny_gguf, tmp_path, monkeypatch):
+    from helpers import steady_probe
+
     monkeypatch.setenv("ONDEVICE_HOME", str(tmp_path))
+    steady_probe(monkeypatch)  # a probe stalled by a loaded machine is (rightly) never cached
     with ondevice.load(tiny_gguf("llama"), drafter="ngram") as rt:
         res = rt.generate(PROMPT, max_tokens=24, temperature=0)
         assert res.stats.probe_seconds > 0  # measured once, at the first auto request

@@ -315,6 +315,9 @@ def test_auto_draft_picks_by_cost_not_by_size(stores, models, monkeypatch):
 
 def test_auto_draft_measures_once_and_caches(stores, monkeypatch):
     """The real probe: costs measured at the first auto load, cached on disk, reused by the next load."""
+    from helpers import steady_probe
+
+    steady_probe(monkeypatch)  # a probe stalled by a loaded machine is (rightly) never cached
     with ondevice.load("hf:tiny/target-GGUF:Q8_0", draft="auto", n_ctx=128, threads=1) as rt:
         first = rt.draft_choice
     measured = [c for c in first["candidates"] if "expected_speedup" in c]
