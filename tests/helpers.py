@@ -207,3 +207,22 @@ def use_trees(drafter, on: bool) -> None:
     import dataclasses
 
     drafter.traits = dataclasses.replace(drafter.traits, trees=on)
+
+
+def served(model, n_ctx: int, api_key: str):
+    """A module fixture's body (``yield from``): ``ondevice serve`` of ``model`` with one thread on a free loopback
+    port behind ``api_key``; yields its URL and stops the server after the module."""
+    from ondevice.server.run import launch
+
+    proc, url = launch(str(model), "--n-ctx", str(n_ctx), "--threads", "1", api_key=api_key)
+    yield url
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+def loaded(model, n_ctx: int, threads: int = 1):
+    """A module fixture's body (``yield from``): the runtime of ``model``, closed after the module."""
+    from ondevice.loader import load
+
+    with load(model, n_ctx=n_ctx, threads=threads) as rt:
+        yield rt
