@@ -226,3 +226,24 @@ def loaded(model, n_ctx: int, threads: int = 1):
 
     with load(model, n_ctx=n_ctx, threads=threads) as rt:
         yield rt
+
+
+def plant_no_residual(mp) -> None:
+    """Planted control: the rejection residual does not subtract q (dense and sparse forms); ``mp``: a pytest
+    ``MonkeyPatch`` or one of its contexts, which undoes it."""
+    mp.setattr(sampling, "residual", lambda p, q: p)
+    mp.setattr(sampling, "residual_sparse", lambda ids, pr, qv, V: pr)
+
+
+def plant_wrong_q(mp, drafter_cls) -> None:
+    """Planted control: ``drafter_cls.propose`` hands back, for each q row, the uniform law over its support instead
+    of the distribution its token was drawn from; ``mp`` as in ``plant_no_residual``."""
+    real = drafter_cls.propose
+
+    def wrong_q(self, *a, **kw):
+        tokens, q = real(self, *a, **kw)
+        if q is not None and len(q):
+            q = (q > 0) / np.maximum((q > 0).sum(-1, keepdims=True), 1)
+        return tokens, q
+
+    mp.setattr(drafter_cls, "propose", wrong_q)
