@@ -55,29 +55,34 @@ def _proc_stat(pid: int) -> tuple[str, int, float] | None:
 
 def wait_until_child_busy(pid: int, module: str, cpu_seconds: float, timeout: float, fallback: float,
                           exclude: tuple[int, ...] = ()) -> int | None:
-    """Wait until a live child of ``pid`` running ``python -m module`` (not in ``exclude``) has used more than
-    ``cpu_seconds`` of CPU: it is at work, not starting. A fixed sleep there broke under load (the model
-    still loading when the signal came). Returns the child's pid. Where /proc is missing (macOS), sleeps
-    ``fallback`` seconds instead and returns None. Raises AssertionError after ``timeout`` seconds."""
+    """Wait until a live descendant of ``pid`` running ``python -m module`` (not in ``exclude``) has used more
+    than ``cpu_seconds`` of CPU: it is at work, not starting. A descendant, not only a child: a sandbox
+    (bubblewrap, unshare) may stand between. A fixed sleep there broke under load (the model still loading when
+    the signal came). Returns the process's pid. Where /proc is missing (macOS), sleeps ``fallback`` seconds
+    instead and returns None. Raises AssertionError after ``timeout`` seconds."""
     if not sys.platform.startswith("linux"):
         time.sleep(fallback)
         return None
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit() or int(entry) in exclude:
-                continue
-            stat = _proc_stat(int(entry))
-            if stat is None or stat[0] == "Z" or stat[1] != pid or stat[2] <= cpu_seconds:
+        procs = {int(e): st for e in os.listdir("/proc") if e.isdigit() and (st := _proc_stat(int(e))) is not None}
+        family, grew = {pid}, True
+        while grew:  # every descendant of pid
+            new = {q for q, st in procs.items() if st[1] in family and q not in family}
+            family |= new
+            grew = bool(new)
+        for q in sorted(family - {pid} - set(exclude)):
+            state, _, cpu = procs[q]
+            if state == "Z" or cpu <= cpu_seconds:
                 continue
             try:
-                argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+                argv = Path(f"/proc/{q}/cmdline").read_bytes().split(b"\0")
             except OSError:
                 continue
             if module.encode() in argv:
-                return int(entry)
+                return q
         time.sleep(0.1)
-    raise AssertionError(f"no child of {pid} running {module} used {cpu_seconds} s of CPU in {timeout:.0f} s")
+    raise AssertionError(f"no descendant of {pid} running {module} used {cpu_seconds} s of CPU in {timeout:.0f} s")
 
 
 def batch_invariant(path, k: int = 6, kind: str = "gguf") -> bool:
@@ -226,3 +231,41 @@ def steady_probe(monkeypatch) -> None:
                                                       for k, t in c.target_seconds.items()})
 
     monkeypatch.setattr(costs, "measure", measure)
+def served(model, n_ctx: int, api_key: str):
+    """A module fixture's body (``yield from``): ``ondevice serve`` of ``model`` with one thread on a free loopback
+    port behind ``api_key``; yields its URL and stops the server after the module."""
+    from ondevice.server.run import launch
+
+    proc, url = launch(str(model), "--n-ctx", str(n_ctx), "--threads", "1", api_key=api_key)
+    yield url
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+def loaded(model, n_ctx: int, threads: int = 1):
+    """A module fixture's body (``yield from``): the runtime of ``model``, closed after the module."""
+    from ondevice.loader import load
+
+    with load(model, n_ctx=n_ctx, threads=threads) as rt:
+        yield rt
+
+
+def plant_no_residual(mp) -> None:
+    """Planted control: the rejection residual does not subtract q (dense and sparse forms); ``mp``: a pytest
+    ``MonkeyPatch`` or one of its contexts, which undoes it."""
+    mp.setattr(sampling, "residual", lambda p, q: p)
+    mp.setattr(sampling, "residual_sparse", lambda ids, pr, qv, V: pr)
+
+
+def plant_wrong_q(mp, drafter_cls) -> None:
+    """Planted control: ``drafter_cls.propose`` hands back, for each q row, the uniform law over its support instead
+    of the distribution its token was drawn from; ``mp`` as in ``plant_no_residual``."""
+    real = drafter_cls.propose
+
+    def wrong_q(self, *a, **kw):
+        tokens, q = real(self, *a, **kw)
+        if q is not None and len(q):
+            q = (q > 0) / np.maximum((q > 0).sum(-1, keepdims=True), 1)
+        return tokens, q
+
+    mp.setattr(drafter_cls, "propose", wrong_q)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import chisquare, exact_law, sampled_counts
+from helpers import chisquare, exact_law, plant_no_residual, plant_wrong_q, sampled_counts
 
 import ondevice
 from ondevice import sampling
@@ -107,8 +107,7 @@ def test_sampled_law_is_the_targets(pair, monkeypatch):
         accepted, drafted = sum(r.accepted for r in runs), sum(r.drafted for r in runs)
         assert 0 < accepted < drafted, (accepted, drafted)  # both outcomes occur, so the controls can fail
         assert chisquare(sampled_counts(rt, ids, n, 0.8, 6, 3), law, n) > 1e-3
-        monkeypatch.setattr(sampling, "residual", lambda p, q: p)  # the planted bug
-        monkeypatch.setattr(sampling, "residual_sparse", lambda ids, pr, qv, V: pr)
+        plant_no_residual(monkeypatch)  # the planted bug
         assert chisquare(sampled_counts(rt, ids, n, 0.8, 6, 3), law, n) < 1e-4
 
 
@@ -119,16 +118,8 @@ def test_a_wrong_q_fails_the_law(pair, monkeypatch):
 
     target, draft, law, ids = pair
     n = 3000
-    real = Eagle3Drafter.propose
-
-    def wrong_q(self, *a, **kw):
-        tokens, q = real(self, *a, **kw)
-        if q is not None and len(q):
-            q = (q > 0) / np.maximum((q > 0).sum(-1, keepdims=True), 1)
-        return tokens, q
-
     with ondevice.load(target, draft=str(draft), threads=1) as rt:
-        monkeypatch.setattr(Eagle3Drafter, "propose", wrong_q)
+        plant_wrong_q(monkeypatch, Eagle3Drafter)
         assert chisquare(sampled_counts(rt, ids, n, 0.8, 6, 3), law, n) < 1e-4
 
 

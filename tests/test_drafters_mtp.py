@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import chisquare, sampled_counts
+from helpers import chisquare, plant_no_residual, plant_wrong_q, sampled_counts
 
 import ondevice
 from ondevice import sampling
@@ -103,18 +103,9 @@ def test_sampled_law_is_the_targets(target, monkeypatch):
         assert 0 < accepted < drafted, (accepted, drafted)  # both outcomes occur, so the controls can fail
         assert chisquare(sampled_counts(rt, ids, n, 0.8, 6, 3), law, n) > 1e-3
         with monkeypatch.context() as m:
-            m.setattr(sampling, "residual", lambda p, q: p)  # planted bug 1
-            m.setattr(sampling, "residual_sparse", lambda ids, pr, qv, V: pr)
+            plant_no_residual(m)  # planted bug 1
             assert chisquare(sampled_counts(rt, ids, n, 0.8, 6, 3), law, n) < 1e-4
-        real = MtpDrafter.propose
-
-        def wrong_q(self, *a, **kw):
-            tokens, q = real(self, *a, **kw)
-            if q is not None and len(q):
-                q = (q > 0) / np.maximum((q > 0).sum(-1, keepdims=True), 1)
-            return tokens, q
-
-        monkeypatch.setattr(MtpDrafter, "propose", wrong_q)  # planted bug 2
+        plant_wrong_q(monkeypatch, MtpDrafter)  # planted bug 2
         assert chisquare(sampled_counts(rt, ids, n, 0.8, 6, 3), law, n) < 1e-4
 
 

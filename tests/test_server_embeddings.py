@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers import served
 
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
@@ -87,12 +88,7 @@ def test_declared_pooling_reads_the_metadata(tiny_gguf, monkeypatch):
 
 @pytest.fixture(scope="module")
 def server(smollm2):
-    from ondevice.server.run import launch
-
-    proc, url = launch(str(smollm2), "--n-ctx", str(N_CTX), "--threads", "1", api_key=KEY)
-    yield url
-    proc.terminate()
-    proc.wait(timeout=30)
+    yield from served(smollm2, N_CTX, KEY)
 
 
 @pytest.fixture(scope="module")

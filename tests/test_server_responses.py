@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from helpers import loaded, served
 
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
@@ -20,20 +21,12 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "The weathe
 
 @pytest.fixture(scope="module")
 def server(smollm2):
-    from ondevice.server.run import launch
-
-    proc, url = launch(str(smollm2), "--n-ctx", str(N_CTX), "--threads", "1", api_key=KEY)
-    yield url
-    proc.terminate()
-    proc.wait(timeout=30)
+    yield from served(smollm2, N_CTX, KEY)
 
 
 @pytest.fixture(scope="module")
 def direct(smollm2):
-    from ondevice.loader import load
-
-    with load(smollm2, n_ctx=N_CTX, threads=1) as rt:
-        yield rt
+    yield from loaded(smollm2, N_CTX)
 
 
 @pytest.fixture(scope="module")

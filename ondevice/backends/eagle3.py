@@ -31,7 +31,7 @@ from ondevice.backends import llama_ext
 from ondevice.errors import OndeviceError
 
 
-class Eagle3Graph:
+class Eagle3Graph(llama_ext.LlamaHandles):
     """A loaded EAGLE-3 draft and its own context and KV cache (one sequence).
 
     Args:
@@ -215,24 +215,6 @@ class Eagle3Graph:
             logits[i] = np.ctypeslib.as_array(lib.llama_get_logits_ith(self._ctx, i), shape=(self.vocab_size,))
             pre[i] = np.ctypeslib.as_array(get_h(llama_ext._ptr(self._ctx), i), shape=(self.n_embd,))
         return logits, pre
-
-    def close(self) -> None:
-        lib = self._lib
-        if self._batch is not None:
-            lib.llama_batch_ext_free(self._batch)
-            self._batch = None
-        if self._ctx:
-            lib.llama_free(self._ctx)
-            self._ctx = None
-        if self._model:
-            lib.llama_model_free(self._model)
-            self._model = None
-
-    def __del__(self) -> None:  # pragma: no cover - best effort
-        try:
-            self.close()
-        except Exception:
-            pass
 
 
 def absorb(graph: Eagle3Graph, features: np.ndarray, tokens: Sequence[int], pos0: int,

@@ -20,11 +20,12 @@ from pathlib import Path
 
 import numpy as np
 
+from ondevice.backends.llama_ext import LlamaHandles
 from ondevice.backends.llama_mtp import ext
 from ondevice.errors import OndeviceError
 
 
-class DFlashDrafter:
+class DFlashDrafter(LlamaHandles):
     """A DFlash GGUF beside a target context whose model shares its vocabulary.
 
     Args:
@@ -147,24 +148,6 @@ class DFlashDrafter:
     def rollback(self, n_past: int) -> None:
         if not self._lib.llama_memory_seq_rm(self._mem, 0, n_past, -1):
             raise OndeviceError(f"{self.path.name}: DFlash cache cannot roll back to position {n_past}")
-
-    def close(self) -> None:
-        lib = self._lib
-        if self._batch is not None:
-            lib.llama_batch_ext_free(self._batch)
-            self._batch = None
-        if self._ctx:
-            lib.llama_free(self._ctx)
-            self._ctx = None
-        if self._model:
-            lib.llama_model_free(self._model)
-            self._model = None
-
-    def __del__(self) -> None:  # pragma: no cover - best effort
-        try:
-            self.close()
-        except Exception:
-            pass
 
 
 def observe_target(drafter: DFlashDrafter, tokens: Sequence[int], pos0: int) -> None:

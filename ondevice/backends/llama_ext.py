@@ -205,3 +205,34 @@ class EvalTap:
             parts.append(np.concatenate(self._rows[i]))
         self.clear()
         return np.concatenate(parts, axis=1)
+
+
+class LlamaHandles:
+    """Owner of a llama.cpp batch, context and model (``_batch``, ``_ctx``, ``_model`` on ``_lib``).
+
+    ``close`` frees each it holds once, batch first, model last; ``_BATCH_FREE`` names the batch's free
+    function (``llama_batch_ext_free`` for ``llama_batch_ext_init``, ``llama_batch_free`` for ``llama_batch_init``).
+    A subclass that owns more frees that first, then calls ``LlamaHandles.close(self)``.
+    """
+
+    _BATCH_FREE = "llama_batch_ext_free"
+    _lib = None
+    _model = _ctx = _batch = None
+
+    def close(self) -> None:
+        lib = self._lib
+        if self._batch is not None:
+            getattr(lib, self._BATCH_FREE)(self._batch)
+            self._batch = None
+        if self._ctx:
+            lib.llama_free(self._ctx)
+            self._ctx = None
+        if self._model:
+            lib.llama_model_free(self._model)
+            self._model = None
+
+    def __del__(self) -> None:  # pragma: no cover - best effort
+        try:
+            self.close()
+        except Exception:
+            pass

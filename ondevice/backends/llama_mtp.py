@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ondevice.backends.llama_ext import LlamaHandles
 from ondevice.errors import OndeviceError
 
 # (plain name, Itanium mangled name, MSVC mangled name), argtypes, restype — from llama-ext.h.
@@ -129,7 +130,7 @@ def enable_nextn(ctx) -> None:
     ext("set_embeddings_nextn")(ctx, True, False)
 
 
-class MtpHead:
+class MtpHead(LlamaHandles):
     """The MTP head of a model loaded with ``load_mtp``, in its own MTP context beside the target's.
 
     Args:
@@ -278,17 +279,3 @@ class MtpHead:
         finally:
             self._lib.llama_memory_seq_rm(self._mem, 0, pos0, -1)
         return out, logits
-
-    def close(self) -> None:
-        if self._batch is not None:
-            self._lib.llama_batch_ext_free(self._batch)
-            self._batch = None
-        if self._ctx:
-            self._lib.llama_free(self._ctx)
-            self._ctx = None
-
-    def __del__(self) -> None:  # pragma: no cover - best effort
-        try:
-            self.close()
-        except Exception:
-            pass

@@ -11,11 +11,12 @@ from pathlib import Path
 
 import numpy as np
 
+from ondevice.backends.llama_ext import LlamaHandles
 from ondevice.backends.llama_mtp import MtpHead, enable_nextn, ext, nextn_rows
 from ondevice.errors import OndeviceError
 
 
-class MtpTarget:
+class MtpTarget(LlamaHandles):
     """A target GGUF loaded with its MTP layers: trunk context + ``MtpHead``, kept in step (tests, benches).
 
     Args:
@@ -26,6 +27,8 @@ class MtpTarget:
         nextn: output the target's h rows and keep the MTP head in step (False: a plain target, to time
             the verify overhead).
     """
+
+    _BATCH_FREE = "llama_batch_free"
 
     def __init__(self, path: str | Path, *, n_ctx: int = 1024, threads: int = 2, n_batch: int = 256,
                  n_rs_seq: int = 8, nextn: bool = True) -> None:
@@ -101,22 +104,7 @@ class MtpTarget:
             self.head.rollback(n_past)
 
     def close(self) -> None:
-        lib = self._lib
         if self.head is not None:
             self.head.close()
             self.head = None
-        if self._batch is not None:
-            lib.llama_batch_free(self._batch)
-            self._batch = None
-        if self._ctx:
-            lib.llama_free(self._ctx)
-            self._ctx = None
-        if self._model:
-            lib.llama_model_free(self._model)
-            self._model = None
-
-    def __del__(self) -> None:  # pragma: no cover - best effort
-        try:
-            self.close()
-        except Exception:
-            pass
+        LlamaHandles.close(self)

@@ -22,8 +22,9 @@ from pathlib import Path
 import numpy as np
 
 from ondevice.drafters.base import Drafter, Traits, common_prefix
+from ondevice.drafters.chain import Chain
 from ondevice.errors import OndeviceError
-from ondevice.sampling import SamplingParams, probs_sparse, sample_sparse
+from ondevice.sampling import SamplingParams, probs_sparse
 
 _GREEDY = SamplingParams(temperature=0.0)
 
@@ -105,37 +106,11 @@ class Eagle3Drafter(Drafter):
             return none
         logits, pre = first
         pos = len(context) - 1
-        hist = [int(t) for t in context]
-        tokens, rows, confs = [], [], []
-        mark = constraint.checkpoint() if constraint is not None else 0
-        try:
-            while True:
-                row = logits[-1] if constraint is None else constraint.mask_row(logits[-1])
-                if not np.isfinite(row).any():
-                    break  # the constraint allows nothing the draft can propose
-                ids, pr = probs_sparse(row, params, hist)
-                t = int(ids[0]) if params.greedy else sample_sparse(ids, pr, rng)
-                tokens.append(t)
-                rows.append((ids, pr))
-                confs.append(float(pr[np.flatnonzero(ids == t)[0]]))
-                hist.append(t)
-                if constraint is not None:
-                    if t in constraint.eos_ids:
-                        break  # nothing follows an end of generation
-                    constraint.advance([t])
-                if len(tokens) >= gamma or (keep_drafting is not None and not keep_drafting(confs)):
-                    break
-                logits, pre = self.graph.decode([t], pre[-1:], pos)
+        with Chain(context, gamma, params, rng, keep_drafting, constraint) as chain:
+            while chain.take(logits[-1]):
+                logits, pre = self.graph.decode([chain.tokens[-1]], pre[-1:], pos)
                 pos += 1
-        finally:
-            if constraint is not None:
-                constraint.restore(mark)
-        if params.greedy:
-            return tokens, None
-        q = np.zeros((len(rows), V))
-        for i, (ids, pr) in enumerate(rows):
-            q[i, ids] = pr
-        return tokens, q
+        return chain.result(V)
 
     def graph_room(self, context: Sequence[int]) -> int:
         """Drafts the draft's cache has room for after ``context``."""

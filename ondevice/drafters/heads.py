@@ -30,6 +30,7 @@ import numpy as np
 
 from ondevice.constrain import apply_mask
 from ondevice.drafters.base import Drafter, Traits
+from ondevice.drafters.chain import q_rows
 from ondevice.drafters.ngram import NgramDrafter
 from ondevice.errors import OndeviceError
 from ondevice.guesses import GuessSurvival
@@ -210,12 +211,7 @@ class HeadsDrafter(Drafter):
         finally:
             if constraint is not None:
                 constraint.restore(mark)
-        if params.greedy:
-            return tokens, None
-        q = np.zeros((len(rows), V))
-        for i, (ids, pr) in enumerate(rows):
-            q[i, ids] = pr
-        return tokens, q
+        return tokens, None if params.greedy else q_rows(rows, V)
 
     def propose_tree(self, context: Sequence[int], max_nodes: int, params: SamplingParams, rng: np.random.Generator):
         """A best-first tree of up to ``max_nodes`` drafted nodes after ``context`` (``best_first``), as an

@@ -19,7 +19,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from ondevice.drafters.base import Drafter, Traits
-from ondevice.sampling import SamplingParams, probs_sparse, sample_sparse
+from ondevice.drafters.chain import Chain
+from ondevice.sampling import SamplingParams, probs_sparse
 
 _GREEDY = SamplingParams(temperature=0.0)
 
@@ -55,41 +56,19 @@ class MtpDrafter(Drafter):
         gamma = min(gamma, self.target.n_ctx - len(context))
         if gamma <= 0 or self.head.n_past != n_past or self.target.n_past != n_past:
             return none
-        hist = [int(t) for t in context]
-        tokens, rows, confs = [], [], []
-        mark = constraint.checkpoint() if constraint is not None else 0
+        chain = Chain(context, gamma, params, rng, keep_drafting, constraint)
 
         def choose(logits: np.ndarray, depth: int) -> int:
-            row = logits if constraint is None else constraint.mask_row(logits)
-            if not np.isfinite(row).any():
-                raise _Stop  # the constraint allows nothing here
-            ids, pr = probs_sparse(row, params, hist)
-            t = int(ids[0]) if params.greedy else sample_sparse(ids, pr, rng)
-            tokens.append(t)
-            rows.append((ids, pr))
-            confs.append(float(pr[np.flatnonzero(ids == t)[0]]))
-            hist.append(t)
-            if constraint is not None:
-                if t in constraint.eos_ids:
-                    raise _Stop  # nothing follows an end of generation
-                constraint.advance([t])
-            if len(tokens) < gamma and keep_drafting is not None and not keep_drafting(confs):
-                raise _Stop
-            return t
+            if not chain.take(logits):
+                raise _Stop  # the chain ends (at the γ-th token the head's loop ends there too)
+            return chain.tokens[-1]
 
-        try:
-            self.head.draft(int(context[-1]), gamma, choose)
-        except _Stop:
-            pass
-        finally:
-            if constraint is not None:
-                constraint.restore(mark)
-        if params.greedy:
-            return tokens, None
-        q = np.zeros((len(rows), V))
-        for i, (ids, pr) in enumerate(rows):
-            q[i, ids] = pr
-        return tokens, q
+        with chain:
+            try:
+                self.head.draft(int(context[-1]), gamma, choose)
+            except _Stop:
+                pass
+        return chain.result(V)
 
     def seconds_per_token(self, reps: int = 5, depth: int = 3) -> float:
         """Median seconds of one drafted token (a head pass, its logits and their processing), timed once on a chain

@@ -10,12 +10,11 @@ and ``enc.output_norm`` fusing the target's layer inputs, ``output_norm``, and e
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
+from ondevice.testing.gguf_file import gguf_writer
 from ondevice.testing.mtp import MtpShape, add_test_vocab
 
 
@@ -65,11 +64,7 @@ def make_tiny_dflash_gguf(out: str | Path, *, target: MtpShape | None = None, ta
                   p + "attn_k_norm.weight": norm(head_dim), p + "ffn_norm.weight": norm(h),
                   p + "ffn_gate.weight": lin(n_ff, h), p + "ffn_up.weight": lin(n_ff, h), p + "ffn_down.weight": lin(h, n_ff)})
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
-    os.close(fd)
-    try:
-        w = gguf.GGUFWriter(tmp, "dflash")
+    with gguf_writer(out, "dflash", t) as w:
         w.add_name("tiny-dflash")
         w.add_file_type(gguf.LlamaFileType.ALL_F32)
         w.add_context_length(4096)
@@ -86,14 +81,4 @@ def make_tiny_dflash_gguf(out: str | Path, *, target: MtpShape | None = None, ta
         w.add_uint32("dflash.block_size", block_size)
         add_test_vocab(w, v)
         w.add_uint32("tokenizer.ggml.mask_token_id", v - 1 if mask_token_id is None else mask_token_id)
-        for name, a in t.items():
-            w.add_tensor(name, np.ascontiguousarray(a))
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
-        os.replace(tmp, out)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
     return out

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ondevice.testing.gguf_file import gguf_writer
+
 MTP_ARCHS = ("qwen35", "glm4moe")
 _GGUF_ARCH = {"qwen35": "qwen35", "glm4moe": "glm4moe"}
 
@@ -221,9 +223,6 @@ def make_tiny_mtp_gguf(out: str | Path, arch: str = "qwen35", *, shape: MtpShape
     Returns:
         ``out`` as a Path.
     """
-    import os
-    import tempfile
-
     import gguf
 
     if arch not in MTP_ARCHS:
@@ -235,25 +234,11 @@ def make_tiny_mtp_gguf(out: str | Path, arch: str = "qwen35", *, shape: MtpShape
     np_dtype = np.float32 if dtype == "f32" else np.float16
     tensors = (_qwen35_tensors if arch == "qwen35" else _glm4moe_tensors)(s, rng, np_dtype)
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
-    os.close(fd)
-    try:  # a temp file beside it, renamed when whole: never half a GGUF at ``out``
-        w = gguf.GGUFWriter(tmp, _GGUF_ARCH[arch])
+    with gguf_writer(out, _GGUF_ARCH[arch], tensors) as w:
         w.add_name(f"tiny-{arch}-mtp")
         w.add_file_type(gguf.LlamaFileType.ALL_F32 if dtype == "f32" else gguf.LlamaFileType.MOSTLY_F16)
         _hparams(w, arch, s)
         add_test_vocab(w, s.vocab_size)
-        for name, t in tensors.items():
-            w.add_tensor(name, np.ascontiguousarray(t))
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
-        os.replace(tmp, out)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
     return out
 
 

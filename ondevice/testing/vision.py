@@ -13,14 +13,14 @@ The output width is the text model's embedding width. Keys and tensor names are 
 
 from __future__ import annotations
 
-import os
 import struct
-import tempfile
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from ondevice.testing.gguf_file import gguf_writer
 
 
 @dataclass(frozen=True)
@@ -96,12 +96,8 @@ def make_tiny_mmproj(out: str | Path, *, kind: str = "mlp", shape: ProjectorShap
         raise ValueError(f"inconsistent projector shape {s}")
     tensors = _tensors(s, np.random.default_rng(seed), kind)
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
-    os.close(fd)
     k, kv = gguf.Keys.Clip, gguf.Keys.ClipVision
-    try:
-        w = gguf.GGUFWriter(tmp, gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.MMPROJ])  # "clip"
+    with gguf_writer(out, gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.MMPROJ], tensors) as w:  # "clip"
         w.add_name(f"tiny-{kind}-mmproj")
         w.add_file_type(gguf.LlamaFileType.ALL_F32)
         w.add_string(k.PROJECTOR_TYPE, kind)
@@ -119,16 +115,6 @@ def make_tiny_mmproj(out: str | Path, *, kind: str = "mlp", shape: ProjectorShap
         w.add_float32(kv.Attention.LAYERNORM_EPS, 1e-6)
         w.add_array(kv.IMAGE_MEAN, [0.5, 0.5, 0.5])
         w.add_array(kv.IMAGE_STD, [0.5, 0.5, 0.5])
-        for name, arr in tensors.items():
-            w.add_tensor(name, np.ascontiguousarray(arr))
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
-        os.replace(tmp, out)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
     return out
 
 
