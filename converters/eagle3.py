@@ -102,8 +102,10 @@ def tensor_shapes(src: Eagle3Source) -> list[tuple[str, tuple[int, ...]]]:
     return out
 
 
-def write_eagle3_gguf(src: Eagle3Source, target: Target, ids: list[int], out: Path, *, dtype: str = "f16") -> dict:
-    """Write the GGUF at ``out`` (matrices ``dtype`` f16 | f32, vectors f32, d2t int64); returns counts per tensor."""
+def write_eagle3_gguf(src: Eagle3Source, target: Target, ids: list[int], out: Path, *, dtype: str = "f16",
+                      meta: dict[str, str] | None = None) -> dict:
+    """Write the GGUF at ``out`` (matrices ``dtype`` f16 | f32, vectors f32, d2t int64), with ``meta`` as extra
+    string keys; returns counts per tensor."""
     import gguf
 
     from converters.gguf_writer import write_vocab
@@ -133,6 +135,8 @@ def write_eagle3_gguf(src: Eagle3Source, target: Target, ids: list[int], out: Pa
         w.add_bool(f"{arch}.norm_before_residual", src.norm_before_residual)
         w.add_bool(f"{arch}.norm_before_fc", src.norm_before_fc)
         w.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if dtype == "f16" else gguf.LlamaFileType.ALL_F32)
+        for key, value in (meta or {}).items():
+            w.add_string(key, value)
         write_vocab(w, target.vocab)
         # header first (shapes from the safetensors headers), then one tensor at a time: memory stays at one
         # tensor whatever the draft's size (add_tensor would hold them all until the end)
@@ -156,7 +160,7 @@ def write_eagle3_gguf(src: Eagle3Source, target: Target, ids: list[int], out: Pa
 
 
 def convert_eagle3(src: str | Path, *, target: str | Path, out: str | Path, dtype: str = "f16",
-                   verify: bool = True) -> dict:
+                   verify: bool = True, meta: dict[str, str] | None = None) -> dict:
     """``ondevice convert EAGLE_DIR --to gguf --target TARGET --out DIR``: write ``DIR/model.gguf`` (arch eagle3)
     and ``DIR/manifest.json``, atomically (nothing is left behind on any error or refusal).
 
@@ -167,6 +171,7 @@ def convert_eagle3(src: str | Path, *, target: str | Path, out: str | Path, dtyp
         dtype: f16 | f32 for the matrices.
         verify: compare the written draft's logits (llama.cpp's eagle3 graph) with a numpy forward of the
             source weights, given the same random target features and tokens (``converters.eagle3_check``).
+        meta: extra string keys for the GGUF (``train-heads`` records what it trained on).
             The draft's own token embeddings are used when it has them; otherwise the target's, which needs the
             target as a GGUF.
     Returns:
@@ -185,7 +190,7 @@ def convert_eagle3(src: str | Path, *, target: str | Path, out: str | Path, dtyp
     tgt = target_info(target)
     ids = check_against(draft, tgt)
     with atomic_dir(out) as tmp:
-        counts = write_eagle3_gguf(draft, tgt, ids, tmp / "model.gguf", dtype=dtype)
+        counts = write_eagle3_gguf(draft, tgt, ids, tmp / "model.gguf", dtype=dtype, meta=meta)
         summary = {"format": "gguf", "arch": "eagle3", "layout": draft.layout, "dtype": dtype, "path": "model.gguf",
                    "target": str(tgt.path), "target_layers": ids, "draft_vocab": int(draft.d2t.size),
                    "own_embeddings": draft.has("embed_tokens.weight"), "n_params": sum(counts.values()),

@@ -108,8 +108,10 @@ def heads_row(target) -> dict | None:
     drafted token and the expected speedup on this machine's verify curve; None when none are stored."""
     from ondevice.costs import cached_measure
     from ondevice.drafters.heads import seconds_per_token
-    from ondevice.heads import store
+    from ondevice.heads import eagle_store, store
 
+    if hasattr(target, "enable_layer_inputs") and (path := eagle_store.find(target.path)) is not None:
+        return _eagle_row(target, path)
     path = store.find(target.path)
     if path is None:
         return None
@@ -132,6 +134,55 @@ def heads_row(target) -> dict | None:
     speedup, gamma = expected_speedup(costs, alpha, max_gamma=int(meta["K"]))
     row.update(ok=True, reason=f"trained heads: held-out τ {tau:.2f} (α {alpha:.2f})", draft_cost_ratio=round(costs.draft_cost_ratio, 4),
                expected_speedup=round(speedup, 3), best_gamma=gamma, assumed_acceptance=round(alpha, 3))
+    return row
+
+
+def _graph_seconds(graph, reps: int = 7) -> float:
+    """Median seconds of one drafted token of an ``Eagle3Graph`` (a decoder row and its logits)."""
+    import numpy as np
+
+    pre = np.zeros((1, graph.n_embd), np.float32)
+    times = []
+    for i in range(reps):
+        t0 = time.perf_counter()
+        _, pre = graph.decode([0], pre, i)
+        times.append(time.perf_counter() - t0)
+    graph.rollback(0)
+    return float(np.median(times))
+
+
+def _eagle_row(target, path) -> dict:
+    """``heads_row`` for the EAGLE-style drafter ``train-heads`` stored: its held-out τ at γ 5 and its cost per
+    drafted token timed in llama.cpp's graph (a draft context of its own on the target, closed after)."""
+    import dataclasses
+
+    from ondevice.backends.eagle3 import Eagle3Graph
+    from ondevice.costs import cached_measure
+    from ondevice.heads import eagle_store
+
+    row = {"name": "heads", "path": str(path), "format": "eagle", "ok": False}
+    try:
+        meta = eagle_store.check_for(path, target.path)
+        depth = int(meta.get("depths") or 5)
+        tau = (meta.get("tau_heldout") or {}).get(f"tau_chain{min(depth, 5)}")
+        if not tau:
+            row["reason"] = "no held-out τ recorded in the drafter file"
+            return row
+        alpha = alpha_from_tau(float(tau), min(depth, 5))
+        costs = cached_measure(target)
+        graph = Eagle3Graph(path, target._ctx, target._model, n_ctx=64, threads=getattr(target, "threads", None))
+        try:
+            spt = _graph_seconds(graph)
+        finally:
+            graph.close()
+    except OndeviceError as e:
+        row["reason"] = str(e).splitlines()[0]
+        return row
+    costs = dataclasses.replace(costs, draft_seconds=spt)
+    speedup, gamma = expected_speedup(costs, alpha, max_gamma=depth)
+    row.update(ok=True, reason=f"trained EAGLE drafter: held-out τ {tau:.2f} at γ {min(depth, 5)} (α {alpha:.2f})",
+               draft_cost_ratio=round(costs.draft_cost_ratio, 4), expected_speedup=round(speedup, 3), best_gamma=gamma,
+               assumed_acceptance=round(alpha, 3))
     return row
 
 

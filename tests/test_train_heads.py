@@ -159,7 +159,8 @@ def test_cli_out_names_the_file_to_pass_to_draft_and_refuses_a_file(target, tmp_
     from ondevice.cli.main import app
 
     monkeypatch.setenv("ONDEVICE_HOME", str(tmp_path / "home"))
-    r = CliRunner().invoke(app, ["train-heads", str(target), "--tokens", "100", "--threads", "1", "--out", str(tmp_path / "o")])
+    r = CliRunner().invoke(app, ["train-heads", str(target), "--kind", "medusa", "--tokens", "100", "--threads", "1",
+                                  "--out", str(tmp_path / "o")])
     assert r.exit_code == 0, r.output
     path = next((tmp_path / "o").glob("*.heads.safetensors"))
     assert f"use them with --draft {path}" in r.output

@@ -112,22 +112,38 @@ def convert_cmd(
 def train_heads_cmd(
     model: Annotated[str, typer.Argument(help="Target: a GGUF file, an MLX model directory or a catalog name.")],
     tokens: Annotated[int, typer.Option("--tokens", min=100, help="Answer tokens the target writes to train on (150k: ~1.5 h for a 1.5B target on a 2-core x86; resumable).")] = 150_000,
-    out: Annotated[str | None, typer.Option("--out", help="Folder for the heads file (default: beside the model in the store).")] = None,
+    kind: Annotated[str, typer.Option("--kind", help="eagle: one decoder layer on the target's layer features, run by llama.cpp's eagle3 graph (GGUF targets); medusa: heads on the final hidden state (GGUF or MLX).")] = "eagle",
+    out: Annotated[str | None, typer.Option("--out", help="Folder for the drafter file (default: beside the model in the store).")] = None,
     seed: Annotated[int, typer.Option("--seed", min=0, help="Seed of the split, initial weights and batch order.")] = 0,
+    epochs: Annotated[int | None, typer.Option("--epochs", min=1, help="Passes over the recorded data (default: the kind's).")] = None,
     threads: ThreadsOpt = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
 ) -> None:
-    """Train heads on the target's own hidden states (self-distillation) for `--draft heads`; resumable."""
-    from ondevice.heads.train import train_heads
-
+    """Train a drafter on the target's own answers (self-distillation) for `--draft heads`; resumable."""
+    if kind not in ("eagle", "medusa"):
+        raise typer.BadParameter(f"--kind {kind}: choose eagle or medusa")
+    extra = {} if epochs is None else {"epochs": epochs}
     try:
-        r = train_heads(model, tokens=tokens, out=out, seed=seed, threads=threads, quiet=json_out)
+        if kind == "eagle":
+            from ondevice.heads.eagle_train import train_eagle
+
+            r = train_eagle(model, tokens=tokens, out=out, seed=seed, threads=threads, quiet=json_out, **extra)
+        else:
+            from ondevice.heads.train import train_heads
+
+            r = train_heads(model, tokens=tokens, out=out, seed=seed, threads=threads, quiet=json_out, **extra)
     except KeyboardInterrupt:
         typer.echo("stopped: the answers recorded and the fit's last epoch are kept; run the same command to resume",
                    err=True)
         raise typer.Exit(130) from None
     if json_out:
         return _dump(r)
+    if kind == "eagle":
+        t = r["tau_heldout"]
+        typer.echo(f"drafter → {r['path']} ({r['training_tokens']} training tokens, {r['wall_seconds']:.0f} s; held-out "
+                   f"greedy τ {t['tau_chain3']} at γ 3, {t['tau_chain5']} at γ 5)"
+                   + (f"; use it with --draft {r['path']}" if out is not None else ""))
+        return None
     tau = (r["tau_heldout_greedy_chain"] or {}).get("tau")
     typer.echo(f"heads → {r['path']} ({r['training_tokens']} training tokens, {r['wall_seconds']:.0f} s; "
                f"held-out greedy τ {tau if tau is None else round(tau, 2)})"

@@ -127,6 +127,15 @@ def _ngram(b: Build) -> Drafter:
 
 
 def _heads(b: Build) -> Drafter:
+    """The drafter ``train-heads`` stored for the target: the EAGLE-style one (its default kind) where there is
+    one and the target is a llama.cpp one, else the Medusa heads."""
+    if b.source is None and hasattr(b.target, "enable_layer_inputs"):
+        from ondevice.heads import eagle_store
+
+        p = eagle_store.find(b.target.path)
+        if p is not None:
+            eagle_store.check_for(p, b.target.path)
+            return Eagle3Drafter(b.target, p, threads=b.threads)
     return HeadsDrafter.for_target(b.target, b.source)
 
 
@@ -155,7 +164,7 @@ register(Kind(traits=ModelDrafter.traits, build=_model,
               help="a smaller model of the same vocabulary (needs a draft)"))
 register(Kind(traits=NgramDrafter.traits, build=_ngram, help="prompt lookup: copies of earlier text"))
 register(Kind(traits=HeadsDrafter.traits, build=_heads, claims=_heads_file,
-              help="heads trained for the target (ondevice train-heads) on its hidden states"))
+              help="the drafter trained for the target (ondevice train-heads): EAGLE-style, else Medusa heads"))
 register(Kind(traits=Eagle3Drafter.traits, build=_eagle3, claims=_eagle3_file,
               help="an EAGLE-3 draft (GGUF arch eagle3) on the target's layer inputs (--draft DIR/x.gguf)"))
 register(Kind(traits=MtpDrafter.traits, build=_mtp, claims=lambda draft: draft == "mtp",

@@ -154,6 +154,51 @@ def _self_prompts(rt, backend, cache: Path, seed: int, bar, round: int = 0,
     return got
 
 
+def record_answers(rt, path: Path, work: Path, *, tokens: int, seed: int, max_new: int, slots: int,
+                   threads: int | None, bar, mlx: bool) -> list[data.Record]:
+    """The target's greedy answers to the shipped prompts, then to rounds of its own prompts, until ``tokens``
+    answer tokens are recorded (each answer a file under ``work / "records"``: a rerun resumes).
+
+    Args:
+        rt: the loaded target's runtime (renders chats; an MLX target records on it, one answer at a time).
+        path: the target's GGUF (a llama.cpp target records ``slots`` answers at once on a context of its own).
+        bar: a ``rich`` progress (``_progress``).
+    """
+    prompts = data.train_prompts()
+    rendered = [(c, rt.render_chat([{"role": "user", "content": t}])) for c, t in prompts]
+    if mlx:  # one model in memory: record on the runtime's own target, one answer at a time
+        batch_be, slots = data.OneSequence(rt.target), 1
+    else:  # one KV buffer per sequence, each as long as the longest shipped prompt's answer needs
+        seq_ctx = max(256, *(len(ids) for _, ids in rendered)) + max_new
+        batch_be = LlamaBackend(path, n_ctx=slots * seq_ctx, threads=threads, n_seq_max=slots, kv_unified=False)
+    try:
+        batch_be.enable_hidden()
+        task = bar.add_task("recording answers (tokens)", total=tokens)
+        own: list[str] = []
+        for rnd in range(MAX_ROUNDS + 1):
+            # the shipped prompts first; then, while the budget is not reached, rounds of the target's own
+            if rnd or tokens > len(prompts) * max_new // 2:
+                # rounds after the first ask other styles (``selfprompts.ASK``): named apart from the
+                # resampled rounds earlier versions wrote, so those are not read as these
+                name = f"selfprompts-{seed}.json" if rnd == 0 else f"selfprompts-{seed}-style{rnd}.json"
+                more = _self_prompts(rt, batch_be, work / name, seed, bar, round=rnd, avoid=own)
+                if rnd and not more:  # a round kept none of its requests: later ones would not either
+                    break
+                own += [t for _, t in more]
+                rendered += [(c, rt.render_chat([{"role": "user", "content": t}])) for c, t in more]
+            records = []  # the last round's records go first: this round reads them all again
+            records = batch.collect_many(batch_be, rendered, work / "records", budget=tokens, max_new=max_new,
+                                         slots=slots, on_record=lambda total, new: bar.update(task, completed=min(total, tokens)))
+            if sum(len(r.hidden) for r in records) >= tokens:
+                break
+    finally:
+        if mlx:
+            rt.reset()  # the runtime's cache was used behind its back
+        else:
+            batch_be.close()
+    return records
+
+
 def train_heads(
     model: str | os.PathLike,
     *,
@@ -215,38 +260,8 @@ def train_heads(
     with _exclusive(work, path):
         with load(path, drafter="none", n_ctx=n_ctx, threads=threads) as rt, _progress(quiet) as bar:
             V = rt.target.vocab_size
-            prompts = data.train_prompts()
-            rendered = [(c, rt.render_chat([{"role": "user", "content": t}])) for c, t in prompts]
-            if mlx:  # one model in memory: record on the runtime's own target, one answer at a time
-                batch_be, slots = data.OneSequence(rt.target), 1
-            else:  # one KV buffer per sequence, each as long as the longest shipped prompt's answer needs
-                seq_ctx = max(256, *(len(ids) for _, ids in rendered)) + max_new
-                batch_be = LlamaBackend(path, n_ctx=slots * seq_ctx, threads=threads, n_seq_max=slots, kv_unified=False)
-            try:
-                batch_be.enable_hidden()
-                task = bar.add_task("recording answers (tokens)", total=tokens)
-                own: list[str] = []
-                for rnd in range(MAX_ROUNDS + 1):
-                    # the shipped prompts first; then, while the budget is not reached, rounds of the target's own
-                    if rnd or tokens > len(prompts) * max_new // 2:
-                        # rounds after the first ask other styles (``selfprompts.ASK``): named apart from the
-                        # resampled rounds earlier versions wrote, so those are not read as these
-                        name = f"selfprompts-{seed}.json" if rnd == 0 else f"selfprompts-{seed}-style{rnd}.json"
-                        more = _self_prompts(rt, batch_be, work / name, seed, bar, round=rnd, avoid=own)
-                        if rnd and not more:  # a round kept none of its requests: later ones would not either
-                            break
-                        own += [t for _, t in more]
-                        rendered += [(c, rt.render_chat([{"role": "user", "content": t}])) for c, t in more]
-                    records = []  # the last round's records go first: this round reads them all again
-                    records = batch.collect_many(batch_be, rendered, work / "records", budget=tokens, max_new=max_new,
-                                                 slots=slots, on_record=lambda total, new: bar.update(task, completed=min(total, tokens)))
-                    if sum(len(r.hidden) for r in records) >= tokens:
-                        break
-            finally:
-                if mlx:
-                    rt.reset()  # the runtime's cache was used behind its back
-                else:
-                    batch_be.close()
+            records = record_answers(rt, path, work, tokens=tokens, seed=seed, max_new=max_new, slots=slots,
+                                     threads=threads, bar=bar, mlx=mlx)
             extra = []
             if texts and text_tokens:
                 task = bar.add_task("teacher-forced text (tokens)", total=text_tokens)

@@ -1,0 +1,211 @@
+"""``train_eagle`` (``ondevice train-heads MODEL``, the default kind): an EAGLE-style drafter for one GGUF target,
+from the target's own answers to a GGUF that llama.cpp's eagle3 graph runs.
+
+Steps: record the target's greedy answers (``train.record_answers``, shared with the Medusa heads; resumable)
+→ one teacher-forced prefill per answer keeping the inputs of target layers [2, L/2, L − 3] and the target's top-k
+(``eagle_data``) → draft vocabulary (the answers' most frequent ids) with the target's LM-head rows and final norm
+→ fit the drafter in JAX, unrolled over ``depths`` drafting steps on its own outputs (``eagle``; checkpointed
+every epoch, the best epoch on held-out answers kept) → τ of greedy chains on held-out answers, per depth → a
+SpecForge checkpoint converted and verified in llama.cpp (``eagle_store``). Everything random comes from ``seed``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import time
+from contextlib import closing
+from pathlib import Path
+
+import numpy as np
+
+from ondevice.errors import OndeviceError
+from ondevice.heads import eagle, eagle_data, eagle_store, store, train
+
+DEFAULTS = dict(vocab=8192, depths=5, epochs=12, max_new=192, window=384, batch_tokens=3072, lr=1e-3, noise=0.05)
+
+
+def _norm_row(path: Path) -> np.ndarray:
+    import gguf
+
+    for t in gguf.GGUFReader(str(path)).tensors:
+        if t.name == "output_norm.weight":
+            return np.asarray(gguf.quants.dequantize(np.asarray(t.data), t.tensor_type), np.float32).reshape(-1)
+    raise OndeviceError(f"{path.name}: no output_norm.weight; not a decoder-only GGUF the drafter can read")
+
+
+def shape_for(cfg: dict, draft_vocab: int) -> eagle.Shape:
+    """The drafter's sizes for a target config (``GGUFFile.config``): the target's width, heads and RoPE; its MLP
+    at most 3× the width (the draft's cost); ``draft_vocab`` rows of LM head."""
+    h, nh = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+    return eagle.Shape(hidden=h, n_heads=nh, n_kv_heads=int(cfg.get("num_key_value_heads") or nh), head_dim=h // nh,
+                       ffn=min(int(cfg["intermediate_size"]), 3 * h), draft_vocab=int(draft_vocab),
+                       eps=float(cfg.get("rms_norm_eps", 1e-5)), rope_theta=float(cfg.get("rope_theta", 10000.0)))
+
+
+def heldout_tau(run, params, seqs: list[eagle_data.Seq], inv, table, T: int, depths: int, gammas=(3, 5)) -> dict:
+    """Greedy chains replayed on held-out answers (``chain_tau``): τ per γ, and per depth the acceptance given the
+    earlier depths accepted (the draft's token = the target's next one). ``run``: ``eagle.make_eval``."""
+    emitted = {g: 0 for g in gammas}
+    passes = {g: 0 for g in gammas}
+    acc = np.zeros((depths, 2))
+    for s in seqs:
+        n = min(len(s.tokens), T)
+        hits = np.asarray(run(params, eagle_data.batch_arrays([s], [(0, 0)], eagle_data.bucket(n), inv, table)))[:, 0, :n]
+        for g in gammas:
+            e, p = eagle_data.chain_tau(hits, s.n_prompt, n, g)
+            emitted[g] += e
+            passes[g] += p
+        for b in range(s.n_prompt - 1, n - 2):  # per depth, conditional on the chain so far
+            for j in range(depths):
+                if b + j + 1 >= n - 1:
+                    break
+                acc[j, 1] += 1
+                if not hits[j, b + j]:
+                    break
+                acc[j, 0] += 1
+    return {**{f"tau_chain{g}": round(emitted[g] / max(1, passes[g]), 3) for g in gammas},
+            "accept_by_depth": [round(a / max(1, c), 3) for a, c in acc]}
+
+
+def _save_state(path: Path, params, opt, info: dict) -> None:
+    from ondevice import atomic
+
+    arrays = {f"p.{k}": np.asarray(v) for k, v in params.items()}
+    arrays.update({f"{g}.{k}": np.asarray(v) for g in ("m", "v") for k, v in opt[g].items()})
+    with atomic.replacing(path) as tmp, open(tmp, "wb") as f:
+        np.savez(f, __info__=np.array(json.dumps(info)), **arrays)
+
+
+def _load_state(path: Path, params: dict) -> tuple[dict, dict, dict] | None:
+    try:
+        with np.load(path) as z:
+            info = json.loads(str(z["__info__"]))
+            p = {k: z[f"p.{k}"] for k in params}
+            opt = {g: {k: z[f"{g}.{k}"] for k in params} for g in ("m", "v")}
+    except (OSError, ValueError, KeyError):
+        return None
+    return p, opt, info
+
+
+def train_eagle(model: str | os.PathLike, *, tokens: int = train.DEFAULT_TOKENS, out: str | os.PathLike | None = None,
+                seed: int = 0, threads: int | None = None, quiet: bool = False, vocab: int = DEFAULTS["vocab"],
+                depths: int = DEFAULTS["depths"], epochs: int = DEFAULTS["epochs"], max_new: int = DEFAULTS["max_new"],
+                n_ctx: int = 1024, slots: int = 32, lr: float = DEFAULTS["lr"], noise: float = DEFAULTS["noise"],
+                batch_tokens: int = DEFAULTS["batch_tokens"]) -> dict:
+    """Train the EAGLE-style drafter for ``model`` (a GGUF or catalog name) and store it (``eagle_store``).
+
+    Args:
+        tokens: answer tokens to record (self-distillation; a tenth of the answers is held out to measure τ).
+        out: folder for the drafter file (default: beside the model in the store).
+        vocab: draft vocabulary size; depths: drafting steps trained (the longest chain it is trained for).
+        epochs: passes over the data (the best on held-out answers is kept); lr, noise: AdamW peak rate and
+            the features' relative input noise; batch_tokens: rows per optimiser step.
+        n_ctx, slots, threads, max_new: recording (as ``train.train_heads``).
+    Returns:
+        A summary: path, wall seconds, tokens, τ of greedy chains (γ 3 / 5) on held-out answers, per-depth
+        acceptance, the fit log and the conversion check.
+    """
+    from converters.eagle3_check import target_embedding
+    from ondevice.backends import detect_format
+    from ondevice.backends.llama import LlamaBackend
+    from ondevice.formats.gguf import GGUFFile
+    from ondevice.loader import load
+    from ondevice.store import catalog, lookup
+
+    if tokens < 1:
+        raise OndeviceError(f"tokens={tokens}: train-heads needs a positive number of answer tokens (--tokens N, N >= 100)")
+    t0 = time.perf_counter()
+    path = lookup.resolve(model)
+    if detect_format(path) != "gguf":
+        raise OndeviceError(f"{path.name}: the EAGLE drafter trains for a GGUF target (llama.cpp runs it); for an MLX "
+                            "model run `ondevice train-heads MODEL --kind medusa`")
+    if path.is_dir():
+        path = path / "model.gguf"
+    sha = store.target_sha256(path)
+    work = catalog.home() / "heads" / "work" / sha[:16]
+    dest = train._dest(path, out)
+    dest = dest.with_name(eagle_store.default_path(path).name)
+    cfg = GGUFFile(path).config()
+    L = int(cfg["num_hidden_layers"])
+    layer_ids = [min(max(i, 0), L - 1) for i in (2, L // 2, L - 3)]  # llama.cpp's default, clipped for tiny targets
+    # the features' context first: a target whose graph cannot hand out layer inputs is refused before any work
+    fb = LlamaBackend(path, n_ctx=n_ctx, threads=threads, n_batch=512)
+    try:
+        fb.enable_layer_inputs(layer_ids)
+    except BaseException:
+        fb.close()
+        raise
+    with closing(fb), train._exclusive(work, path), train._progress(quiet) as bar:
+        with load(path, drafter="none", n_ctx=n_ctx, threads=threads) as rt:
+            V = rt.target.vocab_size
+            records = train.record_answers(rt, path, work, tokens=tokens, seed=seed, max_new=max_new, slots=slots,
+                                           threads=threads, bar=bar, mlx=False)
+        if not records:
+            raise OndeviceError(f"{path.name}: no prompt left room for an answer in n_ctx={n_ctx}; raise n_ctx")
+        t_rec = time.perf_counter() - t0
+        task = bar.add_task("target features (tokens)", total=sum(len(r.prompt) + len(r.tokens) - 1 for r in records))
+        seqs = eagle_data.collect(fb, records, work / f"eagle-feats-{'-'.join(map(str, layer_ids))}",
+                                  on_seq=lambda n: bar.update(task, advance=n))
+        t_feat = time.perf_counter() - t0 - t_rec
+        order = np.random.default_rng(seed).permutation(len(seqs))
+        n_val = max(1, len(seqs) // 10) if len(seqs) > 1 else 0
+        val = [seqs[i] for i in order[:n_val]]
+        tr = [seqs[i] for i in order[n_val:]] or val
+        tr_recs = [records[i] for i in order[n_val:]] or records
+        vocab_ids = train.choose_vocab(tr_recs, V, vocab)
+        inv = np.full(V, -1, np.int32)
+        inv[vocab_ids] = np.arange(len(vocab_ids), dtype=np.int32)
+        out_rows, _, arch = train.target_rows(path, vocab_ids)
+        table = target_embedding(path)
+        shape = shape_for(cfg, len(vocab_ids))
+        params = eagle.init(shape, out_rows, _norm_row(path), seed)
+        T = int(min(DEFAULTS["window"], eagle_data.bucket(max(len(s.tokens) for s in seqs))))
+        wins = eagle_data.windows(tr, T)
+        steps_per_epoch = len(eagle_data.batches(tr, wins, T, batch_tokens, np.random.default_rng(0)))
+        n_tr = int(sum(len(s.tokens) for s in tr))
+        key = hashlib.sha256(json.dumps([sha, n_tr, len(seqs), seed, vocab, depths, epochs, T, batch_tokens, lr, noise,
+                                         layer_ids]).encode()).hexdigest()[:12]
+        ckpt = work / f"eagle-fit-{key}.npz"
+        opt, log, start, best = eagle.zeros_like(params), [], 0, None
+        if (state := _load_state(ckpt, params)) is not None:
+            params, opt, info = state
+            log, start, best = info["log"], info["epoch"], info.get("best")
+        best_params = _load_state(work / f"eagle-best-{key}.npz", params) if best else None
+        best_params = best_params[0] if best_params else None
+        step = eagle.make_step(shape, depths, T, lr=lr, warmup=min(200, steps_per_epoch), total=epochs * steps_per_epoch)
+        run = eagle.make_eval(shape, depths, T)
+        t1 = time.perf_counter()
+        task = bar.add_task("fitting the drafter (steps)", total=epochs * steps_per_epoch, completed=start * steps_per_epoch)
+        for ep in range(start, epochs):
+            rng = np.random.default_rng([seed, ep])
+            loss_sum, hits = 0.0, np.zeros((depths, 2))
+            for s, (L, B, ws) in enumerate(eagle_data.batches(tr, wins, T, batch_tokens, rng)):
+                batch = eagle_data.batch_arrays(tr, ws, L, inv, table, rng, noise, rows=B)
+                params, opt, loss, h = step(params, opt, batch, ep * steps_per_epoch + s)
+                loss_sum += float(loss)
+                hits += np.asarray(h)
+                bar.update(task, advance=1)
+            ev = heldout_tau(run, params, val or tr[:8], inv, table, T, depths)
+            log.append({"epoch": ep + 1, "loss": round(loss_sum / steps_per_epoch, 4),
+                        "train_top1_by_depth": [round(a / max(1, c), 3) for a, c in hits], **ev,
+                        "seconds": round(time.perf_counter() - t1, 1)})
+            if best is None or ev["tau_chain5"] > best:
+                best, best_params = ev["tau_chain5"], {k: np.asarray(v) for k, v in params.items()}
+                _save_state(work / f"eagle-best-{key}.npz", best_params, eagle.zeros_like(best_params), {"best": best})
+            _save_state(ckpt, params, opt, {"epoch": ep + 1, "log": log, "best": best})
+        t_fit = time.perf_counter() - t1
+        params = best_params or {k: np.asarray(v) for k, v in params.items()}
+        final = heldout_tau(run, params, val or tr[:8], inv, table, T, depths)
+        meta = {"target_sha256": sha, "target_file": path.name, "architecture": arch, "target_vocab_size": V,
+                "draft_vocab_size": int(len(vocab_ids)), "target_layers": layer_ids, "depths": depths,
+                "training_tokens": n_tr, "heldout_answers": len(val), "seed": seed, "epochs": epochs,
+                "record_seconds": round(t_rec, 1), "feature_seconds": round(t_feat, 1), "fit_seconds": round(t_fit, 1),
+                "tau_heldout": final}
+        with tempfile.TemporaryDirectory(dir=work, prefix="eagle-ckpt-") as tmp:
+            ckpt_dir = eagle_store.save_checkpoint(Path(tmp), params, shape.config(V, layer_ids), vocab_ids)
+            conv = eagle_store.write_gguf(ckpt_dir, path, dest, meta)
+    return {"path": str(dest), "kind": "eagle", "wall_seconds": round(time.perf_counter() - t0, 1), **meta,
+            "verify": conv.get("verify"), "log": log}

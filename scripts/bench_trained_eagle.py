@@ -1,0 +1,85 @@
+"""The drafter ``train-heads`` trained (EAGLE-style) through the runtime, on held-out prompts by class: τ (tokens
+per target pass, hardware-free) at fixed greedy chains of γ 3 and 5, against plain decoding's tokens (must be
+equal) and n-gram drafting; the draft's cost per token ÷ a target decode; decode speed ratios in one run. JSON.
+
+    PYTHONPATH=$PWD python scripts/bench_trained_eagle.py MODEL [--per-class 3] [--tokens 128] [--json OUT]
+
+Held-out prompts are ``prompts.json``'s "heldout" set, never used in training.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+import ondevice
+from ondevice.bench.tools import emit_json
+from ondevice.heads import data, eagle_store
+from ondevice.store import lookup
+
+
+def _cost(rt, reps: int = 15) -> dict:
+    """A drafted token of the trained draft ÷ one target decode, interleaved (the machine's load cancels)."""
+    d, t = [], []
+    target, drafter = rt.target, rt.drafter
+    ids = target.tokenize("def fibonacci(n):")
+    target.rollback(0)
+    target.eval(ids)
+    g = drafter.graph
+    pre = np.zeros((1, g.n_embd), np.float32)
+    base = g.n_past
+    for i in range(reps):
+        t0 = time.perf_counter()
+        _, pre = g.decode([int(ids[-1])], pre, base + i)
+        d.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        target.eval([int(ids[-1])])
+        t.append(time.perf_counter() - t0)
+    g.rollback(base)
+    rt.reset()
+    return {"draft_ms": round(1e3 * float(np.median(d)), 3), "decode_ms": round(1e3 * float(np.median(t)), 3),
+            "ratio": round(float(np.median(d) / np.median(t)), 4)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model")
+    ap.add_argument("--per-class", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    path = lookup.resolve(a.model)
+    gguf = path / "model.gguf" if path.is_dir() else path
+    heldout = data.load_prompts()["heldout"]
+    rows: dict = {}
+    with ondevice.load(path, drafter="none", threads=a.threads) as plain, \
+            ondevice.load(path, draft="heads", threads=a.threads) as spec, \
+            ondevice.load(path, drafter="ngram", threads=a.threads) as ngram:
+        cost = _cost(spec)
+        for cls, prompts in sorted(heldout.items()):
+            acc = {k: {"tokens": 0, "passes": 0, "seconds": 0.0} for k in ("plain", "eagle3", "eagle5", "ngram3")}
+            equal = True
+            for text in prompts[: a.per_class]:
+                msgs = [{"role": "user", "content": text}]
+                ref = plain.chat(msgs, max_tokens=a.tokens, temperature=0)
+                runs = {"plain": ref, "eagle3": spec.chat(msgs, max_tokens=a.tokens, temperature=0, gamma=3),
+                        "eagle5": spec.chat(msgs, max_tokens=a.tokens, temperature=0, gamma=5),
+                        "ngram3": ngram.chat(msgs, max_tokens=a.tokens, temperature=0, gamma=3)}
+                for k, r in runs.items():
+                    equal &= r.tokens == ref.tokens
+                    acc[k]["tokens"] += r.stats.tokens
+                    acc[k]["passes"] += r.stats.target_forwards
+                    acc[k]["seconds"] += r.stats.total_seconds - r.stats.prompt_seconds
+            rows[cls] = {k: {"tau": round(v["tokens"] / max(1, v["passes"]), 3),
+                             "speed_vs_plain": round(acc["plain"]["seconds"] / max(1e-9, v["seconds"]), 3)}
+                         for k, v in acc.items()}
+            rows[cls]["greedy_equal"] = bool(equal)
+    emit_json({"model": path.name, "drafter": str(eagle_store.find(gguf)), "meta": eagle_store.read_meta(eagle_store.find(gguf)),
+               "draft_cost": cost, "by_class": rows, "per_class": a.per_class, "max_tokens": a.tokens}, a.json)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,168 @@
+"""``ondevice train-heads`` (default kind: the EAGLE-style drafter) end to end on a tiny llama target: the stored GGUF
+is what ``draft="heads"`` loads, greedy speculation with it equals plain decoding token for token, the sampled law
+is the target's (chi-square at T = 0.8 with planted-bug controls that must fail), a rerun resumes, and a file made
+for another model is refused in one line."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers import chisquare, exact_law, plant_no_residual, plant_wrong_q, sampled_counts
+
+import ondevice
+from ondevice import sampling
+from ondevice.errors import OndeviceError
+
+pytest.importorskip("jax")
+
+PROMPTS = ["def add(a, b):", "The model draft and the target verify", "class Cache:\n    def __init__(self, n):"]
+SMALL = dict(tokens=1500, epochs=12, vocab=256, depths=3, batch_tokens=256, lr=3e-3, max_new=64, threads=1, n_ctx=512,
+             quiet=True)
+
+
+def _chats(n: int = 3) -> list[list[dict]]:
+    """The first shipped training prompts as chats: a drafter fitted to a random-weight target's answers for a few
+    seconds guesses (only) what it was trained on, so drafts are both accepted and rejected there."""
+    from ondevice.heads.data import train_prompts
+
+    return [[{"role": "user", "content": text}] for _, text in train_prompts()[:n]]
+LAW = dict(temperature=0.8, top_k=6, top_p=1.0, min_p=0.0)
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_gguf, tmp_path_factory):
+    """(target, home, summary): the tiny llama target copied out of the test cache and one small run stored under
+    ``home`` (its ONDEVICE_HOME)."""
+    from ondevice.heads.eagle_train import train_eagle
+
+    target = tmp_path_factory.mktemp("models") / "tiny.gguf"
+    shutil.copy(tiny_gguf("llama"), target)
+    home = tmp_path_factory.mktemp("home")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("ONDEVICE_HOME", str(home))
+        r = train_eagle(target, **SMALL)
+    return target, home, r
+
+
+@pytest.fixture
+def home(trained, monkeypatch):
+    monkeypatch.setenv("ONDEVICE_HOME", str(trained[1]))
+    return trained[1]
+
+
+def test_the_stored_drafter_is_an_eagle3_gguf_llama_cpp_runs(trained, home):
+    from ondevice.drafters.eagle3 import is_eagle3_gguf
+    from ondevice.heads import eagle_store, store
+
+    target, _, r = trained
+    path = Path(r["path"])
+    assert path == eagle_store.find(target) and path.parent == home / "heads" and is_eagle3_gguf(str(path))
+    meta = eagle_store.read_meta(path)
+    assert meta["target_sha256"] == store.target_sha256(target) and meta["draft_vocab_size"] == 256
+    assert meta["training_tokens"] > 1000 and set(meta["tau_heldout"]) >= {"tau_chain3", "tau_chain5", "accept_by_depth"}
+    assert r["verify"]["ok"] and r["verify"]["logit_rel"] < 1e-2  # llama.cpp's graph computes the trained weights
+    assert len(r["log"]) == SMALL["epochs"] and r["log"][-1]["loss"] < r["log"][0]["loss"]
+    assert not list((home / "heads").glob(".eagle-*"))  # no temp left beside it
+
+
+def test_greedy_with_the_trained_drafter_equals_plain(trained, home):
+    target = trained[0]
+    with ondevice.load(target, draft="heads", threads=1) as spec, ondevice.load(target, drafter="none", threads=1) as plain:
+        assert spec.drafter.name == "eagle3"
+        drafted = accepted = 0
+        for prompt in [*PROMPTS, *_chats()]:
+            run = spec.generate if isinstance(prompt, str) else spec.chat
+            for gamma in (1, 3, 5):
+                ref = (plain.generate if isinstance(prompt, str) else plain.chat)(prompt, max_tokens=40, temperature=0,
+                                                                                 gamma=0)
+                res = run(prompt, max_tokens=40, temperature=0, gamma=gamma)
+                assert res.tokens == ref.tokens, (prompt, gamma)
+                drafted, accepted = drafted + res.stats.drafted, accepted + res.stats.accepted
+        assert drafted > 0 and accepted > 0, (drafted, accepted)
+
+
+def test_sampled_law_is_the_targets_and_the_controls_fail(trained, home, monkeypatch):
+    """Joint law of 3 tokens at T = 0.8, top-k 6 (γ = 3) against the exact target law; a residual that does not
+    subtract q, and q rows that are not the law the drafts were drawn from, must each fail the same test."""
+    from ondevice.backends.llama import LlamaBackend
+    from ondevice.drafters.eagle3 import Eagle3Drafter
+
+    target = trained[0]
+    with ondevice.load(target, drafter="none", threads=1) as rt:
+        ids = list(rt.render_chat(_chats(1)[0]))
+    b = LlamaBackend(target, n_ctx=256, threads=1)
+    try:
+        law = exact_law(b, ids, sampling.SamplingParams(**LAW))
+    finally:
+        b.close()
+    n = 3000
+    with ondevice.load(target, draft="heads", threads=1) as rt:
+        runs = [rt.generate(ids, max_tokens=3, seed=s, gamma=3, **LAW).stats for s in range(40)]
+        accepted, drafted = sum(r.accepted for r in runs), sum(r.drafted for r in runs)
+        assert 0 < accepted < drafted, (accepted, drafted)  # both outcomes occur, so the controls can fail
+        assert chisquare(sampled_counts(rt, ids, n, 0.8, 6, 3), law, n) > 1e-3
+        with monkeypatch.context() as mp:
+            plant_no_residual(mp)
+            assert chisquare(sampled_counts(rt, ids, n, 0.8, 6, 3), law, n) < 1e-4
+        with monkeypatch.context() as mp:
+            plant_wrong_q(mp, Eagle3Drafter)
+            assert chisquare(sampled_counts(rt, ids, n, 0.8, 6, 3), law, n) < 1e-4
+
+
+def test_a_rerun_resumes_and_another_models_file_is_refused(trained, home, tmp_path):
+    """The same arguments again: recording, features and the fit are all read back (seconds, same τ); the file
+    copied beside another model is refused by ``draft="heads"`` in one line."""
+    import time
+
+    from ondevice.heads import eagle_store
+    from ondevice.heads.eagle_train import train_eagle
+
+    target, _, r = trained
+    t0 = time.perf_counter()
+    again = train_eagle(target, **SMALL)
+    assert again["tau_heldout"] == r["tau_heldout"] and again["record_seconds"] < 5
+    assert time.perf_counter() - t0 < 0.5 * r["wall_seconds"] + 30
+    other = tmp_path / "other.gguf"
+    data = bytearray(target.read_bytes())
+    data[-1] ^= 1  # another model (sha256), same shapes
+    other.write_bytes(bytes(data))
+    shutil.copy(r["path"], eagle_store.default_path(other))
+    with pytest.raises(OndeviceError, match="another model") as e:
+        ondevice.load(other, draft="heads", threads=1)
+    assert "\n" not in str(e.value) and "train-heads" in str(e.value)
+
+
+def test_the_command(trained, home, monkeypatch):
+    """``ondevice train-heads MODEL --json`` trains this kind by default (the stored summary printed as JSON);
+    ``--kind`` refuses what it does not know before any work."""
+    from typer.testing import CliRunner
+
+    from ondevice.cli.main import app
+    from ondevice.heads import eagle_train
+
+    target, _, r = trained
+    calls = []
+    monkeypatch.setattr(eagle_train, "train_eagle", lambda model, **kw: calls.append((model, kw)) or r)
+    out = CliRunner().invoke(app, ["train-heads", str(target), "--tokens", "1500", "--epochs", "6", "--json"])
+    assert out.exit_code == 0, out.output
+    assert calls == [(str(target), {"tokens": 1500, "out": None, "seed": 0, "threads": None, "quiet": True, "epochs": 6})]
+    assert json.loads(out.output)["kind"] == "eagle" and Path(json.loads(out.output)["path"]).is_file()
+    bad = CliRunner().invoke(app, ["train-heads", str(target), "--kind", "hydra"])
+    assert bad.exit_code == 2 and "eagle or medusa" in bad.output and len(calls) == 1
+
+
+def test_chain_replay_counts_passes():
+    """``chain_tau`` replays the runtime's loop: a pass emits its accepted drafts and one token of its own."""
+    from ondevice.heads.eagle_data import chain_tau
+
+    n_prompt, n = 3, 12  # answer rows 3..11: 8 tokens after the first (which the prompt's pass emits)
+    hits = np.ones((5, n), bool)
+    assert chain_tau(hits, n_prompt, n, 5) == (8, 2)  # 5 drafts + 1, then the 2 left
+    assert chain_tau(np.zeros((5, n), bool), n_prompt, n, 5) == (8, 8)
+    hits = np.zeros((5, n), bool)
+    hits[0, 2] = hits[1, 3] = True  # from base 2: depths 0 and 1 right, depth 2 wrong
+    assert chain_tau(hits, n_prompt, n, 3)[1] == 1 + 5
