@@ -247,3 +247,41 @@ def test_atomic_writes_reach_the_disk_before_their_name(tmp_path, monkeypatch):
     assert [e[0] for e in events] == ["fsync", "replace", "fsync"]
     if sys.platform == "linux":
         assert events[0][1].startswith(str(tmp_path / ".kept.json.")) and events[2][1] == str(tmp_path)
+
+
+# -- huge but self-consistent headers: the capped walk, never gguf.GGUFReader -----------------------------------
+def _no_gguf_reader(monkeypatch):
+    import gguf
+
+    def refuse(*a, **k):
+        raise AssertionError("gguf.GGUFReader was used (an object per array element: minutes on a huge header)")
+
+    monkeypatch.setattr(gguf, "GGUFReader", refuse)
+
+
+def test_info_and_pair_vocab_read_the_header_with_the_capped_walk(tiny_gguf, tmp_path, monkeypatch):
+    """Before: ``ondevice info`` and the pair checks read a GGUF through ``gguf.GGUFReader``, which builds a Python
+    object per array element (a header of a million merges: ~1 min on this machine, seconds with the walk). Now
+    they read what they need with ``read_header`` / ``tensor_types``; the facts are the same as GGUFReader's."""
+    import gguf
+
+    from ondevice.formats.pairs import gguf_tokens
+    from ondevice.store.info import describe
+
+    model = tiny_gguf("llama")
+    r = gguf.GGUFReader(str(model))
+    want_types: dict[str, int] = {}
+    for t in r.tensors:
+        want_types[t.tensor_type.name] = want_types.get(t.tensor_type.name, 0) + 1
+    field = r.fields["tokenizer.ggml.tokens"]
+    want_tokens = [bytes(field.parts[i]).decode("utf-8", "replace") for i in field.data]
+    _no_gguf_reader(monkeypatch)
+    info = describe(model)
+    assert info["tensor_types"] == want_types and info["vocab_size"] == len(want_tokens)
+    assert info["arch"] == "llama" and info["quant"] == "Q8_0" and info["chat_template"] is True
+    assert gguf_tokens(model) == want_tokens
+    # a truncated file: still one line naming it (GGUFReader's mapping used to say so)
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(model.read_bytes()[: model.stat().st_size // 2])
+    with pytest.raises(OndeviceError, match=r"cut\.gguf: truncated"):
+        describe(cut)

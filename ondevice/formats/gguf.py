@@ -1,6 +1,6 @@
 """Reading GGUF files: the one GGUF reader of ondevice.
 
-``read_header``: scalars and the token list only, fast. A fast reader of a GGUF file's key-value header: scalars and the token list, nothing else.
+``read_header``: scalars and the token list only, fast; ``tensor_types``: the tensor table's types, counted.
 
 ``gguf.GGUFReader`` builds an object per array element and maps every tensor: ~20 s for Qwen2.5's
 header (151,936 tokens and as many merges) on a loaded 2-core machine. Listing local models needs
@@ -102,16 +102,59 @@ def check_tensor_data(path: str | Path) -> None:
     Raises:
         OndeviceError: a corrupt header, or tensor data that runs past the end of the file.
     """
+    tensor_types(path)
+
+
+def tensor_types(path: str | Path) -> dict[str, int]:
+    """How many tensors of each ggml type (``Q4_1``, ``F32``, ...) the file's tensor table lists, once the file is
+    known to hold every tensor's data: the capped walk of ``read_header`` and of the table, no tensor data read
+    and nothing built per array element (``gguf.GGUFReader`` is slow on a huge header).
+
+    Raises:
+        OndeviceError: a corrupt header or tensor table, or tensor data that runs past the end of the file (one
+            line naming the file).
+    """
     import gguf
 
     path = Path(path)
     size = path.stat().st_size
-    read_header(path)  # the header's own errors first
+    meta, table, pos = _tensor_table(path)
+    extent = 0
+    counts: dict[str, int] = {}
+    for ttype, dims, offset in table:
+        try:
+            kind = gguf.GGMLQuantizationType(ttype)
+            block, nbytes = gguf.GGML_QUANT_SIZES[kind]
+        except (ValueError, KeyError) as e:
+            raise OndeviceError(f"{path}: corrupt or truncated GGUF tensor table ({type(e).__name__})") from None
+        count = 1
+        for d in dims:
+            count *= d
+        extent = max(extent, offset + count // block * nbytes)
+        counts[kind.name] = counts.get(kind.name, 0) + 1
+    align = int(meta.get("general.alignment", 32)) or 32
+    data = (pos + align - 1) // align * align
+    if table and data + extent > size:  # a vocab-only file (no tensors) need not be padded
+        raise OndeviceError(f"{path}: truncated: its tensor data ends at byte {data + extent} but the file has "
+                            f"{size} bytes (an interrupted download?); download it again")
+    return counts
+
+
+def _tensor_table(path: Path) -> tuple[dict, list[tuple[int, tuple[int, ...], int]], int]:
+    """(scalar metadata, [(ggml type, dims, data offset)] of every tensor, offset just past the table), every count
+    checked against its cap and the bytes left.
+
+    Raises:
+        OndeviceError: one line naming the file.
+    """
+    if path.stat().st_size < 24:
+        read_header(path)  # its "too short" error
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        size = len(mm)
         meta, _, pos = _parse(mm, path)
         end = "<" if struct.unpack_from("<I", mm, 4)[0] < 0x10000 else ">"
         n_tensors = struct.unpack_from(end + "Q", mm, 8)[0]
-        extent = 0
+        table = []
         try:
             if n_tensors > min(MAX_COUNT, (size - pos) // 24):  # name length, n_dims, type, offset at least
                 raise _Corrupt(f"{n_tensors} tensors")
@@ -127,20 +170,12 @@ def check_tensor_data(path: str | Path) -> None:
                 pos += 4 + 8 * n_dims
                 ttype, offset = struct.unpack_from(end + "IQ", mm, pos)
                 pos += 12
-                block, nbytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ttype)]
-                count = 1
-                for d in dims:
-                    count *= d
-                extent = max(extent, offset + count // block * nbytes)
+                table.append((ttype, dims, offset))
         except _Corrupt as e:
             raise OndeviceError(f"{path}: corrupt GGUF tensor table (it declares {e}); re-download it") from None
-        except (struct.error, ValueError, KeyError) as e:
+        except struct.error as e:
             raise OndeviceError(f"{path}: corrupt or truncated GGUF tensor table ({type(e).__name__})") from None
-    align = int(meta.get("general.alignment", 32)) or 32
-    data = (pos + align - 1) // align * align
-    if data + extent > size:
-        raise OndeviceError(f"{path}: truncated: its tensor data ends at byte {data + extent} but the file has "
-                            f"{size} bytes (an interrupted download?); download it again")
+    return meta, table, pos
 
 
 def _parse(buf, path: Path) -> tuple[dict, list[str] | None, int]:

@@ -43,14 +43,14 @@ def check_vocabs(target: list[str], draft: list[str], target_name: str | Path, d
 
 
 def gguf_tokens(path: Path) -> list[str]:
-    """The token texts of a GGUF file, in id order."""
-    from ondevice.formats.gguf import GGUFFile
+    """The token texts of a GGUF file, in id order (the capped header walk: a corrupt file is one line naming it)."""
+    from ondevice.formats.gguf import check_gguf_file, read_header
 
-    reader = GGUFFile(path).reader  # a truncated or corrupt file: one line naming it
-    field = reader.fields.get("tokenizer.ggml.tokens")
-    if field is None:
+    check_gguf_file(Path(path))
+    tokens = read_header(path)[1]
+    if tokens is None:
         raise OndeviceError(f"{path}: GGUF has no tokenizer.ggml.tokens; it cannot be paired")
-    return [bytes(field.parts[i]).decode("utf-8", "replace") for i in field.data]
+    return tokens
 
 
 def model_tokens(path: Path) -> list[str]:
