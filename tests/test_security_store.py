@@ -285,3 +285,36 @@ def test_info_and_pair_vocab_read_the_header_with_the_capped_walk(tiny_gguf, tmp
     cut.write_bytes(model.read_bytes()[: model.stat().st_size // 2])
     with pytest.raises(OndeviceError, match=r"cut\.gguf: truncated"):
         describe(cut)
+
+
+def test_a_crafted_token_id_in_tokenizer_json_is_refused_without_allocating(tmp_path):
+    """Before: ``model_tokens`` made a list of max(token id) + 1 entries from a folder's tokenizer.json (an added
+    token with id 2**40: memory until the machine gave out). Now ids beyond the vocabulary by more than the padding
+    rows are one line naming the file (run in a child under a memory limit, so the old code fails by its error
+    or the timeout instead of eating this machine's memory); an ordinary vocabulary with added tokens still
+    reads."""
+    from ondevice.formats.pairs import MAX_PADDING_ROWS, model_tokens
+
+    def folder(name: str, added: list[dict]) -> Path:
+        d = tmp_path / name
+        d.mkdir()
+        tj = {"model": {"type": "BPE", "vocab": {"a": 0, "b": 1, "c": 2}}, "added_tokens": added}
+        (d / "tokenizer.json").write_text(json.dumps(tj))
+        return d
+
+    ok = folder("ok", [{"id": 3, "content": "<s>"}, {"id": 4 + MAX_PADDING_ROWS, "content": "</s>"}])
+    got = model_tokens(ok)
+    assert got[:4] == ["a", "b", "c", "<s>"] and got[-1] == "</s>" and got[4] == "[PAD4]"
+    cases = {"huge": ([{"id": 1 << 40, "content": "x"}], "token id 1099511627776 in a vocabulary of 4 tokens"),
+             "holes": ([{"id": 4 + MAX_PADDING_ROWS, "content": "x"}], f"{MAX_PADDING_ROWS + 1} ids without"),
+             "negative": ([{"id": -1, "content": "x"}], "not a non-negative integer"),
+             "text": ([{"id": "7", "content": "x"}], "not a non-negative integer")}
+    for name, (added, says) in cases.items():
+        d = folder(name, added)
+        code = ("import resource, sys; resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))\n"
+                "from ondevice.errors import OndeviceError\nfrom ondevice.formats.pairs import model_tokens\n"
+                "try:\n    model_tokens(sys.argv[1])\nexcept OndeviceError as e:\n    print(e)\n")
+        r = subprocess.run([sys.executable, "-P", "-c", code, str(d)], capture_output=True, text=True, timeout=60)
+        out = r.stdout.strip()
+        assert r.returncode == 0 and f"{name}/tokenizer.json" in out and says in out and "\n" not in out, (
+            name, out, r.stderr[-300:])

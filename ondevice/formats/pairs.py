@@ -54,7 +54,13 @@ def gguf_tokens(path: Path) -> list[str]:
 
 
 def model_tokens(path: Path) -> list[str]:
-    """Token texts of a GGUF file, a directory holding model.gguf, or an HF/MLX directory."""
+    """Token texts of a GGUF file, a directory holding model.gguf, or an HF/MLX directory.
+
+    Raises:
+        OndeviceError: a missing or malformed tokenizer.json, or token ids beyond its vocabulary (more than
+            ``MAX_PADDING_ROWS`` ids without a token: each would become a padding row, and a crafted id such
+            as 2**40 would make a list that large).
+    """
     path = Path(path)
     if path.is_dir() and (path / "model.gguf").is_file():
         path = path / "model.gguf"
@@ -65,8 +71,22 @@ def model_tokens(path: Path) -> list[str]:
         raise OndeviceError(f"{tj}: missing; cannot read this model's vocabulary")
     import json
 
-    data = json.loads(tj.read_text(encoding="utf-8"))
-    by_id = {i: t for t, i in data["model"]["vocab"].items()}
-    for a in data.get("added_tokens", []):
-        by_id[a["id"]] = a["content"]
-    return [by_id.get(i, f"[PAD{i}]") for i in range(max(by_id) + 1)]
+    try:
+        data = json.loads(tj.read_text(encoding="utf-8"))
+        vocab = data["model"]["vocab"]
+        pairs = list(vocab.items()) if isinstance(vocab, dict) else [(v[0], i) for i, v in enumerate(vocab)]
+        pairs += [(a["content"], a["id"]) for a in data.get("added_tokens") or []]
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
+        raise OndeviceError(f"{tj}: not a tokenizer.json this can read ({type(e).__name__}: {e}); "
+                            "use the model's own tokenizer.json") from None
+    by_id: dict[int, str] = {}
+    for text, i in pairs:
+        if type(i) is not int or i < 0 or not isinstance(text, str):
+            raise OndeviceError(f"{tj}: token {str(text)[:40]!r} has id {str(i)[:40]}, not a non-negative integer; "
+                                "use the model's own tokenizer.json")
+        by_id[i] = text
+    top = max(by_id, default=-1) + 1
+    if top > len(by_id) + MAX_PADDING_ROWS:
+        raise OndeviceError(f"{tj}: token id {top - 1} in a vocabulary of {len(by_id)} tokens ({top - len(by_id)} "
+                            f"ids without a token, at most {MAX_PADDING_ROWS}); use the model's own tokenizer.json")
+    return [by_id.get(i, f"[PAD{i}]") for i in range(top)]
