@@ -195,6 +195,33 @@ def test_bench_quality_refuses_without_a_sandbox_and_the_unsafe_flag_gets_past(m
     assert r.exit_code != 0 and "no-such-model-anywhere" in r.output, r.output  # past the refusal, to the model
 
 
+def test_bench_formats_refuses_without_a_sandbox_before_any_conversion(monkeypatch, tiny_gguf):
+    """Before: ``bench --formats`` requantized and measured every format and only then failed at its last step,
+    the task eval's sandbox. Now it refuses first, in one line naming --unsafe-no-sandbox and how to install
+    bubblewrap; with the flag it gets past the check (to the work, stopped here where it starts)."""
+    from typer.testing import CliRunner
+
+    from converters import advisor
+    from ondevice.cli.main import app
+
+    started: list = []
+
+    def files(*a, **k):
+        started.append(True)
+        raise RuntimeError("the conversion work started")
+
+    monkeypatch.setattr(advisor, "_files", files)
+    monkeypatch.setattr(confine, "available", lambda: None)
+    monkeypatch.setattr(confine.shutil, "which", lambda *a, **k: None)  # as where bubblewrap is not installed
+    monkeypatch.setattr(sandbox, "_warned", [])
+    r = CliRunner().invoke(app, ["bench", str(tiny_gguf("llama")), "--formats", "q4_0"])
+    assert r.exit_code != 0 and not started, (r.output, r.exception)
+    err = r.output.strip()
+    assert "--unsafe-no-sandbox" in err and "apt-get install bubblewrap" in err and "\n" not in err, err
+    r = CliRunner().invoke(app, ["bench", str(tiny_gguf("llama")), "--formats", "q4_0", "--unsafe-no-sandbox"])
+    assert started and "the conversion work started" in r.output, (r.output, r.exception)
+
+
 @pytest.mark.macos
 def test_macos_sandbox_exec_holds(tmp_path):
     assert confine.available() == "sandbox-exec"

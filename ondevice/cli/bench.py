@@ -35,7 +35,7 @@ def bench_cmd(
     link_latency: Annotated[float | None, typer.Option("--link-latency", help="With --synthetic: predict tok/s with the target sharded over --world-size machines on a link of this many ms per collective.")] = None,
     world_size: Annotated[int, typer.Option("--world-size", min=2, help="Machines for --link-latency.")] = 2,
     quality: Annotated[bool, typer.Option("--quality", help="Task eval: MODEL[,MODEL...] answer the shipped tasks (code run in a sandbox, exact-match answers); pass rates side by side.")] = False,
-    unsafe_no_sandbox: Annotated[bool, typer.Option("--unsafe-no-sandbox", help="--quality: run model-written code even where no OS sandbox (bubblewrap / sandbox-exec) is available; it can then read and write your files.")] = False,
+    unsafe_no_sandbox: Annotated[bool, typer.Option("--unsafe-no-sandbox", help="--quality, --formats (its task eval): run model-written code even where no OS sandbox (bubblewrap / sandbox-exec) is available; it can then read and write your files.")] = False,
 ) -> None:
     """Benchmark plain vs speculative decoding (and anchors) on the prompt suite; JSON + table + plots."""
     from ondevice.bench import run as bench
@@ -67,7 +67,7 @@ def bench_cmd(
         doc = advisor.advise(model, _csv(formats), draft=draft,
                                    reference=reference, classes=_csv(classes),
                                    per_class=per_class, repeats=repeats, max_tokens=max_tokens, threads=threads,
-                                   progress=lambda m: typer.echo(m, err=True))
+                                   progress=lambda m: typer.echo(m, err=True), unsafe_no_sandbox=unsafe_no_sandbox)
         if plot:
             doc["plots"] = [str(advisor.plot(doc, plot))]
         if json_path:  # before the table: a display error must not lose a long measurement
