@@ -318,3 +318,44 @@ def test_a_crafted_token_id_in_tokenizer_json_is_refused_without_allocating(tmp_
         out = r.stdout.strip()
         assert r.returncode == 0 and f"{name}/tokenizer.json" in out and says in out and "\n" not in out, (
             name, out, r.stderr[-300:])
+
+
+# -- errors name files as the user knows them ---------------------------------------------------------------------
+def test_errors_name_files_relative_to_the_working_directory_or_home(tmp_path, monkeypatch):
+    """#41 item 11, relative names in errors: a model file's one-line error named it by its absolute path (here
+    /tmp/pytest-…/work/models/bad.gguf, on a laptop /home/NAME/…). Now a file inside the working directory is
+    named relative to it and one inside the home directory as ``~/…`` (store, formats, converters; the server
+    then names either by its base name only)."""
+    from typer.testing import CliRunner
+
+    from converters.output import check_out
+    from ondevice.cli.main import app
+    from ondevice.errors import shown
+    from ondevice.formats.pairs import model_tokens
+    from ondevice.server.errors import local_names
+
+    work, home = tmp_path / "work", tmp_path / "home"
+    (work / "models").mkdir(parents=True)
+    (home / "dl").mkdir(parents=True)
+    monkeypatch.chdir(work)
+    monkeypatch.setenv("HOME", str(home))
+    bad_here = _gguf(work / "models" / "bad.gguf", _nested("a", 5000))
+    bad_home = _gguf(home / "dl" / "bad.gguf", _nested("a", 5000))
+    (home / "dl" / "hf").mkdir()
+    (home / "out.txt").write_text("x")
+    errors = []
+    for call in (lambda: G.read_header(bad_here), lambda: G.read_header(bad_home), lambda: G.tensor_types(bad_home),
+                 lambda: model_tokens(home / "dl" / "hf"), lambda: check_out(home / "out.txt")):
+        with pytest.raises(OndeviceError) as e:
+            call()
+        errors.append(str(e.value))
+    r = CliRunner().invoke(app, ["info", str(bad_home)])
+    errors.append(r.output.strip())
+    assert errors[0].startswith("models/bad.gguf: corrupt GGUF header"), errors[0]
+    assert errors[1].startswith("~/dl/bad.gguf: corrupt GGUF header"), errors[1]
+    assert errors[2].startswith("~/dl/bad.gguf:") and errors[3].startswith("~/dl/hf/tokenizer.json: missing")
+    assert errors[4].startswith("~/out.txt: is a file") and "~/dl/bad.gguf: corrupt GGUF header" in errors[5]
+    assert not any(str(tmp_path) in m or "\n" in m for m in errors), errors
+    assert local_names(errors[1]).startswith("bad.gguf: corrupt")  # what a server's client reads
+    assert [shown(p) for p in ("/elsewhere/x.gguf", "x.gguf", "smollm2-135m-instruct", work, home)] == [
+        "/elsewhere/x.gguf", "x.gguf", "smollm2-135m-instruct", ".", "~"]

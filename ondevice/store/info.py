@@ -13,10 +13,10 @@ def describe(model: str | Path, device: str | None = None) -> dict:
     """Facts about a model path or catalog name (pulls a catalog model if needed)."""
     path = lookup.resolve(model)
     if path.is_dir() and (path / "target").is_dir() and (path / "draft").is_dir():
-        from ondevice.errors import OndeviceError
+        from ondevice.errors import OndeviceError, shown
 
-        raise OndeviceError(f"{path}: a converted pair (target/ and draft/); describe each: "
-                            f"`ondevice info {path / 'target'}` and `ondevice info {path / 'draft'}`")
+        raise OndeviceError(f"{shown(path)}: a converted pair (target/ and draft/); describe each: "
+                            f"`ondevice info {shown(path / 'target')}` and `ondevice info {shown(path / 'draft')}`")
     fmt = detect_format(path)
     info: dict = {"path": str(path), "format": fmt, "size_bytes": _size(path)}
     if fmt == "gguf":
