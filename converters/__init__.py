@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from ondevice.errors import OndeviceError
+from ondevice.errors import OndeviceError, shown
 
 FORMATS = ("gguf", "mlx", "coreml")
 
@@ -72,12 +72,12 @@ def convert(
 
     if is_eagle3(src):
         if to != "gguf" or target is None:
-            raise OndeviceError(f"{src}: an EAGLE-3 draft; convert it with --to gguf --target TARGET (the model it "
+            raise OndeviceError(f"{shown(src)}: an EAGLE-3 draft; convert it with --to gguf --target TARGET (the model it "
                                 "drafts for: HF directory or GGUF)")
         return convert_eagle3(src, target=_source(lookup.resolve(target)), out=out,
                               dtype="f32" if quant.lower() == "f32" else "f16", verify=verify)
     if target is not None:
-        raise OndeviceError(f"--target is for EAGLE-3 drafts (a config.json with draft_vocab_size); {src} is not one")
+        raise OndeviceError(f"--target is for EAGLE-3 drafts (a config.json with draft_vocab_size); {shown(src)} is not one")
     draft = _source(lookup.resolve(draft)) if draft is not None else None
     if to not in FORMATS:
         raise OndeviceError(f"--to {to}: unknown format; choose one of {', '.join(FORMATS)}")

@@ -126,7 +126,7 @@ def _files(src: Path, name: str | None, formats: dict[str, tuple], tmp: Path, pr
 def advise(model: str, formats: list[str], *, draft: str | None = None, reference: str | None = None,
            classes=("edit",), per_class: int | None = 2, repeats: int = 1, max_tokens: int = 96, rounds: int = 3,
            threads: int | None = None, progress: Callable[[str], None] | None = None,
-           tasks_per_class: int | None = None) -> dict:
+           tasks_per_class: int | None = None, unsafe_no_sandbox: bool = False) -> dict:
     """Measure ``model`` requantized into each of ``formats``, side by side; recommend one.
 
     Args:
@@ -141,8 +141,13 @@ def advise(model: str, formats: list[str], *, draft: str | None = None, referenc
         rounds: interleaved rounds of the cost measurement (medians are reported).
         tasks_per_class: the task eval (``ondevice.quality``: pass rate next to top-1 / KL): at most this many
             tasks of each class (None: all; 0: skip it).
+        unsafe_no_sandbox: run the task eval's code answers without an OS sandbox where none is available (with
+            a warning); by default ``advise`` refuses before any requantization (``sandbox.require``).
     Returns:
         JSON document: per-format rows, the recommendation and why, the settings.
+    Raises:
+        OndeviceError: bad formats, or no OS sandbox for the task eval (checked first: the eval is the last step,
+            after every requantization and measurement).
     """
     from ondevice.backends import open_backend
     from ondevice.bench.run import machine, run_bench
@@ -151,6 +156,10 @@ def advise(model: str, formats: list[str], *, draft: str | None = None, referenc
 
     say = progress or (lambda s: None)
     parsed = parse_formats(formats)
+    if tasks_per_class != 0:
+        from ondevice.quality.sandbox import require
+
+        require(unsafe_no_sandbox)
     formats = list(parsed)  # one spelling per variant, as pull names it
     src = lookup.resolve(model)
     name = model if str(model) in catalog.catalog()[0] else None
@@ -205,7 +214,8 @@ def advise(model: str, formats: list[str], *, draft: str | None = None, referenc
             from ondevice.quality import evaluate
 
             say("task eval: every format answers the quality tasks")
-            ev = evaluate([files[f][0] for f in formats], per_class=tasks_per_class, threads=threads)
+            ev = evaluate([files[f][0] for f in formats], per_class=tasks_per_class, threads=threads,
+                          unsafe_no_sandbox=unsafe_no_sandbox)
             for row, m in zip(rows, ev["models"], strict=True):
                 row["tasks"] = {k: m[k] for k in ("overall", "classes", "decode_tokens_per_second", "wall_seconds")}
                 row["pass_rate"] = m["overall"]["pass_rate"]

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ondevice.errors import OndeviceError
+from ondevice.errors import OndeviceError, shown
 
 
 @dataclass(frozen=True)
@@ -47,24 +47,24 @@ def arch_of(config: dict, path: Path | str) -> Arch:
     """The ``Arch`` of a parsed config.json, after refusing what llama.cpp would compute differently."""
     name = config.get("model_type")
     if name not in ARCHS:
-        raise OndeviceError(f"{path}: unsupported architecture {name!r}; supported: {', '.join(SUPPORTED_ARCHS)}")
+        raise OndeviceError(f"{shown(path)}: unsupported architecture {name!r}; supported: {', '.join(SUPPORTED_ARCHS)}")
     arch = ARCHS[name]
     act = config.get("hidden_act") or config.get("hidden_activation") or arch.activation
     if act != arch.activation:
-        raise OndeviceError(f"{path}: {name} with hidden_act {act!r} is not supported ({arch.activation} only)")
+        raise OndeviceError(f"{shown(path)}: {name} with hidden_act {act!r} is not supported ({arch.activation} only)")
     scaling = config.get("rope_scaling") or {}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind not in ("default", "linear"):
-        raise OndeviceError(f"{path}: rope_scaling type {kind!r} is not supported (default, linear)")
+        raise OndeviceError(f"{shown(path)}: rope_scaling type {kind!r} is not supported (default, linear)")
     if name == "gemma3_text":
         hd = head_dim(config)
         if float(config.get("query_pre_attn_scalar", hd)) != hd:
-            raise OndeviceError(f"{path}: query_pre_attn_scalar {config['query_pre_attn_scalar']} != head_dim {hd}; "
+            raise OndeviceError(f"{shown(path)}: query_pre_attn_scalar {config['query_pre_attn_scalar']} != head_dim {hd}; "
                                 "llama.cpp scales queries by head_dim")
         if config.get("attn_logit_softcapping"):
-            raise OndeviceError(f"{path}: attn_logit_softcapping is not supported for gemma3")
+            raise OndeviceError(f"{shown(path)}: attn_logit_softcapping is not supported for gemma3")
     if name in ("qwen2", "qwen3") and config.get("use_sliding_window"):
-        raise OndeviceError(f"{path}: {name} with use_sliding_window is not supported (llama.cpp ignores it)")
+        raise OndeviceError(f"{shown(path)}: {name} with use_sliding_window is not supported (llama.cpp ignores it)")
     return arch
 
 
@@ -139,7 +139,7 @@ def gguf_names(ckpt, arch: Arch) -> dict[str, str]:
             continue
         name = table.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if name is None or name.rsplit(".", 1)[0] not in allowed:
-            raise OndeviceError(f"{ckpt.path}: tensor {hf_name} has no GGUF name for architecture {ckpt.arch} "
+            raise OndeviceError(f"{shown(ckpt.path)}: tensor {hf_name} has no GGUF name for architecture {ckpt.arch} "
                                 "(gguf's TensorNameMap); this checkpoint has parts llama.cpp would not load")
         out[hf_name] = name
     return out

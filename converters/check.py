@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from converters.probe import MAX_TOKENS, PROBE, check, compare, gguf_reference_logits, llama_backend
-from ondevice.errors import OndeviceError
+from ondevice.errors import OndeviceError, shown
 
 CHECK_TOKENS = 64  # teacher-forced positions of the probe (the tokenizer check covers all of it)
 MLX_CPU_TOKENS = 8  # positions MLX runs on a CPU, for models up to MLX_CPU_MAX_BYTES
@@ -78,7 +78,7 @@ def tokenizer_record(body: list[int], bos: bool, readings: dict, where: Path, wh
         want = readings["ids"][ref]
         first = next((i for i, (a, b) in enumerate(zip(body, want, strict=False)) if a != b), min(len(body), len(want)))
         raise OndeviceError(
-            f"{where}: verification failed: the written {what} tokenizes the probe differently from the source "
+            f"{shown(where)}: verification failed: the written {what} tokenizes the probe differently from the source "
             f"({ref}; first difference at token {first}: {body[first:first + 3]} vs {want[first:first + 3]}; "
             f"adds BOS {bos} vs {readings['add_bos']}); nothing was kept")
     rec = {"match": True, "probe_tokens": len(body), "add_bos": bos, "reference": ref,

@@ -22,7 +22,7 @@ import numpy as np
 
 from converters.output import write_manifest
 from ondevice.backends import is_gguf_file
-from ondevice.errors import OndeviceError
+from ondevice.errors import OndeviceError, shown
 from ondevice.formats.coreml_package import describe_package  # noqa: F401  (re-exported)
 from ondevice.formats.decoder import MASK_VALUE, DecoderConfig, forward, load_weights
 from ondevice.formats.mil import quiet
@@ -221,7 +221,7 @@ def open_source(src: Path) -> tuple[DecoderConfig, dict[str, np.ndarray], str, c
     ckpt = open_checkpoint(src)
     cfg = DecoderConfig.from_hf(ckpt.config, ckpt.path / "config.json")
     if not (ckpt.path / "tokenizer.json").is_file():
-        raise OndeviceError(f"{ckpt.path / 'tokenizer.json'}: missing; the Core ML model needs the tokenizer beside it")
+        raise OndeviceError(f"{shown(ckpt.path / 'tokenizer.json')}: missing; the Core ML model needs the tokenizer beside it")
 
     def copy_tok(out: Path) -> None:
         for name in ("config.json", *TOKENIZER_FILES):
@@ -272,7 +272,7 @@ def to_coreml(src: Path, out: Path, *, context: int = 512, compress: str = "int4
         blocks, block_report = gguf_blockwise(GGUFFile(src))
     chunk = min(PREFILL_CHUNK, context)
     if compress != "none" and cfg.hidden % BLOCK_SIZE:
-        raise OndeviceError(f"{src}: hidden size {cfg.hidden} is not a multiple of {BLOCK_SIZE}; use --compress none")
+        raise OndeviceError(f"{shown(src)}: hidden size {cfg.hidden} is not a multiple of {BLOCK_SIZE}; use --compress none")
     steps = [("decode", 1), ("prefill", chunk)]
     # a spinner and the elapsed time: one step (coremltools' convert) takes most of the minute
     bar = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),

@@ -10,7 +10,7 @@ import numpy as np
 from converters.archs import arch_of, gguf_tensors, write_hparams
 from converters.hf import HFCheckpoint
 from converters.tokenizer import Vocab
-from ondevice.errors import OndeviceError
+from ondevice.errors import OndeviceError, shown
 
 
 def write_gguf(
@@ -54,7 +54,7 @@ def write_gguf(
         w.write_ti_data_to_file()
         for (want, dtype), (name, t) in zip(order, gguf_tensors(ckpt, arch), strict=True):
             if name != want:
-                raise OndeviceError(f"{ckpt.path}: tensor {name} came out of order (expected {want})")
+                raise OndeviceError(f"{shown(ckpt.path)}: tensor {name} came out of order (expected {want})")
             w.write_tensor_data(np.ascontiguousarray(t, dtype=dtype))
             if on_tensor:
                 on_tensor(name)

@@ -12,7 +12,7 @@ import numpy as np
 
 from converters.archs import arch_of
 from converters.archs import head_dim as _head_dim
-from ondevice.errors import OndeviceError
+from ondevice.errors import OndeviceError, shown
 
 
 @dataclass
@@ -74,22 +74,22 @@ def open_checkpoint(path: str | Path) -> HFCheckpoint:
     """Open and validate an HF checkpoint directory; every problem is one line naming the file."""
     path = Path(path)
     if not path.is_dir():
-        raise OndeviceError(f"{path}: not a directory; pass an HF checkpoint directory (config.json + *.safetensors)")
+        raise OndeviceError(f"{shown(path)}: not a directory; pass an HF checkpoint directory (config.json + *.safetensors)")
     cfg_path = path / "config.json"
     if not cfg_path.is_file():
-        raise OndeviceError(f"{cfg_path}: missing; an HF checkpoint needs config.json beside its safetensors")
+        raise OndeviceError(f"{shown(cfg_path)}: missing; an HF checkpoint needs config.json beside its safetensors")
     try:
         config = json.loads(cfg_path.read_text(encoding="utf-8"))
     except ValueError as e:
-        raise OndeviceError(f"{cfg_path}: not valid JSON ({e})") from e
+        raise OndeviceError(f"{shown(cfg_path)}: not valid JSON ({e})") from e
     arch_of(config, cfg_path)  # refuses unsupported architectures and quirks llama.cpp would compute differently
     for key in ("quantization", "quantization_config"):  # MLX-quantized (mlx-lm), or GPTQ/AWQ/bitsandbytes
         if config.get(key):
-            raise OndeviceError(f"{cfg_path}: already quantized weights ({key!r}); convert from the original float "
+            raise OndeviceError(f"{shown(cfg_path)}: already quantized weights ({key!r}); convert from the original float "
                                 "checkpoint (or from a GGUF file)")
     files = sorted(path.glob("model*.safetensors"))
     if not files:
-        raise OndeviceError(f"{path}: no model*.safetensors files (PyTorch .bin checkpoints are not supported)")
+        raise OndeviceError(f"{shown(path)}: no model*.safetensors files (PyTorch .bin checkpoints are not supported)")
     ckpt = HFCheckpoint(path, config, files)
     from safetensors import safe_open
 
@@ -99,7 +99,7 @@ def open_checkpoint(path: str | Path) -> HFCheckpoint:
                 for name in st.keys():
                     ckpt._index[name] = f
         except Exception as e:  # safetensors raises its own error types for truncated/corrupt headers
-            raise OndeviceError(f"{f}: unreadable safetensors file ({e}); re-download or re-export it") from e
+            raise OndeviceError(f"{shown(f)}: unreadable safetensors file ({e}); re-download or re-export it") from e
         size = f.stat().st_size
         _check_complete(f, size)
     _check_tensors(ckpt)
@@ -124,7 +124,7 @@ def _check_tensors(ckpt: HFCheckpoint) -> None:
             raise OndeviceError(f"{index}: unreadable shard index ({e}); re-download it") from e
         lost = sorted(s for s in shards if not (path / s).is_file())
         if lost:
-            raise OndeviceError(f"{path / lost[0]}: missing ({len(lost)} of {len(shards)} shards named by "
+            raise OndeviceError(f"{shown(path / lost[0])}: missing ({len(lost)} of {len(shards)} shards named by "
                                 f"{index.name}); re-download the checkpoint")
     first = {n.removeprefix("model.layers.0.") for n in names if n.startswith("model.layers.0.")}
     per_layer = (set(LAYER_TENSORS) | first) - {"self_attn.rotary_emb.inv_freq"}
@@ -135,7 +135,7 @@ def _check_tensors(ckpt: HFCheckpoint) -> None:
     missing = sorted(required - names)
     if missing:
         where = ckpt.files[0] if len(ckpt.files) == 1 else path
-        raise OndeviceError(f"{where}: {len(missing)} tensor(s) missing (first: {missing[0]}); the checkpoint is "
+        raise OndeviceError(f"{shown(where)}: {len(missing)} tensor(s) missing (first: {missing[0]}); the checkpoint is "
                             "incomplete, re-download or re-export it")
 
 
@@ -146,4 +146,4 @@ def _check_complete(f: Path, size: int) -> None:
         header = json.loads(fh.read(n))
     end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
     if 8 + n + end > size:
-        raise OndeviceError(f"{f}: truncated ({size} bytes, header promises {8 + n + end}); re-download it")
+        raise OndeviceError(f"{shown(f)}: truncated ({size} bytes, header promises {8 + n + end}); re-download it")

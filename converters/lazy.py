@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ondevice.errors import OndeviceError
+from ondevice.errors import OndeviceError, shown
 
 # safetensors dtype → numpy dtype of its stored bytes (BF16: the raw 16 bits, widened by ``as_float32``)
 DTYPES = {"F16": np.float16, "F32": np.float32, "BF16": np.uint16, "U32": np.uint32, "I32": np.int32,
@@ -40,12 +40,12 @@ class SafetensorsMap:
                 try:
                     header = json.loads(fh.read(n))
                 except ValueError as e:
-                    raise OndeviceError(f"{f}: unreadable safetensors header ({e}); re-download or re-export it") from e
+                    raise OndeviceError(f"{shown(f)}: unreadable safetensors header ({e}); re-download or re-export it") from e
             for name, info in header.items():
                 if name == "__metadata__":
                     continue
                 if info["dtype"] not in DTYPES:
-                    raise OndeviceError(f"{f}: tensor {name} has dtype {info['dtype']}, which the check cannot read")
+                    raise OndeviceError(f"{shown(f)}: tensor {name} has dtype {info['dtype']}, which the check cannot read")
                 self.index[name] = (Path(f), info["dtype"], tuple(info["shape"]), 8 + n + info["data_offsets"][0])
 
     def __contains__(self, name: str) -> bool:
@@ -120,6 +120,6 @@ def hf_weights(path: Path) -> tuple[SafetensorsMap, LazyWeights]:
     """An HF checkpoint directory's weights, memory-mapped: (the map, a LazyWeights of float32 tensors)."""
     files = sorted(Path(path).glob("model*.safetensors"))
     if not files:
-        raise OndeviceError(f"{path}: no model*.safetensors files; pass an HF checkpoint directory")
+        raise OndeviceError(f"{shown(path)}: no model*.safetensors files; pass an HF checkpoint directory")
     st = SafetensorsMap(files)
     return st, LazyWeights(st.names(), st.float32)

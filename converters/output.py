@@ -13,16 +13,16 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-from ondevice.errors import OndeviceError
+from ondevice.errors import OndeviceError, shown
 
 
 def check_out(out: Path) -> None:
     """Refuse, before any work is done: an existing non-empty ``out``, an empty one that cannot be replaced at
     the end (a mount point, a directory the OS will not move), and an unwritable parent."""
     if out.exists() and not out.is_dir():
-        raise OndeviceError(f"{out}: is a file, not a directory; --out names the directory to write (a new one)")
+        raise OndeviceError(f"{shown(out)}: is a file, not a directory; --out names the directory to write (a new one)")
     if out.exists() and any(out.iterdir()):
-        raise OndeviceError(f"{out}: already exists and is not empty; choose a new --out directory")
+        raise OndeviceError(f"{shown(out)}: already exists and is not empty; choose a new --out directory")
     if out.is_dir():
         _check_replaceable(out)
     parent = out.parent if str(out.parent) else Path(".")
@@ -31,7 +31,7 @@ def check_out(out: Path) -> None:
     while not probe.exists():
         probe = probe.parent
     if not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK):
-        raise OndeviceError(f"{out}: cannot write to {probe}; choose a writable --out directory")
+        raise OndeviceError(f"{shown(out)}: cannot write to {shown(probe)}; choose a writable --out directory")
 
 
 def _check_replaceable(out: Path) -> None:
@@ -39,12 +39,12 @@ def _check_replaceable(out: Path) -> None:
     one that can be removed. Probed now by moving it aside and back (the same rename the end does)."""
     hint = f"choose a directory inside it (e.g. --out {out / 'model'}) or a new one"
     if os.path.ismount(out):
-        raise OndeviceError(f"{out}: is a mount point, which cannot be replaced by the output; {hint}")
+        raise OndeviceError(f"{shown(out)}: is a mount point, which cannot be replaced by the output; {hint}")
     aside = out.parent / f".{out.name}.{secrets.token_hex(6)}.probe"
     try:
         os.rename(out, aside)
     except OSError as e:
-        raise OndeviceError(f"{out}: cannot be replaced by the output ({e.strerror or e}); {hint}") from None
+        raise OndeviceError(f"{shown(out)}: cannot be replaced by the output ({e.strerror or e}); {hint}") from None
     os.rename(aside, out)
 
 
@@ -124,7 +124,7 @@ def atomic_dir(out: Path) -> Iterator[Path]:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = _new_temp_dir(out)
     except OSError as e:
-        raise OndeviceError(f"{out}: cannot write there ({e.strerror}); choose a writable --out directory") from e
+        raise OndeviceError(f"{shown(out)}: cannot write there ({e.strerror}); choose a writable --out directory") from e
     try:
         with sigint_remembered():
             yield tmp

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ondevice.errors import OndeviceError
+from ondevice.errors import OndeviceError, shown
 
 PROBE = (
     "Hello, world! Héllo wörld: café, naïve façade, Ærøskøbing, straße. 東京は晴れ。中文测试，谢谢！ "
@@ -71,7 +71,7 @@ def check(result: dict, level: str, where: Path | str, against: str = "its sourc
     result.update(min_top1=min_top1, max_rel_error_allowed=max_rel)
     if result["top1_agreement"] < min_top1 or result["max_rel_error"] > max_rel:
         raise OndeviceError(
-            f"{where}: verification failed: the converted model disagrees with {against} on a probe "
+            f"{shown(where)}: verification failed: the converted model disagrees with {against} on a probe "
             f"(top-1 agreement {result['top1_agreement']:.3f}, need ≥ {min_top1}; max relative logit error "
             f"{result['max_rel_error']:.4f}, need ≤ {max_rel}); the converter wrote a wrong model, nothing was kept"
         )
@@ -138,7 +138,7 @@ def _open_output(fmt: str, path: Path, n: int, where: Path, what: str):
     except OndeviceError as e:
         reason = str(e).split(": ", 1)[-1]  # drop the temporary path it names
         runtime = "llama.cpp" if fmt == "gguf" else "mlx-lm"
-        raise OndeviceError(f"{where}: verification failed: the written {what} does not load in {runtime} ({reason}); "
+        raise OndeviceError(f"{shown(where)}: verification failed: the written {what} does not load in {runtime} ({reason}); "
                             "nothing was kept") from e
 
 
@@ -173,7 +173,7 @@ def verify_output(fmt: str, path: Path, *, where: Path, source_ids: list[int], s
             first = next((i for i, (a, b) in enumerate(zip(got_body, body, strict=False)) if a != b),
                          min(len(got_body), len(body)))
             raise OndeviceError(
-                f"{where}: verification failed: the written {what} tokenizes the probe differently from the source "
+                f"{shown(where)}: verification failed: the written {what} tokenizes the probe differently from the source "
                 f"(first difference at token {first}: {got_body[first:first + 3]} vs {body[first:first + 3]}; "
                 f"adds BOS {got_bos} vs {source_bos}); nothing was kept"
             )

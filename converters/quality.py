@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ondevice.errors import OndeviceError
+from ondevice.errors import OndeviceError, shown
 
 # The held-back text for quality checks: not in the benchmark prompts; prose, code and a list.
 HELD_OUT_TEXT = """\
@@ -66,7 +66,7 @@ def quality(candidate: Path, reference: Path, *, text: str = HELD_OUT_TEXT, n_to
         raise OndeviceError("quality text is too short: it needs at least 2 tokens")
     _, cand, v_cand = _logits_on(Path(candidate), ids, text, n_tokens, threads)
     if v_ref != v_cand:
-        raise OndeviceError(f"{candidate} and {reference} have different vocabularies ({v_cand} vs {v_ref} tokens)")
+        raise OndeviceError(f"{shown(candidate)} and {shown(reference)} have different vocabularies ({v_cand} vs {v_ref} tokens)")
     agree, kls = 0, []
     for s in range(0, len(ids), 32):  # rows [32, V] at a time: float64 over a 150k vocabulary is large
         lp, lq = _log_softmax(ref[s : s + 32]), _log_softmax(cand[s : s + 32])

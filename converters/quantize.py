@@ -31,7 +31,7 @@ from converters.quant_types import (
     precision,
     tensor_types,
 )
-from ondevice.errors import OndeviceError
+from ondevice.errors import OndeviceError, shown
 
 
 def _init():
@@ -60,7 +60,7 @@ def llama_quantize(src: Path, dst: Path, quant: str, *, allow_requantize: bool =
     output_type, embedding_type = check_tensor_types(quant, output_type, embedding_type)
     if output_type and embedding_type and output_type != embedding_type:
         if "output.weight" not in tensor_types(src):  # llama.cpp would quietly give the tied tensor the embedding's
-            raise OndeviceError(f"{src}: the output projection is the token embedding (tied weights); give it one type "
+            raise OndeviceError(f"{shown(src)}: the output projection is the token embedding (tied weights); give it one type "
                                 f"(--output-type {output_type} or --embedding-type {embedding_type}), not two")
     llama_cpp = _init()
     params = llama_cpp.llama_model_quantize_default_params()
@@ -76,7 +76,7 @@ def llama_quantize(src: Path, dst: Path, quant: str, *, allow_requantize: bool =
 
     check_interrupted()  # a Ctrl-C that landed in llama.cpp's log callback was swallowed there
     if rc != 0:
-        raise OndeviceError(f"{src}: llama_model_quantize to {quant} failed (code {rc})")
+        raise OndeviceError(f"{shown(src)}: llama_model_quantize to {quant} failed (code {rc})")
 
 
 def check_requantize(src: Path, quant: str, allow_requantize: bool) -> tuple[dict, str | None]:
@@ -94,13 +94,13 @@ def check_requantize(src: Path, quant: str, allow_requantize: bool) -> tuple[dic
     main = ", ".join(f"{k}×{v}" for k, v in sorted(prec["types"].items(), key=lambda kv: -kv[1])[:3])
     if prec["quantized"] and QUANT_BITS[quant] > src_bits + 0.25:
         raise OndeviceError(
-            f"{src}: already {src_bits:.2f} bits per weight ({main}); {quant} ({QUANT_BITS[quant]:.1f} bits) would grow "
+            f"{shown(src)}: already {src_bits:.2f} bits per weight ({main}); {quant} ({QUANT_BITS[quant]:.1f} bits) would grow "
             "the file without restoring the precision lost; convert from the original f16/HF weights instead")
     if not prec["quantized"]:
         return prec, None
     if not allow_requantize:
         raise OndeviceError(
-            f"{src}: already quantized ({src_bits:.2f} bits per weight: {main}); requantizing to {quant} stacks two "
+            f"{shown(src)}: already quantized ({src_bits:.2f} bits per weight: {main}); requantizing to {quant} stacks two "
             "quantizations; pass --allow-requantize to do it anyway (the quality cost is measured and printed)")
     warn = (f"{src.name} is already quantized ({src_bits:.2f} bits per weight: {main}); {quant} stacks a second "
             "quantization on it")

@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 
 from converters.probe import PROBE
-from ondevice.errors import OndeviceError
+from ondevice.errors import OndeviceError, shown
 
 CHECKS = ("warn", "strict")
 
@@ -161,7 +161,7 @@ def check_readings(src: Path, readings: dict, mode: str) -> dict | None:
         return None
     if mode == "strict":
         raise OndeviceError(
-            f"{src / 'tokenizer.json'}: transformers and the tokenizers library read this tokenizer differently on "
+            f"{shown(src / 'tokenizer.json')}: transformers and the tokenizers library read this tokenizer differently on "
             f"{describe(readings, visible_spaces=True)}; nothing was written (--tokenizer-check warn converts and reports it)")
     return {"readings_agree": False, "reference": readings["reference"], "differences": readings["differences"],
             "transformers_class": readings.get("transformers_class"), "why": readings.get("why"),

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ondevice.errors import OndeviceError
+from ondevice.errors import OndeviceError, shown
 
 SPACE = "▁"
 
@@ -81,21 +81,21 @@ def read_model_file(path: Path) -> dict:
         import sentencepiece
         from sentencepiece import sentencepiece_model_pb2
     except ImportError as e:
-        raise OndeviceError(f"{path}: reading tokenizer.model needs sentencepiece (pip install sentencepiece)") from e
+        raise OndeviceError(f"{shown(path)}: reading tokenizer.model needs sentencepiece (pip install sentencepiece)") from e
     import gguf
 
     proto = sentencepiece_model_pb2.ModelProto()
     try:
         proto.ParseFromString(path.read_bytes())
     except Exception as e:  # protobuf's DecodeError and friends
-        raise OndeviceError(f"{path}: not a SentencePiece model ({e})") from e
+        raise OndeviceError(f"{shown(path)}: not a SentencePiece model ({e})") from e
     norm = proto.normalizer_spec
     kind = sentencepiece_model_pb2.TrainerSpec.ModelType.Name(proto.trainer_spec.model_type)
     if kind != "BPE" or not proto.trainer_spec.byte_fallback:
-        raise OndeviceError(f"{path}: SentencePiece {kind} model{'' if proto.trainer_spec.byte_fallback else ' without byte fallback'}"
+        raise OndeviceError(f"{shown(path)}: SentencePiece {kind} model{'' if proto.trainer_spec.byte_fallback else ' without byte fallback'}"
                             " is not supported (BPE with byte_fallback, as Llama 2 / Mistral / Gemma)")
     if norm.name not in ("identity", "") or norm.remove_extra_whitespaces:
-        raise OndeviceError(f"{path}: SentencePiece normalizer {norm.name!r} (remove_extra_whitespaces="
+        raise OndeviceError(f"{shown(path)}: SentencePiece normalizer {norm.name!r} (remove_extra_whitespaces="
                             f"{norm.remove_extra_whitespaces}) is not reproduced by llama.cpp; identity only")
     sp = sentencepiece.SentencePieceProcessor(model_proto=path.read_bytes())
     types = []

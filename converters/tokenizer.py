@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ondevice.errors import OndeviceError
+from ondevice.errors import OndeviceError, shown
 from ondevice.formats.pretokenizers import IGNORE_MERGES, PRE_TOKENIZERS
 
 
@@ -103,14 +103,14 @@ def read_hf_vocab(model_dir: Path, vocab_size: int, config: dict) -> Vocab:
     if not tj_path.is_file():
         if (model_dir / "tokenizer.model").is_file():
             return _sentencepiece_model_vocab(model_dir / "tokenizer.model", vocab_size, tc)
-        raise OndeviceError(f"{tj_path}: missing; the converter needs the HF tokenizer (tokenizer.json or tokenizer.model)")
+        raise OndeviceError(f"{shown(tj_path)}: missing; the converter needs the HF tokenizer (tokenizer.json or tokenizer.model)")
     try:
         tj = json.loads(tj_path.read_text(encoding="utf-8"))
     except ValueError as e:
-        raise OndeviceError(f"{tj_path}: not valid JSON ({e})") from e
+        raise OndeviceError(f"{shown(tj_path)}: not valid JSON ({e})") from e
     model = tj.get("model") or {}
     if model.get("type") != "BPE":
-        raise OndeviceError(f"{tj_path}: tokenizer model {model.get('type')!r} is not supported "
+        raise OndeviceError(f"{shown(tj_path)}: tokenizer model {model.get('type')!r} is not supported "
                             "(byte-level BPE, or SentencePiece BPE with byte fallback)")
     sentencepiece = spm.is_sentencepiece(tj)
     pre = None if sentencepiece else pre_tokenizer_name(tj, tj_path)
@@ -125,7 +125,7 @@ def read_hf_vocab(model_dir: Path, vocab_size: int, config: dict) -> Vocab:
         by_id[added["id"]] = (added["content"], ty)
     n = max(vocab_size, max(by_id) + 1)
     if n > vocab_size:
-        raise OndeviceError(f"{tj_path}: tokenizer has {n} tokens but the model's embedding has {vocab_size} rows")
+        raise OndeviceError(f"{shown(tj_path)}: tokenizer has {n} tokens but the model's embedding has {vocab_size} rows")
     tokens, types = [], []
     for i in range(n):
         t, ty = by_id.get(i, (f"[PAD{i}]", gguf.TokenType.UNUSED))
@@ -167,7 +167,7 @@ def _sentencepiece_model_vocab(path: Path, vocab_size: int, tc: dict) -> Vocab:
     m = spm.read_model_file(path)
     n = len(m["tokens"])
     if n > vocab_size:
-        raise OndeviceError(f"{path}: tokenizer has {n} tokens but the model's embedding has {vocab_size} rows")
+        raise OndeviceError(f"{shown(path)}: tokenizer has {n} tokens but the model's embedding has {vocab_size} rows")
     pad = range(n, vocab_size)
     template = tc.get("chat_template") if isinstance(tc.get("chat_template"), str) else None
     return Vocab(m["tokens"] + [f"[PAD{i}]" for i in pad], m["types"] + [int(gguf.TokenType.UNUSED)] * len(pad), [], None,
@@ -199,7 +199,7 @@ def read_gguf_vocab(g) -> Vocab:
     pre = str(g.get("tokenizer.ggml.pre") or "default")
     if pre not in PRE_TOKENIZERS:
         raise OndeviceError(
-            f"{g.path}: pre-tokenizer {pre!r} is not in our table ({', '.join(PRE_TOKENIZERS)}); "
+            f"{shown(g.path)}: pre-tokenizer {pre!r} is not in our table ({', '.join(PRE_TOKENIZERS)}); "
             "add it to PRE_TOKENIZERS in ondevice/formats/pretokenizers.py under the name llama.cpp gives it"
         )
     bos, eos = g.get("tokenizer.ggml.bos_token_id"), g.get("tokenizer.ggml.eos_token_id")
@@ -246,7 +246,7 @@ def write_hf_tokenizer(g, out: Path) -> dict:
     try:
         Tokenizer.from_str(text)  # validate before writing
     except Exception as e:
-        raise OndeviceError(f"{g.path}: could not rebuild a tokenizer from the GGUF vocabulary ({e})") from e
+        raise OndeviceError(f"{shown(g.path)}: could not rebuild a tokenizer from the GGUF vocabulary ({e})") from e
     (out / "tokenizer.json").write_text(text, encoding="utf-8")
     tc = {
         "tokenizer_class": "PreTrainedTokenizerFast",

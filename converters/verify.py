@@ -35,7 +35,7 @@ from converters.probe import (
     verify_output,
 )
 from ondevice.backends import is_gguf_file
-from ondevice.errors import OndeviceError
+from ondevice.errors import OndeviceError, shown
 
 
 def verify_conversion(src: Path, to: str, written: Path, summary: dict, out: Path, readings: dict | None = None) -> dict | None:
@@ -130,14 +130,14 @@ def _requantized(src: Path, path: Path, summary: dict, out: Path) -> dict:
         try:
             b = llama_backend(p, MAX_TOKENS)
         except OndeviceError as e:
-            raise OndeviceError(f"{out}: verification failed: llama.cpp cannot load the requantized file ({e}); "
+            raise OndeviceError(f"{shown(out)}: verification failed: llama.cpp cannot load the requantized file ({e}); "
                                 "nothing was kept") from None
         try:
             ids[name] = (b.tokenize(PROBE, add_bos=True), bool(b.add_bos))
         finally:
             b.close()
     if ids["source"] != ids["written"]:
-        raise OndeviceError(f"{out}: verification failed: the requantized file tokenizes the probe differently from "
+        raise OndeviceError(f"{shown(out)}: verification failed: the requantized file tokenizes the probe differently from "
                             f"{Path(src).name}; nothing was kept")
     return {"runtime": "llama.cpp", "precision": "requantized",
             "tokenizer": {"match": True, "probe_tokens": len(ids["source"][0]), "add_bos": ids["source"][1]},

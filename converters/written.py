@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from converters.lazy import LazyWeights, SafetensorsMap, as_float32
-from ondevice.errors import OndeviceError
+from ondevice.errors import OndeviceError, shown
 
 # bits of a GGUF tensor type (the rounding bound below depends only on this)
 GGUF_BITS = {"F32": 32, "F16": 16, "BF16": 16, "Q8_0": 8, "Q8_K": 8, "Q6_K": 6, "Q5_0": 5, "Q5_1": 5, "Q5_K": 5,
@@ -46,7 +46,7 @@ def gguf_written(path: Path, ckpt) -> tuple[LazyWeights, dict[str, int]]:
     for t in gguf.GGUFReader(str(path)).tensors:  # memory-mapped: t.data is a view of the file
         hf = inverse.get(t.name)
         if hf is None:
-            raise OndeviceError(f"{path}: tensor {t.name} was not written from any source tensor")
+            raise OndeviceError(f"{shown(path)}: tensor {t.name} was not written from any source tensor")
         tensors[hf] = t
         bits[hf] = GGUF_BITS.get(t.tensor_type.name, 4)
 
@@ -109,13 +109,13 @@ def mlx_written(directory: Path) -> tuple[LazyWeights, dict[str, int]]:
 def tensor_error(name: str, got: np.ndarray, src: np.ndarray, bits: int, where: Path | str) -> float:
     """‖got − src‖ / ‖src‖ for one tensor; raise (one line) when it is not the source's tensor."""
     if got.shape != src.shape:
-        raise OndeviceError(f"{where}: verification failed: tensor {name} has shape {list(got.shape)} in the output "
+        raise OndeviceError(f"{shown(where)}: verification failed: tensor {name} has shape {list(got.shape)} in the output "
                             f"but {list(src.shape)} in the source; nothing was kept")
     rel = float(np.linalg.norm(got - src) / max(float(np.linalg.norm(src)), 1e-12))
     bound = WEIGHT_BOUND[min(WEIGHT_BOUND, key=lambda b: abs(b - bits))]
     if not rel <= bound:  # NaN fails too
         raise OndeviceError(
-            f"{where}: verification failed: tensor {name} differs from the source by {rel:.1%} "
+            f"{shown(where)}: verification failed: tensor {name} differs from the source by {rel:.1%} "
             f"(a {bits}-bit tensor may differ by at most {bound:.1%}); the converter wrote a wrong tensor, "
             "nothing was kept"
         )
@@ -143,14 +143,14 @@ class TensorCheck:
         if name in self.done:
             return
         if name not in self.source:
-            raise OndeviceError(f"{self.where}: tensor {name} was written but the source has no such tensor")
+            raise OndeviceError(f"{shown(self.where)}: tensor {name} was written but the source has no such tensor")
         self.done[name] = tensor_error(name, got, self.source[name], self.bits[name], self.where)
 
     def finish(self, written: LazyWeights) -> dict:
         """Check the tensors not yet compared; returns {"max_weight_rel_error", "worst_tensor", "tensors"}."""
         for name in self.source:
             if name not in written:
-                raise OndeviceError(f"{self.where}: verification failed: source tensor {name} is missing from the "
+                raise OndeviceError(f"{shown(self.where)}: verification failed: source tensor {name} is missing from the "
                                     "output; nothing was kept")
             if name not in self.done:
                 self(name, written[name])

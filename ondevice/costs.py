@@ -216,9 +216,10 @@ def _read(path: Path) -> dict:
         return {}
 
 
-def cached_measure(target: Backend, draft: Backend | None = None, cancelled=None) -> Costs:
+def cached_measure(target: Backend, draft: Backend | None = None, cancelled=None, attempts: int = 3) -> Costs:
     """``measure``, cached in ``$ONDEVICE_HOME/costs.json`` per (model files, threads, device, probe shape);
-    an implausible curve (a probe on a swamped machine) is neither cached nor read back."""
+    an implausible curve (a probe on a swamped machine) is neither cached nor read back. ``attempts``: probes
+    at most while the curve is implausible (``measure``; 1: one probe whatever the load)."""
     from ondevice.store import catalog
 
     ks, ctx = probe_shape(target, draft)
@@ -229,7 +230,7 @@ def cached_measure(target: Backend, draft: Backend | None = None, cancelled=None
         cached = Costs({int(k): v for k, v in e["target_seconds"].items()}, e["draft_seconds"])
         if plausible(cached.target_seconds, batch_width(target)):
             return cached
-    c = measure(target, draft, reps=7, cancelled=cancelled)
+    c = measure(target, draft, reps=7, cancelled=cancelled, attempts=attempts)
     if not plausible(c.target_seconds, batch_width(target)):
         return c  # used for this process only (the policy refines it step by step); never cached
     cache = _read(path)  # re-read: another process may have added entries meanwhile

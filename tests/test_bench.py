@@ -52,3 +52,40 @@ def test_bench_synthetic_costs_and_predictions(tmp_path):
     assert set(doc["costs"]["verify_cost"]) == {str(k) for k in range(1, 17)}
     assert doc["prediction"] and all(p["predicted_speedup"] > 0 for p in doc["prediction"])
     assert "prediction" in doc["note"]
+
+
+def test_quick_bench_is_small_and_reads_the_cached_cost_curve(tiny_gguf, tmp_path, monkeypatch):
+    """``ondevice bench MODEL --ngram`` (no --per-class / --repeats) is the quick run. Before: the whole suite
+    (28 prompts × 3 repeats × 2 modes = 168 requests) and a fresh cost probe, retried up to 3 times while a
+    loaded machine made it implausible, beside the runtime's own (cached) probe: over 5 minutes with one core
+    busy. Now: 2 prompts per class × 2 repeats, and the cost curve of ``costs.cached_measure``, probed once
+    (attempts=1) and read back by the runtime and by the next run (no probe at all)."""
+    from typer.testing import CliRunner
+
+    import ondevice.bench.run as bench_run
+    import ondevice.costs as costs
+    from ondevice.cli.main import app
+
+    monkeypatch.setenv("ONDEVICE_HOME", str(tmp_path / "home"))
+    probes: list[int] = []
+
+    def probe(target, draft=None, *, attempts=3, **kw):  # a plausible curve, whatever this machine's load
+        probes.append(attempts)
+        return costs.Costs({k: 0.01 * (1 + 0.1 * (k - 1)) for k in costs.probe_shape(target, draft)[0]})
+
+    monkeypatch.setattr(costs, "measure", probe)
+    monkeypatch.setattr(bench_run, "measure", probe, raising=False)  # where the bench imported its own
+    for run in range(2):
+        out = tmp_path / f"bench{run}.json"
+        r = CliRunner().invoke(app, ["bench", str(tiny_gguf("llama")), "--ngram", "--max-tokens", "4", "--threads", "1",
+                                     "--json", str(out)])
+        assert r.exit_code == 0, (r.output, r.exception)
+        doc = json.loads(out.read_text())
+        assert len(doc["runs"]) == 4 * 2 * 2 * 2, len(doc["runs"])  # classes × prompts × repeats × (plain, ngram)
+        assert doc["config"]["repeats"] == 2 and "quick run" in r.output
+        assert probes == [1], probes  # run 0: one probe, not retried; run 1: the cached curve, no probe
+    # sizes given: as asked (all prompts of a class, the default 3 repeats)
+    out = tmp_path / "sized.json"
+    r = CliRunner().invoke(app, ["bench", str(tiny_gguf("llama")), "--ngram", "--max-tokens", "2", "--threads", "1",
+                                 "--classes", "chat", "--per-class", "1", "--json", str(out)])
+    assert r.exit_code == 0 and len(json.loads(out.read_text())["runs"]) == 1 * 3 * 2, r.output

@@ -148,3 +148,71 @@ def test_chat_session_starts_the_template_worker_before_the_first_turn(tiny_gguf
         pid = templates._worker.proc.pid
         rt.render_chat([{"role": "user", "content": "hi"}])
         assert templates._worker.proc.pid == pid  # the render used the warmed worker
+
+
+# -- model output reaches the terminal without its control characters ------------------------------------------
+HOSTILE = "ok\x1b]52;c;ZWNobyBwd25lZA==\x07 \x1b[2J\x1b]0;title\x07\x9b31m done\r\nnext\rover\ttab\n"
+SHOWN = "ok\\x1b]52;c;ZWNobyBwd25lZA==\\x07 \\x1b[2J\\x1b]0;title\\x07\\x9b31m done\r\nnext\\x0dover\ttab\n"
+
+
+class _Stats:
+    stop_reason = "eos"
+
+
+class _Stream:
+    """A fake answer: ``HOSTILE`` in three chunks."""
+
+    stats = _Stats()
+
+    def __iter__(self):
+        from types import SimpleNamespace
+
+        for part in (HOSTILE[:10], HOSTILE[10:30], HOSTILE[30:]):
+            yield SimpleNamespace(text=part, from_draft=[False])
+
+    def cancel(self):
+        pass
+
+
+def test_generate_and_chat_show_a_models_control_characters_visibly(monkeypatch, capsys):
+    """A model's output is untrusted: before, ``ondevice generate`` wrote it raw and ``ondevice chat`` through rich
+    (which keeps ESC), so a model could write the clipboard (OSC 52), clear the screen or set the title. Now
+    every control character but newline, tab and CRLF is shown as ``\\x1b`` etc.; the chat history keeps the
+    model's real text."""
+    import contextlib
+    import io
+    from types import SimpleNamespace
+
+    from typer.testing import CliRunner
+
+    import ondevice.loader
+    from ondevice.cli import repl
+    from ondevice.cli.main import app
+
+    runtime = SimpleNamespace(draft_choice=None, n_ctx=64, stream=lambda prompt, request: _Stream())
+    monkeypatch.setattr(ondevice.loader, "load", lambda *a, **k: contextlib.nullcontext(runtime))
+    r = CliRunner().invoke(app, ["generate", "any-model", "-p", "hi"])
+    assert r.exit_code == 0 and r.stdout_bytes.decode() == SHOWN + "\n", repr(r.stdout_bytes)
+
+    sessions = []
+
+    class Session:
+        def __init__(self, *a, **k):
+            self.thinking, self.dropped, self.variables, self.turns = None, 0, {}, []
+            sessions.append(self)
+
+        def ask(self, user):
+            return _Stream()
+
+        def commit(self, user, answer):
+            self.turns.append((user, answer))
+
+    monkeypatch.setattr(repl, "ChatSession", Session)
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"hello\n")))
+    capsys.readouterr()
+    assert repl.run_chat(runtime, system=None, show_draft=False, show_stats=False, request=None, title="t") == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\x07" not in out and "\x9b" not in out, repr(out)
+    # rich drops a CR and expands tabs itself; what is left is the model's text, visibly escaped
+    assert out.replace("\r", "").split() == SHOWN.replace("\r", "").split(), repr(out)
+    assert sessions[0].turns == [("hello", HOSTILE)]

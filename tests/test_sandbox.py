@@ -195,6 +195,84 @@ def test_bench_quality_refuses_without_a_sandbox_and_the_unsafe_flag_gets_past(m
     assert r.exit_code != 0 and "no-such-model-anywhere" in r.output, r.output  # past the refusal, to the model
 
 
+def test_bench_formats_refuses_without_a_sandbox_before_any_conversion(monkeypatch, tiny_gguf):
+    """Before: ``bench --formats`` requantized and measured every format and only then failed at its last step,
+    the task eval's sandbox. Now it refuses first, in one line naming --unsafe-no-sandbox and how to install
+    bubblewrap; with the flag it gets past the check (to the work, stopped here where it starts)."""
+    from typer.testing import CliRunner
+
+    from converters import advisor
+    from ondevice.cli.main import app
+
+    started: list = []
+
+    def files(*a, **k):
+        started.append(True)
+        raise RuntimeError("the conversion work started")
+
+    monkeypatch.setattr(advisor, "_files", files)
+    monkeypatch.setattr(confine, "available", lambda: None)
+    monkeypatch.setattr(confine.shutil, "which", lambda *a, **k: None)  # as where bubblewrap is not installed
+    monkeypatch.setattr(sandbox, "_warned", [])
+    r = CliRunner().invoke(app, ["bench", str(tiny_gguf("llama")), "--formats", "q4_0"])
+    assert r.exit_code != 0 and not started, (r.output, r.exception)
+    err = r.output.strip()
+    assert "--unsafe-no-sandbox" in err and "apt-get install bubblewrap" in err and "\n" not in err, err
+    r = CliRunner().invoke(app, ["bench", str(tiny_gguf("llama")), "--formats", "q4_0", "--unsafe-no-sandbox"])
+    assert started and "the conversion work started" in r.output, (r.output, r.exception)
+
+
+_FORK_A_FEW = ("import os, time\nn = 0\ntry:\n    for _ in range({n}):\n        if os.fork() == 0:\n"
+               "            time.sleep({hold})\n            os._exit(0)\n        n += 1\nexcept OSError as e:\n"
+               "    print('stopped', n)\nelse:\n    print('forked', n)\ntime.sleep({hold})\n"
+               "import resource\nprint('nproc', resource.getrlimit(resource.RLIMIT_NPROC)[0])\n")
+
+
+def _concurrently(programs: list[str]) -> list:
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(programs)) as ex:
+        return list(ex.map(lambda code: run_python(code, guard=False, timeout=30), programs))
+
+
+def test_rlimit_nproc_is_set_only_where_the_kernel_counts_per_sandbox():
+    """RLIMIT_NPROC counts the processes of a uid: in the caller's own user namespace since Linux 5.14 (each
+    bubblewrap sandbox has its own), on the host before. There a limit of 4 would be shared by every concurrent
+    eval (uid 65534) or, unconfined, by all of the user's processes, so it is not set (the PID namespace and
+    the time limit bound a fork bomb). Fails before: the limit was set everywhere."""
+    assert not sandbox.counts_per_user_namespace("5.10.0-21-amd64")
+    assert not sandbox.counts_per_user_namespace("4.19.0")
+    assert sandbox.counts_per_user_namespace("5.14.0-1-generic") and sandbox.counts_per_user_namespace("6.18.44-fc-v1")
+    per_ns = sys.platform.startswith("linux") and sandbox.counts_per_user_namespace()
+    assert sandbox.nproc_limit("bwrap+inodes") == sandbox.nproc_limit("bwrap") == (sandbox.MAX_PROCESSES if per_ns else 0)
+    assert sandbox.nproc_limit(None) == sandbox.nproc_limit("sandbox-exec") == 0
+
+
+@needs_os_sandbox
+@pytest.mark.skipif(not sandbox.counts_per_user_namespace(), reason="kernel before 5.14: RLIMIT_NPROC is per host uid")
+def test_concurrent_sandboxes_do_not_use_up_each_others_processes():
+    """Three evals at once, one a fork bomb at its limit the whole time: the other two still start their
+    processes (each sandbox's count is its own user namespace's), and the bomb still stops at its limit."""
+    bomb = _FORK_A_FEW.format(n=64, hold=4)
+    few = _FORK_A_FEW.format(n=sandbox.MAX_PROCESSES - 2, hold=2)  # the sandbox's init and Python count too
+    r_bomb, *rs = _concurrently([bomb, few, few])
+    for r in rs:
+        assert r.ok and f"forked {sandbox.MAX_PROCESSES - 2}" in r.stdout, r.stdout + r.stderr
+    assert "stopped" in r_bomb.stdout and int(r_bomb.stdout.split()[1]) < sandbox.MAX_PROCESSES, r_bomb.stdout
+
+
+@needs_os_sandbox
+def test_where_the_count_is_per_host_uid_no_limit_is_shared(monkeypatch):
+    """As on a kernel before 5.14: no RLIMIT_NPROC is set in the child, and concurrent evals each start a few
+    processes."""
+    import resource
+
+    monkeypatch.setattr(sandbox, "counts_per_user_namespace", lambda release=None: False)
+    inherited = resource.getrlimit(resource.RLIMIT_NPROC)[0]
+    for r in _concurrently([_FORK_A_FEW.format(n=3, hold=1)] * 2):
+        assert r.ok and "forked 3" in r.stdout and f"nproc {inherited}" in r.stdout, r.stdout + r.stderr
+
+
 @pytest.mark.macos
 def test_macos_sandbox_exec_holds(tmp_path):
     assert confine.available() == "sandbox-exec"

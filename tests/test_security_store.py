@@ -247,3 +247,115 @@ def test_atomic_writes_reach_the_disk_before_their_name(tmp_path, monkeypatch):
     assert [e[0] for e in events] == ["fsync", "replace", "fsync"]
     if sys.platform == "linux":
         assert events[0][1].startswith(str(tmp_path / ".kept.json.")) and events[2][1] == str(tmp_path)
+
+
+# -- huge but self-consistent headers: the capped walk, never gguf.GGUFReader -----------------------------------
+def _no_gguf_reader(monkeypatch):
+    import gguf
+
+    def refuse(*a, **k):
+        raise AssertionError("gguf.GGUFReader was used (an object per array element: minutes on a huge header)")
+
+    monkeypatch.setattr(gguf, "GGUFReader", refuse)
+
+
+def test_info_and_pair_vocab_read_the_header_with_the_capped_walk(tiny_gguf, tmp_path, monkeypatch):
+    """Before: ``ondevice info`` and the pair checks read a GGUF through ``gguf.GGUFReader``, which builds a Python
+    object per array element (a header of a million merges: ~1 min on this machine, seconds with the walk). Now
+    they read what they need with ``read_header`` / ``tensor_types``; the facts are the same as GGUFReader's."""
+    import gguf
+
+    from ondevice.formats.pairs import gguf_tokens
+    from ondevice.store.info import describe
+
+    model = tiny_gguf("llama")
+    r = gguf.GGUFReader(str(model))
+    want_types: dict[str, int] = {}
+    for t in r.tensors:
+        want_types[t.tensor_type.name] = want_types.get(t.tensor_type.name, 0) + 1
+    field = r.fields["tokenizer.ggml.tokens"]
+    want_tokens = [bytes(field.parts[i]).decode("utf-8", "replace") for i in field.data]
+    _no_gguf_reader(monkeypatch)
+    info = describe(model)
+    assert info["tensor_types"] == want_types and info["vocab_size"] == len(want_tokens)
+    assert info["arch"] == "llama" and info["quant"] == "Q8_0" and info["chat_template"] is True
+    assert gguf_tokens(model) == want_tokens
+    # a truncated file: still one line naming it (GGUFReader's mapping used to say so)
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(model.read_bytes()[: model.stat().st_size // 2])
+    with pytest.raises(OndeviceError, match=r"cut\.gguf: truncated"):
+        describe(cut)
+
+
+def test_a_crafted_token_id_in_tokenizer_json_is_refused_without_allocating(tmp_path):
+    """Before: ``model_tokens`` made a list of max(token id) + 1 entries from a folder's tokenizer.json (an added
+    token with id 2**40: memory until the machine gave out). Now ids beyond the vocabulary by more than the padding
+    rows are one line naming the file (run in a child under a memory limit, so the old code fails by its error
+    or the timeout instead of eating this machine's memory); an ordinary vocabulary with added tokens still
+    reads."""
+    from ondevice.formats.pairs import MAX_PADDING_ROWS, model_tokens
+
+    def folder(name: str, added: list[dict]) -> Path:
+        d = tmp_path / name
+        d.mkdir()
+        tj = {"model": {"type": "BPE", "vocab": {"a": 0, "b": 1, "c": 2}}, "added_tokens": added}
+        (d / "tokenizer.json").write_text(json.dumps(tj))
+        return d
+
+    ok = folder("ok", [{"id": 3, "content": "<s>"}, {"id": 4 + MAX_PADDING_ROWS, "content": "</s>"}])
+    got = model_tokens(ok)
+    assert got[:4] == ["a", "b", "c", "<s>"] and got[-1] == "</s>" and got[4] == "[PAD4]"
+    cases = {"huge": ([{"id": 1 << 40, "content": "x"}], "token id 1099511627776 in a vocabulary of 4 tokens"),
+             "holes": ([{"id": 4 + MAX_PADDING_ROWS, "content": "x"}], f"{MAX_PADDING_ROWS + 1} ids without"),
+             "negative": ([{"id": -1, "content": "x"}], "not a non-negative integer"),
+             "text": ([{"id": "7", "content": "x"}], "not a non-negative integer")}
+    for name, (added, says) in cases.items():
+        d = folder(name, added)
+        code = ("import resource, sys; resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))\n"
+                "from ondevice.errors import OndeviceError\nfrom ondevice.formats.pairs import model_tokens\n"
+                "try:\n    model_tokens(sys.argv[1])\nexcept OndeviceError as e:\n    print(e)\n")
+        r = subprocess.run([sys.executable, "-P", "-c", code, str(d)], capture_output=True, text=True, timeout=60)
+        out = r.stdout.strip()
+        assert r.returncode == 0 and f"{name}/tokenizer.json" in out and says in out and "\n" not in out, (
+            name, out, r.stderr[-300:])
+
+
+# -- errors name files as the user knows them ---------------------------------------------------------------------
+def test_errors_name_files_relative_to_the_working_directory_or_home(tmp_path, monkeypatch):
+    """#41 item 11, relative names in errors: a model file's one-line error named it by its absolute path (here
+    /tmp/pytest-…/work/models/bad.gguf, on a laptop /home/NAME/…). Now a file inside the working directory is
+    named relative to it and one inside the home directory as ``~/…`` (store, formats, converters; the server
+    then names either by its base name only)."""
+    from typer.testing import CliRunner
+
+    from converters.output import check_out
+    from ondevice.cli.main import app
+    from ondevice.errors import shown
+    from ondevice.formats.pairs import model_tokens
+    from ondevice.server.errors import local_names
+
+    work, home = tmp_path / "work", tmp_path / "home"
+    (work / "models").mkdir(parents=True)
+    (home / "dl").mkdir(parents=True)
+    monkeypatch.chdir(work)
+    monkeypatch.setenv("HOME", str(home))
+    bad_here = _gguf(work / "models" / "bad.gguf", _nested("a", 5000))
+    bad_home = _gguf(home / "dl" / "bad.gguf", _nested("a", 5000))
+    (home / "dl" / "hf").mkdir()
+    (home / "out.txt").write_text("x")
+    errors = []
+    for call in (lambda: G.read_header(bad_here), lambda: G.read_header(bad_home), lambda: G.tensor_types(bad_home),
+                 lambda: model_tokens(home / "dl" / "hf"), lambda: check_out(home / "out.txt")):
+        with pytest.raises(OndeviceError) as e:
+            call()
+        errors.append(str(e.value))
+    r = CliRunner().invoke(app, ["info", str(bad_home)])
+    errors.append(r.output.strip())
+    assert errors[0].startswith("models/bad.gguf: corrupt GGUF header"), errors[0]
+    assert errors[1].startswith("~/dl/bad.gguf: corrupt GGUF header"), errors[1]
+    assert errors[2].startswith("~/dl/bad.gguf:") and errors[3].startswith("~/dl/hf/tokenizer.json: missing")
+    assert errors[4].startswith("~/out.txt: is a file") and "~/dl/bad.gguf: corrupt GGUF header" in errors[5]
+    assert not any(str(tmp_path) in m or "\n" in m for m in errors), errors
+    assert local_names(errors[1]).startswith("bad.gguf: corrupt")  # what a server's client reads
+    assert [shown(p) for p in ("/elsewhere/x.gguf", "x.gguf", "smollm2-135m-instruct", work, home)] == [
+        "/elsewhere/x.gguf", "x.gguf", "smollm2-135m-instruct", ".", "~"]

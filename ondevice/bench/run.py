@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ondevice.bench.oracle import oracle_speedup
-from ondevice.costs import Costs, measure, speedup_bound
+from ondevice.costs import Costs, cached_measure, speedup_bound
 from ondevice.errors import OndeviceError
 from ondevice.params import GenerateRequest, gamma_value
 from ondevice.threads import default_threads
@@ -24,6 +24,9 @@ from ondevice.threads import default_threads
 CLASSES = ("code", "edit", "summary", "chat")
 PROMPTS_DIR = Path(__file__).resolve().parents[2] / "scripts" / "prompts"
 SCHEMA_VERSION = 1
+# ``ondevice bench MODEL`` without --per-class / --repeats: a quick run (4 classes × 2 prompts × 2 repeats per
+# mode; the whole suite, 28 prompts × 3 repeats, took over 5 minutes for plain + n-gram on a loaded 2-core machine)
+QUICK_PER_CLASS, QUICK_REPEATS = 2, 2
 
 
 def load_prompts(classes, prompts_dir: Path = PROMPTS_DIR, per_class: int | None = None) -> list[dict]:
@@ -178,7 +181,9 @@ def run_bench(
         runtimes["ngram"] = load(model, drafter="ngram", threads=threads, n_ctx=n_ctx)
     plain = runtimes["plain"]
     drafted = runtimes.get("draft")
-    costs = measure(plain.target, drafted.drafter.backend if drafted else None)
+    # the curve the runtimes' cost-aware policy uses (one probe, cached per model files, threads and device:
+    # read back when an earlier run measured it); probed once, not again while a loaded machine makes it noisy
+    costs = cached_measure(plain.target, drafted.drafter.backend if drafted else None, attempts=1)
     heads_cost = None
     if "heads" in runtimes:  # the heads' measured seconds per drafted token ÷ one target decode
         heads_cost = runtimes["heads"].drafter.seconds_per_token() / costs.target_seconds[1]

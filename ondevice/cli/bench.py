@@ -19,14 +19,14 @@ def bench_cmd(
     ngram: NgramOpt = False,
     classes: Annotated[str, typer.Option("--classes", help="Comma-separated prompt classes.")] = "code,edit,summary,chat",
     max_tokens: Annotated[int, typer.Option("--max-tokens", min=1, help="Tokens per request.")] = 64,
-    repeats: Annotated[int, typer.Option("--repeats", min=1, help="Repeats per prompt (interleaved).")] = 3,
+    repeats: Annotated[int | None, typer.Option("--repeats", min=1, help="Repeats per prompt (interleaved) [default: 3; a quick run without --per-class: 2].")] = None,
     gamma: Annotated[str, typer.Option("--gamma", help="auto, N, a list (2,4,auto) or sweep (1,2,4,8,auto).")] = str(DEFAULT_GAMMA),
     anchors: Annotated[bool, typer.Option("--anchors", help="Also run the libraries on the same prompts: llama-cpp-python (GGUF) or mlx-lm stream_generate (MLX).")] = False,
     cold_start: Annotated[bool, typer.Option("--cold-start", help="Measure process start → first token, cold and warm.")] = False,
     synthetic: Annotated[str | None, typer.Option("--synthetic", help="Measure costs on a shape-true random model (e.g. qwen2.5-1.5b) instead.")] = None,
     formats: Annotated[str | None, typer.Option("--formats", help="Quant advisor: requantize MODEL to each (e.g. q4_k_m,q4_0,iq4_nl,iq4_nl+out-iq4_nl), measure speed, verify curve, quality, speedup; recommend one.")] = None,
     reference: Annotated[str | None, typer.Option("--reference", help="--formats: judge quality against this more precise GGUF (default: the source).")] = None,
-    per_class: Annotated[int | None, typer.Option("--per-class", min=1, help="Only the first N prompts of each class.")] = None,
+    per_class: Annotated[int | None, typer.Option("--per-class", min=1, help="Only the first N prompts of each class [default: all; a quick run without --repeats: 2].")] = None,
     temperature: TempOpt = 0.0,
     threads: ThreadsOpt = None,
     device: DeviceOpt = None,
@@ -35,7 +35,7 @@ def bench_cmd(
     link_latency: Annotated[float | None, typer.Option("--link-latency", help="With --synthetic: predict tok/s with the target sharded over --world-size machines on a link of this many ms per collective.")] = None,
     world_size: Annotated[int, typer.Option("--world-size", min=2, help="Machines for --link-latency.")] = 2,
     quality: Annotated[bool, typer.Option("--quality", help="Task eval: MODEL[,MODEL...] answer the shipped tasks (code run in a sandbox, exact-match answers); pass rates side by side.")] = False,
-    unsafe_no_sandbox: Annotated[bool, typer.Option("--unsafe-no-sandbox", help="--quality: run model-written code even where no OS sandbox (bubblewrap / sandbox-exec) is available; it can then read and write your files.")] = False,
+    unsafe_no_sandbox: Annotated[bool, typer.Option("--unsafe-no-sandbox", help="--quality, --formats (its task eval): run model-written code even where no OS sandbox (bubblewrap / sandbox-exec) is available; it can then read and write your files.")] = False,
 ) -> None:
     """Benchmark plain vs speculative decoding (and anchors) on the prompt suite; JSON + table + plots."""
     from ondevice.bench import run as bench
@@ -66,16 +66,20 @@ def bench_cmd(
 
         doc = advisor.advise(model, _csv(formats), draft=draft,
                                    reference=reference, classes=_csv(classes),
-                                   per_class=per_class, repeats=repeats, max_tokens=max_tokens, threads=threads,
-                                   progress=lambda m: typer.echo(m, err=True))
+                                   per_class=per_class, repeats=repeats or 3, max_tokens=max_tokens, threads=threads,
+                                   progress=lambda m: typer.echo(m, err=True), unsafe_no_sandbox=unsafe_no_sandbox)
         if plot:
             doc["plots"] = [str(advisor.plot(doc, plot))]
         if json_path:  # before the table: a display error must not lose a long measurement
             json_path.write_text(json.dumps(doc, indent=2, default=str))
         advisor.table(doc)
     else:
+        if per_class is None and repeats is None:  # the quick run (minutes on a loaded laptop)
+            per_class, repeats = bench.QUICK_PER_CLASS, bench.QUICK_REPEATS
+            typer.echo(f"quick run: {per_class} prompts per class, {repeats} repeats (--per-class N / --repeats R "
+                       "for more)", err=True)
         doc = bench.run_bench(model, draft, ngram=ngram, classes=_csv(classes),
-                              max_tokens=max_tokens, repeats=repeats, gamma=gamma, anchors=anchors, per_class=per_class,
+                              max_tokens=max_tokens, repeats=repeats or 3, gamma=gamma, anchors=anchors, per_class=per_class,
                               temperature=temperature, threads=threads,
                               progress=lambda r: typer.echo(f"{r['class']:>8} {r['mode']:<28} {r['tokens_per_second']:7.1f} tok/s", err=True))
         if cold_start:

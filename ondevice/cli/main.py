@@ -85,12 +85,13 @@ def generate_cmd(
             return _dump({**doc, "draft_choice": rt.draft_choice} if rt.draft_choice else doc)
         if rt.draft_choice:
             typer.echo(f"draft: {rt.draft_choice['reason']}", err=True)
+        from ondevice.cli.repl import context_note, visible
+
         stream = rt.stream(prompt, request)
         for chunk in stream:
-            sys.stdout.write(chunk.text)
+            sys.stdout.write(visible(chunk.text))  # the model's text: no terminal escape sequences
             sys.stdout.flush()
         sys.stdout.write("\n")
-        from ondevice.cli.repl import context_note
 
         if note := context_note(stream.stats, rt.n_ctx):
             typer.echo(note, err=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import signal
 import sys
 from contextlib import contextmanager
@@ -16,6 +17,17 @@ HELP = ("/help shows this · /reset clears the history · /stats shows the last 
         "/think on|off turns a thinking model's thinking on or off · /thinking shows the last thinking · "
         "/image FILE attaches an image to your next message · /exit quits · Ctrl-C stops an answer")
 FOLD_LINES = 4  # lines of thinking shown (dimmed) while it streams; then it folds into one line
+# C0 controls but newline and tab, a carriage return not followed by a newline, DEL and the C1 controls
+_CONTROL = re.compile(r"\r(?!\n)|[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
+
+
+def visible(text: str) -> str:
+    """``text`` as model output may reach the terminal: every control character that could drive it (an ESC
+    sequence clears the screen, sets the window title or writes the clipboard with OSC 52; C1 controls; a lone
+    carriage return rewrites the line shown) written out visibly as ``\\x1b`` and so on; newlines, tabs and
+    CRLF line ends stay. A model's text is untrusted: ``ondevice generate`` and ``ondevice chat`` print it
+    through this, piped or not (``--json`` escapes it already)."""
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
 
 
 class _Turn:
@@ -36,7 +48,7 @@ class _Turn:
             self.add(reasoning)
         if content:
             self.fold()
-            self.out.print(content, style=style, end="", markup=False)
+            self.out.print(visible(content), style=style, end="", markup=False)
             self.answer.append(content)
 
     def add(self, text: str) -> None:
@@ -46,7 +58,7 @@ class _Turn:
         if not self.interactive:
             return
         tail = "\n".join("".join(self.parts).strip().splitlines()[-FOLD_LINES:])
-        view = Text(tail, style="dim italic")
+        view = Text(visible(tail), style="dim italic")
         if self.live is None:
             from rich.live import Live
 
@@ -172,7 +184,7 @@ def run_chat(runtime, *, system: str | None, show_draft: bool, show_stats: bool,
                       "ignores this)[/dim]")
             continue
         if line == "/thinking":
-            err.print(f"[dim]{escape(thoughts.text)}[/dim]" if thoughts and thoughts.text else "[dim]no thinking yet[/dim]")
+            err.print(f"[dim]{escape(visible(thoughts.text))}[/dim]" if thoughts and thoughts.text else "[dim]no thinking yet[/dim]")
             continue
         if line == "/stats":
             s = runtime.last_stats

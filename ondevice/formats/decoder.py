@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from ondevice.errors import OndeviceError
+from ondevice.errors import OndeviceError, shown
 
 MASK_VALUE = -1e4  # masked scores: exp(-1e4) underflows to 0 in fp16 and fp32, and stays finite in fp16
 
@@ -48,18 +48,18 @@ class DecoderConfig:
         ``mistral`` is llama's graph, ``qwen3`` adds q/k norms)."""
         arch = config.get("model_type")
         if arch not in archs:
-            raise OndeviceError(f"{path}: {what} supports {', '.join(archs)} decoders, not {arch!r}")
+            raise OndeviceError(f"{shown(path)}: {what} supports {', '.join(archs)} decoders, not {arch!r}")
         if arch == "mistral" and config.get("sliding_window") and int(config["sliding_window"]) < int(
                 config.get("max_position_embeddings", 0)):
-            raise OndeviceError(f"{path}: mistral with a sliding window is not supported by {what}")
+            raise OndeviceError(f"{shown(path)}: mistral with a sliding window is not supported by {what}")
         if config.get("hidden_act", "silu") != "silu":
-            raise OndeviceError(f"{path}: hidden_act {config['hidden_act']!r} is not supported (silu only)")
+            raise OndeviceError(f"{shown(path)}: hidden_act {config['hidden_act']!r} is not supported (silu only)")
         if arch in ("qwen2", "qwen3") and config.get("use_sliding_window"):
-            raise OndeviceError(f"{path}: sliding-window attention is not supported by the Core ML converter")
+            raise OndeviceError(f"{shown(path)}: sliding-window attention is not supported by the Core ML converter")
         scaling = config.get("rope_scaling") or {}
         kind = scaling.get("rope_type", scaling.get("type", "default"))
         if kind not in ("default", "linear", "llama3"):
-            raise OndeviceError(f"{path}: rope_scaling type {kind!r} is not supported (default, linear, llama3)")
+            raise OndeviceError(f"{shown(path)}: rope_scaling type {kind!r} is not supported (default, linear, llama3)")
         hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
         return cls(
             arch=arch,
@@ -273,10 +273,10 @@ class ReferenceDecoder:
         try:
             config = json.loads((path / "config.json").read_text(encoding="utf-8"))
         except (OSError, ValueError) as e:
-            raise OndeviceError(f"{path / 'config.json'}: missing or unreadable; pass an HF checkpoint directory") from e
+            raise OndeviceError(f"{shown(path / 'config.json')}: missing or unreadable; pass an HF checkpoint directory") from e
         files = sorted(path.glob("model*.safetensors"))
         if not files:
-            raise OndeviceError(f"{path}: no model*.safetensors files; pass an HF checkpoint directory")
+            raise OndeviceError(f"{shown(path)}: no model*.safetensors files; pass an HF checkpoint directory")
         tensors = [item for f in files for item in load_file(str(f)).items()]
         return cls(DecoderConfig.from_hf(config, path / "config.json"), load_weights(tensors), context, fp16)
 

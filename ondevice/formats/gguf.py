@@ -1,6 +1,6 @@
 """Reading GGUF files: the one GGUF reader of ondevice.
 
-``read_header``: scalars and the token list only, fast. A fast reader of a GGUF file's key-value header: scalars and the token list, nothing else.
+``read_header``: scalars and the token list only, fast; ``tensor_types``: the tensor table's types, counted.
 
 ``gguf.GGUFReader`` builds an object per array element and maps every tensor: ~20 s for Qwen2.5's
 header (151,936 tokens and as many merges) on a loaded 2-core machine. Listing local models needs
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ondevice.errors import OndeviceError
+from ondevice.errors import OndeviceError, shown
 
 SUPPORTED = ("llama", "qwen2")
 # The HF transformers spelling among the many each GGUF name has in gguf's TensorNameMap.
@@ -90,7 +90,7 @@ def read_header(path: str | Path) -> tuple[dict, list[str] | None]:
     """
     path = Path(path)
     if path.stat().st_size < 24:
-        raise OndeviceError(f"{path}: {path.stat().st_size} bytes, too short for a GGUF header (an interrupted download?)")
+        raise OndeviceError(f"{shown(path)}: {path.stat().st_size} bytes, too short for a GGUF header (an interrupted download?)")
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
         return _parse(mm, path)[:2]
 
@@ -102,16 +102,59 @@ def check_tensor_data(path: str | Path) -> None:
     Raises:
         OndeviceError: a corrupt header, or tensor data that runs past the end of the file.
     """
+    tensor_types(path)
+
+
+def tensor_types(path: str | Path) -> dict[str, int]:
+    """How many tensors of each ggml type (``Q4_1``, ``F32``, ...) the file's tensor table lists, once the file is
+    known to hold every tensor's data: the capped walk of ``read_header`` and of the table, no tensor data read
+    and nothing built per array element (``gguf.GGUFReader`` is slow on a huge header).
+
+    Raises:
+        OndeviceError: a corrupt header or tensor table, or tensor data that runs past the end of the file (one
+            line naming the file).
+    """
     import gguf
 
     path = Path(path)
     size = path.stat().st_size
-    read_header(path)  # the header's own errors first
+    meta, table, pos = _tensor_table(path)
+    extent = 0
+    counts: dict[str, int] = {}
+    for ttype, dims, offset in table:
+        try:
+            kind = gguf.GGMLQuantizationType(ttype)
+            block, nbytes = gguf.GGML_QUANT_SIZES[kind]
+        except (ValueError, KeyError) as e:
+            raise OndeviceError(f"{shown(path)}: corrupt or truncated GGUF tensor table ({type(e).__name__})") from None
+        count = 1
+        for d in dims:
+            count *= d
+        extent = max(extent, offset + count // block * nbytes)
+        counts[kind.name] = counts.get(kind.name, 0) + 1
+    align = int(meta.get("general.alignment", 32)) or 32
+    data = (pos + align - 1) // align * align
+    if table and data + extent > size:  # a vocab-only file (no tensors) need not be padded
+        raise OndeviceError(f"{shown(path)}: truncated: its tensor data ends at byte {data + extent} but the file has "
+                            f"{size} bytes (an interrupted download?); download it again")
+    return counts
+
+
+def _tensor_table(path: Path) -> tuple[dict, list[tuple[int, tuple[int, ...], int]], int]:
+    """(scalar metadata, [(ggml type, dims, data offset)] of every tensor, offset just past the table), every count
+    checked against its cap and the bytes left.
+
+    Raises:
+        OndeviceError: one line naming the file.
+    """
+    if path.stat().st_size < 24:
+        read_header(path)  # its "too short" error
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        size = len(mm)
         meta, _, pos = _parse(mm, path)
         end = "<" if struct.unpack_from("<I", mm, 4)[0] < 0x10000 else ">"
         n_tensors = struct.unpack_from(end + "Q", mm, 8)[0]
-        extent = 0
+        table = []
         try:
             if n_tensors > min(MAX_COUNT, (size - pos) // 24):  # name length, n_dims, type, offset at least
                 raise _Corrupt(f"{n_tensors} tensors")
@@ -127,20 +170,12 @@ def check_tensor_data(path: str | Path) -> None:
                 pos += 4 + 8 * n_dims
                 ttype, offset = struct.unpack_from(end + "IQ", mm, pos)
                 pos += 12
-                block, nbytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ttype)]
-                count = 1
-                for d in dims:
-                    count *= d
-                extent = max(extent, offset + count // block * nbytes)
+                table.append((ttype, dims, offset))
         except _Corrupt as e:
-            raise OndeviceError(f"{path}: corrupt GGUF tensor table (it declares {e}); re-download it") from None
-        except (struct.error, ValueError, KeyError) as e:
-            raise OndeviceError(f"{path}: corrupt or truncated GGUF tensor table ({type(e).__name__})") from None
-    align = int(meta.get("general.alignment", 32)) or 32
-    data = (pos + align - 1) // align * align
-    if data + extent > size:
-        raise OndeviceError(f"{path}: truncated: its tensor data ends at byte {data + extent} but the file has "
-                            f"{size} bytes (an interrupted download?); download it again")
+            raise OndeviceError(f"{shown(path)}: corrupt GGUF tensor table (it declares {e}); re-download it") from None
+        except struct.error as e:
+            raise OndeviceError(f"{shown(path)}: corrupt or truncated GGUF tensor table ({type(e).__name__})") from None
+    return meta, table, pos
 
 
 def _parse(buf, path: Path) -> tuple[dict, list[str] | None, int]:
@@ -149,23 +184,23 @@ def _parse(buf, path: Path) -> tuple[dict, list[str] | None, int]:
     try:
         return _walk(buf, path)
     except _Corrupt as e:
-        raise OndeviceError(f"{path}: corrupt GGUF header (it declares {e}); re-download or reconvert it") from None
+        raise OndeviceError(f"{shown(path)}: corrupt GGUF header (it declares {e}); re-download or reconvert it") from None
     except struct.error:
-        raise OndeviceError(f"{path}: GGUF header runs past the end of the file ({len(buf)} bytes; "
+        raise OndeviceError(f"{shown(path)}: GGUF header runs past the end of the file ({len(buf)} bytes; "
                             "truncated, e.g. an interrupted download)") from None
     except (IndexError, UnicodeDecodeError, ValueError, OverflowError) as e:
-        raise OndeviceError(f"{path}: corrupt GGUF header ({type(e).__name__}: {e})") from e
+        raise OndeviceError(f"{shown(path)}: corrupt GGUF header ({type(e).__name__}: {e})") from e
 
 
 def _walk(buf, path: Path) -> tuple[dict, list[str] | None, int]:
     """``_parse`` without its error translation: one loop over the key-values, no recursion (nested arrays are
     walked with an explicit stack), every count and length checked against its cap and the bytes left."""
     if bytes(buf[:4]) != b"GGUF":
-        raise OndeviceError(f"{path}: not a GGUF file (no GGUF magic)")
+        raise OndeviceError(f"{shown(path)}: not a GGUF file (no GGUF magic)")
     end = "<" if struct.unpack_from("<I", buf, 4)[0] < 0x10000 else ">"  # big-endian files exist, rarely
     version, _, n_kv = struct.unpack_from(end + "IQQ", buf, 4)
     if version not in (2, 3):
-        raise OndeviceError(f"{path}: GGUF version {version} is not supported (2 or 3)")
+        raise OndeviceError(f"{shown(path)}: GGUF version {version} is not supported (2 or 3)")
     u32, u64 = struct.Struct(end + "I"), struct.Struct(end + "Q")
     size = len(buf)
     if n_kv > min(MAX_COUNT, (size - 24) // 12):  # a key-value takes at least 12 bytes
@@ -190,7 +225,7 @@ def _walk(buf, path: Path) -> tuple[dict, list[str] | None, int]:
         itype, count = u32.unpack_from(buf, p)[0], u64.unpack_from(buf, p + 4)[0]
         least = 12 if itype == 9 else 8 if itype == 8 else struct.calcsize(_SCALARS[itype]) if itype in _SCALARS else 0
         if not least:
-            raise OndeviceError(f"{path}: GGUF array {key!r} has unknown item type {itype}")
+            raise OndeviceError(f"{shown(path)}: GGUF array {key!r} has unknown item type {itype}")
         if count > MAX_COUNT or count * least > size - p - 12:
             raise _Corrupt(f"array {key!r} of {count} items at offset {p}")
         return itype, count, p + 12
@@ -232,9 +267,9 @@ def _walk(buf, path: Path) -> tuple[dict, list[str] | None, int]:
         elif vtype == 9:
             pos = skip_array(pos, key)
         else:
-            raise OndeviceError(f"{path}: GGUF key {key!r} has unknown value type {vtype}")
+            raise OndeviceError(f"{shown(path)}: GGUF key {key!r} has unknown value type {vtype}")
         if pos > size:
-            raise OndeviceError(f"{path}: GGUF header runs past the end of the file (truncated)")
+            raise OndeviceError(f"{shown(path)}: GGUF header runs past the end of the file (truncated)")
     return meta, tokens, pos
 
 
@@ -244,13 +279,13 @@ def check_gguf_file(path: Path) -> None:
         from ondevice.inputs import why_missing
 
         why = why_missing(path)
-        raise OndeviceError(f"{path}: {'no such model file' if why == 'no such file' else why}")
+        raise OndeviceError(f"{shown(path)}: {'no such model file' if why == 'no such file' else why}")
     with open(path, "rb") as f:
         head = f.read(8)
     if head[:4] != b"GGUF":
-        raise OndeviceError(f"{path}: not a GGUF file (bad magic {head[:4]!r}); re-download or reconvert it")
+        raise OndeviceError(f"{shown(path)}: not a GGUF file (bad magic {head[:4]!r}); re-download or reconvert it")
     if len(head) < 8 or int.from_bytes(head[4:8], "little") not in (2, 3):
-        raise OndeviceError(f"{path}: unsupported or corrupt GGUF header; re-download or reconvert it")
+        raise OndeviceError(f"{shown(path)}: unsupported or corrupt GGUF header; re-download or reconvert it")
 
 
 class GGUFFile:
@@ -265,7 +300,7 @@ class GGUFFile:
         try:
             self.reader = gguf.GGUFReader(str(self.path))
         except Exception as e:  # gguf raises ValueError/IndexError/struct errors on corrupt files
-            raise OndeviceError(f"{self.path}: corrupt GGUF ({type(e).__name__}: {e}); re-download or reconvert it") from e
+            raise OndeviceError(f"{shown(self.path)}: corrupt GGUF ({type(e).__name__}: {e}); re-download or reconvert it") from e
 
     def _check_header(self) -> None:
         """The capped walk of ``read_header`` and the tensor count against the bytes left, before ``GGUFReader``
@@ -280,7 +315,7 @@ class GGUFFile:
             end = "<" if struct.unpack_from("<I", mm, 4)[0] < 0x10000 else ">"
             n_tensors = struct.unpack_from(end + "Q", mm, 8)[0]
             if n_tensors > min(MAX_COUNT, (len(mm) - pos) // 24):  # name length, n_dims, type, offset at least
-                raise OndeviceError(f"{self.path}: corrupt GGUF tensor table (it declares {n_tensors} tensors in "
+                raise OndeviceError(f"{shown(self.path)}: corrupt GGUF tensor table (it declares {n_tensors} tensors in "
                                     f"{len(mm) - pos} bytes); re-download or reconvert it")
 
     def get(self, key: str, default=None):
@@ -295,11 +330,11 @@ class GGUFFile:
 
     def require_supported(self) -> None:
         if self.arch not in SUPPORTED:
-            raise OndeviceError(f"{self.path}: architecture {self.arch!r} is not supported here; supported: {', '.join(SUPPORTED)}")
+            raise OndeviceError(f"{shown(self.path)}: architecture {self.arch!r} is not supported here; supported: {', '.join(SUPPORTED)}")
         model = self.get("tokenizer.ggml.model")
         if model != "gpt2":
             raise OndeviceError(
-                f"{self.path}: tokenizer model {model!r} is not supported (only byte-level BPE 'gpt2'; SentencePiece GGUFs such as gemma3 are refused)"
+                f"{shown(self.path)}: tokenizer model {model!r} is not supported (only byte-level BPE 'gpt2'; SentencePiece GGUFs such as gemma3 are refused)"
             )
 
     @cached_property

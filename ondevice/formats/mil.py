@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ondevice.errors import OndeviceError
+from ondevice.errors import OndeviceError, shown
 
 FP32_ACCUMULATE = ("linear", "matmul")
 
@@ -66,7 +66,7 @@ def load_program(package: str | Path):
     """A saved .mlpackage → (MIL Program, default function name), via coremltools' milproto frontend."""
     package = Path(package)
     if not (package / "Manifest.json").is_file():
-        raise OndeviceError(f"{package}: not a Core ML package (no Manifest.json); reconvert with `ondevice convert --to coreml`")
+        raise OndeviceError(f"{shown(package)}: not a Core ML package (no Manifest.json); reconvert with `ondevice convert --to coreml`")
     try:
         with quiet():
             import coremltools as ct
@@ -82,7 +82,7 @@ def load_program(package: str | Path):
     except MILError:
         raise
     except Exception as e:  # protobuf / coremltools raise assorted errors for damaged packages
-        raise OndeviceError(f"{package}: unreadable Core ML package ({type(e).__name__}: {e}); reconvert it") from e
+        raise OndeviceError(f"{shown(package)}: unreadable Core ML package ({type(e).__name__}: {e}); reconvert it") from e
     return prog, spec.description.defaultFunctionName or "main"
 
 
@@ -298,13 +298,13 @@ class MILProgram:
             output name → value (declared dtype).
         """
         if function not in self.functions:
-            raise OndeviceError(f"{self.package}: no function {function!r}; it has {', '.join(self.functions)}")
+            raise OndeviceError(f"{shown(self.package)}: no function {function!r}; it has {', '.join(self.functions)}")
         fn = self.functions[function]
         want = self.inputs[function]
         if set(inputs) != set(want):
-            raise OndeviceError(f"{self.package}:{function}: inputs {sorted(inputs)} given, {sorted(want)} declared")
+            raise OndeviceError(f"{shown(self.package)}:{function}: inputs {sorted(inputs)} given, {sorted(want)} declared")
         if set(state) != set(self.states):
-            raise OndeviceError(f"{self.package}:{function}: the state holds {len(state)} buffers, the program declares "
+            raise OndeviceError(f"{shown(self.package)}:{function}: the state holds {len(state)} buffers, the program declares "
                                 f"{len(self.states)}; make it with new_state()")
         with self._lock:
             touched = []
@@ -312,10 +312,10 @@ class MILProgram:
                 for name, (shape, dtype) in want.items():
                     a = np.asarray(inputs[name])
                     if a.shape != shape:
-                        raise OndeviceError(f"{self.package}:{function}: input {name} has shape {a.shape}, declared {shape}")
+                        raise OndeviceError(f"{shown(self.package)}:{function}: input {name} has shape {a.shape}, declared {shape}")
                     cast = a.astype(dtype)
                     if not np.array_equal(cast, a):
-                        raise OndeviceError(f"{self.package}:{function}: input {name} does not fit its declared {dtype}")
+                        raise OndeviceError(f"{shown(self.package)}:{function}: input {name} does not fit its declared {dtype}")
                     self._hold(fn.inputs[name], cast, touched)
                 for op, declared in self._plan(function):
                     self._step(op, declared, state, touched)

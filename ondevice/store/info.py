@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from collections import Counter
 from pathlib import Path
 
 from ondevice.backends import detect_format
@@ -14,21 +13,25 @@ def describe(model: str | Path, device: str | None = None) -> dict:
     """Facts about a model path or catalog name (pulls a catalog model if needed)."""
     path = lookup.resolve(model)
     if path.is_dir() and (path / "target").is_dir() and (path / "draft").is_dir():
-        from ondevice.errors import OndeviceError
+        from ondevice.errors import OndeviceError, shown
 
-        raise OndeviceError(f"{path}: a converted pair (target/ and draft/); describe each: "
-                            f"`ondevice info {path / 'target'}` and `ondevice info {path / 'draft'}`")
+        raise OndeviceError(f"{shown(path)}: a converted pair (target/ and draft/); describe each: "
+                            f"`ondevice info {shown(path / 'target')}` and `ondevice info {shown(path / 'draft')}`")
     fmt = detect_format(path)
     info: dict = {"path": str(path), "format": fmt, "size_bytes": _size(path)}
     if fmt == "gguf":
-        from ondevice.formats.gguf import GGUFFile
+        from ondevice.formats.gguf import check_gguf_file, read_header, tensor_types
 
-        g = GGUFFile(path / "model.gguf" if path.is_dir() else path)
-        types = Counter(t.tensor_type.name for t in g.reader.tensors)
-        info.update(arch=g.arch, quant=_file_type(g), tensor_types=dict(types), vocab_size=len(g.tokens),
-                    tokenizer=g.get("tokenizer.ggml.model"), pre_tokenizer=g.get("tokenizer.ggml.pre"),
-                    context_length=g.get(f"{g.arch}.context_length"), sliding_window=g.get(f"{g.arch}.attention.sliding_window"),
-                    chat_template=g.get("tokenizer.chat_template") is not None, device="cpu (llama.cpp)")
+        # the capped iterative walk, not gguf.GGUFReader (an object per array element: slow on a huge header)
+        file = path / "model.gguf" if path.is_dir() else path
+        check_gguf_file(file)
+        meta, tokens = read_header(file)
+        arch = str(meta.get("general.architecture"))
+        info.update(arch=arch, quant=_file_type(meta), tensor_types=tensor_types(file), vocab_size=len(tokens or ()),
+                    tokenizer=meta.get("tokenizer.ggml.model"), pre_tokenizer=meta.get("tokenizer.ggml.pre"),
+                    context_length=meta.get(f"{arch}.context_length"),
+                    sliding_window=meta.get(f"{arch}.attention.sliding_window"),
+                    chat_template=meta.get("tokenizer.chat_template") is not None, device="cpu (llama.cpp)")
     elif fmt == "mlx":
         cfg = json.loads((path / "config.json").read_text())
         q = cfg.get("quantization") or {}
@@ -111,10 +114,10 @@ def _size(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-def _file_type(g) -> str:
+def _file_type(meta: dict) -> str:
     import gguf
 
-    ft = g.get("general.file_type")
+    ft = meta.get("general.file_type")
     try:
         return gguf.LlamaFileType(int(ft)).name.removeprefix("MOSTLY_") if ft is not None else "unknown"
     except ValueError:

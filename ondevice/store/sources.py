@@ -23,7 +23,7 @@ import re
 import sys
 from pathlib import Path
 
-from ondevice.errors import OndeviceError
+from ondevice.errors import OndeviceError, shown
 
 PREFIXES = ("hf:", "ollama:", "lmstudio:")
 OLLAMA_MODEL_MEDIA = "application/vnd.ollama.image.model"
@@ -124,7 +124,7 @@ def pick(directory: Path, selector: str | None, what: str) -> Path:
         return directory
     names = [g.relative_to(directory).as_posix() for g in gguf_files(directory)]
     if not names and not selector:
-        raise OndeviceError(f"{what}: {directory} holds no model (no GGUF file, no config.json + *.safetensors)")
+        raise OndeviceError(f"{what}: {shown(directory)} holds no model (no GGUF file, no config.json + *.safetensors)")
     return directory / choose_gguf(names, selector, f"{what} ({directory})")
 
 
@@ -156,7 +156,7 @@ def _hf_error(name: str, e: Exception) -> OndeviceError:
     if isinstance(e, errors.EntryNotFoundError) and not isinstance(e, errors.LocalEntryNotFoundError):
         return OndeviceError(f"{name}: file not found in the repository ({str(e).splitlines()[0]})")
     if isinstance(e, errors.LocalEntryNotFoundError):
-        return OndeviceError(f"{name}: not in the Hugging Face cache at {hf_cache_dir()} and the Hub could not be "
+        return OndeviceError(f"{name}: not in the Hugging Face cache at {shown(hf_cache_dir())} and the Hub could not be "
                              "reached; connect once, or check HF_HUB_OFFLINE / HF_HOME")
     first = (str(e).splitlines() or [kind])[0]
     return OndeviceError(f"{name}: download failed ({kind}: {first}); rerun to resume")
@@ -224,7 +224,7 @@ def resolve_hf(ref: str, *, download: bool = True) -> Path:
                 raise
     if hf_offline() or not download:
         why = "HF_HUB_OFFLINE is set" if hf_offline() else "downloads are off for this name"
-        raise OndeviceError(f"{name}: not in the Hugging Face cache at {hf_cache_dir()} and {why}; "
+        raise OndeviceError(f"{name}: not in the Hugging Face cache at {shown(hf_cache_dir())} and {why}; "
                             f"download it once with `ondevice pull hf:{ref}` while online")
     try:
         path = _hf_download(repo, revision, selector, name)
@@ -257,21 +257,21 @@ def ollama_blob(manifest: Path, root: Path, name: str) -> Path:
         layers = [x for x in data["layers"] if x.get("mediaType") == OLLAMA_MODEL_MEDIA]
         digest, size = layers[0]["digest"], int(layers[0].get("size", -1))
     except (OSError, ValueError, KeyError, IndexError, TypeError, AttributeError) as e:
-        raise OndeviceError(f"{name}: corrupt Ollama manifest {manifest} ({type(e).__name__}: no model layer); "
+        raise OndeviceError(f"{name}: corrupt Ollama manifest {shown(manifest)} ({type(e).__name__}: no model layer); "
                             f"run `ollama pull {name.removeprefix('ollama:')}` again") from e
     algo, _, hexdigest = str(digest).partition(":")
     if algo != "sha256" or not re.fullmatch(r"[0-9a-f]{64}", hexdigest):
-        raise OndeviceError(f"{name}: corrupt Ollama manifest {manifest} (model digest {digest!r})")
+        raise OndeviceError(f"{name}: corrupt Ollama manifest {shown(manifest)} (model digest {digest!r})")
     blob = root / "blobs" / f"sha256-{hexdigest}"
     if not blob.is_file():
-        raise OndeviceError(f"{name}: the manifest {manifest} names blob sha256-{hexdigest[:12]}… but {blob.parent} "
+        raise OndeviceError(f"{name}: the manifest {shown(manifest)} names blob sha256-{hexdigest[:12]}… but {shown(blob.parent)} "
                             f"has no such file; run `ollama pull {name.removeprefix('ollama:')}` again")
     if size >= 0 and blob.stat().st_size != size:
-        raise OndeviceError(f"{name}: blob {blob} is {blob.stat().st_size} bytes but the manifest says {size} "
+        raise OndeviceError(f"{name}: blob {shown(blob)} is {blob.stat().st_size} bytes but the manifest says {size} "
                             "(truncated download); run `ollama pull` again")
     with open(blob, "rb") as f:
         if f.read(4) != b"GGUF":
-            raise OndeviceError(f"{name}: blob {blob} is not a GGUF file; ondevice reads Ollama's GGUF models only")
+            raise OndeviceError(f"{name}: blob {shown(blob)} is not a GGUF file; ondevice reads Ollama's GGUF models only")
     if size < 0:  # no size to compare with: the file must at least hold the tensors its header lists
         from ondevice.formats.gguf import check_tensor_data
 
@@ -302,7 +302,7 @@ def resolve_ollama(name: str) -> Path:
     manifest = ollama_manifest(name, root)
     if not manifest.is_file():
         have = ", ".join(n for n, _ in ollama_names(root)[:8]) or "none"
-        raise OndeviceError(f"ollama:{name}: no manifest at {manifest} (OLLAMA_MODELS={root}; models there: {have}); "
+        raise OndeviceError(f"ollama:{name}: no manifest at {shown(manifest)} (OLLAMA_MODELS={shown(root)}; models there: {have}); "
                             f"run `ollama pull {name}`")
     return ollama_blob(manifest, root, f"ollama:{name}")
 
@@ -329,7 +329,7 @@ def resolve_lmstudio(ref: str) -> Path:
     name = f"lmstudio:{ref}"
     if not rel.strip("/") or Path(rel).is_absolute() or ".." in Path(rel).parts:
         raise OndeviceError(f"{name}: expected lmstudio:PATH[:QUANT] with PATH inside LM Studio's models folder "
-                            f"({', '.join(map(str, roots))}), or a file/folder name; for other files give the path itself")
+                            f"({', '.join(map(shown, roots))}), or a file/folder name; for other files give the path itself")
     hits = [r / rel for r in roots if (r / rel).exists()]
     if not hits:
         key = rel.lower().removesuffix(".gguf")
@@ -340,10 +340,10 @@ def resolve_lmstudio(ref: str) -> Path:
         if selector and len(hits) > 1 and all(h.is_file() for h in hits):  # e.g. lmstudio:REPO-GGUF:Q4_K_M
             return Path(choose_gguf([h.as_posix() for h in hits], selector, name))
     if len(hits) > 1:
-        raise OndeviceError(f"{name} is ambiguous: {', '.join(str(h) for h in hits[:6])}; give the path inside the folder")
+        raise OndeviceError(f"{name} is ambiguous: {', '.join(shown(h) for h in hits[:6])}; give the path inside the folder")
     if not hits:
         raise OndeviceError(f"{name}: nothing of that name in LM Studio's folders "
-                            f"({', '.join(map(str, roots))}; set ONDEVICE_LMSTUDIO_MODELS to use another)")
+                            f"({', '.join(map(shown, roots))}; set ONDEVICE_LMSTUDIO_MODELS to use another)")
     return hits[0] if hits[0].is_file() else pick(hits[0], selector or None, name)
 
 
@@ -361,7 +361,7 @@ def resolve(spec: str, *, download: bool = True) -> Path | None:
     if spec.startswith(PREFIXES) or _BARE.match(spec):
         path = _resolve(spec, download)
         if path.is_symlink() and not path.exists():  # the HF cache links into blobs/; an interrupted download
-            raise OndeviceError(f"{spec}: {path} is a broken link to {os.readlink(path)} (an interrupted download?); "
+            raise OndeviceError(f"{spec}: {shown(path)} is a broken link to {shown(os.readlink(path))} (an interrupted download?); "
                                 "download it again")
         return path
     return None
@@ -382,10 +382,10 @@ def _resolve(spec: str, download: bool) -> Path:
         if (root / repo).is_dir():
             found.append(("lmstudio", pick(root / repo, selector or None, f"lmstudio:{spec}")))
     if len(found) > 1:
-        raise OndeviceError(f"{spec} is ambiguous: " + "; ".join(f"{k}:{spec} → {p}" for k, p in found)
+        raise OndeviceError(f"{spec} is ambiguous: " + "; ".join(f"{k}:{spec} → {shown(p)}" for k, p in found)
                             + "; add the prefix to choose")
     if found:
         return found[0][1]
-    raise OndeviceError(f"{spec}: no such file, and no repo of that name in the Hugging Face cache ({hf_cache_dir()}) "
-                        f"or LM Studio's folders ({', '.join(map(str, lmstudio_dirs()))}); "
+    raise OndeviceError(f"{spec}: no such file, and no repo of that name in the Hugging Face cache ({shown(hf_cache_dir())}) "
+                        f"or LM Studio's folders ({', '.join(map(shown, lmstudio_dirs()))}); "
                         f"say hf:{spec} to download it")
