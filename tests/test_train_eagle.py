@@ -67,6 +67,8 @@ def test_the_stored_drafter_is_an_eagle3_gguf_llama_cpp_runs(trained, home):
     assert r["verify"]["ok"] and r["verify"]["logit_rel"] < 1e-2  # llama.cpp's graph computes the trained weights
     assert len(r["log"]) == SMALL["epochs"] and r["log"][-1]["loss"] < r["log"][0]["loss"]
     assert not list((home / "heads").glob(".eagle-*"))  # no temp left beside it
+    shown = eagle_store.stored(target)  # what `ondevice info` / `models` show
+    assert shown["kind"] == "eagle" and "EAGLE" in eagle_store.describe(shown) and str(path) in eagle_store.describe(shown)
 
 
 def test_greedy_with_the_trained_drafter_equals_plain(trained, home):

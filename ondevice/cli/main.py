@@ -267,10 +267,10 @@ def info_cmd(
 
     info = describe(model, device)
     if info["format"] in ("gguf", "mlx"):  # the formats heads are trained for
-        from ondevice.heads import store as heads_store
+        from ondevice.heads import eagle_store
 
         path = Path(info["path"])
-        info["heads"] = heads_store.summary(path / "model.gguf" if path.is_dir() and info["format"] == "gguf" else path)
+        info["heads"] = eagle_store.stored(path / "model.gguf" if path.is_dir() and info["format"] == "gguf" else path)
     if info["format"] == "gguf":  # a model's own MTP heads (draft="mtp")
         from ondevice.backends.llama_mtp import file_mtp_layers
 
@@ -279,14 +279,10 @@ def info_cmd(
         info["mtp_layers"] = n if json_out else f"{n} (--draft mtp)" if n else "none"
     if json_out:
         return _dump(info)
-    h = info.get("heads")
-    if h and "error" not in h:
-        tau = h.get("tau_heldout_greedy_chain")
-        info["heads"] = (f"K={h['K']}, {h['draft_vocab_size']}-token draft vocabulary ({h['input_vocab_size']} read), "
-                         f"{h['training_tokens']} training tokens"
-                         f"{f', held-out τ {tau:.2f}' if tau else ''} ({h['path']})")
-    elif h:
-        info["heads"] = h["error"]
+    if info.get("heads"):
+        from ondevice.heads.eagle_store import describe
+
+        info["heads"] = info["heads"]["error"] if "error" in info["heads"] else describe(info["heads"])
     for k, v in info.items():
         typer.echo(f"{k:>16}: {v}")
 

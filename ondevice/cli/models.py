@@ -48,12 +48,12 @@ def models_cmd(
 
         return show_local(json_out, target)
 
-    from ondevice.heads import store as heads_store
+    from ondevice.heads import eagle_store
 
     rows = lookup.listing()
     for r in rows:
         if r["kind"] != "pair":
-            r["heads"] = heads_store.summary(r["path"]) if r["pulled"] and r["format"] == "gguf" else None
+            r["heads"] = eagle_store.stored(r["path"]) if r["pulled"] and r["format"] == "gguf" else None
     if json_out:
         return _dump(rows)
     from rich.table import Table
@@ -67,6 +67,7 @@ def models_cmd(
         else:
             h = r.get("heads")
             heads = "" if not h else "unreadable" if "error" in h else (
+                f"EAGLE, τ {(h.get('tau_heldout') or {}).get('tau_chain5')} (γ 5)" if h.get("kind") == "eagle" else
                 f"K={h['K']}, τ {h['tau_heldout_greedy_chain']:.2f}" if h.get("tau_heldout_greedy_chain") else f"K={h['K']}")
             t.add_row(r["name"], r["kind"], r["role"], r["quant"], f"{r['size'] / 1e6:.0f} MB",
                       r["license"], "✓" if r["pulled"] else "", heads)

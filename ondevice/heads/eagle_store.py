@@ -99,3 +99,22 @@ def summary(model: str | os.PathLike) -> dict | None:
     return {"path": str(p), "kind": "eagle", "draft_vocab_size": m.get("draft_vocab_size"),
             "training_tokens": m.get("training_tokens"), "tau_heldout": m.get("tau_heldout"),
             "record_seconds": m.get("record_seconds"), "fit_seconds": m.get("fit_seconds")}
+
+
+def stored(model: str | os.PathLike) -> dict | None:
+    """What ``models`` / ``info`` show: the EAGLE-style drafter's ``summary`` where one is stored (what
+    ``draft="heads"`` loads first), else the Medusa heads' (``store.summary``), else None."""
+    return summary(model) or store.summary(model)
+
+
+def describe(h: dict) -> str:
+    """One line for a ``stored`` summary."""
+    if "error" in h:
+        return h["error"]
+    if h.get("kind") == "eagle":
+        t = h.get("tau_heldout") or {}
+        return (f"EAGLE, {h['draft_vocab_size']}-token draft vocabulary, {h['training_tokens']} training tokens, held-out "
+                f"τ {t.get('tau_chain3')} / {t.get('tau_chain5')} at γ 3 / 5 ({h['path']})")
+    tau = h.get("tau_heldout_greedy_chain")
+    return (f"K={h['K']}, {h['draft_vocab_size']}-token draft vocabulary ({h['input_vocab_size']} read), "
+            f"{h['training_tokens']} training tokens{f', held-out τ {tau:.2f}' if tau else ''} ({h['path']})")
