@@ -61,13 +61,13 @@ class Eagle3Drafter(Drafter):
             target.enable_layer_inputs([])  # raises the backend's one-line refusal
         self.target = target
         self.target_vocab = target.vocab_size
+
+        def layer_inputs_on(ids: list[int]):  # before the draft's context: a qwen2 target recreates its own
+            self.width = target.enable_layer_inputs(ids)
+            return target._ctx
+
         # checks hidden size, vocabulary and depth against the target; borrows its embeddings (ctx_other)
-        self.graph = Eagle3Graph(path, target._ctx, target._model, n_ctx=target.n_ctx, threads=threads)
-        try:
-            self.width = target.enable_layer_inputs(self.graph.layer_ids)
-        except BaseException:
-            self.graph.close()
-            raise
+        self.graph = Eagle3Graph(path, layer_inputs_on, target._model, n_ctx=target.n_ctx, threads=threads)
         self._tokens: list[int] = []  # context[:valid + 1]: what the valid draft positions were built from
         self._valid = 0  # draft positions 0..valid-1 hold pairs made from the target's true features
         self._spt: float | None = None
