@@ -199,11 +199,6 @@ class Eagle3Drafter(Drafter):
 
 
 
-def _softmax(x: np.ndarray) -> np.ndarray:
-    e = np.exp(x - x.max())
-    return e / e.sum()
-
-
 def best_first(logits: np.ndarray, expand: Callable[[int], np.ndarray], max_nodes: int, branch: int, max_depth: int,
                on_node: Callable[[int, int], None] | None = None) -> tuple[list[int], list[int], list[float]]:
     """EAGLE-2's dynamic tree: the ``max_nodes`` nodes of largest confidence (the product of the draft's softmax
@@ -228,10 +223,18 @@ def best_first(logits: np.ndarray, expand: Callable[[int], np.ndarray], max_node
     tie = itertools.count()  # equal scores: the earlier pushed first (a node before its children)
 
     def push_children(row: np.ndarray, parent: int, score: float, depth: int) -> None:
-        p = _softmax(row.astype(np.float64))
-        for t in np.argsort(-p, kind="stable")[:branch]:
-            if np.isfinite(row[t]) and p[t] > 0:
-                heapq.heappush(heap, (-score * float(p[t]), next(tie), False, (int(t), parent, depth)))
+        row = np.asarray(row, np.float32)
+        k = min(branch, row.size)
+        top = np.argpartition(-row, k - 1)[:k]  # O(V): a full sort of a 150k vocabulary costs ~10 ms per node
+        top = top[np.argsort(-row[top], kind="stable")]
+        m = float(row[top[0]])
+        if not np.isfinite(m):
+            return
+        z = float(np.exp(row - m, dtype=np.float64).sum())  # −inf rows (outside the draft vocabulary) add 0
+        for t in top:
+            p = float(np.exp(float(row[t]) - m)) / z
+            if np.isfinite(row[t]) and p > 0:
+                heapq.heappush(heap, (-score * p, next(tie), False, (int(t), parent, depth)))
 
     push_children(logits, 0, 1.0, 1)
     while heap and len(tokens) < max_nodes:
