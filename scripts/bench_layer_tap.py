@@ -4,6 +4,9 @@ layers: llama.cpp still asks it about every node), and without one. Passes alter
 machine's load hits each alike); medians and their ratios, as JSON.
 
     python scripts/bench_layer_tap.py ~/.cache/ondevice/models/qwen2.5-coder-0.5b-instruct/*.gguf --reps 15
+
+Measured here (2 shared CPU cores, 1 thread): decode 34 ms, the tap ×1.05, an idle tap ×1.03 (822 callbacks per
+decode, ~1.2 µs each); 64-token prefill 545 ms, the tap ×1.01, idle ×1.00.
 """
 
 from __future__ import annotations
@@ -48,15 +51,15 @@ def main() -> None:
             prefill(b)
             f(b)  # warm
         t = {k: [] for k in kinds}
-        for _ in range(args.reps):
-            for k in kinds:
+        for r in range(args.reps):
+            for k in kinds if r % 2 else kinds[::-1]:  # alternate the order: neither side always goes first
                 t0 = time.perf_counter()
                 f(bs[k])
                 t[k].append(time.perf_counter() - t0)
         med = {k: float(np.median(v)) for k, v in t.items()}
+        paired = {k: float(np.median(np.array(t[k]) / np.array(t["plain"]))) for k in kinds}  # median of per-rep ratios
         out[name] = {**{f"{k}_ms": round(v * 1e3, 2) for k, v in med.items()},
-                     "tap_ratio": round(med["tap"] / med["plain"], 3),
-                     "idle_tap_ratio": round(med["idle_tap"] / med["plain"], 3)}
+                     "tap_ratio": round(paired["tap"], 3), "idle_tap_ratio": round(paired["idle_tap"], 3)}
     for b in bs.values():
         b.close()
     print(json.dumps(out, indent=1))
