@@ -1,11 +1,13 @@
 """What a llama.cpp target pass hands a drafter beyond its logits (``Backend.features``), kept per cached position.
 
-``layer_inputs`` (EAGLE-3): the inputs of the draft's 3 target layers (``llama_ext.record_layer_inputs``), read
-after *every* ``llama_decode`` chunk (llama.cpp keeps only the last decode's rows), stored one row per cached
+``layer_inputs`` (EAGLE-3): the inputs of the draft's 3 target layers (``llama_ext.record_layer_inputs``, or on
+an architecture whose graph records none, qwen2, a ``llama_ext.EvalTap`` installed as the context's cb_eval),
+read after *every* ``llama_decode`` chunk (llama.cpp keeps only the last decode's rows), stored one row per cached
 position and cut back on every rollback, so after a verify pass and its rollback the rows of exactly the accepted
-prefix are there. They are read even on steps that will not draft (``keep_features`` is only a hint): the
-draft's cache needs every position, and a read is a copy. A pass that did not go through ``eval`` (a tree)
-leaves a gap (``feature`` answers None there); the drafter drops rows it has consumed (``release_features``).
+prefix are there; a tree pass (``eval_tree``) keeps every node's rows until ``keep_path`` stores those of the
+kept path. They are read even on steps that will not draft (``keep_features`` is only a hint): the draft's cache
+needs every position, and a read is a copy. Positions no pass read (a KV state loaded from the prompt cache)
+leave a gap (``feature`` answers None there); the drafter drops rows it has consumed (``release_features``).
 
 ``nextn`` (a model's own MTP heads): a GGUF whose architecture has an MTP graph here and that carries MTP layers
 is loaded with them (``load_mtp``; mmap leaves them untouched until used) and its context keeps
