@@ -176,3 +176,25 @@ def test_refusals(qwen2):
         assert b.feature("layer_inputs", 3).shape == (256,)
     finally:
         b.close()
+
+
+def test_a_failing_tap_never_cuts_the_pass_short(qwen2):
+    """What goes wrong inside the callback (here: rows of another width than the tap was told) is raised by
+    ``read``, and the pass is computed whole: a False from the callback would make llama.cpp skip the rest of the
+    graph and leave wrong logits."""
+    from ondevice.backends import llama_ext
+    from ondevice.backends.llama import LlamaBackend
+
+    gguf = qwen2[1]
+    plain = LlamaBackend(gguf, n_ctx=256, threads=1)
+    b = LlamaBackend(gguf, n_ctx=256, threads=1)
+    try:
+        tap = llama_ext.EvalTap([1], 255, 4)  # the target's rows are 256 wide
+        b._lib.llama_free(b._ctx)
+        b._open_context(tap.callback)
+        assert np.array_equal(b.eval(TOKENS[:9], "all"), plain.eval(TOKENS[:9], "all"))
+        with pytest.raises(OndeviceError, match="not float32 rows of width 255"):
+            tap.read()
+    finally:
+        b.close()
+        plain.close()

@@ -180,6 +180,7 @@ class EvalTap:
         get = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t)(
             ("ggml_backend_tensor_get", lib))
         self._want: dict[bytes, int] = {}  # tensor name → layer id; changed in place (the callback reads it)
+        self._error: BaseException | None = None  # what went wrong inside the callback, raised by ``read``
         self._rows: dict[int, list[np.ndarray]] = {}
         self.ids: list[int] = []
         self.set_ids(ids)
@@ -189,10 +190,17 @@ class EvalTap:
             il = want.get(get_name(t))
             if ask or il is None:
                 return il is not None if ask else True
-            nb = nbytes(t)
-            buf = np.empty(nb // 4, np.float32)
-            get(t, buf.ctypes.data, 0, nb)
-            rows[il].append(buf.reshape(-1, self.n_embd))
+            # False (or an exception, which ctypes turns into False) would make llama.cpp skip the rest of the
+            # graph: whatever goes wrong is kept for ``read`` and the pass goes on
+            try:
+                nb = nbytes(t)
+                if ctypes.c_int.from_address(t).value != 0 or nb % (4 * self.n_embd):  # type GGML_TYPE_F32 (0)
+                    raise OndeviceError(f"cb_eval: tensor l_out-{il - 1} is not float32 rows of width {self.n_embd}")
+                buf = np.empty(nb // 4, np.float32)
+                get(t, buf.ctypes.data, 0, nb)
+                rows[il].append(buf.reshape(-1, self.n_embd))
+            except BaseException as e:  # KeyboardInterrupt too: raised again by ``read``
+                self._error = self._error or e
             return True
 
         self.callback = llama_cpp.ggml_backend_sched_eval_callback(cb)
@@ -219,6 +227,10 @@ class EvalTap:
         """[n, len(ids) × n_embd]: the inputs of ``ids`` for the tokens decoded since the last read (or ``clear``),
         in decode order, then forgets them. ``n_tokens``: only the last n_tokens rows (the last decode's, when
         decodes nobody read came before it); an ``OndeviceError`` when fewer were seen."""
+        err, self._error = self._error, None
+        if err is not None:
+            self.clear()
+            raise err
         if not self.ids:
             raise OndeviceError("this cb_eval tap takes no layers (set_ids first)")
         parts = []
