@@ -1,8 +1,11 @@
 """The EAGLE-3 drafter through the runtime (``draft=DIR/x.gguf`` of arch eagle3, ``drafter="eagle3"``): greedy
 speculation equals plain decoding token for token, and the sampled law is the target's (chi-square at T = 0.8,
-with a planted-bug control that must fail), on tiny llama and qwen3 targets with random-weight drafts."""
+with a planted-bug control that must fail), on tiny llama, qwen3 and qwen2 targets with random-weight drafts (qwen2's
+graph records no layer inputs: the backend reads them through its cb_eval tap)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import pytest
@@ -15,6 +18,13 @@ from ondevice.errors import OndeviceError
 PROMPTS = ["def add(a, b):", "The model draft and the target verify", "class Cache:\n    def __init__(self, n):"]
 LAW_PROMPT = "The model draft"
 LAW = dict(temperature=0.8, top_k=6, top_p=1.0, min_p=0.0)
+
+
+def _chains(rt):
+    """Make the runtime's EAGLE-3 drafter propose chains (its trees are tested apart; chains remain its path under
+    a constraint)."""
+    rt.drafter.traits = dataclasses.replace(rt.drafter.traits, trees=False)
+    return rt
 
 
 def _target(base, arch):
@@ -38,7 +48,7 @@ def _law(target):
         b.close()
 
 
-def _draft(base, target, favourites):
+def _draft(base, target, favourites, layer_ids=(0, 2, 3), seed=0):
     """A random-weight EAGLE-3 draft for ``target`` whose draft vocabulary is the ``favourites`` ids (d2t / t2d
     rewritten), so its q overlaps the target's p and both acceptance and rejection occur; converted to GGUF."""
     from safetensors.numpy import load_file, save_file
@@ -47,7 +57,7 @@ def _draft(base, target, favourites):
     from ondevice.testing.eagle3 import make_tiny_eagle3
 
     src = make_tiny_eagle3(base / "e3src", own_embeddings=False, dtype="float32", draft_vocab=len(favourites),
-                           layer_ids=[0, 2, 3])
+                           layer_ids=list(layer_ids), seed=seed)
     t = load_file(src / "model.safetensors")
     ids = np.array(sorted(favourites), np.int64)
     t["d2t"] = ids - np.arange(len(ids), dtype=np.int64)
@@ -59,7 +69,7 @@ def _draft(base, target, favourites):
     return base / "e3" / "model.gguf"
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3"])
+@pytest.fixture(scope="module", params=["llama", "qwen3", "qwen2"])
 def pair(request, tmp_path_factory):
     """(target GGUF, eagle3 draft GGUF, the exact law, its prompt ids) for a tiny target of each architecture; the
     draft's vocabulary is the tokens the law and greedy answers favour (so drafts are both kept and rejected)."""
@@ -77,7 +87,8 @@ def pair(request, tmp_path_factory):
             for t in rt.generate(prompt, max_tokens=40, temperature=0).tokens:
                 seen[t] = seen.get(t, 0) + 1
     favourites |= set(sorted(seen, key=seen.get, reverse=True)[:10])
-    return target, _draft(base, target, favourites), law, ids
+    qwen2 = request.param == "qwen2"  # the tap cannot take layer 0's input; seed 0's draft is never accepted greedily
+    return target, _draft(base, target, favourites, (1, 2, 3) if qwen2 else (0, 2, 3), seed=int(qwen2)), law, ids
 
 
 def test_the_draft_file_names_its_kind_and_greedy_equals_plain(pair):
@@ -87,6 +98,7 @@ def test_the_draft_file_names_its_kind_and_greedy_equals_plain(pair):
     with ondevice.load(target, draft=str(draft), threads=1) as spec, \
             ondevice.load(target, drafter="none", threads=1) as plain:
         assert spec.drafter.name == "eagle3"
+        _chains(spec)
         drafted = accepted = 0
         for prompt in PROMPTS:
             for gamma in (1, 3):
@@ -103,6 +115,7 @@ def test_sampled_law_is_the_targets(pair, monkeypatch):
     target, draft, law, ids = pair
     n = 3000
     with ondevice.load(target, drafter="eagle3", draft=str(draft), threads=1) as rt:
+        _chains(rt)
         runs = [rt.generate(ids, max_tokens=3, seed=s, gamma=3, **LAW).stats for s in range(40)]
         accepted, drafted = sum(r.accepted for r in runs), sum(r.drafted for r in runs)
         assert 0 < accepted < drafted, (accepted, drafted)  # both outcomes occur, so the controls can fail
@@ -119,18 +132,110 @@ def test_a_wrong_q_fails_the_law(pair, monkeypatch):
     target, draft, law, ids = pair
     n = 3000
     with ondevice.load(target, draft=str(draft), threads=1) as rt:
+        _chains(rt)
         plant_wrong_q(monkeypatch, Eagle3Drafter)
         assert chisquare(sampled_counts(rt, ids, n, 0.8, 6, 3), law, n) < 1e-4
 
 
-def test_refusals_are_one_line(pair, tmp_path):
-    """A qwen2 target (no recorded layer inputs in this llama.cpp) is refused naming its architecture; a draft
-    made for another target (vocabulary) is refused; drafter='eagle3' without a draft says what to pass."""
+def _spy_trees(monkeypatch):
+    """Record each verified tree's node count and kept path (``LlamaBackend.eval_tree`` / ``keep_path``)."""
+    from ondevice.backends.llama import LlamaBackend
+
+    seen = {"nodes": [], "paths": []}
+    real_eval, real_keep = LlamaBackend.eval_tree, LlamaBackend.keep_path
+
+    def eval_tree(self, tokens, parents):
+        seen["nodes"].append(len(tokens))
+        return real_eval(self, tokens, parents)
+
+    def keep_path(self, path):
+        seen["paths"].append(list(path))
+        return real_keep(self, path)
+
+    monkeypatch.setattr(LlamaBackend, "eval_tree", eval_tree)
+    monkeypatch.setattr(LlamaBackend, "keep_path", keep_path)
+    return seen
+
+
+def test_greedy_trees_equal_plain(pair, monkeypatch, request):
+    """EAGLE-2 dynamic trees (the drafter's default): greedy speculation emits plain decoding's tokens, verified as
+    trees of several nodes, some kept along a branch other than the first (the target's layer-input rows then
+    follow that branch; on qwen2, whose random draft is rarely accepted, test_layer_inputs_tap checks that
+    directly), with drafts both accepted and rejected."""
+    target, draft = pair[:2]
+    seen = _spy_trees(monkeypatch)
+    with ondevice.load(target, draft=str(draft), threads=1) as spec, \
+            ondevice.load(target, drafter="none", threads=1) as plain:
+        assert spec.drafter.traits.trees
+        drafted = accepted = 0
+        for prompt in PROMPTS:
+            for gamma in (3, 6):
+                ref = plain.generate(prompt, max_tokens=40, temperature=0, gamma=0)
+                res = spec.generate(prompt, max_tokens=40, temperature=0, gamma=gamma)
+                assert res.tokens == ref.tokens, (prompt, gamma)
+                drafted, accepted = drafted + res.stats.drafted, accepted + res.stats.accepted
+        assert 0 < accepted < drafted
+    assert max(seen["nodes"]) >= 4
+    if request.node.callspec.params["pair"] != "qwen2":
+        assert any(len(p) > 1 and p != list(range(len(p))) for p in seen["paths"])
+
+
+def test_sampled_trees_keep_the_targets_law(pair, monkeypatch):
+    """Trees at T = 0.8, top-k 6: the joint law of 3 tokens is the target's (chi-square); the planted control, the
+    tree rule's residual not reduced by the rejected child, must fail the same test."""
+    from ondevice import tree as T
+
+    target, draft, law, ids = pair
+    n = 3000
+    seen = _spy_trees(monkeypatch)
+    with ondevice.load(target, draft=str(draft), threads=1) as rt:
+        runs = [rt.generate(ids, max_tokens=3, seed=s, gamma=4, **LAW).stats for s in range(40)]
+        accepted, drafted = sum(r.accepted for r in runs), sum(r.drafted for r in runs)
+        assert 0 < accepted < drafted and max(seen["nodes"]) > 2, (accepted, drafted)
+        assert chisquare(sampled_counts(rt, ids, n, 0.8, 6, 4), law, n) > 1e-3
+        monkeypatch.setattr(T, "residual_sparse", lambda ids, pr, qv, V: pr)  # the planted bug
+        assert chisquare(sampled_counts(rt, ids, n, 0.8, 6, 4), law, n) < 1e-4
+
+
+def test_best_first_keeps_the_most_confident_nodes():
+    """``best_first`` on a known draft: the n nodes of largest path probability in non-increasing order, parents
+    first, zero-probability (−inf) tokens never proposed, depth capped, and only nodes whose score was the best
+    still open expanded."""
+    from ondevice.drafters.eagle3 import best_first
+
+    def row(probs):
+        p = np.zeros(6)
+        p[list(probs)] = list(probs.values())
+        with np.errstate(divide="ignore"):
+            return np.log(p)
+
+    uniform = {t: 1 / 6 for t in range(6)}
+    rows = {0: {3: 0.9, 4: 0.1}, 1: {4: 0.6, 5: 0.4}, 3: {0: 1.0}}
+    tokens: list[int] = []
+    expanded: list[int] = []
+
+    def expand(node):
+        expanded.append(node)
+        return row(rows.get(tokens[node - 1], uniform))
+
+    toks, pars, scores = best_first(row({0: 0.5, 1: 0.3, 2: 0.2}), expand, 5, branch=3, max_depth=4,
+                                    on_node=lambda t, p: tokens.append(t))
+    assert toks == [0, 3, 0, 3, 1] and pars == [0, 1, 2, 3, 0]
+    assert np.allclose(scores, [0.5, 0.45, 0.45, 0.405, 0.3])
+    assert expanded == [1, 2, 3]  # node 4 is at the depth cap, node 5 was never the best open
+
+
+def test_refusals_are_one_line(pair, tmp_path, request):
+    """A draft reading layer 0's input is refused on a qwen2 target (its graph records no layer inputs and the
+    cb_eval tap has no tensor for layer 0), naming the architecture; drafter='eagle3' without a draft says what
+    to pass."""
     target, draft = pair[:2]
     with pytest.raises(OndeviceError, match="needs the draft"):
         ondevice.load(target, drafter="eagle3", threads=1)
+    if request.node.callspec.params["pair"] == "qwen2":
+        return  # its draft reads layers 1..3
     other = _target(tmp_path / "q2", "qwen2")
-    with pytest.raises(OndeviceError, match="architecture 'qwen2' does not expose its layer inputs") as e:
+    with pytest.raises(OndeviceError, match="architecture 'qwen2' records no layer inputs.*layer 0's input") as e:
         ondevice.load(other, draft=str(draft), threads=1)
     assert "\n" not in str(e.value)
 

@@ -39,7 +39,9 @@ class Eagle3Graph(llama_ext.LlamaHandles):
         target_ctx, target_model: the target's llama_context / llama_model handles (``LlamaBackend._ctx`` /
             ``_model``); the draft borrows the target's token embeddings / output through ``ctx_other`` when it
             has none of its own. Close this graph before the target. None (both): a draft with its own
-            embeddings and output run alone (conversion checks).
+            embeddings and output run alone (conversion checks). ``target_ctx`` may be a callable: called with
+            ``layer_ids`` once the draft is checked against the target, it returns the context (so the target
+            can switch its layer inputs on first, which may recreate its context: ``LlamaBackend``).
         n_ctx: positions of the draft's cache.
         n_batch: most rows per encode / decode call.
         threads: CPU threads (default: llama.cpp's).
@@ -83,6 +85,12 @@ class Eagle3Graph(llama_ext.LlamaHandles):
             try:
                 self._check_target(target_model)
             except OndeviceError:
+                self.close()
+                raise
+        if callable(target_ctx):
+            try:
+                target_ctx = target_ctx(list(self.layer_ids))
+            except BaseException:
                 self.close()
                 raise
         cp = llama_cpp.llama_context_default_params()

@@ -26,6 +26,7 @@ from typing import Literal
 
 import numpy as np
 
+from ondevice.backends import llama_ext
 from ondevice.backends.base import Backend, check_room
 from ondevice.backends.llama_features import MTP_RS_SEQ, LlamaFeatures
 from ondevice.backends.llama_mtp import file_mtp_layers
@@ -88,7 +89,7 @@ def _ctrl_c_deferred():
             signal.raise_signal(signal.SIGINT)
 
 
-class LlamaBackend(LlamaTree, LlamaState, LlamaFeatures, Backend):
+class LlamaBackend(LlamaFeatures, LlamaTree, LlamaState, Backend):  # features wrap LlamaTree's tree pass
     """A GGUF model and its KV cache in llama.cpp (see ``ondevice.backends.Backend``).
 
     Args:
@@ -166,45 +167,11 @@ class LlamaBackend(LlamaTree, LlamaState, LlamaFeatures, Backend):
         # a recurrent state (qwen35's gated delta net) reports only its last position: rollbacks restore snapshots
         self._recurrent = bool(llama_cpp.llama_model_is_recurrent(self._model) or llama_cpp.llama_model_is_hybrid(self._model))
         self.threads = int(threads or default_threads())
-        self.n_batch = int(n_batch)
-        cp = llama_cpp.llama_context_default_params()
-        cp.n_ctx = int(n_ctx)
-        cp.n_batch = cp.n_ubatch = self.n_batch
-        # Sequence ids for tree verification (``eval_tree``): one per leaf, all in one unified KV buffer
-        # (kv_unified=False splits n_ctx between the sequences: the batched recorder's layout, no trees).
-        # Chains use sequence 0 only.
-        cp.n_seq_max = int(n_seq_max)
-        cp.kv_unified = bool(kv_unified)
-        cp.n_threads = cp.n_threads_batch = self.threads
-        cp.no_perf = True
-        # A full-size SWA cache keeps every position, so rolling back across the window is exact.
-        cp.swa_full = self.n_swa > 0
+        self.n_batch, self.n_ctx, self.n_seq_max, self.kv_unified = int(n_batch), int(n_ctx), int(n_seq_max), bool(kv_unified)
         self._n_rs = MTP_RS_SEQ if self.n_mtp else 0  # a hybrid (recurrent) trunk rolls back a verify pass from
-        cp.n_rs_seq = self._n_rs  # its snapshots (positions into its last decode)
-        self._last_decode: tuple[int, int] | None = None
-        cp.type_k = getattr(llama_cpp, KV_CACHE_TYPES[self.cache_type_k])
-        cp.type_v = getattr(llama_cpp, KV_CACHE_TYPES[self.cache_type_v])
-        if self.cache_type_v != "f16":  # llama.cpp refuses a quantized V cache without flash attention
-            cp.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
-        with _ctrl_c_deferred():
-            self._ctx = llama_cpp.llama_init_from_model(self._model, cp)
-        if not self._ctx:
-            self.close()
-            if (self.cache_type_k, self.cache_type_v) != ("f16", "f16"):
-                raise OndeviceError(
-                    f"{self.path}: llama.cpp could not create a context with cache_type_k={self.cache_type_k} "
-                    f"cache_type_v={self.cache_type_v} (a quantized cache needs head sizes divisible by 32 and flash "
-                    "attention on this device); use f16")
-            raise OndeviceError(f"{self.path}: llama.cpp could not create a context of n_ctx={n_ctx}; try a smaller --n-ctx")
-        # What the context really got: llama.cpp rounds n_ctx up (to 256) and caps n_batch at the n_ctx
-        # asked for; one llama_decode takes at most n_batch tokens (GGML_ASSERT otherwise).
-        self.n_ctx = int(llama_cpp.llama_n_ctx(self._ctx))
-        self.n_batch = max(1, min(int(llama_cpp.llama_n_batch(self._ctx)), self.n_batch))
-        self._mem = llama_cpp.llama_get_memory(self._ctx)
+        self._last_decode: tuple[int, int] | None = None  # its snapshots (positions into its last decode)
+        self._open_context()
         self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
-        self.n_seq_max = int(llama_cpp.llama_n_seq_max(self._ctx))
-        self.n_ctx_seq = int(llama_cpp.llama_n_ctx_seq(self._ctx))  # cells one sequence may hold
-        self.kv_unified = bool(kv_unified)
         self._tree_batch = None  # allocated by the first eval_tree (a token may carry n_seq_max ids)
         self._tree_hidden: np.ndarray | None = None  # every node's hidden state of the last eval_tree
         self._tree: tuple[int, list[int], list[int]] | None = None  # (base, parents, each node's first sequence id)
@@ -219,6 +186,47 @@ class LlamaBackend(LlamaTree, LlamaState, LlamaFeatures, Backend):
         self._hidden_ok = False  # enable_hidden() was called
         self._emb = False  # llama.cpp's embeddings flag right now
         self._hidden: tuple[int, np.ndarray] | None = None  # (first position, rows) of the last eval
+
+    def _open_context(self, cb_eval=None) -> None:
+        """Create the llama_context (``_ctx``, ``_mem``) from the settings on ``self``; ``cb_eval``: a scheduler
+        callback (``llama_ext.EvalTap``) llama.cpp then calls on every node of every graph (none: no cost)."""
+        lib = self._lib
+        cp = lib.llama_context_default_params()
+        cp.n_ctx = self.n_ctx
+        cp.n_batch = cp.n_ubatch = self.n_batch
+        # Sequence ids for tree verification (``eval_tree``): one per leaf, all in one unified KV buffer
+        # (kv_unified=False splits n_ctx between the sequences: the batched recorder's layout, no trees).
+        # Chains use sequence 0 only.
+        cp.n_seq_max = self.n_seq_max
+        cp.kv_unified = self.kv_unified
+        cp.n_threads = cp.n_threads_batch = self.threads
+        cp.no_perf = True
+        # A full-size SWA cache keeps every position, so rolling back across the window is exact.
+        cp.swa_full = self.n_swa > 0
+        cp.n_rs_seq = self._n_rs
+        cp.type_k = getattr(lib, KV_CACHE_TYPES[self.cache_type_k])
+        cp.type_v = getattr(lib, KV_CACHE_TYPES[self.cache_type_v])
+        if self.cache_type_v != "f16":  # llama.cpp refuses a quantized V cache without flash attention
+            cp.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_ENABLED
+        if cb_eval is not None:
+            cp.cb_eval, cp.cb_eval_user_data = cb_eval, None
+        with _ctrl_c_deferred():
+            self._ctx = lib.llama_init_from_model(self._model, cp)
+        if not self._ctx:
+            self.close()
+            if (self.cache_type_k, self.cache_type_v) != ("f16", "f16"):
+                raise OndeviceError(
+                    f"{self.path}: llama.cpp could not create a context with cache_type_k={self.cache_type_k} "
+                    f"cache_type_v={self.cache_type_v} (a quantized cache needs head sizes divisible by 32 and flash "
+                    "attention on this device); use f16")
+            raise OndeviceError(f"{self.path}: llama.cpp could not create a context of n_ctx={self.n_ctx}; try a smaller --n-ctx")
+        # What the context really got: llama.cpp rounds n_ctx up (to 256) and caps n_batch at the n_ctx
+        # asked for; one llama_decode takes at most n_batch tokens (GGML_ASSERT otherwise).
+        self.n_ctx = int(lib.llama_n_ctx(self._ctx))
+        self.n_batch = max(1, min(int(lib.llama_n_batch(self._ctx)), self.n_batch))
+        self._mem = lib.llama_get_memory(self._ctx)
+        self.n_seq_max = int(lib.llama_n_seq_max(self._ctx))
+        self.n_ctx_seq = int(lib.llama_n_ctx_seq(self._ctx))  # cells one sequence may hold
 
     def _check_open(self) -> None:
         if not self._ctx:
@@ -264,34 +272,6 @@ class LlamaBackend(LlamaTree, LlamaState, LlamaFeatures, Backend):
         """Positions in the cache, as llama.cpp reports them (never a Python-side counter)."""
         self._check_open()
         return int(self._lib.llama_memory_seq_pos_max(self._mem, 0)) + 1
-
-    # -- hidden states (optional) ----------------------------------------------------------------
-    def enable_hidden(self) -> int:
-        """Keep the post-norm hidden state of every row each later ``eval`` outputs; returns its size.
-
-        llama.cpp outputs every row of a batch while embeddings are on, so an ``eval(..., "last")`` of
-        several tokens runs its first tokens with them off and the last token alone with them on.
-        """
-        self._check_open()
-        lib = self._lib
-        if lib.llama_pooling_type(self._ctx) != lib.LLAMA_POOLING_TYPE_NONE:
-            raise OndeviceError(f"{self.path.name}: this model pools its embeddings; it has no per-token hidden state for heads")
-        self._hidden_on = self._hidden_ok = True
-        self._set_emb(True)
-        self.n_embd = int(lib.llama_model_n_embd_out(self._model))
-        return self.n_embd
-
-    def want_hidden(self, on: bool) -> None:
-        """After ``enable_hidden``: whether the next evals keep hidden rows (off for steps whose next step
-        will not draft: llama.cpp's embeddings output is not free)."""
-        if self._hidden_ok:
-            self._hidden_on = bool(on)
-            self._set_emb(self._hidden_on)
-
-    def _set_emb(self, on: bool) -> None:
-        if self._emb != on:
-            self._lib.llama_set_embeddings(self._ctx, on)
-            self._emb = on
 
     def eval(self, tokens: Sequence[int], logits: Literal["all", "last"] = "all") -> np.ndarray:
         if not self._hidden_on or logits == "all" or len(tokens) < 2:
@@ -376,6 +356,7 @@ class LlamaBackend(LlamaTree, LlamaState, LlamaFeatures, Backend):
             lib.llama_batch_free(self._tree_batch)
             self._tree_batch = None
         if self._ctx:
+            llama_ext.forget(self._ctx)
             with _ctrl_c_deferred():
                 lib.llama_free(self._ctx)
             self._ctx = None

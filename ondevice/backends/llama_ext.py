@@ -125,6 +125,11 @@ def record_layer_inputs(ctx, model, ids: list[int], on: bool = True, name: str =
         (on_now.add if on else on_now.discard)(int(i))
 
 
+def forget(ctx) -> None:
+    """Drop what ``record_layer_inputs`` remembers of a context about to be freed (its address may be reused)."""
+    _RECORDING.pop(_ptr(ctx), None)
+
+
 def layer_inputs(ctx, ids: list[int], n_tokens: int, n_embd: int) -> np.ndarray:
     """[n_tokens, len(ids) × n_embd] float32: the recorded inputs of layers ``ids`` (concatenated in that order,
     as EAGLE-3's ``fc`` reads them) of the tokens of the last ``llama_decode`` (at most n_batch of them: a decode
@@ -151,11 +156,14 @@ class EvalTap:
     does not record them (qwen2 / Qwen2.5 in this llama.cpp): the input of layer il is the tensor the graph
     names ``l_out-{il - 1}`` (the previous layer's output), copied out as it is computed.
 
-    It costs more than ``record_layer_inputs``: llama.cpp asks the callback about every node of every graph
-    (hundreds per decode) and splits the computation at each tensor taken.
+    llama.cpp asks the callback about every node of every graph (hundreds per decode, from the thread that calls
+    ``llama_decode``) and splits the computation at each tensor taken; a context created without it pays
+    nothing, so ``LlamaBackend`` installs one only when layer inputs are asked for. Rows accumulate across the
+    ubatches of a decode (and across decodes) in order until ``read`` or ``clear``.
 
     Usage: ``cp.cb_eval = tap.callback`` (and ``cp.cb_eval_user_data = None``) on the llama_context_params the
-    target's context is created with; after each ``llama_decode``, ``tap.read()``.
+    target's context is created with; after each ``llama_decode``, ``tap.read()``. The callback cannot be
+    changed after the context is created, but the layers it takes can (``set_ids``; none: an idle tap).
 
     Args:
         ids: target layer ids, 1 ≤ id < n_layer (layer 0's input, the embedding, has no named tensor to take).
@@ -163,48 +171,81 @@ class EvalTap:
     """
 
     def __init__(self, ids: list[int], n_embd: int, n_layer: int) -> None:
-        import os
-
         import llama_cpp
 
-        if any(i < 1 for i in ids):
-            raise OndeviceError(f"layer ids {ids}: layer 0's input cannot be read through cb_eval (ids ≥ 1 only)")
-        if any(i >= n_layer for i in ids):
-            raise OndeviceError(f"layer ids {ids}: the target has {n_layer} layers (a draft made for another target)")
-        self.ids, self.n_embd = list(ids), int(n_embd)
-        lib = ctypes.CDLL(os.path.join(os.path.dirname(llama_cpp.__file__), "lib", "libggml-base.so"))
-        lib.ggml_get_name.restype, lib.ggml_get_name.argtypes = ctypes.c_char_p, [ctypes.c_void_p]
-        lib.ggml_nbytes.restype, lib.ggml_nbytes.argtypes = ctypes.c_size_t, [ctypes.c_void_p]
-        lib.ggml_backend_tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
-        want = {f"l_out-{i - 1}".encode(): i for i in set(self.ids)}
-        self._rows: dict[int, list[np.ndarray]] = {i: [] for i in want.values()}
+        self.n_embd, self.n_layer = int(n_embd), int(n_layer)
+        lib = llama_cpp.llama_cpp._lib  # libllama's handle also finds the ggml symbols it links
+        get_name = ctypes.CFUNCTYPE(ctypes.c_char_p, ctypes.c_void_p)(("ggml_get_name", lib))
+        nbytes = ctypes.CFUNCTYPE(ctypes.c_size_t, ctypes.c_void_p)(("ggml_nbytes", lib))
+        get = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t)(
+            ("ggml_backend_tensor_get", lib))
+        self._want: dict[bytes, int] = {}  # tensor name → layer id; changed in place (the callback reads it)
+        self._error: BaseException | None = None  # what went wrong inside the callback, raised by ``read``
+        self._rows: dict[int, list[np.ndarray]] = {}
+        self.ids: list[int] = []
+        self.set_ids(ids)
+        want, rows = self._want, self._rows
 
         def cb(t, ask, _user):  # pragma: no cover - called from C
-            il = want.get(lib.ggml_get_name(t))
+            il = want.get(get_name(t))
             if ask or il is None:
                 return il is not None if ask else True
-            nb = lib.ggml_nbytes(t)
-            buf = np.empty(nb // 4, np.float32)
-            lib.ggml_backend_tensor_get(t, buf.ctypes.data, 0, nb)
-            self._rows[il].append(buf.reshape(-1, self.n_embd))
+            # False (or an exception, which ctypes turns into False) would make llama.cpp skip the rest of the
+            # graph: whatever goes wrong is kept for ``read`` and the pass goes on
+            try:
+                nb = nbytes(t)
+                if ctypes.c_int.from_address(t).value != 0 or nb % (4 * self.n_embd):  # type GGML_TYPE_F32 (0)
+                    raise OndeviceError(f"cb_eval: tensor l_out-{il - 1} is not float32 rows of width {self.n_embd}")
+                buf = np.empty(nb // 4, np.float32)
+                get(t, buf.ctypes.data, 0, nb)
+                rows[il].append(buf.reshape(-1, self.n_embd))
+            except BaseException as e:  # KeyboardInterrupt too: raised again by ``read``
+                self._error = self._error or e
             return True
 
         self.callback = llama_cpp.ggml_backend_sched_eval_callback(cb)
+
+    def set_ids(self, ids: list[int]) -> None:
+        """Take the inputs of layers ``ids`` from the next decode on (rows kept so far are dropped)."""
+        ids = [int(i) for i in ids]
+        if any(i < 1 for i in ids):
+            raise OndeviceError(f"layer ids {ids}: layer 0's input cannot be read through cb_eval (ids ≥ 1 only)")
+        if any(i >= self.n_layer for i in ids):
+            raise OndeviceError(f"layer ids {ids}: the target has {self.n_layer} layers (a draft made for another "
+                                "target)")
+        self.ids = ids
+        self._want.clear()
+        self._want.update({f"l_out-{i - 1}".encode(): i for i in set(ids)})
+        self._rows.clear()
+        self._rows.update({i: [] for i in set(ids)})
 
     def clear(self) -> None:
         for rows in self._rows.values():
             rows.clear()
 
-    def read(self) -> np.ndarray:
-        """[n_tokens, len(ids) × n_embd]: the inputs of ``ids`` for the tokens decoded since the last read."""
+    def read(self, n_tokens: int | None = None) -> np.ndarray:
+        """[n, len(ids) × n_embd]: the inputs of ``ids`` for the tokens decoded since the last read (or ``clear``),
+        in decode order, then forgets them. ``n_tokens``: only the last n_tokens rows (the last decode's, when
+        decodes nobody read came before it); an ``OndeviceError`` when fewer were seen."""
+        err, self._error = self._error, None
+        if err is not None:
+            self.clear()
+            raise err
+        if not self.ids:
+            raise OndeviceError("this cb_eval tap takes no layers (set_ids first)")
         parts = []
         for i in self.ids:
             if not self._rows[i]:
                 raise OndeviceError(f"layer {i}'s input was not seen by cb_eval (no decode since the last read, or "
                                     "this architecture does not name its layer outputs l_out)")
-            parts.append(np.concatenate(self._rows[i]))
+            parts.append(np.concatenate(self._rows[i]) if len(self._rows[i]) > 1 else self._rows[i][0])
         self.clear()
-        return np.concatenate(parts, axis=1)
+        out = np.concatenate(parts, axis=1)
+        if n_tokens is None:
+            return out
+        if out.shape[0] < n_tokens:
+            raise OndeviceError(f"cb_eval saw {out.shape[0]} rows of layer inputs for a decode of {n_tokens} tokens")
+        return out[out.shape[0] - n_tokens:]
 
 
 class LlamaHandles:

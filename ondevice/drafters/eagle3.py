@@ -11,12 +11,23 @@ q: each drafted token is drawn from the draft's logits (over the target vocabula
 processed with the request's own ``SamplingParams`` (``probs_sparse``: temperature, top-k/p, min-p, repetition
 penalty), masked first by the request's constraint: the shared rejection rule keeps the target's law at any
 temperature. Greedy drafting is deterministic (q None).
+
+Trees (``Traits.trees``; the runtime asks for them unless a constraint, an observer or the backend rules them
+out): EAGLE-2's dynamic tree, grown best first (``best_first``) by the draft's confidence in each node (the
+product of its softmax probabilities along the path), the ``max_nodes`` best nodes kept in that order so every
+prefix is a tree the policy can size (``Policy.tree_nodes``). Every node is a deterministic guess (distinct
+siblings, point-mass q), which ``ondevice.tree``'s multi-draft rejection rule keeps exact at any temperature.
+A node is expanded (one draft decode of its path's rows not already in the draft's cache) only when its score
+is the best still open, so a tree of n nodes costs at most n draft decodes.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +36,7 @@ from ondevice.drafters.base import Drafter, Traits, common_prefix
 from ondevice.drafters.chain import Chain
 from ondevice.errors import OndeviceError
 from ondevice.sampling import SamplingParams, probs_sparse
+from ondevice.tree import Tree
 
 _GREEDY = SamplingParams(temperature=0.0)
 
@@ -43,31 +55,36 @@ def is_eagle3_gguf(path: str) -> bool:
 
 
 class Eagle3Drafter(Drafter):
-    """Chains from an EAGLE-3 draft fed the target's layer inputs (see the module docstring).
+    """Chains and best-first trees from an EAGLE-3 draft fed the target's layer inputs (see the module docstring).
 
     Args:
         target: the target backend; it must record layer inputs (a llama.cpp target of an architecture whose
             graph keeps them; others are refused in one line naming the architecture).
         path: the eagle3 GGUF.
         threads: CPU threads of the draft's context.
+        trees: propose trees (``propose_tree``) when the runtime allows; False: chains only.
     """
 
-    traits = Traits(name="eagle3", needs=frozenset({"layer_inputs"}))
+    traits = Traits(name="eagle3", trees=True, needs=frozenset({"layer_inputs"}))
+    branch = 4  # children considered per expanded tree node
+    max_depth = 8  # deepest tree node
 
-    def __init__(self, target, path: str | Path, threads: int | None = None) -> None:
+    def __init__(self, target, path: str | Path, threads: int | None = None, trees: bool = True) -> None:
         from ondevice.backends.eagle3 import Eagle3Graph
 
         if "layer_inputs" not in target.features:
             target.enable_layer_inputs([])  # raises the backend's one-line refusal
         self.target = target
         self.target_vocab = target.vocab_size
+
+        def layer_inputs_on(ids: list[int]):  # before the draft's context: a qwen2 target recreates its own
+            self.width = target.enable_layer_inputs(ids)
+            return target._ctx
+
         # checks hidden size, vocabulary and depth against the target; borrows its embeddings (ctx_other)
-        self.graph = Eagle3Graph(path, target._ctx, target._model, n_ctx=target.n_ctx, threads=threads)
-        try:
-            self.width = target.enable_layer_inputs(self.graph.layer_ids)
-        except BaseException:
-            self.graph.close()
-            raise
+        self.graph = Eagle3Graph(path, layer_inputs_on, target._model, n_ctx=target.n_ctx, threads=threads)
+        if not trees:
+            self.traits = replace(self.traits, trees=False)
         self._tokens: list[int] = []  # context[:valid + 1]: what the valid draft positions were built from
         self._valid = 0  # draft positions 0..valid-1 hold pairs made from the target's true features
         self._spt: float | None = None
@@ -112,6 +129,44 @@ class Eagle3Drafter(Drafter):
                 pos += 1
         return chain.result(V)
 
+    def propose_tree(self, context: Sequence[int], max_nodes: int, params: SamplingParams, rng) -> Tree | None:
+        """A best-first tree of up to ``max_nodes`` drafted nodes after ``context`` (module docstring), with
+        ``scores`` (the draft's confidence in each node); None when the target kept no features for the last
+        cached position or nothing fits."""
+        g = self.graph
+        max_depth = min(self.max_depth, self.graph_room(context))
+        if max_nodes <= 0 or max_depth <= 0:
+            return None
+        first = self._absorb(context)
+        if first is None:
+            return None
+        logits0, pre0 = first
+        shared = g.n_past  # pairs up to the pending token's: node at depth d goes to position shared + d - 1
+        nodes: list[tuple[int, int]] = [(int(context[-1]), -1)]  # (token, parent) per node, the root first
+        pre: dict[int, np.ndarray] = {0: pre0[-1]}  # an expanded node's pre-norm output: its children's g
+        cached: list[int] = []  # the nodes whose pairs the draft's cache holds after ``shared``
+
+        def expand(node: int) -> np.ndarray:
+            path = []
+            while node > 0:
+                path.append(node)
+                node = nodes[node][1]
+            path.reverse()
+            c = common_prefix(cached, path)
+            g.rollback(shared + c)
+            todo = path[c:]
+            logits, out = g.decode([nodes[n][0] for n in todo], np.stack([pre[nodes[n][1]] for n in todo]),
+                                   shared + c, "last")
+            cached[:] = path
+            pre[path[-1]] = out[-1]
+            return logits[-1]
+
+        tokens, parents, scores = best_first(logits0[-1], expand, max_nodes, self.branch, max_depth,
+                                             on_node=lambda t, p: nodes.append((t, p)))
+        if not tokens:
+            return None
+        return Tree([int(context[-1]), *tokens], [-1, *parents], scores=[1.0, *scores])
+
     def graph_room(self, context: Sequence[int]) -> int:
         """Drafts the draft's cache has room for after ``context``."""
         return self.target.n_ctx - len(context)
@@ -142,3 +197,58 @@ class Eagle3Drafter(Drafter):
     def close(self) -> None:
         self.graph.close()  # before the target: the draft borrows its context
 
+
+
+def best_first(logits: np.ndarray, expand: Callable[[int], np.ndarray], max_nodes: int, branch: int, max_depth: int,
+               on_node: Callable[[int, int], None] | None = None) -> tuple[list[int], list[int], list[float]]:
+    """EAGLE-2's dynamic tree: the ``max_nodes`` nodes of largest confidence (the product of the draft's softmax
+    probabilities along the path; each node's ``branch`` most likely children considered), found best first.
+
+    A node's children are known once it is expanded (``expand(node)`` → its logits row); since a child's score
+    is at most its parent's, a node is expanded only when its own score is the best still open, so the nodes come
+    out in non-increasing score with every parent before its children (each prefix is a tree).
+
+    Args:
+        logits: the root's row (the depth-1 candidates); −inf entries (outside the draft's vocabulary) are never
+            proposed.
+        expand: node index (1-based: the root is 0) → that node's logits row.
+        on_node: called with (token, parent) as each node joins the tree, before it can be expanded.
+    Returns:
+        (tokens, parents (0 = the root, node i + 1 is entry i), scores), in the order the nodes joined.
+    """
+    tokens: list[int] = []
+    parents: list[int] = []
+    scores: list[float] = []
+    heap: list = []
+    tie = itertools.count()  # equal scores: the earlier pushed first (a node before its children)
+
+    def push_children(row: np.ndarray, parent: int, score: float, depth: int) -> None:
+        row = np.asarray(row, np.float32)
+        k = min(branch, row.size)
+        top = np.argpartition(-row, k - 1)[:k]  # O(V): a full sort of a 150k vocabulary costs ~10 ms per node
+        top = top[np.argsort(-row[top], kind="stable")]
+        m = float(row[top[0]])
+        if not np.isfinite(m):
+            return
+        z = float(np.exp(row - m, dtype=np.float64).sum())  # −inf rows (outside the draft vocabulary) add 0
+        for t in top:
+            p = float(np.exp(float(row[t]) - m)) / z
+            if np.isfinite(row[t]) and p > 0:
+                heapq.heappush(heap, (-score * p, next(tie), False, (int(t), parent, depth)))
+
+    push_children(logits, 0, 1.0, 1)
+    while heap and len(tokens) < max_nodes:
+        neg, _, is_open, item = heapq.heappop(heap)
+        if is_open:  # a tree node whose children are now the best candidates
+            node, depth = item
+            push_children(expand(node), node, -neg, depth + 1)
+            continue
+        t, parent, depth = item
+        tokens.append(t)
+        parents.append(parent)
+        scores.append(-neg)
+        if on_node is not None:
+            on_node(t, parent)
+        if depth < max_depth:
+            heapq.heappush(heap, (neg, next(tie), True, (len(tokens), depth)))
+    return tokens, parents, scores
