@@ -130,7 +130,7 @@ def train_eagle(model: str | os.PathLike, *, tokens: int = train.DEFAULT_TOKENS,
     dest = dest.with_name(eagle_store.default_path(path).name)
     cfg = GGUFFile(path).config()
     L = int(cfg["num_hidden_layers"])
-    layer_ids = [min(max(i, 0), L - 1) for i in (2, L // 2, L - 3)]  # llama.cpp's default, clipped for tiny targets
+    layer_ids = [min(max(i, 1), L - 1) for i in (2, L // 2, L - 3)]  # llama.cpp's default, clipped (layer 0: qwen2 cannot)
     # the features' context first: a target whose graph cannot hand out layer inputs is refused before any work
     fb = LlamaBackend(path, n_ctx=n_ctx, threads=threads, n_batch=512)
     try:
