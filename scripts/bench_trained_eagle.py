@@ -20,6 +20,12 @@ from ondevice.heads import data, eagle_store
 from ondevice.store import lookup
 
 
+def _trees(drafter, on: bool) -> None:
+    import dataclasses
+
+    drafter.traits = dataclasses.replace(drafter.traits, trees=on)
+
+
 def _cost(rt, reps: int = 15) -> dict:
     """A drafted token of the trained draft ÷ one target decode, interleaved (the machine's load cancels)."""
     d, t = [], []
@@ -60,14 +66,18 @@ def main() -> None:
             ondevice.load(path, drafter="ngram", threads=a.threads) as ngram:
         cost = _cost(spec)
         for cls, prompts in sorted(heldout.items()):
-            acc = {k: {"tokens": 0, "passes": 0, "seconds": 0.0} for k in ("plain", "eagle3", "eagle5", "ngram3")}
+            acc = {k: {"tokens": 0, "passes": 0, "seconds": 0.0} for k in ("plain", "eagle3", "eagle5", "tree8", "ngram3")}
             equal = True
             for text in prompts[: a.per_class]:
                 msgs = [{"role": "user", "content": text}]
                 ref = plain.chat(msgs, max_tokens=a.tokens, temperature=0)
-                runs = {"plain": ref, "eagle3": spec.chat(msgs, max_tokens=a.tokens, temperature=0, gamma=3),
-                        "eagle5": spec.chat(msgs, max_tokens=a.tokens, temperature=0, gamma=5),
-                        "ngram3": ngram.chat(msgs, max_tokens=a.tokens, temperature=0, gamma=3)}
+                runs = {"plain": ref}
+                _trees(spec.drafter, False)
+                runs["eagle3"] = spec.chat(msgs, max_tokens=a.tokens, temperature=0, gamma=3)
+                runs["eagle5"] = spec.chat(msgs, max_tokens=a.tokens, temperature=0, gamma=5)
+                _trees(spec.drafter, True)  # best-first trees of ≤ 8 nodes
+                runs["tree8"] = spec.chat(msgs, max_tokens=a.tokens, temperature=0, gamma=8)
+                runs["ngram3"] = ngram.chat(msgs, max_tokens=a.tokens, temperature=0, gamma=3)
                 for k, r in runs.items():
                     equal &= r.tokens == ref.tokens
                     acc[k]["tokens"] += r.stats.tokens

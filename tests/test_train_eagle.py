@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import chisquare, exact_law, plant_no_residual, plant_wrong_q, sampled_counts
+from helpers import chisquare, exact_law, plant_no_residual, plant_wrong_q, sampled_counts, use_trees
 
 import ondevice
 from ondevice import sampling
@@ -71,10 +71,12 @@ def test_the_stored_drafter_is_an_eagle3_gguf_llama_cpp_runs(trained, home):
     assert shown["kind"] == "eagle" and "EAGLE" in eagle_store.describe(shown) and str(path) in eagle_store.describe(shown)
 
 
-def test_greedy_with_the_trained_drafter_equals_plain(trained, home):
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+def test_greedy_with_the_trained_drafter_equals_plain(trained, home, shape):
     target = trained[0]
     with ondevice.load(target, draft="heads", threads=1) as spec, ondevice.load(target, drafter="none", threads=1) as plain:
         assert spec.drafter.name == "eagle3"
+        use_trees(spec.drafter, shape == "tree")
         drafted = accepted = 0
         for prompt in [*PROMPTS, *_chats()]:
             run = spec.generate if isinstance(prompt, str) else spec.chat
@@ -103,6 +105,7 @@ def test_sampled_law_is_the_targets_and_the_controls_fail(trained, home, monkeyp
         b.close()
     n = 3000
     with ondevice.load(target, draft="heads", threads=1) as rt:
+        use_trees(rt.drafter, False)  # chains: the q rows the second control plants are a chain's
         runs = [rt.generate(ids, max_tokens=3, seed=s, gamma=3, **LAW).stats for s in range(40)]
         accepted, drafted = sum(r.accepted for r in runs), sum(r.drafted for r in runs)
         assert 0 < accepted < drafted, (accepted, drafted)  # both outcomes occur, so the controls can fail
