@@ -258,8 +258,7 @@ class BatchEngine:
         try:
             with rt._lock:
                 keep = min(common_prefix(self._kv[s], ids), len(ids) - 1)
-                n_disk, restore = job.disk
-                job.disk = (0, None)  # the state read from disk is not kept past admission
+                (n_disk, restore), job.disk = job.disk, (0, None)  # the state read from disk is let go here
                 if restore is not None and n_disk > keep:  # a longer prefix on disk: it replaces the sequence
                     self._kv[s] = []
                     keep = restore(s)  # 0, the sequence emptied, when llama.cpp refuses the file
