@@ -36,6 +36,7 @@ import httpx
 from ondevice.bench.run import CLASSES, load_prompts, machine
 from ondevice.loader import load
 from ondevice.server.run import launch
+from ondevice.threads import default_threads
 
 
 def _server(client: httpx.Client, url: str, model: str, msgs: list, gen: dict, stream: bool) -> tuple[str, int, float]:
@@ -160,8 +161,8 @@ def concurrent(a) -> dict:
     ks = [int(k) for k in a.clients.split(",")]
     n = a.parallel or max(ks)
     gen = {"temperature": 0, "max_tokens": a.max_tokens}
-    common = ["--n-ctx", str(a.n_ctx), "--no-spec", "--max-queue", "64",
-              *(["--threads", str(a.threads)] if a.threads else [])]
+    threads = a.threads or default_threads()  # one count for both (each server would pick its own at load)
+    common = ["--n-ctx", str(a.n_ctx), "--no-spec", "--max-queue", "64", "--threads", str(threads)]
     par, purl = launch(a.model, *common, "--parallel", str(n))
     try:
         one, ourl = launch(a.model, *common)
@@ -192,7 +193,7 @@ def concurrent(a) -> dict:
     finally:
         par.terminate()
         par.wait(timeout=30)
-    return {"machine": machine(), "config": {**vars(a), "parallel": n, **gen}, "rows": rows}
+    return {"machine": machine(), "config": {**vars(a), "parallel": n, "threads": threads, **gen}, "rows": rows}
 
 
 def _system_prompt(tokens: int) -> str:
@@ -207,7 +208,8 @@ def prompt_cache(a) -> dict:
 
     gen = {"temperature": 0, "max_tokens": 16}
     system = _system_prompt(a.system_tokens)
-    opts = ["--n-ctx", str(a.n_ctx), *(["--threads", str(a.threads)] if a.threads else []),
+    threads = a.threads or default_threads()  # one count for both runs
+    opts = ["--n-ctx", str(a.n_ctx), "--threads", str(threads),
             *(["--parallel", str(a.parallel)] if a.parallel and a.parallel > 1 else [])]
     runs = []
     for rep in range(a.repeats):
@@ -232,7 +234,7 @@ def prompt_cache(a) -> dict:
             runs.append({"repeat": rep, "cold": got[0], "restored": got[1],
                          "ttft_ratio": round(got[1]["ttft"] / got[0]["ttft"], 3)})
     ratios = sorted(r["ttft_ratio"] for r in runs)
-    return {"machine": machine(), "config": {**vars(a), **gen}, "runs": runs,
+    return {"machine": machine(), "config": {**vars(a), "threads": threads, **gen}, "runs": runs,
             "summary": {"median_ttft_ratio": ratios[len(ratios) // 2], "ttft_ratios": ratios,
                         "min_reused": min(r["restored"]["reused"] for r in runs),
                         "pass": ratios[len(ratios) // 2] <= 0.6 and all(r["restored"]["reused"] >= 0.8 for r in runs)}}
@@ -248,7 +250,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--gamma", type=int, default=4, help="direct: draft length")
     ap.add_argument("--n-ctx", type=int, default=None, help="default: 2048 (direct), 512 (concurrent), 4096")
-    ap.add_argument("--threads", type=int, default=None, help="llama.cpp threads for both (default: all cores)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="llama.cpp threads for both sides (default: the cores free now, one count for both)")
     ap.add_argument("--clients", default="1,2,4,8", help="concurrent: clients at once, per row")
     ap.add_argument("--parallel", type=int, default=None, help="slots of the batched server (default: most clients)")
     ap.add_argument("--system-tokens", type=int, default=2000, help="prompt-cache: size of the system prompt")
