@@ -4,6 +4,8 @@ restart too), stores what it prefilled, reports ``Stats.cached_tokens`` (and the
 
 from __future__ import annotations
 
+import pytest
+
 from ondevice.batching import BatchEngine
 from ondevice.loader import load
 from ondevice.server.openai_api import usage
@@ -58,3 +60,27 @@ def test_batched_slots_without_a_prompt_cache_report_in_memory_reuse(tiny_gguf):
     assert a.stats.cached_tokens == 0 and b.stats.cached_tokens > 0.8 * b.stats.prompt_tokens
     assert b.stats.prompt_eval_tokens == b.stats.prompt_tokens - b.stats.cached_tokens
 
+
+
+def test_serve_parallel_restart_reports_cached_tokens(tiny_gguf, tmp_path):
+    """``serve --parallel 2 --prompt-cache DIR``, restarted: the repeated system prompt comes from disk and the
+    OpenAI usage says so; the text equals the cold server's."""
+    httpx = pytest.importorskip("httpx")
+    from ondevice.server.run import launch
+
+    path = tiny_gguf("llama")
+    got = []
+    for _ in range(2):
+        proc, url = launch(str(path), "--n-ctx", "1024", "--threads", "1", "--parallel", "2", "--no-spec",
+                           "--prompt-cache", str(tmp_path))
+        try:
+            model_id = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+            r = httpx.post(url + "/v1/completions", json={"model": model_id, "prompt": SYSTEM + QUESTIONS[0],
+                                                          "max_tokens": 8, "temperature": 0}, timeout=120).json()
+            got.append((r["choices"][0]["text"], r["usage"]))
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+    (cold_text, cold), (text, warm) = got
+    assert text == cold_text and cold["prompt_tokens_details"]["cached_tokens"] == 0
+    assert warm["prompt_tokens_details"]["cached_tokens"] == warm["prompt_tokens"] - 1
