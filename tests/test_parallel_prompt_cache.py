@@ -84,3 +84,20 @@ def test_serve_parallel_restart_reports_cached_tokens(tiny_gguf, tmp_path):
     (cold_text, cold), (text, warm) = got
     assert text == cold_text and cold["prompt_tokens_details"]["cached_tokens"] == 0
     assert warm["prompt_tokens_details"]["cached_tokens"] == warm["prompt_tokens"] - 1
+
+
+def test_one_folder_serves_parallel_and_one_at_a_time_runtimes(tiny_gguf, tmp_path):
+    """llama.cpp serialises a sequence differently with one KV buffer per sequence: each layout restores only its
+    own files, and neither deletes the other's (a server run with and without --parallel on one folder)."""
+    path = tiny_gguf("llama")
+    prompt = SYSTEM + QUESTIONS[0]
+    _, = _batched(path, tmp_path, [prompt])  # parallel=3 stores its file
+    with load(path, drafter="none", n_ctx=1024, threads=1, prompt_cache=tmp_path) as rt:
+        one = rt.generate(prompt, max_tokens=12, temperature=0)
+    assert one.stats.cached_tokens == 0  # the parallel file is not this layout's
+    assert len(list(tmp_path.glob("*.kvc"))) == 2  # it was kept, and the one-at-a-time runtime stored its own
+    (tokens, stats), = _batched(path, tmp_path, [prompt])
+    assert tokens == one.tokens and stats.cached_tokens == stats.prompt_tokens - 1
+    with load(path, drafter="none", n_ctx=1024, threads=1, prompt_cache=tmp_path) as rt:
+        again = rt.generate(prompt, max_tokens=12, temperature=0)
+    assert again.tokens == one.tokens and again.stats.cached_tokens == again.stats.prompt_tokens - 1
