@@ -8,8 +8,9 @@ from pathlib import Path
 from ondevice.errors import OndeviceError
 
 
-def parallel_option(value) -> int | str:
-    """``--parallel`` / ``load(parallel=)``: a whole number of slots from 1 to 64, or "auto".
+def parallel_option(value, name: str = "parallel") -> int | str:
+    """``--parallel`` / ``load(parallel=)``: a whole number of slots from 1 to 64, or "auto" (``name``: the option
+    as the message names it).
 
     Raises:
         OndeviceError: anything else (one line naming the option and what it takes).
@@ -21,7 +22,8 @@ def parallel_option(value) -> int | str:
     except (TypeError, ValueError):
         n = None
     if n is None or not 1 <= n <= 64 or (not isinstance(value, (int, str))):
-        raise OndeviceError(f"parallel={value!r}: give a whole number of slots from 1 to 64, or auto")
+        shown = f"{name} {value}" if name.startswith("-") else f"{name}={value!r}"
+        raise OndeviceError(f"{shown}: give a whole number of slots from 1 to 64, or auto")
     return n
 
 

@@ -19,6 +19,8 @@ def test_parallel_option_takes_a_count_or_auto():
     for bad in (0, 65, "x", "2.5", 2.5, True, "-1", None):
         with pytest.raises(OndeviceError, match=r"parallel=.*whole number of slots from 1 to 64, or auto"):
             parallel_option(bad)
+    with pytest.raises(OndeviceError, match=r"^--parallel 0: give a whole number"):
+        parallel_option("0", "--parallel")
 
 
 def test_choose_slots_takes_the_fewest_near_the_best_gain():

@@ -188,7 +188,7 @@ def serve_cmd(
     from ondevice.server.models import Models, keep_alive_seconds
     from ondevice.server.run import check_exposure, open_socket, serve
 
-    par = parallel_option(parallel)  # N or "auto"; a bad value fails here, in one line
+    par = parallel_option(parallel, "--parallel")  # N or "auto"; a bad value fails here, in one line
     names = model or [DEFAULT_CHAT_MODEL]
     if len(names) > 1 and draft not in (None, "auto") and not registry.per_target(draft):
         raise OndeviceError(f"--draft {draft} is one model's draft; with several models use --draft auto (each "
