@@ -120,13 +120,14 @@ class BatchEngine:
         return stream
 
     def _lookup(self, ids: list[int]) -> tuple:
-        """The disk prompt cache's longest prefix of ``ids`` longer than any sequence holds now (read and checked
-        here, on the caller's thread: the running slots keep decoding meanwhile); (0, None) without one."""
+        """The disk prompt cache's longest prefix of ``ids`` longer than any free sequence holds now (read and
+        checked here, on the caller's thread: the running slots keep decoding meanwhile); (0, None) without one."""
         pc = self.rt.slot.prompt_cache
         if pc is None or len(ids) - 1 < pc.min_tokens:
             return 0, None
-        held = max(common_prefix(list(kv), ids) for kv in list(self._kv.values()))
-        return pc.lookup(ids, more_than=held)
+        with self._cv:  # the worker adds and removes active slots under it
+            free = [list(kv) for s, kv in self._kv.items() if s not in self._active]
+        return pc.lookup(ids, more_than=max([common_prefix(kv, ids) for kv in free] or [0]))
 
     def _constraint(self, req: GenerateRequest):
         """The request's compiled constraint (None: unconstrained). The vocabulary is read under the runtime's
@@ -156,8 +157,7 @@ class BatchEngine:
         return [_result(s) for s in [self.stream(p, request, **options) for p in prompts]]
 
     @property
-    def active(self) -> int:
-        """Requests decoding now."""
+    def active(self) -> int:  # requests decoding now
         return len(self._active)
 
     def cancel_all(self) -> None:
