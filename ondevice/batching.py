@@ -12,11 +12,11 @@ Exactness: on a context with one KV buffer per sequence (``LlamaBackend(kv_unifi
 the logits a one-sequence context gives (the layout ``ondevice.heads.batch`` relies on), so a greedy or
 seeded answer equals its one-at-a-time answer token for token (tests/test_parallel.py).
 
-Limits: slots decode plain (γ = 0: no drafter, no trees) — a batched verify of several slots' drafts is
-not built; ``Runtime.stream`` on the same runtime keeps speculating (chains) one request at a time, and
-waits while a batch runs (they share the cache; sequence 0 is the one-slot path's, so each continues from
-what the other left there). A sequence keeps its cells when its request ends: a request is given the free
-sequence holding the longest prefix of its prompt and evaluates only the rest (chat turns). llama.cpp only.
+Limits: slots decode plain (γ = 0: no drafter, no trees; a batched verify of several slots' drafts is not
+built); ``Runtime.stream`` on the same runtime speculates (chains) one request at a time and waits while a
+batch runs (sequence 0 is shared: each continues from what the other left there). A sequence keeps its cells
+when its request ends: a request takes the free sequence holding the longest prefix of its prompt, or a longer
+prefix from the disk prompt cache (``load(..., prompt_cache=)``), and evaluates only the rest. llama.cpp only.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ondevice.batch_load import build_parallel  # noqa: F401 - ondevice.loader imports it from here
 from ondevice.drafters.base import common_prefix
 from ondevice.errors import OndeviceError
 from ondevice.logprobs import token_logprobs
@@ -58,6 +59,7 @@ class _Job:
     slot: Slot | None = None
     text: TextAssembler | None = None
     rows: list = field(default_factory=list)  # prompt rows still to prefill: (sequence, position, token)
+    disk: tuple = (0, None)  # (tokens, restore) of the longest prefix the disk prompt cache holds
 
 
 class BatchEngine:
@@ -106,7 +108,7 @@ class BatchEngine:
         constraint = self._constraint(req)
         n_lp = req.top_logprobs if (req.logprobs or req.top_logprobs) else None
         out = Request()
-        job = _Job(ids, req, out, constraint, n_lp)
+        job = _Job(ids, req, out, constraint, n_lp, disk=self._lookup(ids))
         out.stats.prompt_tokens, out.stats.load_seconds = len(ids), rt.load_seconds
         with self._cv:
             self._waiting.append(job)
@@ -116,6 +118,16 @@ class BatchEngine:
         stream = Stream(lambda r: _consume(job), out)
         weakref.finalize(stream, out.cancel_event.set)  # a stream dropped unread frees its slot too
         return stream
+
+    def _lookup(self, ids: list[int]) -> tuple:
+        """The disk prompt cache's longest prefix of ``ids`` longer than any free sequence holds now (read and
+        checked here, on the caller's thread: the running slots keep decoding meanwhile); (0, None) without one."""
+        pc = self.rt.slot.prompt_cache
+        if pc is None or len(ids) - 1 < pc.min_tokens:
+            return 0, None
+        with self._cv:  # the worker adds and removes active slots under it
+            free = [list(kv) for s, kv in self._kv.items() if s not in self._active]
+        return pc.lookup(ids, more_than=max([common_prefix(kv, ids) for kv in free] or [0]))
 
     def _constraint(self, req: GenerateRequest):
         """The request's compiled constraint (None: unconstrained). The vocabulary is read under the runtime's
@@ -138,24 +150,14 @@ class BatchEngine:
 
     def generate(self, prompt, request: GenerateRequest | None = None, **options) -> Result:
         """Generate to completion (other requests keep decoding alongside); returns ``Result``."""
-        s = self.stream(prompt, request, **options)
-        for _ in s:
-            pass
-        return Result(s.text, s.tokens, s.stats, s.logprobs)
+        return _result(self.stream(prompt, request, **options))
 
     def generate_many(self, prompts: Sequence, request: GenerateRequest | None = None, **options) -> list[Result]:
         """Generate every prompt together; results in prompt order."""
-        streams = [self.stream(p, request, **options) for p in prompts]
-        out = []
-        for s in streams:
-            for _ in s:
-                pass
-            out.append(Result(s.text, s.tokens, s.stats, s.logprobs))
-        return out
+        return [_result(s) for s in [self.stream(p, request, **options) for p in prompts]]
 
     @property
-    def active(self) -> int:
-        """Requests decoding now."""
+    def active(self) -> int:  # requests decoding now
         return len(self._active)
 
     def cancel_all(self) -> None:
@@ -256,12 +258,20 @@ class BatchEngine:
         try:
             with rt._lock:
                 keep = min(common_prefix(self._kv[s], ids), len(ids) - 1)
+                (n_disk, restore), job.disk = job.disk, (0, None)  # the state read from disk is let go here
+                if restore is not None and n_disk > keep:  # a longer prefix on disk: it replaces the sequence
+                    self._kv[s] = []
+                    keep = restore(s)  # 0, the sequence emptied, when llama.cpp refuses the file
+                    self._kv[s] = list(ids[:keep])
                 self._kv[s] = self._kv[s][:keep]  # shortened before the cache is cut
                 if not t.rollback_seq(s, keep):
                     keep, self._kv[s] = 0, []
                     t.clear_seqs(s)
+                job.out.stats.cached_tokens = keep
                 job.out.stats.prompt_eval_tokens = len(ids) - keep
                 job.rows = [(s, p, tok) for p, tok in enumerate(ids[:-1]) if p >= keep]
+                if not job.rows:
+                    self._store(s, job)
         except BaseException as e:  # noqa: BLE001 - this request fails; the others go on
             self._end(s, "error", e)
 
@@ -274,9 +284,22 @@ class BatchEngine:
             with self.rt._lock:
                 t.eval_seqs(chunk, outputs=[last and i == len(chunk) - 1 for i in range(len(chunk))])
                 self._kv[s] = job.ids[: chunk[-1][1] + 1]  # lengthened after the cache grew
-            job.rows = job.rows[t.n_batch :]
+                job.rows = job.rows[t.n_batch :]
+                if last:
+                    self._store(s, job)
         except BaseException as e:  # noqa: BLE001 - this request fails; the others go on
             self._end(s, "error", e)
+
+    def _store(self, s: int, job: _Job) -> None:
+        """Sequence ``s`` holds the job's whole prompt but its last token: save it to the disk prompt cache (as
+        ``Slot.prefill`` does; nothing is written when a stored prefix covers it). Under the runtime's lock."""
+        pc, ids = self.rt.slot.prompt_cache, job.ids
+        if pc is None or len(ids) - 1 < pc.min_tokens:
+            return
+        try:
+            pc.store(ids[:-1], s)
+        except (OSError, OndeviceError) as e:  # a full disk costs the next restart a miss, not this answer
+            pc.warn(f"prompt cache: could not store a prefix in {pc.dir} ({getattr(e, 'strerror', None) or e})")
 
     def _step(self) -> None:
         """One ``llama_decode`` of every active slot's pending token, then each slot's token from its row."""
@@ -355,6 +378,12 @@ class BatchEngine:
             job.chunks.put(error if error is not None else _END)
 
 
+def _result(s: Stream) -> Result:
+    for _ in s:
+        pass
+    return Result(s.text, s.tokens, s.stats, s.logprobs)
+
+
 def _consume(job: _Job):
     """A request's chunks as the batch produces them; leaving early cancels the request (its slot frees)."""
     try:
@@ -368,32 +397,3 @@ def _consume(job: _Job):
     finally:
         job.out.cancel_event.set()
 
-
-def build_parallel(build, model, draft, parallel: int, *, n_ctx: int, **options):
-    """``loader.build`` with a llama.cpp target of ``parallel`` sequences, each with ``n_ctx`` cells in a KV buffer
-    of its own (a batch of them decodes as each would alone). Raises OndeviceError for another kind of model."""
-    from pathlib import Path
-
-    from ondevice.backends import detect_format, open_backend
-
-    if not isinstance(parallel, int) or isinstance(parallel, bool) or not 1 <= parallel <= 64:
-        raise OndeviceError(f"parallel={parallel!r}: give a whole number of slots from 1 to 64")
-
-    def open_target(path, *, n_ctx, threads, device, mmap):
-        path = Path(path)
-        if device == "mil" or detect_format(path) != "gguf":
-            raise OndeviceError(f"{path.name}: parallel slots need a GGUF (llama.cpp) model; MLX and Core ML "
-                                "models serve one request at a time (drop parallel / --parallel)")
-        from ondevice.backends.llama import LlamaBackend
-
-        if path.is_dir():
-            path = path / "model.gguf"
-
-        return LlamaBackend(path, n_ctx=n_ctx * parallel, threads=threads, device=device, mmap=mmap,
-                            n_seq_max=parallel, kv_unified=False)
-
-    rt = build(model, draft, n_ctx=n_ctx, open_target=open_target if parallel > 1 else open_backend, **options)
-    if parallel > 1:
-        rt.n_ctx = rt.slot.n_ctx = min(rt.n_ctx, rt.target.n_ctx_seq)  # one-at-a-time requests run on sequence 0
-    rt.parallel = parallel
-    return rt

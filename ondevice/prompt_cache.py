@@ -1,11 +1,13 @@
 """A prompt cache on disk: the KV state of long prompt prefixes (system prompts, tools, documents), restored
 when a later request, in this process or after a restart, starts with the same tokens.
 
-One file per stored prefix: ``<model>-<build>-<tokens>.kvc`` in the cache folder, where ``model`` is the
-first 16 hex digits of the model file's sha256 (hashed once and remembered by the file's size, mtime and inode,
-like the store's pull stamps), ``build`` a hash of everything else the bytes depend on (the llama.cpp library
-files and versions, the K/V cache types, the cache layout, the device), and ``tokens`` a hash of the exact
-prefix. A file holds::
+One file per stored prefix: ``<model>-<build>-<layout>-<tokens>.kvc`` in the cache folder, where ``model`` is
+the first 16 hex digits of the model file's sha256 (hashed once and remembered by the file's size, mtime and
+inode, like the store's pull stamps), ``build`` a hash of everything else the bytes depend on but the layout (the
+llama.cpp library files and versions, the K/V cache types, the device), ``layout`` the context's sequence layout
+(``u16``: one KV buffer, 16 sequence ids, the one-at-a-time runtime's; ``s4``: a buffer per sequence, 4 of them,
+``parallel=4``'s: llama.cpp serialises a sequence differently in each, so each restores only its own), and
+``tokens`` a hash of the exact prefix. A file holds::
 
     MAGIC | u32 header length | header JSON (identity, n_tokens, state size and sha256) | int32 tokens | state
 
@@ -15,7 +17,8 @@ state is exactly what this model computed for those tokens; only the batch split
 from a fresh one, as with the runtime's in-memory prefix). A file that is truncated or altered (size, token
 hash or state sha256 wrong), that names our identity but holds another's, or that llama.cpp refuses, is
 reported in one line and deleted: never restored. Files of this model made by another build are deleted too
-(they can never be used again); other models' files are left alone. The folder is bounded by ``max_bytes``:
+(they can never be used again); other models' files, and this build's files of another layout (a server run
+with and without ``--parallel`` on one folder), are left alone. The folder is bounded by ``max_bytes``:
 least recently used files go first (a hit touches its file's mtime). Writes are atomic (``ondevice.atomic``).
 """
 
@@ -137,9 +140,11 @@ class PromptCache:
         self.model_sha256 = model_sha256(backend.path, self.dir)
         self.build = build_identity(backend)
         self.identity = {"model_sha256": self.model_sha256, **self.build}
-        build_hash = hashlib.sha256(json.dumps(self.build, sort_keys=True).encode()).hexdigest()[:8]
+        build = {k: v for k, v in self.build.items() if k not in ("kv_unified", "n_seq_max")}
+        build_hash = hashlib.sha256(json.dumps(build, sort_keys=True).encode()).hexdigest()[:8]
         self._model_prefix = self.model_sha256[:16] + "-"
-        self._prefix = f"{self._model_prefix}{build_hash}-"
+        self._build_prefix = f"{self._model_prefix}{build_hash}-"
+        self._prefix = f"{self._build_prefix}{'u' if backend.kv_unified else 's'}{backend.n_seq_max}-"
         self._index: dict[str, tuple[int, np.ndarray]] = {}  # file name → (size, tokens), read once per file
         self._drop_other_builds()
 
@@ -154,7 +159,7 @@ class PromptCache:
 
     def _drop_other_builds(self) -> None:
         for p in self.dir.glob(f"{self._model_prefix}*{SUFFIX}"):
-            if not p.name.startswith(self._prefix):
+            if not p.name.startswith(self._build_prefix):
                 self._refuse(p, "made by another llama.cpp build or cache type for this model")
 
     def _read_head(self, path: Path, f) -> tuple[dict, np.ndarray]:

@@ -2,9 +2,16 @@
 
 For each concurrency k (default 1, 2, 4): k greedy requests decoded together by a ``BatchEngine`` (a runtime
 loaded with ``parallel=max k``), and the same k requests one after another on a usual runtime (no drafter:
-both plain, so the comparison is batching alone). Reports aggregate tokens/s, per-request latency and time
-to first token, whether every batched answer equals its one-at-a-time answer, and the speed-up (the run with
-the median speed-up of ``--repeat``, the two modes alternated). JSON.
+both plain, so the comparison is batching alone; both with the same thread count). Reports aggregate tokens/s,
+per-request latency and time to first token, whether every batched answer equals its one-at-a-time answer, and
+the speed-up (the run with the median speed-up of ``--repeat``, the two modes alternated), with the load
+average around each row.
+
+Beside it, llama.cpp's raw ceiling measured in the same run (``raw``): ``--max-tokens`` decode steps of k rows
+(k sequences, the batch's context) against k·max-tokens single-row decodes on the one-sequence runtime, no
+Python between them but the loop; ``ideal_speedup`` adds the requests' measured prefill to both sides (the
+batch prefills each prompt alone, as one after another does), and ``efficiency`` = speedup ÷ ideal_speedup is
+what the engine's per-step Python and threads leave of it. JSON.
 
     python scripts/bench_parallel.py [--model smollm2-135m-instruct] [--max-tokens 64] [--ks 1,2,4] [--json out.json]
 """
@@ -13,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -20,6 +28,7 @@ import time
 import ondevice
 from ondevice.batching import BatchEngine
 from ondevice.store import lookup
+from ondevice.threads import default_threads
 
 PROMPTS = [  # prompts that keep going (no early end of generation): every request decodes max_tokens
     "1, 2, 3, 4, 5, 6, 7, 8,",
@@ -31,6 +40,10 @@ PROMPTS = [  # prompts that keep going (no early end of generation): every reque
     "A very long poem about the sea, verse after verse:\n",
     "Count from one to one hundred in words: one, two, three,",
 ]
+
+
+def _load() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
 
 
 def _row(results, wall: float) -> dict:
@@ -77,6 +90,47 @@ def batched(eng: BatchEngine, prompts, max_tokens: int):
     return out, time.perf_counter() - t0
 
 
+def raw(rt, prt, prompts, k: int, steps: int) -> dict:
+    """llama.cpp alone: ``steps`` decodes of k rows (one per sequence, on the batch's context) vs the same tokens
+    as single-row decodes on the one-sequence runtime, and the prompts' prefill (seconds). Both runtimes are left
+    empty."""
+    t, u = prt.target, rt.target
+    ids = [rt.tokenize(p) for p in prompts[:k]]
+    with prt._lock, rt._lock:
+        try:
+            t.clear_seqs()
+            t0 = time.perf_counter()
+            for s, x in enumerate(ids):  # each prompt alone, as the batch prefills it
+                t.eval_seqs([(s, p, tok) for p, tok in enumerate(x[:-1])], outputs=[False] * (len(x) - 1))
+            prefill = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            for i in range(steps):
+                t.eval_seqs([(s, len(x) - 1 + i, x[-1]) for s, x in enumerate(ids)])
+            batch = time.perf_counter() - t0
+            single = 0.0
+            for x in ids:
+                u.rollback(0)
+                u.eval(x[:-1], logits="last")
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    u.eval(x[-1:])
+                single += time.perf_counter() - t0
+        finally:
+            t.clear_seqs()
+            u.rollback(0)
+    rt.reset()
+    prt.reset()
+    return {"batch_seconds": batch, "single_seconds": single, "prefill_seconds": prefill}
+
+
+def _raw_row(runs: list[dict]) -> dict:
+    med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    return {**{k: round(v, 4) for k, v in med.items()},
+            "raw_ratio": round(med["single_seconds"] / med["batch_seconds"], 3),
+            "ideal_speedup": round((med["prefill_seconds"] + med["single_seconds"])
+                                   / (med["prefill_seconds"] + med["batch_seconds"]), 3)}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m-instruct")
@@ -84,7 +138,7 @@ def main(argv=None) -> int:
     ap.add_argument("--ks", default="1,2,4")
     ap.add_argument("--n-ctx", type=int, default=512)
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--repeat", type=int, default=3, help="runs per concurrency (the median speed-up is reported)")
+    ap.add_argument("--repeat", type=int, default=5, help="runs per concurrency (the median speed-up is reported)")
     ap.add_argument("--json", default=None, help="also write the report here")
     a = ap.parse_args(argv)
     ks = [int(k) for k in a.ks.split(",")]
@@ -92,25 +146,29 @@ def main(argv=None) -> int:
         ap.error(f"--ks: at most {len(PROMPTS)} concurrent requests")
     path = lookup.resolve(a.model)
     rows = []
-    with ondevice.load(path, drafter="none", n_ctx=a.n_ctx, threads=a.threads) as rt, \
-            ondevice.load(path, drafter="none", n_ctx=a.n_ctx, threads=a.threads, parallel=max(max(ks), 2)) as prt:
+    threads = a.threads or default_threads()  # one count for both runtimes (each would pick its own at load)
+    with ondevice.load(path, drafter="none", n_ctx=a.n_ctx, threads=threads) as rt, \
+            ondevice.load(path, drafter="none", n_ctx=a.n_ctx, threads=threads, parallel=max(max(ks), 2)) as prt:
         eng = BatchEngine(prt)
         rt.generate(PROMPTS[0], max_tokens=4, temperature=0)  # warm-up
         eng.generate(PROMPTS[0], max_tokens=4, temperature=0)
         for k in ks:
-            runs = []
+            runs, raws, load = [], [], [_load()]
             for _ in range(a.repeat):  # alternated, so a change in the machine's load hits both alike
                 serial = one_after_another(rt, PROMPTS[:k], a.max_tokens)
                 prt.reset()  # no prefix kept from the previous round (sequences keep theirs otherwise)
                 runs.append((serial, batched(eng, PROMPTS[:k], a.max_tokens)))
+                raws.append(raw(rt, prt, PROMPTS, k, a.max_tokens))
+            load.append(_load())
             (s_res, s_wall), (res, wall) = sorted(runs, key=lambda r: r[0][1] / r[1][1])[len(runs) // 2]
-            b, s = _row(res, wall), _row(s_res, s_wall)
-            rows.append({"concurrent": k, "batched": b, "one_after_another": s,
-                         "speedup": round(b["tokens_per_second"] / s["tokens_per_second"], 3),
-                         "speedups": sorted(round(r[0][1] / r[1][1], 3) for r in runs),
-                         "answers_equal": all([x[0] for x in r[1][0]] == [x[0] for x in r[0][0]] for r in runs)})
-    report = {"model": str(path.name), "max_tokens": a.max_tokens, "threads": rt.target.threads, "repeat": a.repeat,
-              "rows": rows}
+            b, s, r = _row(res, wall), _row(s_res, s_wall), _raw_row(raws)
+            speedup = round(b["tokens_per_second"] / s["tokens_per_second"], 3)
+            rows.append({"concurrent": k, "batched": b, "one_after_another": s, "speedup": speedup,
+                         "speedups": sorted(round(x[0][1] / x[1][1], 3) for x in runs), "raw": r,
+                         "efficiency": round(speedup / r["ideal_speedup"], 3), "load_average": load,
+                         "answers_equal": all([x[0] for x in q[1][0]] == [x[0] for x in q[0][0]] for q in runs)})
+    report = {"model": str(path.name), "max_tokens": a.max_tokens, "threads": [rt.target.threads, prt.target.threads],
+              "repeat": a.repeat, "rows": rows}
     text = json.dumps(report, indent=2)
     print(text)
     if a.json:

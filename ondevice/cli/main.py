@@ -172,7 +172,7 @@ def serve_cmd(
     threads: ThreadsOpt = None,
     device: DeviceOpt = None,
     reasoning_budget: ReasoningBudgetOpt = None,
-    parallel: Annotated[int, typer.Option("--parallel", min=1, max=64, help="Requests of one model decoded together in one llama.cpp batch (each slot gets --n-ctx; GGUF models only; slots decode without speculation).")] = 1,
+    parallel: Annotated[str, typer.Option("--parallel", metavar="N|auto", help="Requests of one model decoded together in one llama.cpp batch (each slot gets --n-ctx; GGUF models only; slots decode without speculation); auto: the slots this machine's measured batch curve says pay (docs/parallel.md).")] = "1",
     cache_type_k: CacheTypeKOpt = "f16",
     cache_type_v: CacheTypeVOpt = "f16",
     prompt_cache: PromptCacheOpt = None,
@@ -182,12 +182,14 @@ def serve_cmd(
     """Serve the OpenAI and Anthropic APIs (/v1/chat/completions, /v1/completions, /v1/responses, /v1/messages, /v1/embeddings, /v1/models) and a chat page at /."""
     from functools import partial
 
+    from ondevice.batch_load import parallel_option
     from ondevice.drafters import registry
     from ondevice.errors import OndeviceError
     from ondevice.loader import load
     from ondevice.server.models import Models, keep_alive_seconds
     from ondevice.server.run import check_exposure, open_socket, serve
 
+    par = parallel_option(parallel, "--parallel")  # N or "auto"; a bad value fails here, in one line
     names = model or [DEFAULT_CHAT_MODEL]
     if len(names) > 1 and draft not in (None, "auto") and not registry.per_target(draft):
         raise OndeviceError(f"--draft {draft} is one model's draft; with several models use --draft auto (each "
@@ -202,7 +204,7 @@ def serve_cmd(
                                                          cache_type_k=cache_type_k, cache_type_v=cache_type_v,
                                                          prompt_cache=prompt_cache,
                                                          prompt_cache_size=prompt_cache_size, mmproj=mmproj,
-                                                         **({"parallel": parallel} if parallel > 1 else {})))
+                                                         **({"parallel": par} if par != 1 else {})))
     served = Models(specs, loader, max_loaded=max_loaded, keep_alive=keep_alive_seconds(keep_alive, "--keep-alive"),
                     max_queue=max_queue)
     served.adopt(specs[0][0], loader(names[0]))  # the first model loads now: a bad one fails at once
