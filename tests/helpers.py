@@ -184,6 +184,20 @@ def mlx_logits(model, ids) -> np.ndarray:
     return np.array(model(mx.array([ids]))[0].astype(mx.float32))
 
 
+def greedy_equal(spec, plain, prompts, gammas, max_tokens: int = 40) -> tuple[int, int]:
+    """Greedy speculation on ``spec`` emits ``plain``'s tokens for every prompt (text, or a chat: a list of
+    messages) at every γ of ``gammas``; returns (drafted, accepted) summed."""
+    drafted = accepted = 0
+    for prompt in prompts:
+        chat = not isinstance(prompt, str)
+        ref = (plain.chat if chat else plain.generate)(prompt, max_tokens=max_tokens, temperature=0, gamma=0)
+        for gamma in gammas:
+            res = (spec.chat if chat else spec.generate)(prompt, max_tokens=max_tokens, temperature=0, gamma=gamma)
+            assert res.tokens == ref.tokens, (prompt, gamma)
+            drafted, accepted = drafted + res.stats.drafted, accepted + res.stats.accepted
+    return drafted, accepted
+
+
 def heads_greedy_equals_plain(spec, plain, prompts, shape: str, gamma: int) -> tuple[int, int]:
     """Greedy speculation with heads (``shape`` "chain" or "tree") emits ``plain``'s tokens on every prompt;
     trees are really verified as trees (some branch at 8 nodes) and chains never. Returns (drafted, accepted)."""

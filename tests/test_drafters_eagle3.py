@@ -9,7 +9,7 @@ import dataclasses
 
 import numpy as np
 import pytest
-from helpers import chisquare, exact_law, plant_no_residual, plant_wrong_q, sampled_counts
+from helpers import chisquare, exact_law, greedy_equal, plant_no_residual, plant_wrong_q, sampled_counts
 
 import ondevice
 from ondevice import sampling
@@ -99,13 +99,7 @@ def test_the_draft_file_names_its_kind_and_greedy_equals_plain(pair):
             ondevice.load(target, drafter="none", threads=1) as plain:
         assert spec.drafter.name == "eagle3"
         _chains(spec)
-        drafted = accepted = 0
-        for prompt in PROMPTS:
-            for gamma in (1, 3):
-                ref = plain.generate(prompt, max_tokens=40, temperature=0, gamma=0)
-                res = spec.generate(prompt, max_tokens=40, temperature=0, gamma=gamma)
-                assert res.tokens == ref.tokens, (prompt, gamma)
-                drafted, accepted = drafted + res.stats.drafted, accepted + res.stats.accepted
+        drafted, accepted = greedy_equal(spec, plain, PROMPTS, (1, 3))
         assert drafted > 0 and accepted > 0
 
 
@@ -167,13 +161,7 @@ def test_greedy_trees_equal_plain(pair, monkeypatch, request):
     with ondevice.load(target, draft=str(draft), threads=1) as spec, \
             ondevice.load(target, drafter="none", threads=1) as plain:
         assert spec.drafter.traits.trees
-        drafted = accepted = 0
-        for prompt in PROMPTS:
-            for gamma in (3, 6):
-                ref = plain.generate(prompt, max_tokens=40, temperature=0, gamma=0)
-                res = spec.generate(prompt, max_tokens=40, temperature=0, gamma=gamma)
-                assert res.tokens == ref.tokens, (prompt, gamma)
-                drafted, accepted = drafted + res.stats.drafted, accepted + res.stats.accepted
+        drafted, accepted = greedy_equal(spec, plain, PROMPTS, (3, 6))
         assert 0 < accepted < drafted
     assert max(seen["nodes"]) >= 4
     if request.node.callspec.params["pair"] != "qwen2":

@@ -11,7 +11,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import chisquare, exact_law, plant_no_residual, plant_wrong_q, sampled_counts, use_trees
+from helpers import (
+    chisquare,
+    exact_law,
+    greedy_equal,
+    plant_no_residual,
+    plant_wrong_q,
+    sampled_counts,
+    use_trees,
+)
 
 import ondevice
 from ondevice import sampling
@@ -77,15 +85,7 @@ def test_greedy_with_the_trained_drafter_equals_plain(trained, home, shape):
     with ondevice.load(target, draft="heads", threads=1) as spec, ondevice.load(target, drafter="none", threads=1) as plain:
         assert spec.drafter.name == "eagle3"
         use_trees(spec.drafter, shape == "tree")
-        drafted = accepted = 0
-        for prompt in [*PROMPTS, *_chats()]:
-            run = spec.generate if isinstance(prompt, str) else spec.chat
-            for gamma in (1, 3, 5):
-                ref = (plain.generate if isinstance(prompt, str) else plain.chat)(prompt, max_tokens=40, temperature=0,
-                                                                                 gamma=0)
-                res = run(prompt, max_tokens=40, temperature=0, gamma=gamma)
-                assert res.tokens == ref.tokens, (prompt, gamma)
-                drafted, accepted = drafted + res.stats.drafted, accepted + res.stats.accepted
+        drafted, accepted = greedy_equal(spec, plain, [*PROMPTS, *_chats()], (1, 3, 5))
         assert drafted > 0 and accepted > 0, (drafted, accepted)
 
 

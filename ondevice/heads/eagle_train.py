@@ -70,6 +70,19 @@ def heldout_tau(run, params, seqs: list[eagle_data.Seq], inv, table, T: int, dep
             "accept_by_depth": [round(a / max(1, c), 3) for a, c in acc]}
 
 
+def _soften(params, shape: eagle.Shape, seqs, inv, table, target_std: float = 2.0) -> float:
+    """The factor on the final norm's weight that gives the initial draft logits a spread of ``target_std``: the
+    target's own norm and LM head are sharp for its hidden states, and the untrained layer's output points
+    anywhere, so unscaled they start the loss at ~25 nats and Adam needs thousands of steps to undo it."""
+    n = min(len(seqs), 4)
+    L = eagle_data.bucket(min(len(s.tokens) for s in seqs[:n]))
+    batch = eagle_data.batch_arrays(seqs[:n], [(i, 0) for i in range(n)], L, inv, table)
+    cos, sin = eagle.rope_tables(shape, L)
+    logits, _ = eagle.unrolled(params, shape, batch["feats"], batch["emb"], cos, sin, 1)
+    std = float(np.std(np.asarray(logits[0])[batch["valid"]], axis=-1).mean())
+    return target_std / std if std > 0 else 1.0
+
+
 def _save_state(path: Path, params, opt, info: dict) -> None:
     from ondevice import atomic
 
@@ -162,11 +175,12 @@ def train_eagle(model: str | os.PathLike, *, tokens: int = train.DEFAULT_TOKENS,
         table = target_embedding(path)
         shape = shape_for(cfg, len(vocab_ids))
         params = eagle.init(shape, out_rows, _norm_row(path), seed)
+        params["norm.weight"] *= _soften(params, shape, tr, inv, table)
         T = int(min(DEFAULTS["window"], eagle_data.bucket(max(len(s.tokens) for s in seqs))))
         wins = eagle_data.windows(tr, T)
         steps_per_epoch = len(eagle_data.batches(tr, wins, T, batch_tokens, np.random.default_rng(0)))
         n_tr = int(sum(len(s.tokens) for s in tr))
-        key = hashlib.sha256(json.dumps([sha, n_tr, len(seqs), seed, vocab, depths, epochs, T, batch_tokens, lr, noise,
+        key = hashlib.sha256(json.dumps(["soft-init", sha, n_tr, len(seqs), seed, vocab, depths, epochs, T, batch_tokens, lr, noise,
                                          layer_ids]).encode()).hexdigest()[:12]
         ckpt = work / f"eagle-fit-{key}.npz"
         opt, log, start, best = eagle.zeros_like(params), [], 0, None
