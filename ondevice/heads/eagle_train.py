@@ -16,6 +16,7 @@ import json
 import os
 import tempfile
 import time
+import zipfile
 from contextlib import closing
 from pathlib import Path
 
@@ -80,12 +81,13 @@ def _save_state(path: Path, params, opt, info: dict) -> None:
 
 
 def _load_state(path: Path, params: dict) -> tuple[dict, dict, dict] | None:
+    """(params, optimiser moments, info) saved by ``_save_state``; None when missing or damaged (started over)."""
     try:
         with np.load(path) as z:
             info = json.loads(str(z["__info__"]))
             p = {k: z[f"p.{k}"] for k in params}
             opt = {g: {k: z[f"{g}.{k}"] for k in params} for g in ("m", "v")}
-    except (OSError, ValueError, KeyError):
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):
         return None
     return p, opt, info
 
