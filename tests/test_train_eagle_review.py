@@ -8,6 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from ondevice.errors import OndeviceError
+
 pytest.importorskip("jax")
 
 
@@ -72,3 +74,30 @@ def test_a_damaged_fit_checkpoint_starts_the_fit_over(tmp_path, how):
     assert _load_state(path, params)[2]["epoch"] == 2
     _damage(path, how)
     assert _load_state(path, params) is None
+
+
+@pytest.mark.parametrize("bad", [dict(epochs=0), dict(lr=0.0), dict(lr=-1e-3), dict(lr=float("nan")), dict(noise=-0.1),
+                                 dict(batch_tokens=0), dict(depths=0), dict(vocab=0)])
+def test_bad_settings_are_refused_before_any_work(tmp_path, monkeypatch, bad):
+    """epochs=0 used to store an untrained drafter; the others failed (or trained nothing) after the recording."""
+    from ondevice.heads import eagle_train
+
+    monkeypatch.setenv("ONDEVICE_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(eagle_train.train, "record_answers", lambda *a, **k: pytest.fail("recorded"))
+    name = next(iter(bad))
+    with pytest.raises(OndeviceError, match=rf"^{name}=") as e:
+        eagle_train.train_eagle(tmp_path / "no-such.gguf", tokens=1500, **bad)
+    assert "\n" not in str(e.value)
+    assert not (tmp_path / "home").exists()
+
+
+def test_a_target_without_layer_inputs_is_refused_with_the_way_out(tiny_gguf, tmp_path, monkeypatch):
+    """qwen2's graph does not hand out its layer inputs in this llama.cpp: one line, before any recording, and it
+    names what does work for that model (the Medusa heads)."""
+    from ondevice.heads import eagle_train
+
+    monkeypatch.setenv("ONDEVICE_HOME", str(tmp_path / "home"))
+    with pytest.raises(OndeviceError, match="layer inputs") as e:
+        eagle_train.train_eagle(tiny_gguf("qwen2"), tokens=1500, threads=1, quiet=True)
+    assert "\n" not in str(e.value) and "--kind medusa" in str(e.value)
+    assert not (tmp_path / "home" / "heads" / "work").exists()

@@ -92,6 +92,17 @@ def _load_state(path: Path, params: dict) -> tuple[dict, dict, dict] | None:
     return p, opt, info
 
 
+def _check_args(**kw) -> None:
+    """Refuse, in one line naming the argument, settings that would train nothing or fail after the recording."""
+    for name in ("epochs", "vocab", "depths", "batch_tokens", "max_new"):
+        if not isinstance(kw[name], (int, np.integer)) or kw[name] < 1:
+            raise OndeviceError(f"{name}={kw[name]!r}: must be a positive integer")
+    if not np.isfinite(kw["lr"]) or kw["lr"] <= 0:
+        raise OndeviceError(f"lr={kw['lr']!r}: the learning rate must be a positive number (default {DEFAULTS['lr']})")
+    if not np.isfinite(kw["noise"]) or kw["noise"] < 0:
+        raise OndeviceError(f"noise={kw['noise']!r}: the features' input noise must be >= 0 (default {DEFAULTS['noise']})")
+
+
 def train_eagle(model: str | os.PathLike, *, tokens: int = train.DEFAULT_TOKENS, out: str | os.PathLike | None = None,
                 seed: int = 0, threads: int | None = None, quiet: bool = False, vocab: int = DEFAULTS["vocab"],
                 depths: int = DEFAULTS["depths"], epochs: int = DEFAULTS["epochs"], max_new: int = DEFAULTS["max_new"],
@@ -119,6 +130,7 @@ def train_eagle(model: str | os.PathLike, *, tokens: int = train.DEFAULT_TOKENS,
 
     if tokens < 1:
         raise OndeviceError(f"tokens={tokens}: train-heads needs a positive number of answer tokens (--tokens N, N >= 100)")
+    _check_args(epochs=epochs, vocab=vocab, depths=depths, batch_tokens=batch_tokens, max_new=max_new, lr=lr, noise=noise)
     t0 = time.perf_counter()
     path = lookup.resolve(model)
     if detect_format(path) != "gguf":
@@ -137,6 +149,9 @@ def train_eagle(model: str | os.PathLike, *, tokens: int = train.DEFAULT_TOKENS,
     fb = LlamaBackend(path, n_ctx=n_ctx, threads=threads, n_batch=512)
     try:
         fb.enable_layer_inputs(layer_ids)
+    except OndeviceError as e:
+        fb.close()
+        raise OndeviceError(f"{e}; train Medusa heads for it instead: `ondevice train-heads MODEL --kind medusa`") from None
     except BaseException:
         fb.close()
         raise
