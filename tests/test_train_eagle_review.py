@@ -101,3 +101,18 @@ def test_a_target_without_layer_inputs_is_refused_with_the_way_out(tiny_gguf, tm
         eagle_train.train_eagle(tiny_gguf("qwen2"), tokens=1500, threads=1, quiet=True)
     assert "\n" not in str(e.value) and "--kind medusa" in str(e.value)
     assert not (tmp_path / "home" / "heads" / "work").exists()
+
+
+def test_a_budget_of_one_answer_is_refused_not_measured_on_its_training_data(tiny_gguf, tmp_path, monkeypatch):
+    """One answer leaves none to hold out: τ labelled held-out would be measured on the training answer itself."""
+    import shutil
+
+    from ondevice.heads import eagle_train
+
+    target = tmp_path / "tiny.gguf"
+    shutil.copy(tiny_gguf("llama"), target)
+    monkeypatch.setenv("ONDEVICE_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(eagle_train.eagle, "make_step", lambda *a, **k: pytest.fail("fitted on one answer"))
+    with pytest.raises(OndeviceError, match="at least 2") as e:
+        eagle_train.train_eagle(target, tokens=5, vocab=256, depths=3, max_new=64, threads=1, n_ctx=512, quiet=True)
+    assert "\n" not in str(e.value) and "tokens=5" in str(e.value)

@@ -162,6 +162,9 @@ def train_eagle(model: str | os.PathLike, *, tokens: int = train.DEFAULT_TOKENS,
                                            threads=threads, bar=bar, mlx=False)
         if not records:
             raise OndeviceError(f"{path.name}: no prompt left room for an answer in n_ctx={n_ctx}; raise n_ctx")
+        if len(records) < 2:  # else τ "held out" would be measured on the training answer
+            raise OndeviceError(f"tokens={tokens}: 1 answer recorded; at least 2 are needed (one is held out to measure "
+                                "τ): raise --tokens (the answers recorded are kept)")
         t_rec = time.perf_counter() - t0
         task = bar.add_task("target features (tokens)", total=sum(len(r.prompt) + len(r.tokens) - 1 for r in records))
         seqs = eagle_data.collect(fb, records, work / f"eagle-feats-{'-'.join(map(str, layer_ids))}",
