@@ -116,3 +116,43 @@ def test_a_budget_of_one_answer_is_refused_not_measured_on_its_training_data(tin
     with pytest.raises(OndeviceError, match="at least 2") as e:
         eagle_train.train_eagle(target, tokens=5, vocab=256, depths=3, max_new=64, threads=1, n_ctx=512, quiet=True)
     assert "\n" not in str(e.value) and "tokens=5" in str(e.value)
+
+
+def _untrained_drafter(target: Path, meta: dict) -> Path:
+    """An EAGLE-style drafter for ``target`` at its initial weights, stored where ``train-heads`` puts it, with
+    ``meta`` (no training: conversion only)."""
+    from ondevice.formats.gguf import GGUFFile
+    from ondevice.heads import eagle, eagle_store, store, train
+    from ondevice.heads.eagle_train import _norm_row, shape_for
+
+    cfg = GGUFFile(target).config()
+    V = int(cfg["vocab_size"])
+    ids = np.arange(min(64, V))
+    shape = shape_for(cfg, len(ids))
+    params = eagle.init(shape, train.target_rows(target, ids)[0], _norm_row(target), 0)
+    dest = eagle_store.default_path(target)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    ckpt = eagle_store.save_checkpoint(target.parent / "ckpt", params, shape.config(V, [1, 1, 0]), ids)
+    eagle_store.write_gguf(ckpt, target, dest, {"target_sha256": store.target_sha256(target), **meta})
+    return dest
+
+
+@pytest.mark.parametrize("depths,gamma", [(4, 4), (2, 2), (5, 5), (8, 5)])
+def test_auto_reads_the_tau_of_a_drafter_trained_for_any_depth(tiny_gguf, tmp_path, monkeypatch, depths, gamma):
+    """τ is stored for chains of 3 and 5, each replayed with at most ``depths`` drafts: a drafter trained for 4
+    (or 2) depths has a τ for ``draft="auto"`` (it read tau_chain4, absent, and said none was recorded)."""
+    import shutil
+
+    import ondevice
+    from ondevice import autodraft
+
+    target = tmp_path / "tiny.gguf"
+    shutil.copy(tiny_gguf("llama"), target)
+    monkeypatch.setenv("ONDEVICE_HOME", str(tmp_path / "home"))
+    path = _untrained_drafter(target, {"depths": depths, "tau_heldout": {"tau_chain3": 1.5, "tau_chain5": 1.7}})
+    with ondevice.load(target, drafter="none", threads=1, n_ctx=256) as rt:
+        row = autodraft._eagle_row(rt.target, path)
+    assert row["ok"], row
+    assert f"at γ {gamma} " in row["reason"] and row["best_gamma"] <= gamma
+    tau = 1.5 if depths < 4 else 1.7
+    assert row["assumed_acceptance"] == round(autodraft.alpha_from_tau(tau, gamma), 3)
