@@ -156,3 +156,23 @@ def test_auto_reads_the_tau_of_a_drafter_trained_for_any_depth(tiny_gguf, tmp_pa
     assert f"at γ {gamma} " in row["reason"] and row["best_gamma"] <= gamma
     tau = 1.5 if depths < 4 else 1.7
     assert row["assumed_acceptance"] == round(autodraft.alpha_from_tau(tau, gamma), 3)
+
+
+@pytest.mark.parametrize("meta", [{"depths": "five", "tau_heldout": {"tau_chain3": 1.5}},
+                                  {"depths": 3, "tau_heldout": {"tau_chain3": "fast"}},
+                                  {"depths": 3, "tau_heldout": ["tau_chain3", 1.5]},
+                                  {"depths": -2, "tau_heldout": {"tau_chain3": 1.5}}])
+def test_auto_turns_a_drafter_with_malformed_metadata_into_a_verdict(tiny_gguf, tmp_path, monkeypatch, meta):
+    """The drafter file is untrusted input: odd values in its metadata make its row unusable, not a traceback."""
+    import shutil
+
+    import ondevice
+    from ondevice import autodraft
+
+    target = tmp_path / "tiny.gguf"
+    shutil.copy(tiny_gguf("llama"), target)
+    monkeypatch.setenv("ONDEVICE_HOME", str(tmp_path / "home"))
+    path = _untrained_drafter(target, meta)
+    with ondevice.load(target, drafter="none", threads=1, n_ctx=256) as rt:
+        row = autodraft._eagle_row(rt.target, path)
+    assert not row["ok"] and "drafter file" in row["reason"] and "\n" not in row["reason"]
