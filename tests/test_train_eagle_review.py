@@ -176,3 +176,18 @@ def test_auto_turns_a_drafter_with_malformed_metadata_into_a_verdict(tiny_gguf, 
     with ondevice.load(target, drafter="none", threads=1, n_ctx=256) as rt:
         row = autodraft._eagle_row(rt.target, path)
     assert not row["ok"] and "drafter file" in row["reason"] and "\n" not in row["reason"]
+
+
+def test_info_shows_a_drafter_with_malformed_metadata(tiny_gguf, tmp_path, monkeypatch):
+    """``ondevice info`` / ``models`` (``eagle_store.stored`` + ``describe``) on odd metadata: a line, no traceback."""
+    import shutil
+
+    from ondevice.heads import eagle_store
+
+    target = tmp_path / "tiny.gguf"
+    shutil.copy(tiny_gguf("llama"), target)
+    monkeypatch.setenv("ONDEVICE_HOME", str(tmp_path / "home"))
+    path = _untrained_drafter(target, {"depths": 3, "tau_heldout": ["tau_chain5", 2.0]})
+    shown = eagle_store.stored(target)
+    assert shown["kind"] == "eagle" and str(path) in eagle_store.describe(shown)
+    assert (shown.get("tau_heldout") or {}).get("tau_chain5") is None  # what the `models` table reads
