@@ -191,3 +191,15 @@ def test_info_shows_a_drafter_with_malformed_metadata(tiny_gguf, tmp_path, monke
     shown = eagle_store.stored(target)
     assert shown["kind"] == "eagle" and str(path) in eagle_store.describe(shown)
     assert (shown.get("tau_heldout") or {}).get("tau_chain5") is None  # what the `models` table reads
+
+
+def test_features_of_an_answer_longer_than_the_context_are_read_back(tmp_path):
+    """An answer cut at the features' context (n_ctx) is read back on a rerun, not computed again every time."""
+    from ondevice.heads import eagle_data
+    from ondevice.heads.data import Record
+
+    recs = [Record(np.arange(5, 80), np.zeros((75, 4), np.float32), np.arange(1, 6), "code")]  # 79 > n_ctx 64
+    be = _FakeBackend()
+    first = eagle_data.collect(be, recs, tmp_path)
+    again = eagle_data.collect(be, recs, tmp_path)
+    assert be.evals == 1 and len(again[0].tokens) == len(first[0].feats) == be.n_ctx

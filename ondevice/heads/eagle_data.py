@@ -58,9 +58,9 @@ def collect(backend, records, work: Path, *, on_seq: Callable[[int], None] | Non
     for i, rec in enumerate(records):
         path = work / f"seq-{i:05d}.npz"
         tokens = np.concatenate([rec.prompt, rec.tokens[1:]]).astype(np.int64)
+        toks = tokens[: backend.n_ctx]  # what one prefill holds (``load`` returns the tokens its rows cover)
         seq = load(path) if path.is_file() else None
-        if seq is None or not np.array_equal(seq.tokens, tokens):
-            toks = tokens[: backend.n_ctx]
+        if seq is None or not np.array_equal(seq.tokens, toks):
             feats, ids, pr = features_of(backend, [int(t) for t in toks])
             seq = Seq(toks, feats, ids, pr, len(rec.prompt))
             with atomic.replacing(path) as tmp, open(tmp, "wb") as f:
