@@ -181,7 +181,7 @@ def _eagle_row(target, path) -> dict:
         tau = taus[chain]
         alpha = alpha_from_tau(tau, chain)
         costs = cached_measure(target)
-        graph = Eagle3Graph(path, target._ctx, target._model, n_ctx=64, threads=getattr(target, "threads", None))
+        graph = Eagle3Graph(path, target._ctx, target._model, n_ctx=64, threads=target.threads)
         try:
             spt = _graph_seconds(graph)
         finally:

@@ -203,3 +203,27 @@ def test_features_of_an_answer_longer_than_the_context_are_read_back(tmp_path):
     first = eagle_data.collect(be, recs, tmp_path)
     again = eagle_data.collect(be, recs, tmp_path)
     assert be.evals == 1 and len(again[0].tokens) == len(first[0].feats) == be.n_ctx
+
+
+def test_heads_on_a_target_without_layer_inputs_is_the_medusa_kind(tiny_gguf, tmp_path, monkeypatch):
+    """``draft="heads"`` reads the EAGLE-style file only on a target that declares layer inputs (its
+    ``Backend.features``); elsewhere (MLX, Core ML) it is the Medusa heads' verdict, whatever file lies there (every
+    Backend has ``enable_layer_inputs``, which raises: asking ``hasattr`` picked the EAGLE file everywhere)."""
+    import shutil
+
+    from ondevice.backends.base import Backend
+    from ondevice.drafters.registry import Build, _heads
+
+    target = tmp_path / "tiny.gguf"
+    shutil.copy(tiny_gguf("llama"), target)
+    monkeypatch.setenv("ONDEVICE_HOME", str(tmp_path / "home"))
+    _untrained_drafter(target, {"depths": 3})
+
+    class NoLayerInputs(Backend):
+        features = frozenset({"hidden"})
+
+        def __init__(self, path):
+            self.path = path
+
+    with pytest.raises(OndeviceError, match="no heads trained for this model"):
+        _heads(Build(target=NoLayerInputs(target)))
