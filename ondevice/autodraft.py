@@ -163,14 +163,25 @@ def _eagle_row(target, path) -> dict:
     row = {"name": "heads", "path": str(path), "format": "eagle", "ok": False}
     try:
         meta = eagle_store.check_for(path, target.path)
-        depth = int(meta.get("depths") or 5)
-        tau = (meta.get("tau_heldout") or {}).get(f"tau_chain{min(depth, 5)}")
-        if not tau:
+        try:  # the file is untrusted: odd values make it unusable, not a traceback
+            depth = int(meta.get("depths") or 5)
+            if depth < 1:
+                raise ValueError(depth)
+            # tau_chainG was replayed with at most `depth` drafts per pass: the τ of a chain of min(G, depth)
+            taus = {min(int(k[len("tau_chain"):]), depth): float(v) for k, v in
+                    sorted((meta.get("tau_heldout") or {}).items(), reverse=True)
+                    if k.startswith("tau_chain") and k[len("tau_chain"):].isdigit() and v}
+        except (ValueError, TypeError, AttributeError) as e:
+            raise OndeviceError(f"{Path(path).name}: unreadable metadata in the drafter file ({type(e).__name__}); "
+                                "retrain it with `ondevice train-heads`") from None
+        if not taus:
             row["reason"] = "no held-out τ recorded in the drafter file"
             return row
-        alpha = alpha_from_tau(float(tau), min(depth, 5))
+        chain = max(taus, key=lambda g: (g <= 5, g if g <= 5 else -g))  # the longest chain of at most 5
+        tau = taus[chain]
+        alpha = alpha_from_tau(tau, chain)
         costs = cached_measure(target)
-        graph = Eagle3Graph(path, target._ctx, target._model, n_ctx=64, threads=getattr(target, "threads", None))
+        graph = Eagle3Graph(path, target._ctx, target._model, n_ctx=64, threads=target.threads)
         try:
             spt = _graph_seconds(graph)
         finally:
@@ -180,7 +191,7 @@ def _eagle_row(target, path) -> dict:
         return row
     costs = dataclasses.replace(costs, draft_seconds=spt)
     speedup, gamma = expected_speedup(costs, alpha, max_gamma=depth)
-    row.update(ok=True, reason=f"trained EAGLE drafter: held-out τ {tau:.2f} at γ {min(depth, 5)} (α {alpha:.2f})",
+    row.update(ok=True, reason=f"trained EAGLE drafter: held-out τ {tau:.2f} at γ {chain} (α {alpha:.2f})",
                draft_cost_ratio=round(costs.draft_cost_ratio, 4), expected_speedup=round(speedup, 3), best_gamma=gamma,
                assumed_acceptance=round(alpha, 3))
     return row

@@ -126,10 +126,14 @@ def test_a_rerun_resumes_and_another_models_file_is_refused(trained, home, tmp_p
     from ondevice.heads import eagle_store
     from ondevice.heads.eagle_train import train_eagle
 
-    target, _, r = trained
+    target, home, r = trained
+    work = [p for p in (home / "heads" / "work").rglob("*.npz") if p.name.startswith(("rec-", "seq-"))]
+    stamps = {p: p.stat().st_mtime_ns for p in work}
     t0 = time.perf_counter()
     again = train_eagle(target, **SMALL)
     assert again["tau_heldout"] == r["tau_heldout"] and again["record_seconds"] < 5
+    assert again["log"] == r["log"] and again["fit_seconds"] < 2  # the fit read back (its timings too), not redone
+    assert len(stamps) > 20 and {p: p.stat().st_mtime_ns for p in work} == stamps  # answers, features read back
     assert time.perf_counter() - t0 < 0.5 * r["wall_seconds"] + 30
     other = tmp_path / "other.gguf"
     data = bytearray(target.read_bytes())

@@ -129,7 +129,7 @@ def _ngram(b: Build) -> Drafter:
 def _heads(b: Build) -> Drafter:
     """The drafter ``train-heads`` stored for the target: the EAGLE-style one (its default kind) where there is
     one and the target is a llama.cpp one, else the Medusa heads."""
-    if b.source is None and hasattr(b.target, "enable_layer_inputs"):
+    if b.source is None and "layer_inputs" in b.target.features:  # declared (every Backend has the method)
         from ondevice.heads import eagle_store
 
         p = eagle_store.find(b.target.path)

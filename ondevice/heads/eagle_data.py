@@ -9,6 +9,7 @@ probabilities. One file per answer (temp file, then rename): an interrupted run 
 
 from __future__ import annotations
 
+import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,9 +58,9 @@ def collect(backend, records, work: Path, *, on_seq: Callable[[int], None] | Non
     for i, rec in enumerate(records):
         path = work / f"seq-{i:05d}.npz"
         tokens = np.concatenate([rec.prompt, rec.tokens[1:]]).astype(np.int64)
+        toks = tokens[: backend.n_ctx]  # what one prefill holds (``load`` returns the tokens its rows cover)
         seq = load(path) if path.is_file() else None
-        if seq is None or not np.array_equal(seq.tokens, tokens):
-            toks = tokens[: backend.n_ctx]
+        if seq is None or not np.array_equal(seq.tokens, toks):
             feats, ids, pr = features_of(backend, [int(t) for t in toks])
             seq = Seq(toks, feats, ids, pr, len(rec.prompt))
             with atomic.replacing(path) as tmp, open(tmp, "wb") as f:
@@ -71,11 +72,12 @@ def collect(backend, records, work: Path, *, on_seq: Callable[[int], None] | Non
 
 
 def load(path: Path) -> Seq | None:
+    """One answer's features written by ``collect`` (None when the file is damaged: it is computed again)."""
     try:
         with np.load(path) as z:
             n = len(z["feats"])
             return Seq(z["tokens"][:n].astype(np.int64), z["feats"], z["t_ids"], z["t_pr"], int(z["n_prompt"]))
-    except (OSError, ValueError, KeyError):
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):
         return None  # damaged: recorded again
 
 

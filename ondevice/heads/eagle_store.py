@@ -96,8 +96,9 @@ def summary(model: str | os.PathLike) -> dict | None:
         m = check_for(p, Path(model))
     except OndeviceError as e:
         return {"path": str(p), "kind": "eagle", "error": str(e)}
+    tau = m.get("tau_heldout")  # the file is untrusted: what `info` / `models` read must have the shape they read
     return {"path": str(p), "kind": "eagle", "draft_vocab_size": m.get("draft_vocab_size"),
-            "training_tokens": m.get("training_tokens"), "tau_heldout": m.get("tau_heldout"),
+            "training_tokens": m.get("training_tokens"), "tau_heldout": tau if isinstance(tau, dict) else None,
             "record_seconds": m.get("record_seconds"), "fit_seconds": m.get("fit_seconds")}
 
 

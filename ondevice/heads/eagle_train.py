@@ -16,6 +16,7 @@ import json
 import os
 import tempfile
 import time
+import zipfile
 from contextlib import closing
 from pathlib import Path
 
@@ -93,14 +94,26 @@ def _save_state(path: Path, params, opt, info: dict) -> None:
 
 
 def _load_state(path: Path, params: dict) -> tuple[dict, dict, dict] | None:
+    """(params, optimiser moments, info) saved by ``_save_state``; None when missing or damaged (started over)."""
     try:
         with np.load(path) as z:
             info = json.loads(str(z["__info__"]))
             p = {k: z[f"p.{k}"] for k in params}
             opt = {g: {k: z[f"{g}.{k}"] for k in params} for g in ("m", "v")}
-    except (OSError, ValueError, KeyError):
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):
         return None
     return p, opt, info
+
+
+def _check_args(**kw) -> None:
+    """Refuse, in one line naming the argument, settings that would train nothing or fail after the recording."""
+    for name in ("epochs", "vocab", "depths", "batch_tokens", "max_new"):
+        if not isinstance(kw[name], (int, np.integer)) or kw[name] < 1:
+            raise OndeviceError(f"{name}={kw[name]!r}: must be a positive integer")
+    if not np.isfinite(kw["lr"]) or kw["lr"] <= 0:
+        raise OndeviceError(f"lr={kw['lr']!r}: the learning rate must be a positive number (default {DEFAULTS['lr']})")
+    if not np.isfinite(kw["noise"]) or kw["noise"] < 0:
+        raise OndeviceError(f"noise={kw['noise']!r}: the features' input noise must be >= 0 (default {DEFAULTS['noise']})")
 
 
 def train_eagle(model: str | os.PathLike, *, tokens: int = train.DEFAULT_TOKENS, out: str | os.PathLike | None = None,
@@ -130,6 +143,7 @@ def train_eagle(model: str | os.PathLike, *, tokens: int = train.DEFAULT_TOKENS,
 
     if tokens < 1:
         raise OndeviceError(f"tokens={tokens}: train-heads needs a positive number of answer tokens (--tokens N, N >= 100)")
+    _check_args(epochs=epochs, vocab=vocab, depths=depths, batch_tokens=batch_tokens, max_new=max_new, lr=lr, noise=noise)
     t0 = time.perf_counter()
     path = lookup.resolve(model)
     if detect_format(path) != "gguf":
@@ -148,6 +162,9 @@ def train_eagle(model: str | os.PathLike, *, tokens: int = train.DEFAULT_TOKENS,
     fb = LlamaBackend(path, n_ctx=n_ctx, threads=threads, n_batch=512)
     try:
         fb.enable_layer_inputs(layer_ids)
+    except OndeviceError as e:
+        fb.close()
+        raise OndeviceError(f"{e}; train Medusa heads for it instead: `ondevice train-heads MODEL --kind medusa`") from None
     except BaseException:
         fb.close()
         raise
@@ -158,6 +175,9 @@ def train_eagle(model: str | os.PathLike, *, tokens: int = train.DEFAULT_TOKENS,
                                            threads=threads, bar=bar, mlx=False)
         if not records:
             raise OndeviceError(f"{path.name}: no prompt left room for an answer in n_ctx={n_ctx}; raise n_ctx")
+        if len(records) < 2:  # else τ "held out" would be measured on the training answer
+            raise OndeviceError(f"tokens={tokens}: 1 answer recorded; at least 2 are needed (one is held out to measure "
+                                "τ): raise --tokens (the answers recorded are kept)")
         t_rec = time.perf_counter() - t0
         task = bar.add_task("target features (tokens)", total=sum(len(r.prompt) + len(r.tokens) - 1 for r in records))
         seqs = eagle_data.collect(fb, records, work / f"eagle-feats-{'-'.join(map(str, layer_ids))}",
