@@ -110,8 +110,11 @@ def heads_row(target) -> dict | None:
     from ondevice.drafters.heads import seconds_per_token
     from ondevice.heads import eagle_store, store
 
-    if hasattr(target, "enable_layer_inputs") and (path := eagle_store.find(target.path)) is not None:
-        return _eagle_row(target, path)
+    eagle = None
+    if "layer_inputs" in target.features and (path := eagle_store.find(target.path)) is not None:
+        eagle = _eagle_row(target, path)  # the default kind; the Medusa heads where it cannot be used
+        if eagle["ok"] or store.find(target.path) is None:
+            return eagle
     path = store.find(target.path)
     if path is None:
         return None

@@ -28,7 +28,9 @@ from ondevice.errors import OndeviceError
 pytest.importorskip("jax")
 
 PROMPTS = ["def add(a, b):", "The model draft and the target verify", "class Cache:\n    def __init__(self, n):"]
-SMALL = dict(tokens=1500, epochs=12, vocab=256, depths=3, batch_tokens=256, lr=3e-3, max_new=64, threads=1, n_ctx=512,
+from converters.eagle3 import convert_eagle3  # noqa: E402  (the conversion step train_eagle is handed)
+
+SMALL = dict(convert=convert_eagle3, tokens=1500, epochs=12, vocab=256, depths=3, batch_tokens=256, lr=3e-3, max_new=64, threads=1, n_ctx=512,
              quiet=True)
 
 
@@ -158,7 +160,8 @@ def test_the_command(trained, home, monkeypatch):
     monkeypatch.setattr(eagle_train, "train_eagle", lambda model, **kw: calls.append((model, kw)) or r)
     out = CliRunner().invoke(app, ["train-heads", str(target), "--tokens", "1500", "--epochs", "6", "--json"])
     assert out.exit_code == 0, out.output
-    assert calls == [(str(target), {"tokens": 1500, "out": None, "seed": 0, "threads": None, "quiet": True, "epochs": 6})]
+    assert calls == [(str(target), {"tokens": 1500, "out": None, "seed": 0, "threads": None, "quiet": True, "epochs": 6,
+                                    "convert": convert_eagle3})]
     assert json.loads(out.output)["kind"] == "eagle" and Path(json.loads(out.output)["path"]).is_file()
     bad = CliRunner().invoke(app, ["train-heads", str(target), "--kind", "hydra"])
     assert bad.exit_code == 2 and "eagle or medusa" in bad.output and len(calls) == 1

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from converters.eagle3 import convert_eagle3
 from ondevice.errors import OndeviceError
 
 pytest.importorskip("jax")
@@ -86,19 +87,24 @@ def test_bad_settings_are_refused_before_any_work(tmp_path, monkeypatch, bad):
     monkeypatch.setattr(eagle_train.train, "record_answers", lambda *a, **k: pytest.fail("recorded"))
     name = next(iter(bad))
     with pytest.raises(OndeviceError, match=rf"^{name}=") as e:
-        eagle_train.train_eagle(tmp_path / "no-such.gguf", tokens=1500, **bad)
+        eagle_train.train_eagle(tmp_path / "no-such.gguf", tokens=1500, convert=convert_eagle3, **bad)
     assert "\n" not in str(e.value)
     assert not (tmp_path / "home").exists()
 
 
 def test_a_target_without_layer_inputs_is_refused_with_the_way_out(tiny_gguf, tmp_path, monkeypatch):
-    """qwen2's graph does not hand out its layer inputs in this llama.cpp: one line, before any recording, and it
-    names what does work for that model (the Medusa heads)."""
+    """A target whose graph does not hand out its layer inputs (the backend's one-line refusal): one line, before
+    any recording, naming what does work for that model (the Medusa heads)."""
+    from ondevice.backends.llama import LlamaBackend
     from ondevice.heads import eagle_train
 
+    def refuse(self, ids):
+        raise OndeviceError(f"{self.path.name}: architecture 'x' does not expose its layer inputs in this llama.cpp")
+
     monkeypatch.setenv("ONDEVICE_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(LlamaBackend, "enable_layer_inputs", refuse)
     with pytest.raises(OndeviceError, match="layer inputs") as e:
-        eagle_train.train_eagle(tiny_gguf("qwen2"), tokens=1500, threads=1, quiet=True)
+        eagle_train.train_eagle(tiny_gguf("llama"), tokens=1500, threads=1, quiet=True, convert=convert_eagle3)
     assert "\n" not in str(e.value) and "--kind medusa" in str(e.value)
     assert not (tmp_path / "home" / "heads" / "work").exists()
 
@@ -114,7 +120,8 @@ def test_a_budget_of_one_answer_is_refused_not_measured_on_its_training_data(tin
     monkeypatch.setenv("ONDEVICE_HOME", str(tmp_path / "home"))
     monkeypatch.setattr(eagle_train.eagle, "make_step", lambda *a, **k: pytest.fail("fitted on one answer"))
     with pytest.raises(OndeviceError, match="at least 2") as e:
-        eagle_train.train_eagle(target, tokens=5, vocab=256, depths=3, max_new=64, threads=1, n_ctx=512, quiet=True)
+        eagle_train.train_eagle(target, tokens=5, vocab=256, depths=3, max_new=64, threads=1, n_ctx=512, quiet=True,
+                                convert=convert_eagle3)
     assert "\n" not in str(e.value) and "tokens=5" in str(e.value)
 
 
@@ -133,7 +140,7 @@ def _untrained_drafter(target: Path, meta: dict) -> Path:
     dest = eagle_store.default_path(target)
     dest.parent.mkdir(parents=True, exist_ok=True)
     ckpt = eagle_store.save_checkpoint(target.parent / "ckpt", params, shape.config(V, [1, 1, 0]), ids)
-    eagle_store.write_gguf(ckpt, target, dest, {"target_sha256": store.target_sha256(target), **meta})
+    eagle_store.write_gguf(ckpt, target, dest, {"target_sha256": store.target_sha256(target), **meta}, convert_eagle3)
     return dest
 
 

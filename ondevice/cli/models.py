@@ -126,9 +126,11 @@ def train_heads_cmd(
     extra = {} if epochs is None else {"epochs": epochs}
     try:
         if kind == "eagle":
-            from ondevice.heads.eagle_train import train_eagle
+            from converters.eagle3 import convert_eagle3
+            from ondevice.heads import eagle_train
 
-            r = train_eagle(model, tokens=tokens, out=out, seed=seed, threads=threads, quiet=json_out, **extra)
+            r = eagle_train.train_eagle(model, tokens=tokens, out=out, seed=seed, threads=threads, quiet=json_out,
+                                        convert=convert_eagle3, **extra)
         else:
             from ondevice.heads.train import train_heads
 

@@ -129,10 +129,12 @@ def _ngram(b: Build) -> Drafter:
 def _heads(b: Build) -> Drafter:
     """The drafter ``train-heads`` stored for the target: the EAGLE-style one (its default kind) where there is
     one and the target is a llama.cpp one, else the Medusa heads."""
-    if b.source is None and "layer_inputs" in b.target.features:  # declared (every Backend has the method)
+    if "layer_inputs" in b.target.features:  # declared (every Backend has the method)
         from ondevice.heads import eagle_store
 
-        p = eagle_store.find(b.target.path)
+        # the one stored for the target, or the file draft="auto" chose (``autodraft.heads_row``)
+        p = eagle_store.find(b.target.path) if b.source is None else \
+            Path(b.source) if _eagle3_file(str(b.source)) else None
         if p is not None:
             eagle_store.check_for(p, b.target.path)
             return Eagle3Drafter(b.target, p, threads=b.threads)

@@ -50,14 +50,13 @@ def save_checkpoint(folder: Path, params: dict[str, np.ndarray], config: dict, v
     return folder
 
 
-def write_gguf(checkpoint: Path, target_gguf: Path, dest: Path, meta: dict, dtype: str = "f16") -> dict:
-    """Convert ``checkpoint`` for ``target_gguf`` (verified in llama.cpp) and move its GGUF to ``dest`` atomically;
-    returns the converter's summary."""
-    from converters.eagle3 import convert_eagle3
-
+def write_gguf(checkpoint: Path, target_gguf: Path, dest: Path, meta: dict, convert, dtype: str = "f16") -> dict:
+    """Convert ``checkpoint`` for ``target_gguf`` with ``convert`` (``converters.eagle3.convert_eagle3``: it writes the
+    GGUF and checks llama.cpp's graph against a numpy forward of the checkpoint) and move the GGUF to ``dest``
+    atomically; returns the converter's summary."""
     with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".eagle-") as tmp:
         out = Path(tmp) / "out"
-        summary = convert_eagle3(checkpoint, target=target_gguf, out=out, dtype=dtype,
+        summary = convert(checkpoint, target=target_gguf, out=out, dtype=dtype,
                                  meta={META_KEY: json.dumps({"format": FORMAT, **meta})})
         with atomic.replacing(dest) as part:
             shutil.move(str(out / "model.gguf"), part)

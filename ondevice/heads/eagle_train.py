@@ -17,6 +17,7 @@ import os
 import tempfile
 import time
 import zipfile
+from collections.abc import Callable
 from contextlib import closing
 from pathlib import Path
 
@@ -120,10 +121,13 @@ def train_eagle(model: str | os.PathLike, *, tokens: int = train.DEFAULT_TOKENS,
                 seed: int = 0, threads: int | None = None, quiet: bool = False, vocab: int = DEFAULTS["vocab"],
                 depths: int = DEFAULTS["depths"], epochs: int = DEFAULTS["epochs"], max_new: int = DEFAULTS["max_new"],
                 n_ctx: int = 1024, slots: int = 32, lr: float = DEFAULTS["lr"], noise: float = DEFAULTS["noise"],
-                batch_tokens: int = DEFAULTS["batch_tokens"]) -> dict:
+                batch_tokens: int = DEFAULTS["batch_tokens"], convert: Callable | None = None) -> dict:
     """Train the EAGLE-style drafter for ``model`` (a GGUF or catalog name) and store it (``eagle_store``).
 
     Args:
+        convert: ``converters.eagle3.convert_eagle3``, which writes the trained checkpoint as an eagle3 GGUF and
+            checks it in llama.cpp (converters sit above the runtime, so the caller hands it in; ``ondevice
+            train-heads`` does).
         tokens: answer tokens to record (self-distillation; a tenth of the answers is held out to measure τ).
         out: folder for the drafter file (default: beside the model in the store).
         vocab: draft vocabulary size; depths: drafting steps trained (the longest chain it is trained for).
@@ -134,13 +138,14 @@ def train_eagle(model: str | os.PathLike, *, tokens: int = train.DEFAULT_TOKENS,
         A summary: path, wall seconds, tokens, τ of greedy chains (γ 3 / 5) on held-out answers, per-depth
         acceptance, the fit log and the conversion check.
     """
-    from converters.eagle3_check import target_embedding
     from ondevice.backends import detect_format
     from ondevice.backends.llama import LlamaBackend
     from ondevice.formats.gguf import GGUFFile
     from ondevice.loader import load
     from ondevice.store import catalog, lookup
 
+    if convert is None:
+        raise OndeviceError("train_eagle needs the EAGLE-3 converter: pass convert=converters.eagle3.convert_eagle3")
     if tokens < 1:
         raise OndeviceError(f"tokens={tokens}: train-heads needs a positive number of answer tokens (--tokens N, N >= 100)")
     _check_args(epochs=epochs, vocab=vocab, depths=depths, batch_tokens=batch_tokens, max_new=max_new, lr=lr, noise=noise)
@@ -192,7 +197,7 @@ def train_eagle(model: str | os.PathLike, *, tokens: int = train.DEFAULT_TOKENS,
         inv = np.full(V, -1, np.int32)
         inv[vocab_ids] = np.arange(len(vocab_ids), dtype=np.int32)
         out_rows, _, arch = train.target_rows(path, vocab_ids)
-        table = target_embedding(path)
+        table = train.target_rows(path, np.arange(V))[1]  # every token's embedding (the draft's input)
         shape = shape_for(cfg, len(vocab_ids))
         params = eagle.init(shape, out_rows, _norm_row(path), seed)
         params["norm.weight"] *= _soften(params, shape, tr, inv, table)
@@ -240,6 +245,6 @@ def train_eagle(model: str | os.PathLike, *, tokens: int = train.DEFAULT_TOKENS,
                 "tau_heldout": final}
         with tempfile.TemporaryDirectory(dir=work, prefix="eagle-ckpt-") as tmp:
             ckpt_dir = eagle_store.save_checkpoint(Path(tmp), params, shape.config(V, layer_ids), vocab_ids)
-            conv = eagle_store.write_gguf(ckpt_dir, path, dest, meta)
+            conv = eagle_store.write_gguf(ckpt_dir, path, dest, meta, convert)
     return {"path": str(dest), "kind": "eagle", "wall_seconds": round(time.perf_counter() - t0, 1), **meta,
             "verify": conv.get("verify"), "log": log}
