@@ -35,6 +35,7 @@ class DFlashGraph(LlamaHandles):
             layer inputs on itself and returns the context (``LlamaBackend.enable_layer_inputs`` may recreate
             it: qwen2's cb_eval tap); a plain context gets llama.cpp's layer-input recording switched on here.
         n_ctx, threads, n_batch: the draft context's (n_ctx: the target's).
+        exact: f32 KV cache and no flash attention (conversion checks; llama.cpp rounds K/V to f16 otherwise).
     Attributes:
         block_size: the trained block (at most block_size - 1 draft tokens per pass).
         layers: target layer ids whose inputs the draft reads.
@@ -44,7 +45,7 @@ class DFlashGraph(LlamaHandles):
     """
 
     def __init__(self, path: str | Path, target_model, target_ctx, *, n_ctx: int, threads: int | None,
-                 n_batch: int = 256) -> None:
+                 n_batch: int = 256, exact: bool = False) -> None:
         import llama_cpp
 
         from ondevice.backends.llama import init_llama
@@ -103,6 +104,9 @@ class DFlashGraph(LlamaHandles):
         if threads:
             cp.n_threads = cp.n_threads_batch = int(threads)
         cp.no_perf = True
+        if exact:
+            cp.type_k = cp.type_v = llama_cpp.GGML_TYPE_F32
+            cp.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
         cp.ctx_other = _ptr(target_ctx)  # a draft without its own embeddings / LM head reads the target's
         self._ctx = llama_cpp.llama_init_from_model(self._model, cp)
         if not self._ctx:
@@ -159,7 +163,9 @@ class DFlashGraph(LlamaHandles):
         for i, t in enumerate([token] + [self.mask_id] * k):
             idx = lib.llama_batch_ext_add_token(b, 0, int(t))
             lib.llama_batch_ext_set_pos(b, idx, self._pos(pos0 + i, 0, 0, 0))
-            lib.llama_batch_ext_set_output_logits(b, idx, i > 0)
+            # every row out, as llama.cpp's driver does: the dflash graph selects no output rows, so the context
+            # copies the first n_outputs rows whatever the flags say (rows 1..k alone came back as rows 0..k-1)
+            lib.llama_batch_ext_set_output_logits(b, idx, True)
         try:
             rc = lib.llama_process(self._ctx, lib.LLAMA_PROCESS_TYPE_DECODE, b)
             if rc != 0:

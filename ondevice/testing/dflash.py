@@ -106,3 +106,56 @@ def make_tiny_dflash_gguf(out: str | Path, *, target: MtpShape | None = None, ta
         add_test_vocab(w, v)
         w.add_uint32("tokenizer.ggml.mask_token_id", v - 1 if mask_token_id is None else mask_token_id)
     return out
+
+
+def make_tiny_dflash_hf(out: str | Path, *, hidden: int = 256, vocab_size: int = 512, layer_ids: Sequence[int] = (0, 2),
+                        n_layer: int = 1, n_ff: int = 512, n_head: int = 4, n_kv_head: int = 2, head_dim: int = 64,
+                        block_size: int = 5, mask_token_id: int | None = None, own_head: bool = False,
+                        dtype: str = "float32", seed: int = 0) -> Path:
+    """Write a random DFlash draft checkpoint in the HF layout (z-lab's ``*-DFlash``: config.json with
+    ``dflash_config``, Qwen3 layers under ``layers.N.``, ``fc``, ``hidden_norm``, ``norm``; ``embed_tokens`` /
+    ``lm_head`` only with ``own_head``) for ``ondevice convert DFLASH_DIR --to gguf --target TARGET``.
+
+    Args:
+        layer_ids: the HF ``target_layer_ids`` (the draft reads the *outputs* of these target layers).
+        dtype: float32 | float16 of the stored tensors.
+    Returns:
+        The directory.
+    """
+    import json
+
+    from safetensors.numpy import save_file
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    h = hidden
+
+    def lin(o: int, i: int, gain: float = 1.0) -> np.ndarray:
+        return rng.standard_normal((o, i)) * (gain / np.sqrt(i))
+
+    def norm(n: int) -> np.ndarray:
+        return 1.0 + 0.1 * rng.standard_normal(n)
+
+    t = {"fc.weight": lin(h, len(layer_ids) * h), "hidden_norm.weight": norm(h), "norm.weight": norm(h)}
+    if own_head:
+        t["embed_tokens.weight"], t["lm_head.weight"] = 0.5 * rng.standard_normal((vocab_size, h)), lin(vocab_size, h, 4.0)
+    for i in range(n_layer):
+        p = f"layers.{i}."
+        t.update({p + "input_layernorm.weight": norm(h), p + "post_attention_layernorm.weight": norm(h),
+                  p + "self_attn.q_proj.weight": lin(n_head * head_dim, h, 2.0),
+                  p + "self_attn.k_proj.weight": lin(n_kv_head * head_dim, h, 2.0),
+                  p + "self_attn.v_proj.weight": lin(n_kv_head * head_dim, h),
+                  p + "self_attn.o_proj.weight": lin(h, n_head * head_dim), p + "self_attn.q_norm.weight": norm(head_dim),
+                  p + "self_attn.k_norm.weight": norm(head_dim), p + "mlp.gate_proj.weight": lin(n_ff, h),
+                  p + "mlp.up_proj.weight": lin(n_ff, h), p + "mlp.down_proj.weight": lin(h, n_ff)})
+    save_file({k: np.asarray(v, dtype) for k, v in t.items()}, str(out / "model.safetensors"))
+    cfg = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": h, "num_hidden_layers": n_layer,
+           "num_attention_heads": n_head, "num_key_value_heads": n_kv_head, "head_dim": head_dim,
+           "intermediate_size": n_ff, "rms_norm_eps": 1e-6, "rope_theta": 1e6, "vocab_size": vocab_size,
+           "hidden_act": "silu", "max_position_embeddings": 4096, "block_size": block_size,
+           "dflash_config": {"target_layer_ids": [int(i) for i in layer_ids],
+                             "mask_token_id": vocab_size - 1 if mask_token_id is None else int(mask_token_id)}}
+    (out / "config.json").write_text(json.dumps(cfg, indent=1))
+    return out
+
