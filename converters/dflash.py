@@ -88,13 +88,20 @@ def write_dflash_gguf(src: DFlashSource, target: Target, ids: list[int], out: Pa
         w.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if dtype == "f16" else gguf.LlamaFileType.ALL_F32)
         write_vocab(w, target.vocab)
         w.add_uint32("tokenizer.ggml.mask_token_id", int(src.dflash["mask_token_id"]))
+        # header first (shapes from the safetensors headers), then one tensor at a time: memory stays at one
+        # tensor whatever the draft's size
+        order = []
         for g, hf in gguf_tensors(src):
-            t = src.float32(hf)
-            w.add_tensor(g, t.astype(np.float16 if dtype == "f16" and t.ndim >= 2 else np.float32))
-            n += t.size
+            shape = src.tensors.shape(src.names[hf])
+            store = np.dtype(np.float16 if dtype == "f16" and len(shape) >= 2 else np.float32)
+            w.add_tensor_info(g, shape, store, int(np.prod(shape)) * store.itemsize)
+            order.append((hf, store))
+            n += int(np.prod(shape))
         w.write_header_to_file()
         w.write_kv_data_to_file()
-        w.write_tensors_to_file()
+        w.write_ti_data_to_file()
+        for hf, store in order:
+            w.write_tensor_data(np.ascontiguousarray(src.float32(hf), dtype=store))
     finally:
         w.close()
     return n
