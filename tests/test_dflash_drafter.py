@@ -72,8 +72,8 @@ def pair(request, tmp_path_factory):
 
 
 def test_the_draft_file_names_its_kind_and_greedy_equals_plain(pair):
-    """``draft=x.gguf`` of arch dflash selects the DFlash drafter; greedy speculation with a fixed γ (up to the
-    block's 4) emits plain decoding's tokens, with drafts both accepted and rejected."""
+    """``draft=x.gguf`` of arch dflash selects the DFlash drafter; greedy speculation with a fixed γ (beyond the
+    block's 4: capped) emits plain decoding's tokens, with drafts both accepted and rejected."""
     target, draft = pair[:2]
     with ondevice.load(target, draft=str(draft), threads=1) as spec, \
             ondevice.load(target, drafter="none", threads=1) as plain:
@@ -81,10 +81,10 @@ def test_the_draft_file_names_its_kind_and_greedy_equals_plain(pair):
         drafted = accepted = 0
         for prompt in PROMPTS:
             ref = plain.generate(prompt, max_tokens=40, temperature=0, gamma=0)
-            for gamma in (1, 4):
+            for gamma in (1, 4, 7):  # 7: more than the block's 4, capped
                 res = spec.generate(prompt, max_tokens=40, temperature=0, gamma=gamma)
                 assert res.tokens == ref.tokens, (prompt, gamma)
-                assert res.stats.drafted <= gamma * res.stats.target_forwards
+                assert res.stats.drafted <= min(gamma, 4) * res.stats.target_forwards
                 drafted, accepted = drafted + res.stats.drafted, accepted + res.stats.accepted
         assert 0 < accepted < drafted, (accepted, drafted)
 
