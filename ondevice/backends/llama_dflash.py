@@ -1,4 +1,5 @@
-"""A DFlash block drafter (GGUF arch ``dflash``) run through llama.cpp's own graph — a feasibility layer.
+"""A DFlash block draft (GGUF arch ``dflash``) run through llama.cpp's own graph (``DFlashGraph``); the runtime's
+drafter is ``ondevice.drafters.dflash``.
 
 DFlash drafts a whole block in one pass: its KV cache holds, at every target position, K/V projected from
 the target's *layer inputs* at ``dflash.target_layers`` (fused by ``fc`` + ``enc.output_norm``); a draft is
@@ -7,7 +8,8 @@ index i (1..k) are q for draft token i. q_i does not depend on the tokens drafte
 holds masks there), which is still a valid draft law for rejection sampling, position by position.
 
 The protocol against our loop (as llama.cpp's reference driver): the target context records the layer
-inputs (``llama_set_embeddings_layer_inp``); after each target decode ``observe`` injects those rows at
+inputs (``llama_set_embeddings_layer_inp``, or the backend's cb_eval tap: a callable ``target_ctx``); after each
+target decode ``observe`` injects those rows at
 their positions (one draft decode of embedding rows, no LM head); ``draft`` decodes the block and drops
 its positions; ``rollback`` keeps the draft cache below the target's n_past.
 """
