@@ -68,8 +68,15 @@ def convert(
     from ondevice.store import lookup
 
     src, out = _source(lookup.resolve(src)), Path(out)  # a catalog name is accepted wherever a path is
+    from converters.dflash import convert_dflash, is_dflash
     from converters.eagle3 import convert_eagle3, is_eagle3
 
+    if is_dflash(src):
+        if to != "gguf" or target is None:
+            raise OndeviceError(f"{shown(src)}: a DFlash draft; convert it with --to gguf --target TARGET (the model it "
+                                "drafts for: HF directory or GGUF)")
+        return convert_dflash(src, target=_source(lookup.resolve(target)), out=out,
+                              dtype="f32" if quant.lower() == "f32" else "f16", verify=verify)
     if is_eagle3(src):
         if to != "gguf" or target is None:
             raise OndeviceError(f"{shown(src)}: an EAGLE-3 draft; convert it with --to gguf --target TARGET (the model it "
@@ -77,7 +84,8 @@ def convert(
         return convert_eagle3(src, target=_source(lookup.resolve(target)), out=out,
                               dtype="f32" if quant.lower() == "f32" else "f16", verify=verify)
     if target is not None:
-        raise OndeviceError(f"--target is for EAGLE-3 drafts (a config.json with draft_vocab_size); {shown(src)} is not one")
+        raise OndeviceError(f"--target is for EAGLE-3 / DFlash drafts (a config.json with draft_vocab_size / "
+                            f"dflash_config); {shown(src)} is not one")
     draft = _source(lookup.resolve(draft)) if draft is not None else None
     if to not in FORMATS:
         raise OndeviceError(f"--to {to}: unknown format; choose one of {', '.join(FORMATS)}")

@@ -1,4 +1,5 @@
-"""A DFlash block drafter (GGUF arch ``dflash``) run through llama.cpp's own graph — a feasibility layer.
+"""A DFlash block draft (GGUF arch ``dflash``) run through llama.cpp's own graph (``DFlashGraph``); the runtime's
+drafter is ``ondevice.drafters.dflash``.
 
 DFlash drafts a whole block in one pass: its KV cache holds, at every target position, K/V projected from
 the target's *layer inputs* at ``dflash.target_layers`` (fused by ``fc`` + ``enc.output_norm``); a draft is
@@ -7,7 +8,8 @@ index i (1..k) are q for draft token i. q_i does not depend on the tokens drafte
 holds masks there), which is still a valid draft law for rejection sampling, position by position.
 
 The protocol against our loop (as llama.cpp's reference driver): the target context records the layer
-inputs (``llama_set_embeddings_layer_inp``); after each target decode ``observe`` injects those rows at
+inputs (``llama_set_embeddings_layer_inp``, or the backend's cb_eval tap: a callable ``target_ctx``); after each
+target decode ``observe`` injects those rows at
 their positions (one draft decode of embedding rows, no LM head); ``draft`` decodes the block and drops
 its positions; ``rollback`` keeps the draft cache below the target's n_past.
 """
@@ -20,31 +22,40 @@ from pathlib import Path
 
 import numpy as np
 
-from ondevice.backends.llama_ext import LlamaHandles
+from ondevice.backends.llama_ext import LlamaHandles, _ptr
 from ondevice.backends.llama_mtp import ext
 from ondevice.errors import OndeviceError
 
 
-class DFlashDrafter(LlamaHandles):
-    """A DFlash GGUF beside a target context whose model shares its vocabulary.
+class DFlashGraph(LlamaHandles):
+    """A DFlash GGUF beside a target context whose model shares its vocabulary and hidden size.
 
     Args:
         path: the DFlash .gguf.
-        target_model, target_ctx: the target's llama.cpp model and context (layer inputs get switched on).
+        target_model, target_ctx: the target's llama.cpp model and context. ``target_ctx`` may be a callable:
+            called with ``layers`` once the draft is checked against the target, it switches the target's
+            layer inputs on itself and returns the context (``LlamaBackend.enable_layer_inputs`` may recreate
+            it: qwen2's cb_eval tap); a plain context gets llama.cpp's layer-input recording switched on here.
         n_ctx, threads, n_batch: the draft context's (n_ctx: the target's).
+        exact: f32 KV cache and no flash attention (conversion checks; llama.cpp rounds K/V to f16 otherwise).
     Attributes:
         block_size: the trained block (at most block_size - 1 draft tokens per pass).
         layers: target layer ids whose inputs the draft reads.
+        vocab_size: the logit row width (the target's vocabulary).
+    Raises:
+        OndeviceError: not a DFlash GGUF, or one made for another target (layers, vocabulary, hidden size).
     """
 
-    def __init__(self, path: str | Path, target_model, target_ctx, *, n_ctx: int, threads: int,
-                 n_batch: int = 256) -> None:
+    def __init__(self, path: str | Path, target_model, target_ctx, *, n_ctx: int, threads: int | None,
+                 n_batch: int = 256, exact: bool = False) -> None:
         import llama_cpp
 
         from ondevice.backends.llama import init_llama
+        from ondevice.formats.gguf import check_gguf_file
 
         self._lib, self.path = llama_cpp, Path(path)
         self._model = self._ctx = self._batch = None
+        check_gguf_file(self.path)
         init_llama()
         mp = llama_cpp.llama_model_default_params()
         mp.n_gpu_layers = 0
@@ -61,31 +72,50 @@ class DFlashDrafter(LlamaHandles):
         self.layers = [int(ids[i]) for i in range(n)]
         n_layer_tgt = int(llama_cpp.llama_model_n_layer(target_model))
         self.n_embd_tgt = int(llama_cpp.llama_model_n_embd(target_model))
+        self.n_embd = int(llama_cpp.llama_model_n_embd(self._model))
         v_tgt = int(llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(target_model)))
         self._vocab = llama_cpp.llama_model_get_vocab(self._model)
         self.vocab_size = int(llama_cpp.llama_vocab_n_tokens(self._vocab))
-        if not self.layers or max(self.layers) >= n_layer_tgt or self.vocab_size != v_tgt:
+        if not self.layers or max(self.layers) >= n_layer_tgt or self.vocab_size != v_tgt \
+                or self.n_embd != self.n_embd_tgt:
             self.close()
             raise OndeviceError(f"{self.path}: this DFlash draft was made for another target (layers {self.layers}, "
-                                f"vocabulary {self.vocab_size}; the target has {n_layer_tgt} layers, {v_tgt} tokens)")
+                                f"vocabulary {self.vocab_size}, hidden {self.n_embd}; the target has {n_layer_tgt} "
+                                f"layers, {v_tgt} tokens, hidden {self.n_embd_tgt})")
         buf = ctypes.create_string_buffer(32)
         self.block_size = 16
         if llama_cpp.llama_model_meta_val_str(self._model, b"dflash.block_size", buf, 32) >= 0:
             self.block_size = int(buf.value)
+        causal = llama_cpp.llama_model_meta_val_str(self._model, b"dflash.attention.causal", buf, 32) >= 0 \
+            and buf.value == b"true"
         self.mask_id = int(llama_cpp.llama_vocab_mask(self._vocab))
+        if not 0 <= self.mask_id < self.vocab_size:
+            self.close()
+            raise OndeviceError(f"{self.path}: no mask token (tokenizer.ggml.mask_token_id); re-convert the draft")
+        if callable(target_ctx):
+            try:
+                target_ctx = target_ctx(list(self.layers))
+            except BaseException:
+                self.close()
+                raise
+        else:
+            for lid in self.layers:
+                ext("set_embeddings_layer_inp")(target_ctx, lid, True)
         cp = llama_cpp.llama_context_default_params()
         cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max = int(n_ctx), int(n_batch), int(n_batch), 1
-        cp.n_threads = cp.n_threads_batch = int(threads)
+        if threads:
+            cp.n_threads = cp.n_threads_batch = int(threads)
         cp.no_perf = True
-        cp.ctx_other = target_ctx  # a draft without its own embeddings / LM head reads the target's
+        if exact:
+            cp.type_k = cp.type_v = llama_cpp.GGML_TYPE_F32
+            cp.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        cp.ctx_other = _ptr(target_ctx)  # a draft without its own embeddings / LM head reads the target's
         self._ctx = llama_cpp.llama_init_from_model(self._model, cp)
         if not self._ctx:
             self.close()
             raise OndeviceError(f"{self.path}: llama.cpp could not create the DFlash context")
-        llama_cpp.llama_set_causal_attn(self._ctx, False)  # the block attends both ways
+        llama_cpp.llama_set_causal_attn(self._ctx, causal)  # the block attends both ways unless trained causal
         self._tgt = target_ctx
-        for lid in self.layers:
-            ext("set_embeddings_layer_inp")(target_ctx, lid, True)
         self.n_batch = int(llama_cpp.llama_n_batch(self._ctx))
         self._batch = llama_cpp.llama_batch_ext_init(self._ctx)
         self._mem = llama_cpp.llama_get_memory(self._ctx)
@@ -135,7 +165,9 @@ class DFlashDrafter(LlamaHandles):
         for i, t in enumerate([token] + [self.mask_id] * k):
             idx = lib.llama_batch_ext_add_token(b, 0, int(t))
             lib.llama_batch_ext_set_pos(b, idx, self._pos(pos0 + i, 0, 0, 0))
-            lib.llama_batch_ext_set_output_logits(b, idx, i > 0)
+            # every row out, as llama.cpp's driver does: the dflash graph selects no output rows, so the context
+            # copies the first n_outputs rows whatever the flags say (rows 1..k alone came back as rows 0..k-1)
+            lib.llama_batch_ext_set_output_logits(b, idx, True)
         try:
             rc = lib.llama_process(self._ctx, lib.LLAMA_PROCESS_TYPE_DECODE, b)
             if rc != 0:
@@ -146,10 +178,14 @@ class DFlashDrafter(LlamaHandles):
             lib.llama_memory_seq_rm(self._mem, 0, pos0, -1)
 
     def rollback(self, n_past: int) -> None:
+        """Drop the draft's cache from position ``n_past`` on."""
         if not self._lib.llama_memory_seq_rm(self._mem, 0, n_past, -1):
             raise OndeviceError(f"{self.path.name}: DFlash cache cannot roll back to position {n_past}")
 
 
-def observe_target(drafter: DFlashDrafter, tokens: Sequence[int], pos0: int) -> None:
+DFlashDrafter = DFlashGraph  # the name scripts/bench_dflash.py imports
+
+
+def observe_target(drafter: DFlashGraph, tokens: Sequence[int], pos0: int) -> None:
     """After the target decoded ``tokens`` at pos0.. (in one llama_decode): inject their features."""
     drafter.observe(drafter.features(len(tokens)), pos0)

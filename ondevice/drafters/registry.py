@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ondevice.drafters.base import Drafter, Traits
+from ondevice.drafters.dflash import DFlashDrafter, is_dflash_gguf
 from ondevice.drafters.eagle3 import Eagle3Drafter
 from ondevice.drafters.heads import HeadsDrafter
 from ondevice.drafters.model import ModelDrafter
@@ -154,6 +155,13 @@ def _eagle3_file(draft: str) -> bool:
     return is_eagle3_gguf(draft)
 
 
+def _dflash(b: Build) -> Drafter:
+    if b.source is None:
+        raise OndeviceError("drafter='dflash' needs the draft: pass draft=DIR/x.gguf (a dflash GGUF from "
+                            "`ondevice convert DFLASH_DIR --to gguf --target TARGET --out DIR`)")
+    return DFlashDrafter(b.target, b.source, threads=b.threads)
+
+
 def _mtp(b: Build) -> Drafter:
     return MtpDrafter(b.target)
 
@@ -169,6 +177,8 @@ register(Kind(traits=HeadsDrafter.traits, build=_heads, claims=_heads_file,
               help="the drafter trained for the target (ondevice train-heads): EAGLE-style, else Medusa heads"))
 register(Kind(traits=Eagle3Drafter.traits, build=_eagle3, claims=_eagle3_file,
               help="an EAGLE-3 draft (GGUF arch eagle3) on the target's layer inputs (--draft DIR/x.gguf)"))
+register(Kind(traits=DFlashDrafter.traits, build=_dflash, claims=is_dflash_gguf,
+              help="a DFlash block draft (GGUF arch dflash) on the target's layer inputs (--draft DIR/x.gguf)"))
 register(Kind(traits=MtpDrafter.traits, build=_mtp, claims=lambda draft: draft == "mtp",
               help="the model's own MTP (nextn) heads, inside its GGUF (--draft mtp)"))
 register(Kind(traits=Traits(name="none"), build=lambda b: None, help="plain decoding"))

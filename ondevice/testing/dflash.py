@@ -10,6 +10,7 @@ and ``enc.output_norm`` fusing the target's layer inputs, ``output_norm``, and e
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +22,8 @@ from ondevice.testing.mtp import MtpShape, add_test_vocab
 def make_tiny_dflash_gguf(out: str | Path, *, target: MtpShape | None = None, target_layers: tuple[int, ...] = (0, 1),
                           n_layer: int = 1, n_embd: int = 256, n_ff: int = 512, n_head: int = 4, n_head_kv: int = 2,
                           head_dim: int = 64, block_size: int = 4, mask_token_id: int | None = None,
-                          own_head: bool = True, seed: int = 0) -> Path:
+                          own_head: bool = True, favourites: Sequence[int] | None = None, preference: float = 0.0,
+                          seed: int = 0) -> Path:
     """Write a random DFlash draft for targets of shape ``target`` (their hidden size and vocabulary).
 
     Args:
@@ -32,6 +34,13 @@ def make_tiny_dflash_gguf(out: str | Path, *, target: MtpShape | None = None, ta
         mask_token_id: the noise token (default: the last vocabulary id).
         own_head: write ``token_embd`` / ``output``; False leaves them out, as published drafts do (they read
             the target's through ``ctx_other``; ``n_embd`` must then be the target's).
+        favourites: a reduced draft vocabulary (target ids): its own LM head over them and ``d2t`` (absolute
+            target ids, int64, as llama.cpp's conversion writes it), so the draft proposes only those tokens
+            (logits −inf elsewhere); tests make its q overlap a random target's p this way.
+        preference: with ``favourites`` (in order of preference) and its own embeddings: a logit bias falling
+            from ``preference`` for the first favourite to 0 for the last, on top of the random logits. Hidden
+            dimension 0 carries it: every embedding holds a constant there, no layer writes to it, and the head's
+            column 0 scales it into the bias.
     Returns:
         ``out`` as a Path.
     """
@@ -56,6 +65,18 @@ def make_tiny_dflash_gguf(out: str | Path, *, target: MtpShape | None = None, ta
         if n_embd != t_shape.n_embd:
             raise ValueError(f"a draft sharing the target's embeddings needs n_embd {t_shape.n_embd}, not {n_embd}")
         del t["token_embd.weight"], t["output.weight"]
+    if favourites is not None:
+        fav = np.array(sorted({int(x) for x in favourites}), np.int64)
+        if not fav.size or fav.min() < 0 or fav.max() >= v:
+            raise ValueError(f"favourites must be target token ids in 0..{v - 1}")
+        t["output.weight"], t["d2t"] = lin(fav.size, h, 1.0 if preference else 4.0), fav  # milder noise under a bias
+        if preference:
+            if not own_head:
+                raise ValueError("preference needs the draft's own embeddings (own_head=True)")
+            t["token_embd.weight"][:, 0] = 16.0  # ~11 after the final RMSNorm (the other dims are ~0.5)
+            rank = {int(x): i for i, x in enumerate(dict.fromkeys(int(x) for x in favourites))}
+            bias = preference * (1.0 - np.array([rank[int(x)] for x in fav]) / max(1, len(rank) - 1))
+            t["output.weight"][:, 0] = bias / 11.0
     for i in range(n_layer):
         p = f"blk.{i}."
         t.update({p + "attn_norm.weight": norm(h), p + "attn_q.weight": lin(n_head * head_dim, h, 2.0),
@@ -63,6 +84,9 @@ def make_tiny_dflash_gguf(out: str | Path, *, target: MtpShape | None = None, ta
                   p + "attn_output.weight": lin(h, n_head * head_dim), p + "attn_q_norm.weight": norm(head_dim),
                   p + "attn_k_norm.weight": norm(head_dim), p + "ffn_norm.weight": norm(h),
                   p + "ffn_gate.weight": lin(n_ff, h), p + "ffn_up.weight": lin(n_ff, h), p + "ffn_down.weight": lin(h, n_ff)})
+        if preference:  # no layer writes hidden dimension 0 (it carries the favourites' bias)
+            t[p + "attn_output.weight"][0] = 0.0
+            t[p + "ffn_down.weight"][0] = 0.0
     out = Path(out)
     with gguf_writer(out, "dflash", t) as w:
         w.add_name("tiny-dflash")
@@ -82,3 +106,56 @@ def make_tiny_dflash_gguf(out: str | Path, *, target: MtpShape | None = None, ta
         add_test_vocab(w, v)
         w.add_uint32("tokenizer.ggml.mask_token_id", v - 1 if mask_token_id is None else mask_token_id)
     return out
+
+
+def make_tiny_dflash_hf(out: str | Path, *, hidden: int = 256, vocab_size: int = 512, layer_ids: Sequence[int] = (0, 2),
+                        n_layer: int = 1, n_ff: int = 512, n_head: int = 4, n_kv_head: int = 2, head_dim: int = 64,
+                        block_size: int = 5, mask_token_id: int | None = None, own_head: bool = False,
+                        dtype: str = "float32", seed: int = 0) -> Path:
+    """Write a random DFlash draft checkpoint in the HF layout (z-lab's ``*-DFlash``: config.json with
+    ``dflash_config``, Qwen3 layers under ``layers.N.``, ``fc``, ``hidden_norm``, ``norm``; ``embed_tokens`` /
+    ``lm_head`` only with ``own_head``) for ``ondevice convert DFLASH_DIR --to gguf --target TARGET``.
+
+    Args:
+        layer_ids: the HF ``target_layer_ids`` (the draft reads the *outputs* of these target layers).
+        dtype: float32 | float16 of the stored tensors.
+    Returns:
+        The directory.
+    """
+    import json
+
+    from safetensors.numpy import save_file
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    h = hidden
+
+    def lin(o: int, i: int, gain: float = 1.0) -> np.ndarray:
+        return rng.standard_normal((o, i)) * (gain / np.sqrt(i))
+
+    def norm(n: int) -> np.ndarray:
+        return 1.0 + 0.1 * rng.standard_normal(n)
+
+    t = {"fc.weight": lin(h, len(layer_ids) * h), "hidden_norm.weight": norm(h), "norm.weight": norm(h)}
+    if own_head:
+        t["embed_tokens.weight"], t["lm_head.weight"] = 0.5 * rng.standard_normal((vocab_size, h)), lin(vocab_size, h, 4.0)
+    for i in range(n_layer):
+        p = f"layers.{i}."
+        t.update({p + "input_layernorm.weight": norm(h), p + "post_attention_layernorm.weight": norm(h),
+                  p + "self_attn.q_proj.weight": lin(n_head * head_dim, h, 2.0),
+                  p + "self_attn.k_proj.weight": lin(n_kv_head * head_dim, h, 2.0),
+                  p + "self_attn.v_proj.weight": lin(n_kv_head * head_dim, h),
+                  p + "self_attn.o_proj.weight": lin(h, n_head * head_dim), p + "self_attn.q_norm.weight": norm(head_dim),
+                  p + "self_attn.k_norm.weight": norm(head_dim), p + "mlp.gate_proj.weight": lin(n_ff, h),
+                  p + "mlp.up_proj.weight": lin(n_ff, h), p + "mlp.down_proj.weight": lin(h, n_ff)})
+    save_file({k: np.asarray(v, dtype) for k, v in t.items()}, str(out / "model.safetensors"))
+    cfg = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": h, "num_hidden_layers": n_layer,
+           "num_attention_heads": n_head, "num_key_value_heads": n_kv_head, "head_dim": head_dim,
+           "intermediate_size": n_ff, "rms_norm_eps": 1e-6, "rope_theta": 1e6, "vocab_size": vocab_size,
+           "hidden_act": "silu", "max_position_embeddings": 4096, "block_size": block_size,
+           "dflash_config": {"target_layer_ids": [int(i) for i in layer_ids],
+                             "mask_token_id": vocab_size - 1 if mask_token_id is None else int(mask_token_id)}}
+    (out / "config.json").write_text(json.dumps(cfg, indent=1))
+    return out
+

@@ -1,0 +1,151 @@
+"""DFlash draft checkpoint (HF layout, safetensors) → GGUF arch ``dflash``, as llama.cpp's conversion
+(conversion/qwen.py ``DFlashModel``) writes it.
+
+The checkpoint (e.g. z-lab's ``*-DFlash``): ``config.json`` with ``dflash_config`` (``target_layer_ids``,
+``mask_token_id``, optional ``block_size``) and Qwen3 decoder layers (``layers.N.self_attn.{q,k,v,o}_proj``,
+``q_norm``, ``k_norm``, ``input_layernorm``, ``post_attention_layernorm``, ``mlp.{gate,up,down}_proj``), ``fc``
+and ``hidden_norm`` fusing the target's features, ``norm``, optionally ``embed_tokens`` / ``lm_head`` (without
+them llama.cpp reads the target's through ``ctx_other``); names with or without a ``model.`` prefix. The GGUF
+keeps the rotate-half (NeoX) rope layout, writes ``dflash.target_layers`` = ids + 1 (the *inputs* of the layers
+after them), ``dflash.block_size``, the target's vocabulary and ``tokenizer.ggml.mask_token_id``. Everything is
+checked against the target (hidden size, vocabulary, layer ids) before a byte is written; a pickle checkpoint is
+refused unread; DFlash2 / DSpark variants (conv, selector, Markov head) are refused in one line.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from converters.dflash_source import LAYER, TOP, DFlashSource, is_dflash, open_dflash
+from converters.eagle3_source import Target, target_info
+from ondevice.errors import OndeviceError
+
+__all__ = ["DFlashSource", "check_against", "convert_dflash", "is_dflash", "open_dflash", "write_dflash_gguf"]
+
+
+def check_against(src: DFlashSource, target: Target) -> list[int]:
+    """Refuse, in one line, a draft made for another target; returns the GGUF layer ids (HF ids + 1)."""
+    n_vocab, name = len(target.vocab.tokens), target.path.name
+    if src.hidden != target.hidden:
+        raise OndeviceError(f"{src.path}: hidden size {src.hidden}, {name} has {target.hidden}; this draft was made "
+                            "for another target")
+    cfg_vocab = int(src.config.get("vocab_size") or n_vocab)
+    if cfg_vocab != n_vocab:
+        raise OndeviceError(f"{src.path}: made for a vocabulary of {cfg_vocab} tokens, {name} has {n_vocab}; this "
+                            "draft was made for another target")
+    for t in ("embed_tokens.weight", "lm_head.weight"):
+        if src.has(t) and src.tensors.shape(src.names[t]) != (n_vocab, src.hidden):
+            raise OndeviceError(f"{src.path}: {t} has shape {list(src.tensors.shape(src.names[t]))}, expected "
+                                f"[{n_vocab}, {src.hidden}] for {name}")
+    ids = [i + 1 for i in src.layer_ids]
+    if any(not 1 <= i < target.n_layers for i in ids):
+        raise OndeviceError(f"{src.path}: reads target layers {src.layer_ids} but {name} has {target.n_layers} "
+                            f"layers (the inputs of layers {ids} are needed); this draft was made for another target")
+    if not 0 <= int(src.dflash["mask_token_id"]) < n_vocab:
+        raise OndeviceError(f"{src.path}: mask_token_id {src.dflash['mask_token_id']} is outside {name}'s vocabulary")
+    return ids
+
+
+def gguf_tensors(src: DFlashSource):
+    """(GGUF name, HF name) in the order they are written."""
+    for hf, g in TOP.items():
+        if src.has(hf):
+            yield g, hf
+    for i in range(src.n_layers):
+        for hf, g in LAYER.items():
+            yield f"blk.{i}.{g}", f"layers.{i}.{hf}"
+
+
+def write_dflash_gguf(src: DFlashSource, target: Target, ids: list[int], out: Path, *, dtype: str = "f16") -> int:
+    """Write the GGUF at ``out`` (matrices ``dtype`` f16 | f32, vectors f32); returns the parameter count."""
+    import gguf
+
+    from converters.gguf_writer import write_vocab
+
+    if dtype not in ("f16", "f32"):
+        raise OndeviceError(f"--dtype {dtype}: choose f16 or f32")
+    cfg, w, n = src.config, gguf.GGUFWriter(str(out), "dflash"), 0
+    try:
+        w.add_name(cfg.get("_name_or_path") or src.path.name)
+        w.add_context_length(int(cfg.get("max_position_embeddings", 4096)))
+        w.add_embedding_length(src.hidden)
+        w.add_block_count(src.n_layers)
+        w.add_feed_forward_length(int(cfg["intermediate_size"]))
+        w.add_head_count(src.n_heads)
+        w.add_head_count_kv(src.n_kv_heads)
+        w.add_key_length(src.head_dim)
+        w.add_value_length(src.head_dim)
+        w.add_rope_freq_base(src.theta)
+        w.add_layer_norm_rms_eps(src.eps)
+        w.add_vocab_size(len(target.vocab.tokens))
+        w.add_array("dflash.target_layers", ids)
+        w.add_uint32("dflash.block_size", src.block_size)
+        causal = cfg.get("is_causal", src.dflash.get("causal"))
+        if causal is not None:
+            w.add_bool("dflash.attention.causal", bool(causal))
+        w.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if dtype == "f16" else gguf.LlamaFileType.ALL_F32)
+        write_vocab(w, target.vocab)
+        w.add_uint32("tokenizer.ggml.mask_token_id", int(src.dflash["mask_token_id"]))
+        # header first (shapes from the safetensors headers), then one tensor at a time: memory stays at one
+        # tensor whatever the draft's size
+        order = []
+        for g, hf in gguf_tensors(src):
+            shape = src.tensors.shape(src.names[hf])
+            store = np.dtype(np.float16 if dtype == "f16" and len(shape) >= 2 else np.float32)
+            w.add_tensor_info(g, shape, store, int(np.prod(shape)) * store.itemsize)
+            order.append((hf, store))
+            n += int(np.prod(shape))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        for hf, store in order:
+            w.write_tensor_data(np.ascontiguousarray(src.float32(hf), dtype=store))
+    finally:
+        w.close()
+    return n
+
+
+def convert_dflash(src: str | Path, *, target: str | Path, out: str | Path, dtype: str = "f16",
+                   verify: bool = True) -> dict:
+    """``ondevice convert DFLASH_DIR --to gguf --target TARGET --out DIR``: write ``DIR/model.gguf`` (arch dflash)
+    and ``DIR/manifest.json``, atomically (nothing is left behind on any error or refusal).
+
+    Args:
+        src: the DFlash checkpoint directory.
+        target: the target it drafts for: an HF checkpoint directory or a GGUF (file or ``convert`` output dir).
+        out: a new directory.
+        dtype: f16 | f32 for the matrices.
+        verify: compare the written draft's block logits (llama.cpp's dflash graph) with a numpy forward of the
+            source weights given the same random target features (``converters.dflash_check``); needs the target
+            as a GGUF (llama.cpp checks the draft against it, and may read its embeddings / LM head).
+    Returns:
+        Summary: arch, layer ids, block size, sizes, ``verify`` (max relative logit error).
+    Raises:
+        OndeviceError: one line, for any refusal.
+    """
+    import time
+
+    from converters.output import atomic_dir, check_out, write_manifest
+
+    t0 = time.perf_counter()
+    out = Path(out)
+    check_out(out)
+    draft = open_dflash(src)
+    tgt = target_info(target)
+    ids = check_against(draft, tgt)
+    with atomic_dir(out) as tmp:
+        n = write_dflash_gguf(draft, tgt, ids, tmp / "model.gguf", dtype=dtype)
+        summary = {"format": "gguf", "arch": "dflash", "dtype": dtype, "path": "model.gguf", "target": str(tgt.path),
+                   "target_layers": ids, "block_size": draft.block_size, "own_head": draft.has("lm_head.weight"),
+                   "n_params": n, "size_bytes": (tmp / "model.gguf").stat().st_size}
+        if verify:
+            from converters.dflash_check import verify_dflash
+
+            summary["verify"] = verify_dflash(draft, tmp / "model.gguf", tgt, dtype)
+        write_manifest(tmp, {"source": str(Path(src).resolve()), "format": "gguf", "arch": "dflash",
+                             "target": str(tgt.path.resolve()), "target_layers": ids, "dtype": dtype})
+    summary["out"] = str(out)
+    summary["seconds"] = round(time.perf_counter() - t0, 3)
+    return summary

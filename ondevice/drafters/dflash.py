@@ -1,0 +1,131 @@
+"""The DFlash drafter: a published DFlash block draft (a GGUF of arch ``dflash``) run by llama.cpp's own graph
+(``ondevice.backends.llama_dflash``) on the target's layer inputs.
+
+The target records the inputs of the draft's layers for every token of every pass (``Traits.needs``:
+"layer_inputs"; ``LlamaBackend.enable_layer_inputs``), so drafting costs no extra target pass. The draft's KV
+cache holds, at every target position, K/V made from the target's features there: before each block it is
+rolled back to the positions whose features came from the same context (the common prefix) and the new ones
+are injected from the kept rows. One draft pass of ``[pending token, mask × k]`` then gives k logit rows at
+once: row i is the draft's distribution of the token i + 1 places after the pending one.
+
+q: row i does not depend on the tokens drafted before it (masks stand there), a valid draft law all the same;
+each drafted token is drawn from its row processed with the request's own ``SamplingParams``
+(``probs_sparse``, with the drafted prefix as the repetition history) after the request's constraint mask, and
+that processed row is its q, so the shared rejection rule keeps the target's law at any temperature. Greedy
+drafting is deterministic (q None). Chains only: a block has no branching of its own.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from ondevice.drafters.base import Drafter, Traits, common_prefix
+from ondevice.drafters.chain import Chain
+from ondevice.errors import OndeviceError
+from ondevice.sampling import SamplingParams, probs_sparse
+
+_GREEDY = SamplingParams(temperature=0.0)
+
+
+def is_dflash_gguf(path: str) -> bool:
+    """Whether ``path`` is a GGUF file whose architecture is ``dflash`` (read from its header alone)."""
+    p = Path(path)
+    if p.suffix != ".gguf" or not p.is_file():
+        return False
+    from ondevice.formats.gguf import read_header
+
+    try:
+        return read_header(p)[0].get("general.architecture") == "dflash"
+    except (OndeviceError, OSError):
+        return False
+
+
+class DFlashDrafter(Drafter):
+    """Chains of up to ``block_size - 1`` tokens per draft pass from a DFlash draft (see the module docstring).
+
+    Args:
+        target: the target backend; it must record layer inputs (a llama.cpp target of an architecture whose
+            graph keeps them, or qwen2 through its cb_eval tap; others are refused in one line).
+        path: the dflash GGUF.
+        threads: CPU threads of the draft's context.
+    """
+
+    traits = Traits(name="dflash", needs=frozenset({"layer_inputs"}))
+
+    def __init__(self, target, path: str | Path, threads: int | None = None) -> None:
+        from ondevice.backends.llama_dflash import DFlashGraph
+
+        if "layer_inputs" not in target.features:
+            raise OndeviceError(f"{Path(path).name}: a DFlash draft needs a llama.cpp target that records layer "
+                                f"inputs; {type(target).__name__} does not")
+        self.target = target
+        self.target_vocab = target.vocab_size
+
+        def layer_inputs_on(ids: list[int]):  # before the draft's context: a qwen2 target recreates its own
+            self.width = target.enable_layer_inputs(ids)
+            return target._ctx
+
+        # checks layers, vocabulary and hidden size against the target; may borrow its embeddings / LM head
+        self.graph = DFlashGraph(path, target._model, layer_inputs_on, n_ctx=target.n_ctx, threads=threads)
+        self._tokens: list[int] = []  # the context the valid draft positions were built from
+        self._valid = 0  # draft positions 0..valid-1 hold K/V of the target's true features
+        self._spt: float | None = None
+
+    def _absorb(self, context: Sequence[int]) -> bool:
+        """Bring the draft's cache to positions 0..L-2 (L = len(context)) of ``context``; False when the target
+        kept no features for the last cached position (nothing to draft from)."""
+        last = len(context) - 2
+        if last < 0 or self.target.feature("layer_inputs", last) is None:
+            return False
+        keep = max(0, min(self._valid, common_prefix(self._tokens, context), last))
+        self._valid = keep  # shortened before the draft's cache changes (an interruption leaves a prefix)
+        feats = np.zeros((last + 1 - keep, self.width), np.float32)
+        for i, pos in enumerate(range(keep, last + 1)):
+            row = self.target.feature("layer_inputs", pos)
+            if row is not None:  # a pass made without features leaves zeros: only the guesses change, never the law
+                feats[i] = row
+        self.graph.observe(feats, keep)
+        self._valid, self._tokens = last + 1, [int(t) for t in context[:last + 1]]
+        self.target.release_features(last)
+        return True
+
+    def propose(self, context, gamma, params, rng, keep_drafting=None, constraint=None):
+        """Up to ``gamma`` (≤ block_size − 1) tokens after ``context`` (its last token pending, the rest in the
+        target's cache), each drawn from its block row's processed (and constrained) distribution; (tokens, q rows
+        [γ', V] or None greedy). Nothing (a plain step) when the target kept no features for the last position."""
+        V = self.target_vocab
+        none = ([], None if params.greedy else np.zeros((0, V)))
+        gamma = min(gamma, self.graph.block_size - 1, self.target.n_ctx - len(context))
+        if gamma <= 0 or not self._absorb(context):
+            return none
+        rows = self.graph.draft(int(context[-1]), gamma)
+        with Chain(context, gamma, params, rng, keep_drafting, constraint) as chain:
+            for row in rows:
+                if not chain.take(row):
+                    break
+        return chain.result(V)
+
+    def seconds_per_token(self, reps: int = 5) -> float:
+        """Median seconds of one drafted token: a block pass of min(4, block_size − 1) tokens and their processed
+        rows, divided by that count, timed once on the draft's cache (left as it was); charged by the policy."""
+        if self._spt is None:
+            k = min(4, self.graph.block_size - 1)
+            times = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                for row in self.graph.draft(0, k):
+                    probs_sparse(row, _GREEDY, [])
+                times.append((time.perf_counter() - t0) / k)
+            self._spt = float(np.median(times))
+        return self._spt
+
+    def reset(self) -> None:
+        self._valid, self._tokens = 0, []
+        self.graph.rollback(0)
+
+    def close(self) -> None:
+        self.graph.close()  # before the target: the draft borrows its context
