@@ -184,6 +184,34 @@ def mlx_logits(model, ids) -> np.ndarray:
     return np.array(model(mx.array([ids]))[0].astype(mx.float32))
 
 
+DRAFT_PROMPTS = ["def add(a, b):", "The model draft and the target verify", "class Cache:\n    def __init__(self, n):"]
+LAW_PROMPT = "The model draft"
+LAW = dict(temperature=0.8, top_k=6, top_p=1.0, min_p=0.0)
+
+
+def tiny_gguf_target(base, arch: str, n_layers: int = 4):
+    """A tiny random-weight ``arch`` target converted to an f16 GGUF under ``base``; its path."""
+    from converters import convert
+    from ondevice.testing import make_tiny_hf
+
+    hf = make_tiny_hf(base / "hf", arch=arch, n_layers=n_layers)
+    convert(hf, to="gguf", quant="f16", out=base / "gguf", progress=False)
+    return base / "gguf" / "model.gguf"
+
+
+def law_after(target, prompt: str = LAW_PROMPT):
+    """The target's exact law of 3 tokens after ``prompt`` under ``LAW`` (top-k 6 keeps it enumerable) and the
+    prompt ids."""
+    from ondevice.backends.llama import LlamaBackend
+
+    b = LlamaBackend(target, n_ctx=128, threads=1)
+    try:
+        ids = b.tokenize(prompt)
+        return exact_law(b, ids, sampling.SamplingParams(**LAW)), ids
+    finally:
+        b.close()
+
+
 def greedy_equal(spec, plain, prompts, gammas, max_tokens: int = 40) -> tuple[int, int]:
     """Greedy speculation on ``spec`` emits ``plain``'s tokens for every prompt (text, or a chat: a list of
     messages) at every γ of ``gammas``; returns (drafted, accepted) summed."""

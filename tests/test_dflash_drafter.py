@@ -7,36 +7,22 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import chisquare, exact_law, plant_no_residual, plant_wrong_q, sampled_counts
+from helpers import (
+    DRAFT_PROMPTS,
+    LAW,
+    LAW_PROMPT,
+    chisquare,
+    law_after,
+    plant_no_residual,
+    plant_wrong_q,
+    sampled_counts,
+    tiny_gguf_target,
+)
 
 import ondevice
-from ondevice import sampling
 from ondevice.errors import OndeviceError
 
-PROMPTS = ["def add(a, b):", "The model draft and the target verify", "class Cache:\n    def __init__(self, n):"]
-LAW_PROMPT = "The model draft"
-LAW = dict(temperature=0.8, top_k=6, top_p=1.0, min_p=0.0)
-
-
-def _target(base, arch):
-    from converters import convert
-    from ondevice.testing import make_tiny_hf
-
-    hf = make_tiny_hf(base / "hf", arch=arch, n_layers=4)
-    convert(hf, to="gguf", quant="f16", out=base / "gguf", progress=False)
-    return base / "gguf" / "model.gguf"
-
-
-def _law(target):
-    """The target's exact law of 3 tokens after ``LAW_PROMPT`` (top-k 6 keeps it enumerable) and the prompt ids."""
-    from ondevice.backends.llama import LlamaBackend
-
-    b = LlamaBackend(target, n_ctx=128, threads=1)
-    try:
-        ids = b.tokenize(LAW_PROMPT)
-        return exact_law(b, ids, sampling.SamplingParams(**LAW)), ids
-    finally:
-        b.close()
+PROMPTS = DRAFT_PROMPTS
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3", "qwen2"])
@@ -49,8 +35,8 @@ def pair(request, tmp_path_factory):
     from ondevice.testing.mtp import MtpShape
 
     base = tmp_path_factory.mktemp(f"dfd-{request.param}")
-    target = _target(base, request.param)
-    law, ids = _law(target)
+    target = tiny_gguf_target(base, request.param)
+    law, ids = law_after(target)
     mass: dict[int, float] = {}
     for seq, pr in law.items():
         for t in seq:

@@ -9,15 +9,22 @@ import dataclasses
 
 import numpy as np
 import pytest
-from helpers import chisquare, exact_law, greedy_equal, plant_no_residual, plant_wrong_q, sampled_counts
+from helpers import (
+    DRAFT_PROMPTS,
+    LAW,
+    chisquare,
+    greedy_equal,
+    law_after,
+    plant_no_residual,
+    plant_wrong_q,
+    sampled_counts,
+    tiny_gguf_target,
+)
 
 import ondevice
-from ondevice import sampling
 from ondevice.errors import OndeviceError
 
-PROMPTS = ["def add(a, b):", "The model draft and the target verify", "class Cache:\n    def __init__(self, n):"]
-LAW_PROMPT = "The model draft"
-LAW = dict(temperature=0.8, top_k=6, top_p=1.0, min_p=0.0)
+PROMPTS = DRAFT_PROMPTS
 
 
 def _chains(rt):
@@ -25,27 +32,6 @@ def _chains(rt):
     a constraint)."""
     rt.drafter.traits = dataclasses.replace(rt.drafter.traits, trees=False)
     return rt
-
-
-def _target(base, arch):
-    from converters import convert
-    from ondevice.testing import make_tiny_hf
-
-    hf = make_tiny_hf(base / "hf", arch=arch, n_layers=4)
-    convert(hf, to="gguf", quant="f16", out=base / "gguf", progress=False)
-    return base / "gguf" / "model.gguf"
-
-
-def _law(target):
-    """The target's exact law of 3 tokens after ``LAW_PROMPT`` (top-k 6 keeps it enumerable) and the prompt ids."""
-    from ondevice.backends.llama import LlamaBackend
-
-    b = LlamaBackend(target, n_ctx=128, threads=1)
-    try:
-        ids = b.tokenize(LAW_PROMPT)
-        return exact_law(b, ids, sampling.SamplingParams(**LAW)), ids
-    finally:
-        b.close()
 
 
 def _draft(base, target, favourites, layer_ids=(0, 2, 3), seed=0):
@@ -74,8 +60,8 @@ def pair(request, tmp_path_factory):
     """(target GGUF, eagle3 draft GGUF, the exact law, its prompt ids) for a tiny target of each architecture; the
     draft's vocabulary is the tokens the law and greedy answers favour (so drafts are both kept and rejected)."""
     base = tmp_path_factory.mktemp(f"e3d-{request.param}")
-    target = _target(base, request.param)
-    law, ids = _law(target)
+    target = tiny_gguf_target(base, request.param)
+    law, ids = law_after(target)
     mass: dict[int, float] = {}
     for seq, pr in law.items():
         for t in seq:
@@ -222,7 +208,7 @@ def test_refusals_are_one_line(pair, tmp_path, request):
         ondevice.load(target, drafter="eagle3", threads=1)
     if request.node.callspec.params["pair"] == "qwen2":
         return  # its draft reads layers 1..3
-    other = _target(tmp_path / "q2", "qwen2")
+    other = tiny_gguf_target(tmp_path / "q2", "qwen2")
     with pytest.raises(OndeviceError, match="architecture 'qwen2' records no layer inputs.*layer 0's input") as e:
         ondevice.load(other, draft=str(draft), threads=1)
     assert "\n" not in str(e.value)

@@ -33,15 +33,9 @@ _GREEDY = SamplingParams(temperature=0.0)
 
 def is_dflash_gguf(path: str) -> bool:
     """Whether ``path`` is a GGUF file whose architecture is ``dflash`` (read from its header alone)."""
-    p = Path(path)
-    if p.suffix != ".gguf" or not p.is_file():
-        return False
-    from ondevice.formats.gguf import read_header
+    from ondevice.formats.gguf import file_arch
 
-    try:
-        return read_header(p)[0].get("general.architecture") == "dflash"
-    except (OndeviceError, OSError):
-        return False
+    return file_arch(path) == "dflash"
 
 
 class DFlashDrafter(Drafter):

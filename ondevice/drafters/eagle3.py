@@ -34,7 +34,6 @@ import numpy as np
 
 from ondevice.drafters.base import Drafter, Traits, common_prefix
 from ondevice.drafters.chain import Chain
-from ondevice.errors import OndeviceError
 from ondevice.sampling import SamplingParams, probs_sparse
 from ondevice.tree import Tree
 
@@ -43,15 +42,9 @@ _GREEDY = SamplingParams(temperature=0.0)
 
 def is_eagle3_gguf(path: str) -> bool:
     """Whether ``path`` is a GGUF file whose architecture is ``eagle3`` (read from its header alone)."""
-    p = Path(path)
-    if p.suffix != ".gguf" or not p.is_file():
-        return False
-    from ondevice.formats.gguf import read_header
+    from ondevice.formats.gguf import file_arch
 
-    try:
-        return read_header(p)[0].get("general.architecture") == "eagle3"
-    except (OndeviceError, OSError):
-        return False
+    return file_arch(path) == "eagle3"
 
 
 class Eagle3Drafter(Drafter):
