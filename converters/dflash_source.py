@@ -8,9 +8,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
-from converters.eagle3_source import PICKLES, _Safetensors
+from converters.eagle3_source import PICKLES, DraftSource, _Safetensors
 from ondevice.errors import OndeviceError
 
 LAYER = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
@@ -35,7 +33,7 @@ def is_dflash(path: str | Path) -> bool:
 
 
 @dataclass
-class DFlashSource:
+class DFlashSource(DraftSource):
     """A DFlash checkpoint read and checked on its own (``open_dflash``); ``names``: canonical (no ``model.``
     prefix) → the file's tensor name."""
 
@@ -44,38 +42,12 @@ class DFlashSource:
     names: dict[str, str]
     tensors: _Safetensors
 
-    def float32(self, name: str) -> np.ndarray:
-        return self.tensors.float32(self.names[name])
-
-    def has(self, name: str) -> bool:
-        return name in self.names
-
     def get(self, key: str, default=None):
         return self.config.get(key, default)
 
     @property
-    def hidden(self) -> int:
-        return int(self.config["hidden_size"])
-
-    @property
     def n_layers(self) -> int:
         return int(self.config["num_hidden_layers"])
-
-    @property
-    def n_heads(self) -> int:
-        return int(self.config["num_attention_heads"])
-
-    @property
-    def n_kv_heads(self) -> int:
-        return int(self.config.get("num_key_value_heads") or self.n_heads)
-
-    @property
-    def head_dim(self) -> int:
-        return int(self.config.get("head_dim") or self.hidden // self.n_heads)
-
-    @property
-    def eps(self) -> float:
-        return float(self.config.get("rms_norm_eps", 1e-6))
 
     @property
     def theta(self) -> float:

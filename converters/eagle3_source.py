@@ -89,8 +89,44 @@ class _Safetensors:
         return as_float32(self.raw(name), self.index[name][1])
 
 
+class DraftSource:
+    """What a draft checkpoint read from safetensors answers (``config``, ``names``, ``tensors``): its tensors by
+    canonical name and its decoder's sizes from a llama-style config (EAGLE-3 and DFlash drafts share them)."""
+
+    config: dict
+    names: dict[str, str]
+    tensors: _Safetensors
+
+    def float32(self, name: str) -> np.ndarray:
+        """A tensor by canonical name, as float32 in the checkpoint's (HF) layout."""
+        return self.tensors.float32(self.names[name])
+
+    def has(self, name: str) -> bool:
+        return name in self.names
+
+    @property
+    def hidden(self) -> int:
+        return int(self.config["hidden_size"])
+
+    @property
+    def n_heads(self) -> int:
+        return int(self.config["num_attention_heads"])
+
+    @property
+    def n_kv_heads(self) -> int:
+        return int(self.config.get("num_key_value_heads") or self.n_heads)
+
+    @property
+    def head_dim(self) -> int:
+        return int(self.config.get("head_dim") or self.hidden // self.n_heads)
+
+    @property
+    def eps(self) -> float:
+        return float(self.config.get("rms_norm_eps", 1e-6))
+
+
 @dataclass
-class Eagle3Source:
+class Eagle3Source(DraftSource):
     """An EAGLE-3 checkpoint, read and checked on its own (``open_eagle3``).
 
     Attributes:
@@ -109,36 +145,9 @@ class Eagle3Source:
     tensors: _Safetensors
     d2t: np.ndarray
 
-    def float32(self, name: str) -> np.ndarray:
-        """A tensor by canonical name, as float32 in the checkpoint's (HF) layout."""
-        return self.tensors.float32(self.names[name])
-
-    def has(self, name: str) -> bool:
-        return name in self.names
-
-    @property
-    def hidden(self) -> int:
-        return int(self.config["hidden_size"])
-
     @property
     def target_hidden(self) -> int:
         return int(self.config.get("target_hidden_size") or self.hidden)
-
-    @property
-    def n_heads(self) -> int:
-        return int(self.config["num_attention_heads"])
-
-    @property
-    def n_kv_heads(self) -> int:
-        return int(self.config.get("num_key_value_heads") or self.n_heads)
-
-    @property
-    def head_dim(self) -> int:
-        return int(self.config.get("head_dim") or self.hidden // self.n_heads)
-
-    @property
-    def eps(self) -> float:
-        return float(self.config.get("rms_norm_eps", 1e-6))
 
     @property
     def norm_before_residual(self) -> bool:

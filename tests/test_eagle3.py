@@ -166,7 +166,7 @@ def test_convert_entry_point(target, tmp_path):
     src = _draft(tmp_path)
     with pytest.raises(OndeviceError, match="--to gguf --target TARGET"):
         convert(src, to="gguf", out=tmp_path / "a", progress=False)
-    with pytest.raises(OndeviceError, match="--target is for EAGLE-3 drafts"):
+    with pytest.raises(OndeviceError, match="--target is for EAGLE-3 / DFlash drafts"):
         convert(target[0], to="gguf", out=tmp_path / "b", target=target[1], progress=False)
     s = convert(src, to="gguf", out=tmp_path / "c", target=target[1].parent, progress=False)
     assert s["arch"] == "eagle3" and s["dtype"] == "f16" and s["verify"]["ok"]
