@@ -10,11 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
 
 from ondevice.backends.base import Backend
+from ondevice.errors import OndeviceError
 from ondevice.sampling import SamplingParams
 from ondevice.tree import Tree
 
@@ -204,3 +206,18 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     while i < n and a[i] == b[i]:
         i += 1
     return i
+
+
+def file_arch(path: str | Path) -> str | None:
+    """A GGUF file's ``general.architecture`` read from its header alone; None for anything else (not a
+    ``.gguf`` file, unreadable, no architecture)."""
+    from ondevice.formats.gguf import read_header
+
+    p = Path(path)
+    if p.suffix != ".gguf" or not p.is_file():
+        return None
+    try:
+        arch = read_header(p)[0].get("general.architecture")
+    except (OndeviceError, OSError):
+        return None
+    return arch if isinstance(arch, str) else None

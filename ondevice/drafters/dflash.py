@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ondevice.drafters.base import Drafter, Traits, common_prefix
+from ondevice.drafters.base import Drafter, Traits, common_prefix, file_arch
 from ondevice.drafters.chain import Chain
 from ondevice.errors import OndeviceError
 from ondevice.sampling import SamplingParams, probs_sparse
@@ -33,8 +33,6 @@ _GREEDY = SamplingParams(temperature=0.0)
 
 def is_dflash_gguf(path: str) -> bool:
     """Whether ``path`` is a GGUF file whose architecture is ``dflash`` (read from its header alone)."""
-    from ondevice.formats.gguf import file_arch
-
     return file_arch(path) == "dflash"
 
 

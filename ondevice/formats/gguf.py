@@ -95,19 +95,6 @@ def read_header(path: str | Path) -> tuple[dict, list[str] | None]:
         return _parse(mm, path)[:2]
 
 
-def file_arch(path: str | Path) -> str | None:
-    """A GGUF file's ``general.architecture`` read from its header alone; None for anything else (not a
-    ``.gguf`` file, unreadable, no architecture)."""
-    p = Path(path)
-    if p.suffix != ".gguf" or not p.is_file():
-        return None
-    try:
-        arch = read_header(p)[0].get("general.architecture")
-    except (OndeviceError, OSError):
-        return None
-    return arch if isinstance(arch, str) else None
-
-
 def check_tensor_data(path: str | Path) -> None:
     """Fail unless the file holds every tensor its header lists (a download truncated inside the tensor data
     still has a readable header).
