@@ -32,13 +32,20 @@ TINY_CACHE = Path(os.environ.get("ONDEVICE_TEST_CACHE", ROOT / "build" / "test-m
 
 
 def pytest_sessionstart(session):
-    """Drop tiny models built by other versions of the code."""
+    """Drop tiny models built by other versions of the code and unused for an hour (a run still going with
+    another version, e.g. one half of a split run started before an edit, keeps its own)."""
     import shutil
+    import time
 
     if TINY_CACHE.parent.is_dir():
         for old in TINY_CACHE.parent.iterdir():
             if old != TINY_CACHE and old.is_dir():
-                shutil.rmtree(old, ignore_errors=True)
+                try:
+                    last = max(p.stat().st_mtime for p in (old, *old.iterdir()))
+                except OSError:
+                    continue
+                if time.time() - last > 3600:
+                    shutil.rmtree(old, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):
