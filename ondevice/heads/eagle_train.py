@@ -212,7 +212,7 @@ def train_eagle(model: str | os.PathLike, *, tokens: int = train.DEFAULT_TOKENS,
         if (state := _load_state(ckpt, params)) is not None:
             params, opt, info = state
             log, start, best = info["log"], info["epoch"], info.get("best")
-        best_params = _load_state(work / f"eagle-best-{key}.npz", params) if best else None
+        best_params = _load_state(work / f"eagle-best-{key}.npz", params) if best is not None else None
         best_params = best_params[0] if best_params else None
         step = eagle.make_step(shape, depths, T, lr=lr, warmup=min(200, steps_per_epoch), total=epochs * steps_per_epoch)
         run = eagle.make_eval(shape, depths, T)
