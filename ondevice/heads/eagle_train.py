@@ -196,8 +196,8 @@ def train_eagle(model: str | os.PathLike, *, tokens: int = train.DEFAULT_TOKENS,
         vocab_ids = train.choose_vocab(tr_recs, V, vocab)
         inv = np.full(V, -1, np.int32)
         inv[vocab_ids] = np.arange(len(vocab_ids), dtype=np.int32)
-        out_rows, _, arch = train.target_rows(path, vocab_ids)
-        table = train.target_rows(path, np.arange(V))[1]  # every token's embedding (the draft's input)
+        # the LM-head rows of the draft vocabulary, and every token's embedding (the draft's input), in one read
+        out_rows, table, arch = train.target_rows(path, vocab_ids, emb_ids=np.arange(V))
         shape = shape_for(cfg, len(vocab_ids))
         params = eagle.init(shape, out_rows, _norm_row(path), seed)
         params["norm.weight"] *= _soften(params, shape, tr, inv, table)

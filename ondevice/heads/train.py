@@ -32,8 +32,9 @@ DEFAULT_TOKENS = 150_000  # answer tokens: Qwen 1.5B held-out chat chain 1.53 at
 MAX_ROUNDS = 16  # sets of self-written prompts at most (each: every topic of prompts.json, twice or once per style)
 
 
-def target_rows(gguf_path: Path, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, str]:
-    """(LM-head rows, token-embedding rows, architecture) of the target for ``ids``, float32 [n, d].
+def target_rows(gguf_path: Path, ids: np.ndarray, emb_ids: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, str]:
+    """(LM-head rows for ``ids``, token-embedding rows for ``emb_ids`` (default ``ids``), architecture) of the
+    target, float32 [n, d].
 
     Only the rows asked for are dequantized (``gguf.quants``); a tied model reads both from token_embd.
     """
@@ -43,12 +44,15 @@ def target_rows(gguf_path: Path, ids: np.ndarray) -> tuple[np.ndarray, np.ndarra
     tensors = {t.name: t for t in r.tensors}
     arch = str(r.fields["general.architecture"].contents())
 
-    def rows(name: str) -> np.ndarray:
+    def rows(name: str, which: np.ndarray) -> np.ndarray:
         t = tensors[name]
-        return np.asarray(gguf.quants.dequantize(np.asarray(t.data)[ids], t.tensor_type), np.float32)
+        return np.asarray(gguf.quants.dequantize(np.asarray(t.data)[which], t.tensor_type), np.float32)
 
-    emb = rows("token_embd.weight")
-    out = rows("output.weight") if "output.weight" in tensors else emb
+    emb = rows("token_embd.weight", ids if emb_ids is None else emb_ids)
+    if "output.weight" in tensors:
+        out = rows("output.weight", ids)
+    else:
+        out = emb if emb_ids is None else rows("token_embd.weight", ids)
     return out, emb, arch
 
 
