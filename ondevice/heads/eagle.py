@@ -142,7 +142,7 @@ def unrolled(params, shape: Shape, feats, emb, cos, sin, depths: int):
     for j in range(depths):
         gn = _rms(g, p["layer.hidden_norm.weight"], eps)
         x = jnp.concatenate([e_n, gn], axis=-1)
-        q = _rope((x @ p["layer.self_attn.q_proj.weight"].T).reshape(B, T, nkv, rep, hd).reshape(B, T, nh, hd), cos, sin)
+        q = _rope((x @ p["layer.self_attn.q_proj.weight"].T).reshape(B, T, nh, hd), cos, sin)
         k = _rope((x @ p["layer.self_attn.k_proj.weight"].T).reshape(B, T, nkv, hd), cos, sin)
         v = (x @ p["layer.self_attn.v_proj.weight"].T).reshape(B, T, nkv, hd)
         keys.append(k)
