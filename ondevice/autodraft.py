@@ -140,26 +140,12 @@ def heads_row(target) -> dict | None:
     return row
 
 
-def _graph_seconds(graph, reps: int = 7) -> float:
-    """Median seconds of one drafted token of an ``Eagle3Graph`` (a decoder row and its logits)."""
-    import numpy as np
-
-    pre = np.zeros((1, graph.n_embd), np.float32)
-    times = []
-    for i in range(reps):
-        t0 = time.perf_counter()
-        _, pre = graph.decode([0], pre, i)
-        times.append(time.perf_counter() - t0)
-    graph.rollback(0)
-    return float(np.median(times))
-
-
 def _eagle_row(target, path) -> dict:
     """``heads_row`` for the EAGLE-style drafter ``train-heads`` stored: its held-out τ at γ 5 and its cost per
     drafted token timed in llama.cpp's graph (a draft context of its own on the target, closed after)."""
     import dataclasses
 
-    from ondevice.backends.eagle3 import Eagle3Graph
+    from ondevice.backends.eagle3 import Eagle3Graph, seconds_per_token
     from ondevice.costs import cached_measure
     from ondevice.heads import eagle_store
 
@@ -186,7 +172,7 @@ def _eagle_row(target, path) -> dict:
         costs = cached_measure(target)
         graph = Eagle3Graph(path, target._ctx, target._model, n_ctx=64, threads=target.threads)
         try:
-            spt = _graph_seconds(graph)
+            spt = seconds_per_token(graph)
         finally:
             graph.close()
     except OndeviceError as e:

@@ -21,6 +21,7 @@ The target's features come from ``ondevice.backends.llama_ext``: ``record_layer_
 from __future__ import annotations
 
 import ctypes
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Literal
@@ -239,6 +240,24 @@ def absorb(graph: Eagle3Graph, features: np.ndarray, tokens: Sequence[int], pos0
         e = min(n, s + graph.n_batch)
         logits, pre = graph.decode(shifted[s:e], g[s:e], pos0 + s, "last" if e == n else "none")
     return logits, pre
+
+
+def seconds_per_token(graph: Eagle3Graph, reps: int = 7, after: Callable[[np.ndarray], object] | None = None) -> float:
+    """Median seconds of one drafted token: a decoder row and its logits (then ``after(logits)``, e.g. the drafter's
+    processing of them), timed ``reps`` times on the draft's cache, which is left as it was found."""
+    base = graph.n_past
+    pre = np.zeros((1, graph.n_embd), np.float32)
+    times = []
+    try:
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            logits, pre = graph.decode([0], pre, graph.n_past)
+            if after is not None:
+                after(logits)
+            times.append(time.perf_counter() - t0)
+    finally:
+        graph.rollback(base)
+    return float(np.median(times))
 
 
 def greedy_pick(logits: np.ndarray) -> tuple[int, np.ndarray]:

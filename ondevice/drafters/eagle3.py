@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -166,19 +165,9 @@ class Eagle3Drafter(Drafter):
         """Median seconds of one drafted token (a decoder step and its logits), timed once on the draft's cache
         (left as it was found); charged by the adaptive policy."""
         if self._spt is None:
-            g = self.graph
-            base = g.n_past
-            pre = np.zeros((1, g.n_embd), np.float32)
-            times = []
-            try:
-                for _ in range(reps):
-                    t0 = time.perf_counter()
-                    logits, pre = g.decode([0], pre, g.n_past)
-                    probs_sparse(logits[0], _GREEDY, [])
-                    times.append(time.perf_counter() - t0)
-            finally:
-                g.rollback(base)
-            self._spt = float(np.median(times))
+            from ondevice.backends.eagle3 import seconds_per_token
+
+            self._spt = seconds_per_token(self.graph, reps, lambda logits: probs_sparse(logits[0], _GREEDY, []))
         return self._spt
 
     def reset(self) -> None:
