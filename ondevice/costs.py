@@ -13,6 +13,7 @@ from pathlib import Path
 
 from ondevice.atomic import write_text
 from ondevice.backends.base import Backend
+from ondevice.errors import OndeviceError
 
 PROBE_KS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 33)  # verify batch sizes the probe times (33: n-gram γ = 32)
 PROBE_CONTEXT = 64  # prefix tokens before the timed batches
@@ -98,6 +99,7 @@ class Costs:
 
 
 def _time_eval(b: Backend, context: list[int], tokens: list[int], reps: int) -> float:
+    """Median seconds of ``b.eval(tokens)`` after ``context[:b.n_past]``, the cache put back after each pass."""
     import statistics  # lazily: decimal and fractions come with it, and a cold start needs neither
     base = b.n_past
     ts = []
@@ -105,7 +107,12 @@ def _time_eval(b: Backend, context: list[int], tokens: list[int], reps: int) -> 
         t0 = time.perf_counter()
         b.eval(tokens)
         ts.append(time.perf_counter() - t0)
-        b.rollback(base)
+        try:
+            b.rollback(base)
+        except OndeviceError:  # a recurrent state (qwen35) rolls back only into its last pass, not to its start:
+            b.rollback(0)  # the prefix is evaluated again, untimed
+            if base:
+                b.eval(context[:base], logits="last")
     return statistics.median(ts)
 
 

@@ -184,9 +184,15 @@ def run_bench(
     # the curve the runtimes' cost-aware policy uses (one probe, cached per model files, threads and device:
     # read back when an earlier run measured it); probed once, not again while a loaded machine makes it noisy
     costs = cached_measure(plain.target, drafted.drafter.backend if drafted else None, attempts=1)
-    heads_cost = None
-    if "heads" in runtimes:  # the heads' measured seconds per drafted token ÷ one target decode
-        heads_cost = runtimes["heads"].drafter.seconds_per_token() / costs.target_seconds[1]
+    # each drafter kind without a draft model (heads, mtp, eagle3, dflash): its measured seconds per drafted
+    # token ÷ one target decode, charged in its bound (a draft model's ratio is in ``costs``)
+    kind_costs = {}
+    for kind, rt in runtimes.items():
+        if kind != "plain" and not kind.startswith("draft") and rt.drafter is not None:
+            spt = rt.drafter.seconds_per_token()
+            if spt is not None:
+                kind_costs[kind] = spt / costs.target_seconds[1]
+    heads_cost = kind_costs.get("heads")
     for rt in runtimes.values():
         rt.reset()
     modes: list[tuple[str, object, object]] = [("plain", plain, 0)]
@@ -237,8 +243,8 @@ def run_bench(
                    "repeats": repeats, "gamma": gamma, "temperature": temperature, "threads": threads,
                    "seconds": time.perf_counter() - t_start},
         "runs": runs,
-        "costs": {**costs.to_json(), "heads_cost_ratio": heads_cost},
-        "summary": summarize(runs, costs, heads_cost),
+        "costs": {**costs.to_json(), "heads_cost_ratio": heads_cost, "drafter_cost_ratios": kind_costs},
+        "summary": summarize(runs, costs, kind_costs),
     }
 
 
@@ -255,14 +261,19 @@ def _gammas(gamma: str) -> list:
     return out
 
 
-def summarize(runs: list[dict], costs: Costs, heads_cost: float | None = None) -> list[dict]:
+def summarize(runs: list[dict], costs: Costs, kind_costs: dict[str, float] | float | None = None) -> list[dict]:
     """Median tok/s per (mode, class), speedup vs plain on the same prompts, and the cost-model bound.
+
+    ``kind_costs``: a drafter kind's seconds per drafted token ÷ one target decode, by kind (a float: the
+    heads'); a draft model's ratio comes from ``costs``, a kind without one (n-gram) drafts for free.
 
     ``speedup_vs_plain`` is end to end (prompt included); ``decode_speedup_vs_plain`` counts only the
     tokens after the first, which is what the bound (a decode-phase model) predicts. ``tau`` is tokens per
     target pass (hardware-free), ``acceptance_by_position[i]`` the share of drafting passes that kept
     at least i + 1 drafts; ``oracle_speedup`` (greedy) is a perfect drafter's bound on the same answers.
     """
+    if not isinstance(kind_costs, dict):
+        kind_costs = {} if kind_costs is None else {"heads": kind_costs}
     out = []
     classes = list(dict.fromkeys(r["class"] for r in runs))
     modes = list(dict.fromkeys(r["mode"] for r in runs))
@@ -274,6 +285,7 @@ def summarize(runs: list[dict], costs: Costs, heads_cost: float | None = None) -
             rs = [r for r in runs if r["mode"] == mode and r["class"] == cls]
             if not rs:
                 continue
+            kind = mode.rsplit("_", 1)[0]  # "eagle3_g4" → "eagle3"
             tps = [r["tokens_per_second"] for r in rs]
             ratios = [r["tokens_per_second"] / plain[(r["prompt_id"], r["repeat"])] for r in rs
                       if plain.get((r["prompt_id"], r["repeat"]))]
@@ -306,9 +318,9 @@ def summarize(runs: list[dict], costs: Costs, heads_cost: float | None = None) -
             g = rs[0].get("gamma")
             if isinstance(g, int) and g > 0:
                 alpha = statistics.fmean(r["acceptance_rate"] for r in rs)
-                c = (costs.draft_cost_ratio if mode.startswith("draft") else
-                     heads_cost or 0.0 if mode.startswith("heads") else 0.0)
+                c = costs.draft_cost_ratio if mode.startswith("draft") else kind_costs.get(kind, 0.0)
                 row["acceptance_rate"] = alpha
+                row["draft_cost_ratio"] = c
                 row["bound"] = speedup_bound(alpha, g, c, costs.verify_cost(g + 1))
             elif mode.endswith("auto"):
                 row["acceptance_rate"] = statistics.fmean(r["acceptance_rate"] for r in rs)
