@@ -99,3 +99,36 @@ def test_training_learns_a_learnable_map(tmp_path):
         hits = np.asarray(hits)
     assert float(loss) < 0.3 * first
     assert hits[0, 0] / hits[0, 1] > 0.9  # depth 0 reads the features directly
+
+
+def test_frozen_head_stays_and_the_feature_loss_pulls_pre_to_the_targets_hidden(tmp_path):
+    """``make_step(frozen=..., feat_w=...)``: the frozen LM head and norm keep their values bit for bit while the
+    feature loss (rms(pre)·norm_t against the target's hidden state at row p + 1) falls; unfrozen, they move."""
+    import jax.numpy as jnp
+
+    eagle, shape, params, _, vocab, rng = _setup(tmp_path, seed=3, noisy=False)
+    B, T, depths, steps = 2, 8, 2, 60
+    norm_t = (1 + 0.1 * rng.normal(size=shape.hidden)).astype(np.float32)
+    batch = {"feats": rng.normal(size=(B, T, 3 * shape.hidden)).astype(np.float32),
+             "emb": rng.normal(size=(B, T, shape.hidden)).astype(np.float32),
+             "t_idx": np.zeros((B, T, 1), np.int32), "t_pr": np.ones((B, T, 1), np.float32),
+             "valid": np.ones((B, T), bool), "hid": rng.normal(size=(B, T, shape.hidden)).astype(np.float32),
+             "hid_ok": np.ones((B, T), bool)}
+    batch = {k: jnp.asarray(v) for k, v in batch.items()}
+    cos, sin = (jnp.asarray(a) for a in eagle.rope_tables(shape, T))
+
+    def feat_loss(p):
+        with_f = eagle.loss_fn(p, shape, batch, cos, sin, depths, 1.0, jnp.asarray(norm_t))[0]
+        return float(with_f - eagle.loss_fn(p, shape, batch, cos, sin, depths)[0])
+
+    frozen = ("lm_head.weight", "norm.weight")
+    for freeze in (True, False):
+        p, opt = dict(params), eagle.zeros_like(params)
+        step = eagle.make_step(shape, depths, T, lr=3e-3, warmup=5, total=steps, feat_w=1.0, norm_t=norm_t,
+                               frozen=frozen if freeze else ())
+        before = feat_loss(p)
+        for t in range(steps):
+            p, opt, _, _ = step(p, opt, batch, t)
+        assert feat_loss(p) < 0.7 * before
+        same = [np.array_equal(np.asarray(p[k]), params[k]) for k in frozen]
+        assert same == [freeze, freeze]

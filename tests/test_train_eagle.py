@@ -178,3 +178,29 @@ def test_chain_replay_counts_passes():
     hits = np.zeros((5, n), bool)
     hits[0, 2] = hits[1, 3] = True  # from base 2: depths 0 and 1 right, depth 2 wrong
     assert chain_tau(hits, n_prompt, n, 3)[1] == 1 + 5
+
+
+def test_the_feature_losss_targets_are_the_hidden_states_of_the_teacher_rows(trained):
+    """``eagle_data.hidden_rows``: the hidden state the feature loss regresses row p onto is the one whose logits
+    are the teacher's at row p + 1 (the target's LM head on it picks the teacher's top-1); one position off, not."""
+    from ondevice.heads import eagle_data, store, train
+    from ondevice.heads.batch import load_record
+
+    target, home, _ = trained
+    work = home / "heads" / "work" / store.target_sha256(target)[:16]
+    feats = sorted(work.glob("eagle-feats-*/seq-*.npz"))[:4]
+    recs = [load_record(work / "records" / f"rec-{i:04d}.npz") for i in range(len(feats))]
+    seqs = [eagle_data.load(f) for f in feats]
+    with ondevice.load(target, drafter="none", threads=1) as rt:
+        V = rt.target.vocab_size
+    rows, table, _ = train.target_rows(target, np.arange(V), emb_ids=np.arange(V))
+    wins = [(i, 0) for i in range(len(seqs))]
+
+    def agreement(hidden):
+        b = eagle_data.batch_arrays(seqs, wins, 512, np.arange(V, dtype=np.int32), table, hidden=hidden)
+        ok = b["hid_ok"] & b["valid"]
+        return ok.sum(), float(np.mean((b["hid"] @ rows.T).argmax(-1)[ok] == b["t_idx"][..., 0][ok]))
+
+    n, right = agreement([eagle_data.hidden_rows(r) for r in recs])
+    assert n > 50 and right > 0.97
+    assert agreement([(first + 1, h) for first, h in map(eagle_data.hidden_rows, recs)])[1] < 0.5

@@ -171,16 +171,20 @@ def unrolled(params, shape: Shape, feats, emb, cos, sin, depths: int):
     return logits_out, pre_out
 
 
-def loss_fn(params, shape: Shape, batch: dict, cos, sin, depths: int):
-    """Σ_j DECAY^j · mean soft cross-entropy of step j to the target's top-k rows; (loss, top-1 hits per step).
+def loss_fn(params, shape: Shape, batch: dict, cos, sin, depths: int, feat_w: float = 0.0, norm_t=None):
+    """Σ_j DECAY^j · (mean soft cross-entropy of step j to the target's top-k rows + ``feat_w`` · feature loss);
+    (loss, top-1 hits per step).
 
     ``batch``: feats, emb (``unrolled``), t_idx [B, T, k] the draft-vocabulary index of each of the target's top-k
     tokens at row p + 1 (−1 outside the draft vocabulary), t_pr [B, T, k] their probabilities, valid [B, T] (the
-    row p + 1 exists)."""
+    row p + 1 exists); with ``feat_w`` also hid [B, T, h] the target's post-norm hidden state at row p + 1 and
+    hid_ok [B, T] where it is known. The feature loss (EAGLE-1's regression, a dense target: the whole hidden
+    state, not 8 probabilities) is SmoothL1 between rms(pre)·``norm_t`` (the target's own final-norm weight, so
+    that equality means the target's LM head reads the target's logits) and that hidden state."""
     import jax
     import jax.numpy as jnp
 
-    logits, _ = unrolled(params, shape, batch["feats"], batch["emb"], cos, sin, depths)
+    logits, pre = unrolled(params, shape, batch["feats"], batch["emb"], cos, sin, depths)
     t_idx, t_pr, valid = batch["t_idx"], batch["t_pr"], batch["valid"]
     inside = t_idx >= 0
     w_pr = jnp.where(inside, t_pr, 0.0)
@@ -193,23 +197,37 @@ def loss_fn(params, shape: Shape, batch: dict, cos, sin, depths: int):
         m = valid & (jnp.arange(T) >= j)[None, :]
         n = jnp.maximum(jnp.sum(m), 1)
         total = total + DECAY ** j * jnp.sum(jnp.where(m, ce, 0.0)) / n
+        if feat_w:
+            d = jnp.abs(_rms(pre[j], norm_t, shape.eps) - batch["hid"])
+            sl1 = jnp.mean(jnp.where(d < 1.0, 0.5 * d * d, d - 0.5), axis=-1)
+            mf = m & batch["hid_ok"]
+            total = total + feat_w * DECAY ** j * jnp.sum(jnp.where(mf, sl1, 0.0)) / jnp.maximum(jnp.sum(mf), 1)
         hit = (jnp.argmax(lg, axis=-1) == t_idx[..., 0]) & inside[..., 0]
         hits.append(jnp.stack([jnp.sum(hit & m), jnp.sum(m)]))
     return total, jnp.stack(hits)
 
 
-def make_step(shape: Shape, depths: int, T: int, lr: float, warmup: int, total: int, clip: float = 1.0):
+def make_step(shape: Shape, depths: int, T: int, lr: float, warmup: int, total: int, clip: float = 1.0, *,
+              feat_w: float = 0.0, norm_t=None, frozen: tuple[str, ...] = (), wd: float = 0.0):
     """A jitted AdamW step: (params, opt, batch, t) → (params, opt, loss, hits) for batches of windows up to ``T``
-    rows; cosine decay to 10 % of ``lr`` after ``warmup`` linear steps, global gradient norm clipped at ``clip``."""
+    rows; cosine decay to 10 % of ``lr`` after ``warmup`` linear steps, global gradient norm clipped at ``clip``.
+
+    Args:
+        feat_w, norm_t: the feature loss's weight and the target's final-norm weight (``loss_fn``).
+        frozen: parameters kept as initialised (e.g. the LM head: the target's own rows).
+        wd: decoupled weight decay of the matrices (AdamW), × the step's rate."""
     import jax
     import jax.numpy as jnp
 
     cos, sin = (jnp.asarray(a) for a in rope_tables(shape, T))
     b1, b2, eps = 0.9, 0.95, 1e-8
+    norm_t = None if norm_t is None else jnp.asarray(norm_t, jnp.float32)
 
     def step(params, opt, batch, t):
         n = batch["emb"].shape[1]  # any window length up to T (one trace per length)
-        (loss, hits), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, shape, batch, cos[:n], sin[:n], depths)
+        (loss, hits), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, shape, batch, cos[:n], sin[:n], depths,
+                                                                        feat_w, norm_t)
+        grads = {k: jnp.zeros_like(g) if k in frozen else g for k, g in grads.items()}
         norm = jnp.sqrt(sum(jnp.sum(g * g) for g in grads.values()))
         factor = jnp.minimum(1.0, clip / (norm + 1e-6))
         frac = jnp.clip((t - warmup) / max(1, total - warmup), 0.0, 1.0)
@@ -220,7 +238,8 @@ def make_step(shape: Shape, depths: int, T: int, lr: float, warmup: int, total: 
             m = b1 * opt["m"][k] + (1 - b1) * g
             v = b2 * opt["v"][k] + (1 - b2) * g * g
             mh, vh = m / (1 - b1 ** (t + 1)), v / (1 - b2 ** (t + 1))
-            new_p[k] = w - rate * mh / (jnp.sqrt(vh) + eps)
+            decay = wd * w if (wd and w.ndim == 2 and k not in frozen) else 0.0
+            new_p[k] = w - rate * (mh / (jnp.sqrt(vh) + eps) + decay)
             new_m[k], new_v[k] = m, v
         return new_p, {"m": new_m, "v": new_v}, loss, hits
 

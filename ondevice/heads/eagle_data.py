@@ -114,8 +114,15 @@ def batches(seqs: list[Seq], wins: list[tuple[int, int]], T: int, batch_tokens: 
     return [out[i] for i in rng.permutation(len(out))]
 
 
+def hidden_rows(rec) -> tuple[int, np.ndarray]:
+    """(first position, rows) of a record's post-norm hidden states in its ``Seq``'s positions (prompt + answer):
+    ``rec.hidden[j]`` follows ``rec.tokens[j]``, and ``tokens[0]`` is the prompt's last token."""
+    return len(rec.prompt) - 1, rec.hidden
+
+
 def batch_arrays(seqs: list[Seq], wins: list[tuple[int, int]], T: int, inv: np.ndarray, table: np.ndarray,
-                 rng: np.random.Generator | None = None, noise: float = 0.0, rows: int | None = None) -> dict[str, np.ndarray]:
+                 rng: np.random.Generator | None = None, noise: float = 0.0, rows: int | None = None,
+                 hidden: list[tuple[int, np.ndarray]] | None = None) -> dict[str, np.ndarray]:
     """The arrays of ``eagle.loss_fn`` for these windows, padded to T positions and ``rows`` windows (empty ones
     count nowhere).
 
@@ -123,6 +130,8 @@ def batch_arrays(seqs: list[Seq], wins: list[tuple[int, int]], T: int, inv: np.n
         inv: target id → draft-vocabulary index (−1 outside).
         table: the target's token embeddings [V, h] (float32).
         noise: Gaussian noise on the features, relative to each row's RMS (training only).
+        hidden: per sequence, ``hidden_rows`` of its record: adds hid / hid_ok (the feature loss's targets at row
+            p + 1, known on the answer's rows).
     """
     B, w = max(len(wins), rows or 0), seqs[0].feats.shape[1]
     feats = np.zeros((B, T, w), np.float32)
@@ -140,7 +149,20 @@ def batch_arrays(seqs: list[Seq], wins: list[tuple[int, int]], T: int, inv: np.n
     if noise and rng is not None:
         rms = np.sqrt(np.mean(feats * feats, axis=-1, keepdims=True))
         feats += noise * rms * rng.standard_normal(feats.shape, dtype=np.float32)
-    return {"feats": feats, "emb": emb, "t_idx": t_idx, "t_pr": t_pr, "valid": t_pr[..., 0] > 0}
+    out = {"feats": feats, "emb": emb, "t_idx": t_idx, "t_pr": t_pr, "valid": t_pr[..., 0] > 0}
+    if hidden is not None:
+        hid = np.zeros((B, T, table.shape[1]), np.float32)
+        ok = np.zeros((B, T), bool)
+        for b, (i, s0) in enumerate(wins):
+            first, H = hidden[i]
+            n = min(T, len(seqs[i].tokens) - s0)
+            # row p's target: the hidden state after position s0 + p + 1, i.e. H[s0 + p + 1 − first] where it exists
+            lo, hi = max(0, first - s0 - 1), min(n - 1, len(H) + first - s0 - 1)
+            if hi > lo:
+                hid[b, lo:hi] = H[s0 + 1 + lo - first:s0 + 1 + hi - first]
+                ok[b, lo:hi] = True
+        out.update(hid=hid, hid_ok=ok)
+    return out
 
 
 def chain_tau(hits: np.ndarray, n_prompt: int, n: int, gamma: int) -> tuple[int, int]:

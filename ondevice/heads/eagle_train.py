@@ -26,7 +26,8 @@ import numpy as np
 from ondevice.errors import OndeviceError
 from ondevice.heads import eagle, eagle_data, eagle_store, store, train
 
-DEFAULTS = dict(vocab=8192, depths=5, epochs=12, max_new=192, window=384, batch_tokens=3072, lr=1e-3, noise=0.05)
+DEFAULTS = dict(vocab=8192, depths=5, epochs=12, max_new=192, window=384, batch_tokens=3072, lr=1e-3, noise=0.05,
+                feat_w=0.0, fix_head=False, wd=0.0)
 
 
 def _norm_row(path: Path) -> np.ndarray:
@@ -115,13 +116,17 @@ def _check_args(**kw) -> None:
         raise OndeviceError(f"lr={kw['lr']!r}: the learning rate must be a positive number (default {DEFAULTS['lr']})")
     if not np.isfinite(kw["noise"]) or kw["noise"] < 0:
         raise OndeviceError(f"noise={kw['noise']!r}: the features' input noise must be >= 0 (default {DEFAULTS['noise']})")
+    for name in ("feat_w", "wd"):
+        if not np.isfinite(kw[name]) or kw[name] < 0:
+            raise OndeviceError(f"{name}={kw[name]!r}: must be a number >= 0 (default {DEFAULTS[name]})")
 
 
 def train_eagle(model: str | os.PathLike, *, tokens: int = train.DEFAULT_TOKENS, out: str | os.PathLike | None = None,
                 seed: int = 0, threads: int | None = None, quiet: bool = False, vocab: int = DEFAULTS["vocab"],
                 depths: int = DEFAULTS["depths"], epochs: int = DEFAULTS["epochs"], max_new: int = DEFAULTS["max_new"],
                 n_ctx: int = 1024, slots: int = 32, lr: float = DEFAULTS["lr"], noise: float = DEFAULTS["noise"],
-                batch_tokens: int = DEFAULTS["batch_tokens"], convert: Callable | None = None) -> dict:
+                batch_tokens: int = DEFAULTS["batch_tokens"], feat_w: float = DEFAULTS["feat_w"],
+                fix_head: bool = DEFAULTS["fix_head"], wd: float = DEFAULTS["wd"], convert: Callable | None = None) -> dict:
     """Train the EAGLE-style drafter for ``model`` (a GGUF or catalog name) and store it (``eagle_store``).
 
     Args:
@@ -133,6 +138,8 @@ def train_eagle(model: str | os.PathLike, *, tokens: int = train.DEFAULT_TOKENS,
         vocab: draft vocabulary size; depths: drafting steps trained (the longest chain it is trained for).
         epochs: passes over the data (the best on held-out answers is kept); lr, noise: AdamW peak rate and
             the features' relative input noise; batch_tokens: rows per optimiser step.
+        feat_w: weight of the feature loss (regression onto the target's hidden state, ``eagle.loss_fn``);
+            fix_head: keep the LM head and its norm as the target's; wd: AdamW weight decay.
         n_ctx, slots, threads, max_new: recording (as ``train.train_heads``).
     Returns:
         A summary: path, wall seconds, tokens, τ of greedy chains (γ 3 / 5) on held-out answers, per-depth
@@ -148,7 +155,8 @@ def train_eagle(model: str | os.PathLike, *, tokens: int = train.DEFAULT_TOKENS,
         raise OndeviceError("train_eagle needs the EAGLE-3 converter: pass convert=converters.eagle3.convert_eagle3")
     if tokens < 1:
         raise OndeviceError(f"tokens={tokens}: train-heads needs a positive number of answer tokens (--tokens N, N >= 100)")
-    _check_args(epochs=epochs, vocab=vocab, depths=depths, batch_tokens=batch_tokens, max_new=max_new, lr=lr, noise=noise)
+    _check_args(epochs=epochs, vocab=vocab, depths=depths, batch_tokens=batch_tokens, max_new=max_new, lr=lr, noise=noise,
+                feat_w=feat_w, wd=wd)
     t0 = time.perf_counter()
     path = lookup.resolve(model)
     if detect_format(path) != "gguf":
@@ -205,8 +213,9 @@ def train_eagle(model: str | os.PathLike, *, tokens: int = train.DEFAULT_TOKENS,
         wins = eagle_data.windows(tr, T)
         steps_per_epoch = len(eagle_data.batches(tr, wins, T, batch_tokens, np.random.default_rng(0)))
         n_tr = int(sum(len(s.tokens) for s in tr))
+        extra = [feat_w, bool(fix_head), wd] if (feat_w or fix_head or wd) else []  # earlier runs' keys unchanged
         key = hashlib.sha256(json.dumps(["soft-init", sha, n_tr, len(seqs), seed, vocab, depths, epochs, T, batch_tokens, lr, noise,
-                                         layer_ids]).encode()).hexdigest()[:12]
+                                         layer_ids, *extra]).encode()).hexdigest()[:12]
         ckpt = work / f"eagle-fit-{key}.npz"
         opt, log, start, best = eagle.zeros_like(params), [], 0, None
         if (state := _load_state(ckpt, params)) is not None:
@@ -214,7 +223,11 @@ def train_eagle(model: str | os.PathLike, *, tokens: int = train.DEFAULT_TOKENS,
             log, start, best = info["log"], info["epoch"], info.get("best")
         best_params = _load_state(work / f"eagle-best-{key}.npz", params) if best is not None else None
         best_params = best_params[0] if best_params else None
-        step = eagle.make_step(shape, depths, T, lr=lr, warmup=min(200, steps_per_epoch), total=epochs * steps_per_epoch)
+        norm_t = _norm_row(path)
+        hid = [eagle_data.hidden_rows(r) for r in tr_recs] if feat_w else None  # aligned with tr
+        step = eagle.make_step(shape, depths, T, lr=lr, warmup=min(200, steps_per_epoch), total=epochs * steps_per_epoch,
+                               feat_w=feat_w, norm_t=norm_t, frozen=("lm_head.weight", "norm.weight") if fix_head else (),
+                               wd=wd)
         run = eagle.make_eval(shape, depths, T)
         t1 = time.perf_counter()
         task = bar.add_task("fitting the drafter (steps)", total=epochs * steps_per_epoch, completed=start * steps_per_epoch)
@@ -222,7 +235,7 @@ def train_eagle(model: str | os.PathLike, *, tokens: int = train.DEFAULT_TOKENS,
             rng = np.random.default_rng([seed, ep])
             loss_sum, hits = 0.0, np.zeros((depths, 2))
             for s, (L, B, ws) in enumerate(eagle_data.batches(tr, wins, T, batch_tokens, rng)):
-                batch = eagle_data.batch_arrays(tr, ws, L, inv, table, rng, noise, rows=B)
+                batch = eagle_data.batch_arrays(tr, ws, L, inv, table, rng, noise, rows=B, hidden=hid)
                 params, opt, loss, h = step(params, opt, batch, ep * steps_per_epoch + s)
                 loss_sum += float(loss)
                 hits += np.asarray(h)
@@ -241,6 +254,7 @@ def train_eagle(model: str | os.PathLike, *, tokens: int = train.DEFAULT_TOKENS,
         meta = {"target_sha256": sha, "target_file": path.name, "architecture": arch, "target_vocab_size": V,
                 "draft_vocab_size": int(len(vocab_ids)), "target_layers": layer_ids, "depths": depths,
                 "training_tokens": n_tr, "heldout_answers": len(val), "seed": seed, "epochs": epochs,
+                "feat_w": feat_w, "fix_head": bool(fix_head), "wd": wd,
                 "record_seconds": round(t_rec, 1), "feature_seconds": round(t_feat, 1), "fit_seconds": round(t_fit, 1),
                 "tau_heldout": final}
         with tempfile.TemporaryDirectory(dir=work, prefix="eagle-ckpt-") as tmp:
