@@ -23,7 +23,7 @@ from ondevice.results import Chunk, Result, Stats  # noqa: F401 - re-exported (t
 from ondevice.sampling import SamplingParams, probs_batch, verify, verify_logits
 from ondevice.tree import Tree
 
-TREE_NODES = 8  # drafted nodes per tree step at most
+TREE_NODES = 16  # drafted nodes per tree step at most (a fixed γ asks up to this many; gamma="auto" up to the drafter's max_gamma)
 
 
 @dataclass(frozen=True, kw_only=True)

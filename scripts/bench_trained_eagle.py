@@ -2,7 +2,11 @@
 per target pass, hardware-free) at fixed greedy chains of γ 3 and 5, against plain decoding's tokens (must be
 equal) and n-gram drafting; the draft's cost per token ÷ a target decode; decode speed ratios in one run. JSON.
 
-    PYTHONPATH=$PWD python scripts/bench_trained_eagle.py MODEL [--per-class 3] [--tokens 128] [--json OUT]
+    PYTHONPATH=$PWD python scripts/bench_trained_eagle.py MODEL [--drafter X.eagle.gguf] [--per-class 3] [--tokens 128]
+        [--json OUT]
+
+Modes: chains of γ 3 and 5, EAGLE-2 trees of ≤ 8 and ≤ 16 nodes, n-gram γ 3; per mode τ, the speed ratio and the
+acceptance by position (the share of drafting passes that kept ≥ i drafts).
 
 Held-out prompts are ``prompts.json``'s "heldout" set, never used in training.
 """
@@ -11,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -49,6 +54,12 @@ def _cost(rt, reps: int = 15) -> dict:
             "ratio": round(float(np.median(d) / np.median(t)), 4)}
 
 
+def _by_position(counts: np.ndarray) -> list[float]:
+    """Share of drafting passes that kept at least i drafts, i = 1.. (``accept_counts[i]``: passes keeping i)."""
+    n = counts.sum()
+    return [round(float(counts[i:].sum() / n), 3) for i in range(1, len(counts)) if counts[i:].sum()] if n > 0 else []
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
@@ -56,17 +67,19 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--drafter", default=None, help="an EAGLE-3 GGUF (default: the one train-heads stored for MODEL)")
     a = ap.parse_args()
     path = lookup.resolve(a.model)
     gguf = path / "model.gguf" if path.is_dir() else path
     heldout = data.load_prompts()["heldout"]
     rows: dict = {}
     with ondevice.load(path, drafter="none", threads=a.threads) as plain, \
-            ondevice.load(path, draft="heads", threads=a.threads) as spec, \
+            ondevice.load(path, draft=a.drafter or "heads", threads=a.threads) as spec, \
             ondevice.load(path, drafter="ngram", threads=a.threads) as ngram:
         cost = _cost(spec)
         for cls, prompts in sorted(heldout.items()):
-            acc = {k: {"tokens": 0, "passes": 0, "seconds": 0.0} for k in ("plain", "eagle3", "eagle5", "tree8", "ngram3")}
+            acc = {k: {"tokens": 0, "passes": 0, "seconds": 0.0, "counts": np.zeros(17)}
+                   for k in ("plain", "eagle3", "eagle5", "tree8", "tree16", "ngram3")}
             equal = True
             for text in prompts[: a.per_class]:
                 msgs = [{"role": "user", "content": text}]
@@ -77,17 +90,23 @@ def main() -> None:
                 runs["eagle5"] = spec.chat(msgs, max_tokens=a.tokens, temperature=0, gamma=5)
                 _trees(spec.drafter, True)  # best-first trees of ≤ 8 nodes
                 runs["tree8"] = spec.chat(msgs, max_tokens=a.tokens, temperature=0, gamma=8)
+                runs["tree16"] = spec.chat(msgs, max_tokens=a.tokens, temperature=0, gamma=16)
                 runs["ngram3"] = ngram.chat(msgs, max_tokens=a.tokens, temperature=0, gamma=3)
                 for k, r in runs.items():
                     equal &= r.tokens == ref.tokens
                     acc[k]["tokens"] += r.stats.tokens
                     acc[k]["passes"] += r.stats.target_forwards
                     acc[k]["seconds"] += r.stats.total_seconds - r.stats.prompt_seconds
+                    c = np.asarray(list(r.stats.accept_counts)[:17], float)
+                    acc[k]["counts"][: len(c)] += c
+                    acc[k]["counts"][0] -= r.stats.plain_steps  # accept_counts[0] holds plain steps too
             rows[cls] = {k: {"tau": round(v["tokens"] / max(1, v["passes"]), 3),
-                             "speed_vs_plain": round(acc["plain"]["seconds"] / max(1e-9, v["seconds"]), 3)}
+                             "speed_vs_plain": round(acc["plain"]["seconds"] / max(1e-9, v["seconds"]), 3),
+                             "acceptance_by_position": _by_position(v["counts"])}
                          for k, v in acc.items()}
             rows[cls]["greedy_equal"] = bool(equal)
-    emit_json({"model": path.name, "drafter": str(eagle_store.find(gguf)), "meta": eagle_store.read_meta(eagle_store.find(gguf)),
+    drafter = Path(a.drafter) if a.drafter else eagle_store.find(gguf)
+    emit_json({"model": path.name, "drafter": str(drafter), "meta": eagle_store.read_meta(drafter),
                "draft_cost": cost, "by_class": rows, "per_class": a.per_class, "max_tokens": a.tokens}, a.json)
 
 

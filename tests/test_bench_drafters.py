@@ -61,3 +61,22 @@ def test_the_cost_probe_and_gamma_auto_run_on_a_recurrent_target(tmp_path):
         assert set(c.target_seconds) >= {1, 2} and spec.target.n_past == 0
         assert spec.generate(prompt, max_tokens=24, temperature=0, gamma="auto").tokens == \
             plain.generate(prompt, max_tokens=24, temperature=0).tokens
+
+
+def test_a_fixed_gamma_grows_trees_past_eight_nodes(tmp_path):
+    """``gamma=16`` with a tree drafter (EAGLE-3) verifies trees of up to 16 drafted nodes (the issue measures
+    trees ≤ 16), and greedy decoding still equals plain decoding token for token."""
+    import ondevice
+    from converters.eagle3 import convert_eagle3
+    from ondevice.testing.eagle3 import make_tiny_eagle3
+
+    target = tiny_gguf_target(tmp_path, "llama")
+    src = make_tiny_eagle3(tmp_path / "e3src", own_embeddings=False, dtype="float32", draft_vocab=64,
+                           layer_ids=[0, 2, 3], seed=0)
+    convert_eagle3(src, target=target, out=tmp_path / "e3", dtype="f32")
+    with ondevice.load(target, draft=str(tmp_path / "e3" / "model.gguf"), threads=1) as spec, \
+            ondevice.load(target, drafter="none", threads=1) as plain:
+        assert spec.drafter.traits.trees
+        r = spec.generate("def add(a, b):", max_tokens=24, temperature=0, gamma=16)
+        assert r.tokens == plain.generate("def add(a, b):", max_tokens=24, temperature=0).tokens
+        assert r.stats.drafted / max(1, r.stats.target_forwards - 1) > 8  # the prompt's pass drafts nothing
