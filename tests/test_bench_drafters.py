@@ -79,4 +79,4 @@ def test_a_fixed_gamma_grows_trees_past_eight_nodes(tmp_path):
         assert spec.drafter.traits.trees
         r = spec.generate("def add(a, b):", max_tokens=24, temperature=0, gamma=16)
         assert r.tokens == plain.generate("def add(a, b):", max_tokens=24, temperature=0).tokens
-        assert r.stats.drafted / max(1, r.stats.target_forwards - 1) > 8  # the prompt's pass drafts nothing
+        assert r.stats.drafted > 8 * r.stats.target_forwards  # more than 8 drafted nodes per pass on average
