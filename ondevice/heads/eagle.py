@@ -56,17 +56,19 @@ class Shape:
                 "shape": asdict(self)}
 
 
-def init(shape: Shape, lm_rows: np.ndarray, norm_w: np.ndarray, seed: int) -> dict[str, np.ndarray]:
+def init(shape: Shape, lm_rows: np.ndarray, norm_w: np.ndarray, seed: int, fc_top: bool = False) -> dict[str, np.ndarray]:
     """Initial weights (float32, canonical names of ``converters.eagle3_source``): the LM head and its norm
     from the target's (``lm_rows`` [Vd, h], ``norm_w`` [h]), the rest random at scale 1/sqrt(fan-in), the MLP's
-    and attention's outputs small so that pre ≈ g at the start."""
+    and attention's outputs small so that pre ≈ g at the start. ``fc_top``: fc starts as the identity on the
+    highest fused layer's input (g = that feature, a representation the target's head already reads) instead
+    of a random mix of the three."""
     rng = np.random.default_rng(seed)
     h, nh, nkv, hd, f = shape.hidden, shape.n_heads, shape.n_kv_heads, shape.head_dim, shape.ffn
 
     def lin(o: int, i: int, gain: float = 1.0) -> np.ndarray:
         return (rng.standard_normal((o, i)) * gain / np.sqrt(i)).astype(np.float32)
 
-    return {
+    out = {
         "input_norm.weight": np.ones(shape.n_feat * h, np.float32),
         "fc.weight": lin(h, shape.n_feat * h),
         "layer.input_layernorm.weight": np.ones(h, np.float32),
@@ -82,6 +84,11 @@ def init(shape: Shape, lm_rows: np.ndarray, norm_w: np.ndarray, seed: int) -> di
         "norm.weight": np.asarray(norm_w, np.float32).copy(),
         "lm_head.weight": np.asarray(lm_rows, np.float32).copy(),
     }
+    if fc_top:
+        fc = np.zeros((h, shape.n_feat * h), np.float32)
+        fc[:, (shape.n_feat - 1) * h:] = np.eye(h, dtype=np.float32)
+        out["fc.weight"] = fc
+    return out
 
 
 def _rms(x, w, eps):

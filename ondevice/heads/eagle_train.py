@@ -27,7 +27,7 @@ from ondevice.errors import OndeviceError
 from ondevice.heads import eagle, eagle_data, eagle_store, store, train
 
 DEFAULTS = dict(vocab=8192, depths=5, epochs=12, max_new=192, window=384, batch_tokens=3072, lr=1e-3, noise=0.05,
-                feat_w=0.0, fix_head=False, wd=0.0)
+                feat_w=0.0, fix_head=False, wd=0.0, fc_top=False)
 
 
 def _norm_row(path: Path) -> np.ndarray:
@@ -126,7 +126,8 @@ def train_eagle(model: str | os.PathLike, *, tokens: int = train.DEFAULT_TOKENS,
                 depths: int = DEFAULTS["depths"], epochs: int = DEFAULTS["epochs"], max_new: int = DEFAULTS["max_new"],
                 n_ctx: int = 1024, slots: int = 32, lr: float = DEFAULTS["lr"], noise: float = DEFAULTS["noise"],
                 batch_tokens: int = DEFAULTS["batch_tokens"], feat_w: float = DEFAULTS["feat_w"],
-                fix_head: bool = DEFAULTS["fix_head"], wd: float = DEFAULTS["wd"], convert: Callable | None = None) -> dict:
+                fix_head: bool = DEFAULTS["fix_head"], wd: float = DEFAULTS["wd"], fc_top: bool = DEFAULTS["fc_top"],
+                convert: Callable | None = None) -> dict:
     """Train the EAGLE-style drafter for ``model`` (a GGUF or catalog name) and store it (``eagle_store``).
 
     Args:
@@ -139,7 +140,8 @@ def train_eagle(model: str | os.PathLike, *, tokens: int = train.DEFAULT_TOKENS,
         epochs: passes over the data (the best on held-out answers is kept); lr, noise: AdamW peak rate and
             the features' relative input noise; batch_tokens: rows per optimiser step.
         feat_w: weight of the feature loss (regression onto the target's hidden state, ``eagle.loss_fn``);
-            fix_head: keep the LM head and its norm as the target's; wd: AdamW weight decay.
+            fix_head: keep the LM head as the target's rows (its norm trains: it starts softened); wd: AdamW weight decay;
+            fc_top: fc starts as the identity on the highest fused layer (``eagle.init``).
         n_ctx, slots, threads, max_new: recording (as ``train.train_heads``).
     Returns:
         A summary: path, wall seconds, tokens, τ of greedy chains (γ 3 / 5) on held-out answers, per-depth
@@ -207,13 +209,14 @@ def train_eagle(model: str | os.PathLike, *, tokens: int = train.DEFAULT_TOKENS,
         # the LM-head rows of the draft vocabulary, and every token's embedding (the draft's input), in one read
         out_rows, table, arch = train.target_rows(path, vocab_ids, emb_ids=np.arange(V))
         shape = shape_for(cfg, len(vocab_ids))
-        params = eagle.init(shape, out_rows, _norm_row(path), seed)
+        params = eagle.init(shape, out_rows, _norm_row(path), seed, fc_top=fc_top)
         params["norm.weight"] *= _soften(params, shape, tr, inv, table)
         T = int(min(DEFAULTS["window"], eagle_data.bucket(max(len(s.tokens) for s in seqs))))
         wins = eagle_data.windows(tr, T)
         steps_per_epoch = len(eagle_data.batches(tr, wins, T, batch_tokens, np.random.default_rng(0)))
         n_tr = int(sum(len(s.tokens) for s in tr))
-        extra = [feat_w, bool(fix_head), wd] if (feat_w or fix_head or wd) else []  # earlier runs' keys unchanged
+        extra = [feat_w, "lm_head" if fix_head else "", wd, *(["fc_top"] if fc_top else [])] \
+            if (feat_w or fix_head or wd or fc_top) else []  # earlier keys unchanged
         key = hashlib.sha256(json.dumps(["soft-init", sha, n_tr, len(seqs), seed, vocab, depths, epochs, T, batch_tokens, lr, noise,
                                          layer_ids, *extra]).encode()).hexdigest()[:12]
         ckpt = work / f"eagle-fit-{key}.npz"
@@ -226,7 +229,7 @@ def train_eagle(model: str | os.PathLike, *, tokens: int = train.DEFAULT_TOKENS,
         norm_t = _norm_row(path)
         hid = [eagle_data.hidden_rows(r) for r in tr_recs] if feat_w else None  # aligned with tr
         step = eagle.make_step(shape, depths, T, lr=lr, warmup=min(200, steps_per_epoch), total=epochs * steps_per_epoch,
-                               feat_w=feat_w, norm_t=norm_t, frozen=("lm_head.weight", "norm.weight") if fix_head else (),
+                               feat_w=feat_w, norm_t=norm_t, frozen=("lm_head.weight",) if fix_head else (),
                                wd=wd)
         run = eagle.make_eval(shape, depths, T)
         t1 = time.perf_counter()
@@ -254,7 +257,7 @@ def train_eagle(model: str | os.PathLike, *, tokens: int = train.DEFAULT_TOKENS,
         meta = {"target_sha256": sha, "target_file": path.name, "architecture": arch, "target_vocab_size": V,
                 "draft_vocab_size": int(len(vocab_ids)), "target_layers": layer_ids, "depths": depths,
                 "training_tokens": n_tr, "heldout_answers": len(val), "seed": seed, "epochs": epochs,
-                "feat_w": feat_w, "fix_head": bool(fix_head), "wd": wd,
+                "feat_w": feat_w, "fix_head": bool(fix_head), "wd": wd, "fc_top": bool(fc_top),
                 "record_seconds": round(t_rec, 1), "feature_seconds": round(t_feat, 1), "fit_seconds": round(t_fit, 1),
                 "tau_heldout": final}
         with tempfile.TemporaryDirectory(dir=work, prefix="eagle-ckpt-") as tmp:
