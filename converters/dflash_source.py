@@ -4,11 +4,17 @@ layout is described in ``converters.dflash``. A pickle checkpoint is refused unr
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from converters.eagle3_source import PICKLES, DraftSource, _Safetensors
+from converters.eagle3_source import (
+    DraftSource,
+    _Safetensors,
+    check_shapes,
+    config_names,
+    read_config,
+    safetensors_files,
+)
 from ondevice.errors import OndeviceError
 
 LAYER = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
@@ -23,13 +29,7 @@ TOP = {"fc.weight": "fc.weight", "hidden_norm.weight": "enc.output_norm.weight",
 
 def is_dflash(path: str | Path) -> bool:
     """Whether directory ``path`` holds a DFlash draft (its config.json has ``dflash_config``)."""
-    cfg = Path(path) / "config.json"
-    if not cfg.is_file():
-        return False
-    try:
-        return "dflash_config" in json.loads(cfg.read_text(encoding="utf-8"))
-    except ValueError:
-        return False
+    return config_names(path, "dflash_config")
 
 
 @dataclass
@@ -72,18 +72,8 @@ def open_dflash(path: str | Path) -> DFlashSource:
     cfg_path = path / "config.json"
     if not path.is_dir() or not cfg_path.is_file():
         raise OndeviceError(f"{path}: not a DFlash checkpoint directory (config.json + *.safetensors)")
-    try:
-        config = json.loads(cfg_path.read_text(encoding="utf-8"))
-    except ValueError as e:
-        raise OndeviceError(f"{cfg_path}: not valid JSON ({e})") from e
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        pickles = [p for p in PICKLES if (path / p).is_file()] or [p.name for p in path.glob("*.bin")]
-        if pickles:
-            raise OndeviceError(
-                f"{path / pickles[0]}: a PyTorch pickle checkpoint, refused (loading one runs arbitrary code); "
-                "convert it to safetensors where you trust it (torch.load(..., weights_only=True) + safetensors save_file)")
-        raise OndeviceError(f"{path}: no *.safetensors files")
+    config = read_config(cfg_path)
+    files = safetensors_files(path, " (torch.load(..., weights_only=True) + safetensors save_file)")
     if config.get("hidden_act", "silu") != "silu":
         raise OndeviceError(f"{cfg_path}: hidden_act {config['hidden_act']!r} is not supported here (silu)")
     src = DFlashSource(path, config, {}, _Safetensors(files))
@@ -116,13 +106,7 @@ def _check_shapes(src: DFlashSource, cfg_path: Path) -> None:
               "mlp.up_proj.weight": (f, h), "mlp.down_proj.weight": (h, f)}
     for i in range(src.n_layers):
         want.update({f"layers.{i}.{k}": s for k, s in shapes.items()})
-    for name, shape in want.items():
-        if name not in src.names:
-            raise OndeviceError(f"{src.path}: tensor {name} missing from this DFlash checkpoint; re-download it")
-        got = src.tensors.shape(src.names[name])
-        if got != shape:
-            raise OndeviceError(f"{src.path}: tensor {src.names[name]} has shape {list(got)}, {cfg_path.name} implies "
-                                f"{list(shape)}")
+    check_shapes(src, want, cfg_path, "missing from this DFlash checkpoint; re-download it")
     extra = sorted(n for n in src.names if n not in want and n not in ("embed_tokens.weight", "lm_head.weight"))
     if extra:
         raise OndeviceError(f"{src.path}: tensor {extra[0]} is not part of a DFlash draft converted here (DFlash2 / "
