@@ -9,7 +9,10 @@ them llama.cpp reads the target's through ``ctx_other``); names with or without 
 keeps the rotate-half (NeoX) rope layout, writes ``dflash.target_layers`` = ids + 1 (the *inputs* of the layers
 after them), ``dflash.block_size``, the target's vocabulary and ``tokenizer.ggml.mask_token_id``. Everything is
 checked against the target (hidden size, vocabulary, layer ids) before a byte is written; a pickle checkpoint is
-refused unread; DFlash2 / DSpark variants (conv, selector, Markov head) are refused in one line.
+refused unread. DFlash2 (per-layer block convolutions + candidate selector) and DSpark (Markov head, optional
+confidence head) drafts of the Qwen family add their tensors and keys as llama.cpp's conversion names them
+(``dflash.conv_kernel_size`` / ``conv_group_size`` / ``selector_rank`` / ``selector_top_k``;
+``dflash.sample_from_anchor`` / ``has_confidence_head``); the layouts are in ``converters.dflash_source``.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from converters.dflash_source import LAYER, TOP, DFlashSource, is_dflash, open_dflash
+from converters.dflash_source import CONV, DFLASH2_KEYS, LAYER, TOP, DFlashSource, is_dflash, open_dflash
 from converters.eagle3_source import Target, check_vocab
 from ondevice.errors import OndeviceError
 
@@ -51,8 +54,14 @@ def gguf_tensors(src: DFlashSource):
         if src.has(hf):
             yield g, hf
     for i in range(src.n_layers):
-        for hf, g in LAYER.items():
+        for hf, g in (LAYER | CONV if src.variant == "dflash2" else LAYER).items():
             yield f"blk.{i}.{g}", f"layers.{i}.{hf}"
+
+
+def _stored(g: str, shape: tuple[int, ...], dtype: str) -> np.dtype:
+    """Matrices in ``dtype``; vectors and the convolutions' base kernels (added to f32 coefficients) f32."""
+    f16 = dtype == "f16" and len(shape) >= 2 and not g.endswith("_conv_base")
+    return np.dtype(np.float16 if f16 else np.float32)
 
 
 def write_dflash_gguf(src: DFlashSource, target: Target, ids: list[int], out: Path, *, dtype: str = "f16") -> int:
@@ -79,6 +88,12 @@ def write_dflash_gguf(src: DFlashSource, target: Target, ids: list[int], out: Pa
         w.add_vocab_size(len(target.vocab.tokens))
         w.add_array("dflash.target_layers", ids)
         w.add_uint32("dflash.block_size", src.block_size)
+        if src.variant == "dflash2":
+            for key in DFLASH2_KEYS:
+                w.add_uint32(f"dflash.{key}", src.conv(key))
+        if src.variant == "dspark":
+            w.add_bool("dflash.sample_from_anchor", src.sample_from_anchor)
+            w.add_bool("dflash.has_confidence_head", src.has("confidence_head.proj.weight"))
         causal = cfg.get("is_causal", src.dflash.get("causal"))
         if causal is not None:
             w.add_bool("dflash.attention.causal", bool(causal))
@@ -89,7 +104,7 @@ def write_dflash_gguf(src: DFlashSource, target: Target, ids: list[int], out: Pa
         planned = []
         for g, hf in gguf_tensors(src):
             shape = src.tensors.shape(src.names[hf])
-            planned.append((g, shape, np.dtype(np.float16 if dtype == "f16" and len(shape) >= 2 else np.float32)))
+            planned.append((g, shape, _stored(g, shape, dtype)))
         counts = write_streamed(w, planned, ((g, src.float32(hf)) for g, hf in gguf_tensors(src)), str(src.path))
         return sum(counts.values())
     finally:
@@ -118,7 +133,8 @@ def convert_dflash(src: str | Path, *, target: str | Path, out: str | Path, dtyp
 
     def write(draft: DFlashSource, tgt: Target, ids: list[int], path: Path) -> dict:
         n = write_dflash_gguf(draft, tgt, ids, path, dtype=dtype)
-        return {"format": "gguf", "arch": "dflash", "dtype": dtype, "path": "model.gguf", "target": str(tgt.path),
+        variant = {} if draft.variant == "dflash" else {"variant": draft.variant}  # plain DFlash's summary as before
+        return {"format": "gguf", "arch": "dflash", **variant, "dtype": dtype, "path": "model.gguf", "target": str(tgt.path),
                 "target_layers": ids, "block_size": draft.block_size, "own_head": draft.has("lm_head.weight"),
                 "n_params": n, "size_bytes": path.stat().st_size}
 

@@ -13,6 +13,12 @@ each drafted token is drawn from its row processed with the request's own ``Samp
 (``probs_sparse``, with the drafted prefix as the repetition history) after the request's constraint mask, and
 that processed row is its q, so the shared rejection rule keeps the target's law at any temperature. Greedy
 drafting is deterministic (q None). Chains only: a block has no branching of its own.
+
+DSpark (Markov head) and DFlash2 (candidate selector) drafts make row i depend on the token drafted at i − 1:
+``DFlashGraph.block`` gives each row conditioned on the token actually drafted before it
+(``ondevice.backends.llama_dflash_heads``), computed before that position is drawn, so the processed row is
+still exactly the distribution the token was drawn from (q). An anchor-first DSpark drafts up to block_size
+tokens per pass, the others block_size − 1.
 """
 
 from __future__ import annotations
@@ -66,6 +72,7 @@ class DFlashDrafter(Drafter):
         self._tokens: list[int] = []  # the context the valid draft positions were built from
         self._valid = 0  # draft positions 0..valid-1 hold K/V of the target's true features
         self._spt: float | None = None
+        self.last_block = None  # the last proposal's Block (tests read it)
 
     def _absorb(self, context: Sequence[int]) -> bool:
         """Bring the draft's cache to positions 0..L-2 (L = len(context)) of ``context``; False when the target
@@ -86,31 +93,32 @@ class DFlashDrafter(Drafter):
         return True
 
     def propose(self, context, gamma, params, rng, keep_drafting=None, constraint=None):
-        """Up to ``gamma`` (≤ block_size − 1) tokens after ``context`` (its last token pending, the rest in the
+        """Up to ``gamma`` (≤ the graph's ``max_draft``) tokens after ``context`` (its last token pending, the rest in the
         target's cache), each drawn from its block row's processed (and constrained) distribution; (tokens, q rows
         [γ', V] or None greedy). Nothing (a plain step) when the target kept no features for the last position."""
         V = self.target_vocab
         none = ([], None if params.greedy else np.zeros((0, V)))
-        gamma = min(gamma, self.graph.block_size - 1, self.target.n_ctx - len(context))
+        gamma = min(gamma, self.graph.max_draft, self.target.n_ctx - len(context))
         if gamma <= 0 or not self._absorb(context):
             return none
-        rows = self.graph.draft(int(context[-1]), gamma)
+        self.last_block = block = self.graph.block(int(context[-1]), gamma)
         with Chain(context, gamma, params, rng, keep_drafting, constraint) as chain:
-            for row in rows:
-                if not chain.take(row):
+            for j in range(len(block)):  # each row given the token drafted before it (the anchor first)
+                if not chain.take(block.row(j, chain.tokens[-1] if chain.tokens else int(context[-1]))):
                     break
         return chain.result(V)
 
     def seconds_per_token(self, reps: int = 5) -> float:
-        """Median seconds of one drafted token: a block pass of min(4, block_size − 1) tokens and their processed
+        """Median seconds of one drafted token: a block pass of min(4, max_draft) tokens and their processed
         rows, divided by that count, timed once on the draft's cache (left as it was); charged by the policy."""
         if self._spt is None:
-            k = min(4, self.graph.block_size - 1)
+            k = min(4, self.graph.max_draft)
             times = []
             for _ in range(reps):
                 t0 = time.perf_counter()
-                for row in self.graph.draft(0, k):
-                    probs_sparse(row, _GREEDY, [])
+                block, prev = self.graph.block(0, k), 0
+                for j in range(k):  # the greedy chain (a DFlash2 row needs a candidate before it)
+                    prev = int(probs_sparse(block.row(j, prev), _GREEDY, [])[0][0])
                 times.append((time.perf_counter() - t0) / k)
             self._spt = float(np.median(times))
         return self._spt
