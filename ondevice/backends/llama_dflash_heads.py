@@ -85,6 +85,10 @@ class Block:
     def __len__(self) -> int:
         return len(self.logits)
 
+    def candidates(self, j: int) -> np.ndarray:
+        """DFlash2: the selector's candidate token ids of draft position j (the graph's top-k order)."""
+        return self._cand[j]
+
     def assumed(self, j: int) -> int:
         """DSpark: the previous token the graph's row j was conditioned on."""
         return self.anchor if j == 0 else int(np.argmax(self.logits[j - 1]))

@@ -27,7 +27,8 @@ def make_tiny_dflash_gguf(out: str | Path, *, target: MtpShape | None = None, ta
                           own_head: bool = True, favourites: Sequence[int] | None = None, preference: float = 0.0,
                           variant: str = "dflash", conv_kernel: int = 3, conv_group: int = 32, selector_rank: int = 16,
                           selector_top_k: int = 4, selector_gain: float = 1.0, markov_rank: int = 32,
-                          markov_gain: float = 2.0, sample_from_anchor: bool = True, seed: int = 0) -> Path:
+                          markov_gain: float = 2.0, repeat: float = 0.0, sample_from_anchor: bool = True,
+                          seed: int = 0) -> Path:
     """Write a random DFlash draft for targets of shape ``target`` (their hidden size and vocabulary).
 
     Args:
@@ -51,6 +52,9 @@ def make_tiny_dflash_gguf(out: str | Path, *, target: MtpShape | None = None, ta
             ``selector_gain``) | dspark (a Markov head of ``markov_rank`` whose bias on a row has a standard
             deviation of about ``markov_gain``, and a confidence head; ``sample_from_anchor``: the anchor's row
             is the first draft's).
+        repeat: DSpark / DFlash2: on top of the random weights, the Markov bias (DFlash2: with ``preference``, the
+            selector's transition score) favours repeating the previous token by about ``repeat`` logits, so a
+            position's row depends strongly on the token drafted before it (tests of that conditioning).
     Returns:
         ``out`` as a Path.
     """
@@ -108,11 +112,15 @@ def make_tiny_dflash_gguf(out: str | Path, *, target: MtpShape | None = None, ta
         t.update({"selector_predecessor.weight": rng.standard_normal((v, selector_rank)).astype(np.float32),
                   "selector_successor.weight": rng.standard_normal((v, selector_rank)).astype(np.float32),
                   "selector_hidden.weight": lin(selector_rank, h, selector_gain / np.sqrt(selector_rank))})
-        if preference:
-            t["selector_hidden.weight"][:, 0] = 0.0
+        if preference:  # dimension 0 of the final normed h is ~11 (see preference): it scales a repeat bias
+            t["selector_hidden.weight"][:, 0] = repeat / (11.0 * selector_rank)
+            if repeat:  # score(t | p) ≈ gate · C[t]·C[p]: largest at t = p
+                t["selector_successor.weight"] = t["selector_predecessor.weight"].copy()
     elif variant == "dspark":
         t["markov_w1.weight"] = rng.standard_normal((v, markov_rank)).astype(np.float32)
         t["markov_w2.weight"] = lin(n_draft, markov_rank, markov_gain)
+        rows = t["d2t"] if "d2t" in t else np.arange(v)
+        t["markov_w2.weight"] += (repeat / markov_rank) * t["markov_w1.weight"][rows]  # bias(p)[t] ≈ repeat at t = p
         t["conf_proj.weight"], t["conf_proj.bias"] = lin(1, h + markov_rank), np.zeros(1, np.float32)
     elif variant != "dflash":
         raise ValueError(f"variant {variant!r}: dflash | dflash2 | dspark")
