@@ -11,7 +11,7 @@ of the block, weights = ``base_kernel`` + coefficients projected from the normed
 on the attention's input and output and on the MLP's input and output; its selector lattice (top-k candidates
 of each row, scores ``successor[c] · (predecessor[prev] ⊙ hidden_projection · h) + logit[c]``) is checked too.
 DSpark adds ``markov_w2 · markov_w1[prev]`` to each draft row, prev being the anchor for the first draft and the
-argmax of the row before after that (as the graph chains it).
+argmax of the row before after that (as the graph chains it); its confidence head (when present) is checked too.
 """
 
 from __future__ import annotations
@@ -113,6 +113,18 @@ def markov_rows(src: DFlashSource, base: np.ndarray, anchor: int, assumed: np.nd
     return base + w1[prev] @ w2.T
 
 
+def confidence_error(src: DFlashSource, conf: np.ndarray, hidden: np.ndarray, anchor: int,
+                     assumed: np.ndarray) -> float:
+    """DSpark: the largest absolute error of the graph's confidences ``conf`` [k] against
+    sigmoid(proj · [h; markov_w1[prev]] + bias), h the reference's final normed hidden states [k, hidden] and prev
+    chained as in ``markov_rows``."""
+    w1 = src.float32("markov_head.markov_w1.weight").astype(np.float64)
+    prev = [int(anchor)] + [int(np.argmax(r)) for r in assumed[:-1]]
+    z = np.concatenate([hidden, w1[prev]], axis=1) @ src.float32("confidence_head.proj.weight").astype(np.float64)[0]
+    z = z + float(src.float32("confidence_head.proj.bias")[0])
+    return float(np.abs(conf - 1.0 / (1.0 + np.exp(-z))).max())
+
+
 def lattice_error(src: DFlashSource, lattice: np.ndarray, logits: np.ndarray, hidden: np.ndarray,
                   anchor: int) -> float:
     """DFlash2: the largest relative error of the graph's selector ``lattice`` [k, n_embd] (positions 1..k)
@@ -171,7 +183,7 @@ def verify_dflash(src: DFlashSource, draft_gguf: Path, target: Target, dtype: st
         feats = rng.normal(size=(n, len(graph.layers) * src.hidden)).astype(np.float32)
         token = int(rng.integers(graph.vocab_size))
         graph.observe(feats, 0)
-        got, lattice = graph.draft(token, k), graph.lattice
+        got, lattice, conf = graph.draft(token, k), graph.lattice, graph.confidence
         mask, first = graph.mask_id, int(graph.max_draft < graph.block_size)
     finally:
         if graph is not None:
@@ -184,6 +196,8 @@ def verify_dflash(src: DFlashSource, draft_gguf: Path, target: Target, dtype: st
     err = float(np.abs(got - ref).max() / np.abs(ref).max())
     if src.variant == "dflash2":
         err = max(err, lattice_error(src, lattice, ref, hidden[first:], token))
+    if conf is not None:  # probabilities: their absolute error
+        err = max(err, confidence_error(src, conf, hidden[first:], token, got))
     # the target's (quantized or f16) embeddings / LM head: llama.cpp rounds activations to f16 against them
     tol = TOLERANCE[dtype] if src.has("embed_tokens.weight") and src.has("lm_head.weight") else TOLERANCE["f16"]
     report = {"rows": k, "context": n, "logit_rel": err, "tolerance": tol,

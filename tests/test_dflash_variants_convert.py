@@ -2,7 +2,7 @@
 candidate selector) and DSpark (Qwen3DSparkModel: Markov head + confidence head) checkpoints in the HF layout
 (``ondevice.testing.dflash.make_tiny_dflash_hf``): written as GGUF arch dflash with llama.cpp's extra tensors and
 keys, verified against a numpy forward of the checkpoint (llama.cpp's block logits, DFlash2's selector lattice,
-DSpark's Markov-biased rows; f32 with the draft's own head ≤ 1e-4 relative, f16 ≤ 1e-2), refused in one line
+DSpark's Markov-biased rows and confidences; f32 with the draft's own head ≤ 1e-4 relative, f16 ≤ 1e-2), refused in one line
 with nothing written when wrong or unsupported (the other DSpark families by architecture)."""
 
 from __future__ import annotations
@@ -58,19 +58,23 @@ def test_converts_and_verifies_against_the_checkpoint(target, tmp_path, variant,
 @pytest.mark.parametrize("variant,swap", [
     ("dspark", ("markov_head.markov_w1.weight", "markov_head.markov_w2.weight")),
     ("dflash2", ("attention_conv.base_kernel", "mlp_conv.base_kernel")),
-    ("dflash2", ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook"))])
+    ("dflash2", ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")),
+    ("dspark", ("confidence_head.proj.bias", None))])
 def test_the_check_fails_a_wrong_conversion(target, tmp_path, monkeypatch, variant, swap):
     """A converter writing the Markov head's two matrices, the attention and MLP convolutions, or the selector's two
-    codebooks swapped is refused by the numpy check, nothing left."""
+    codebooks swapped, or dropping the confidence head's bias, is refused by the numpy check, nothing left."""
     import converters.dflash_source as S
     from converters import convert
     from ondevice.testing.dflash import make_tiny_dflash_hf
 
     src = make_tiny_dflash_hf(tmp_path / "src", own_head=True, seed=4, variant=variant)
     table = S.CONV if swap[0] in S.CONV else S.TOP
-    a, b = table[swap[0]], table[swap[1]]
-    monkeypatch.setitem(table, swap[0], b)
-    monkeypatch.setitem(table, swap[1], a)
+    if swap[1] is None:
+        monkeypatch.delitem(table, swap[0])
+    else:
+        a, b = table[swap[0]], table[swap[1]]
+        monkeypatch.setitem(table, swap[0], b)
+        monkeypatch.setitem(table, swap[1], a)
     with pytest.raises(OndeviceError, match="differ from the source's"):
         convert(src, to="gguf", target=target[1], out=tmp_path / "bad", quant="f32", progress=False)
     assert not (tmp_path / "bad").exists()

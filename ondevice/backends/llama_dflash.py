@@ -134,8 +134,12 @@ class DFlashGraph(LlamaHandles):
             self.close()
             raise OndeviceError(f"{self.path}: llama.cpp could not create the DFlash context")
         llama_cpp.llama_set_causal_attn(self._ctx, causal)  # the block attends both ways unless trained causal
-        if self.top_k > 0:  # the selector's lattice comes back as h_nextn, one row per block token
+        # the selector's lattice comes back as h_nextn, one row per block token; so do DSpark's confidences (its
+        # confidence head, read only by the conversion check: ``exact``)
+        self._conf = exact and self.markov is not None and "conf_proj.weight" in names
+        if self.top_k > 0 or self._conf:
             ext("set_embeddings_nextn")(self._ctx, True, False)
+        self.confidence: np.ndarray | None = None  # DSpark (exact): the confidence of each row of the last draft
         self._tgt = target_ctx
         self.n_batch = int(llama_cpp.llama_n_batch(self._ctx))
         self._batch = llama_cpp.llama_batch_ext_init(self._ctx)
@@ -196,10 +200,10 @@ class DFlashGraph(LlamaHandles):
             if rc != 0:
                 raise OndeviceError(f"{self.path.name}: DFlash draft failed (code {rc}) at position {pos0}")
             rows = range(first, first + k)
-            if self.top_k > 0:
+            if self.top_k > 0 or self._conf:
                 get = ext("get_embeddings_nextn_ith")
-                self.lattice = np.stack([np.ctypeslib.as_array(get(self._ctx, i), shape=(self.n_embd,))
-                                         for i in rows]).copy()
+                nextn = np.stack([np.ctypeslib.as_array(get(self._ctx, i), shape=(self.n_embd,)) for i in rows]).copy()
+                self.lattice, self.confidence = (nextn, None) if self.top_k > 0 else (None, nextn[:, 0])
             return np.stack([np.ctypeslib.as_array(lib.llama_get_logits_ith(self._ctx, i), shape=(self.vocab_size,))
                              for i in rows]).copy()
         finally:

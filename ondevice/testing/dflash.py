@@ -215,7 +215,7 @@ def make_tiny_dflash_hf(out: str | Path, *, hidden: int = 256, vocab_size: int =
         t["markov_head.markov_w1.weight"] = rng.standard_normal((vocab_size, markov_rank))
         t["markov_head.markov_w2.weight"] = lin(vocab_size, markov_rank, 3.0)
         if confidence:
-            t["confidence_head.proj.weight"], t["confidence_head.proj.bias"] = lin(1, h + markov_rank), np.zeros(1)
+            t["confidence_head.proj.weight"], t["confidence_head.proj.bias"] = lin(1, h + markov_rank), np.full(1, 0.5)
     save_file({k: np.asarray(v, dtype) for k, v in t.items()}, str(out / "model.safetensors"))
     cfg = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": h, "num_hidden_layers": n_layer,
            "num_attention_heads": n_head, "num_key_value_heads": n_kv_head, "head_dim": head_dim,
