@@ -11,11 +11,12 @@ import numpy as np
 import pytest
 from helpers import (
     DRAFT_PROMPTS,
-    LAW,
-    chisquare,
+    favoured_tokens,
+    greedy_equal,
     law_after,
     plant_no_residual,
-    sampled_counts,
+    sampled_law_broken,
+    sampled_law_kept,
     tiny_gguf_target,
 )
 
@@ -34,16 +35,8 @@ def target(tmp_path_factory):
     base = tmp_path_factory.mktemp("dfv")
     path = tiny_gguf_target(base, "qwen3")
     law, ids = law_after(path)
-    mass: dict[int, float] = {}
-    for seq, pr in law.items():
-        for t in seq:
-            mass[t] = mass.get(t, 0.0) + pr
-    seen: dict[int, int] = {}
-    with ondevice.load(path, drafter="none", threads=1) as rt:
-        for prompt in DRAFT_PROMPTS:
-            for t in rt.generate(prompt, max_tokens=40, temperature=0).tokens:
-                seen[t] = seen.get(t, 0) + 1
-    return path, law, ids, sorted(mass, key=mass.get, reverse=True), sorted(seen, key=seen.get, reverse=True)
+    by_mass, by_seen = favoured_tokens(path, law)
+    return path, law, ids, by_mass, by_seen
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
@@ -91,14 +84,7 @@ def test_greedy_equals_plain_with_drafts_kept_and_rejected(target, pair):
             ondevice.load(target[0], drafter="none", threads=1) as plain:
         assert spec.drafter.name == "dflash" and spec.drafter.graph.variant == variant.split("-")[0]
         assert spec.drafter.graph.max_draft == cap
-        drafted = accepted = 0
-        for prompt in DRAFT_PROMPTS:
-            ref = plain.generate(prompt, max_tokens=40, temperature=0, gamma=0)
-            for gamma in (1, 4, 7):
-                res = spec.generate(prompt, max_tokens=40, temperature=0, gamma=gamma)
-                assert res.tokens == ref.tokens, (prompt, gamma)
-                assert res.stats.drafted <= min(gamma, cap) * res.stats.target_forwards
-                drafted, accepted = drafted + res.stats.drafted, accepted + res.stats.accepted
+        drafted, accepted = greedy_equal(spec, plain, DRAFT_PROMPTS, (1, 4, 7), cap=cap)
         assert 0 < accepted < drafted, (accepted, drafted)
 
 
@@ -107,17 +93,13 @@ def test_sampled_law_is_the_targets(target, pair, monkeypatch):
     both planted controls — a residual that does not subtract q, and q from the row given another previous token
     — must fail."""
     path, law, ids = target[:3]
-    n = 3000
     with ondevice.load(path, draft=str(pair[2]), threads=1) as rt:
-        runs = [rt.generate(ids, max_tokens=3, seed=s, gamma=3, **LAW).stats for s in range(40)]
-        accepted, drafted = sum(r.accepted for r in runs), sum(r.drafted for r in runs)
-        assert 0 < accepted < drafted, (accepted, drafted)
-        assert chisquare(sampled_counts(rt, ids, n, 0.8, 6, 3), law, n) > 1e-3
+        sampled_law_kept(rt, ids, law)
         with monkeypatch.context() as mp:
             plant_unconditioned_q(mp)
-            assert chisquare(sampled_counts(rt, ids, n, 0.8, 6, 3), law, n) < 1e-4
+            sampled_law_broken(rt, ids, law)
         plant_no_residual(monkeypatch)
-        assert chisquare(sampled_counts(rt, ids, n, 0.8, 6, 3), law, n) < 1e-4
+        sampled_law_broken(rt, ids, law)
 
 
 def test_rows_follow_the_drafted_token(target, pair):

@@ -8,8 +8,6 @@ with nothing written when wrong or unsupported (the other DSpark families by arc
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -112,17 +110,9 @@ def test_refusals_are_one_line_and_write_nothing(target, tmp_path):
 
 def test_the_two_commands(target, tmp_path):
     """``ondevice convert DSPARK_DIR --to gguf --target T --out DIR`` then ``ondevice generate T --draft
-    DIR/model.gguf --temperature 0`` drafts with it (stats.drafted > 0)."""
+    DIR/model.gguf --temperature 0`` drafts with it (stats.drafted > 0); without --target it is refused."""
+    from helpers import convert_then_generate
+
     from ondevice.testing.dflash import make_tiny_dflash_hf
 
-    src = make_tiny_dflash_hf(tmp_path / "src", seed=5, variant="dspark")
-    run = [sys.executable, "-m", "ondevice"]
-    out = subprocess.run([*run, "convert", str(src), "--to", "gguf", "--target", str(target[1]), "--out",
-                          str(tmp_path / "d"), "--json"], capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr
-    gen = subprocess.run([*run, "generate", str(target[1]), "--draft", str(tmp_path / "d" / "model.gguf"), "--gamma",
-                          "3", "--temperature", "0", "--json", "-p", "def add(a, b):", "--threads", "1"],
-                         capture_output=True, text=True, timeout=600)
-    assert gen.returncode == 0, gen.stderr
-    stats = json.loads(gen.stdout)["stats"]
-    assert stats["drafter"] == "dflash" and stats["drafted"] > 0
+    convert_then_generate(make_tiny_dflash_hf(tmp_path / "src", seed=5, variant="dspark"), target[1], tmp_path, "dflash")

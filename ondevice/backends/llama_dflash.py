@@ -112,11 +112,7 @@ class DFlashGraph(LlamaHandles):
             self.close()
             raise OndeviceError(f"{self.path}: no mask token (tokenizer.ggml.mask_token_id); re-convert the draft")
         if callable(target_ctx):
-            try:
-                target_ctx = target_ctx(list(self.layers))
-            except BaseException:
-                self.close()
-                raise
+            target_ctx = self._or_close(target_ctx, list(self.layers))
         else:
             for lid in self.layers:
                 ext("set_embeddings_layer_inp")(target_ctx, lid, True)
