@@ -101,8 +101,8 @@ class DFlashGraph(LlamaHandles):
         self.top_k = int(ext("model_dflash_selector_top_k")(self._model))
         from ondevice.formats.gguf import GGUFFile
 
-        names = {t.name for t in GGUFFile(self.path).reader.tensors}
-        self.markov = MarkovHead(self.path, self.vocab_size) if "markov_w1.weight" in names else None
+        names = self._or_close(lambda: {t.name for t in GGUFFile(self.path).reader.tensors})
+        self.markov = self._or_close(MarkovHead, self.path, self.vocab_size) if "markov_w1.weight" in names else None
         self.variant = "dspark" if self.markov else "dflash2" if self.top_k > 0 else "dflash"
         self._first = 0 if self.markov and anchor else 1  # block row of the first draft
         self.max_draft = self.block_size - self._first
