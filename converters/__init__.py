@@ -71,18 +71,14 @@ def convert(
     from converters.dflash import convert_dflash, is_dflash
     from converters.eagle3 import convert_eagle3, is_eagle3
 
-    if is_dflash(src):
-        if to != "gguf" or target is None:
-            raise OndeviceError(f"{shown(src)}: a DFlash draft; convert it with --to gguf --target TARGET (the model it "
-                                "drafts for: HF directory or GGUF)")
-        return convert_dflash(src, target=_source(lookup.resolve(target)), out=out,
-                              dtype="f32" if quant.lower() == "f32" else "f16", verify=verify)
-    if is_eagle3(src):
-        if to != "gguf" or target is None:
-            raise OndeviceError(f"{shown(src)}: an EAGLE-3 draft; convert it with --to gguf --target TARGET (the model it "
-                                "drafts for: HF directory or GGUF)")
-        return convert_eagle3(src, target=_source(lookup.resolve(target)), out=out,
-                              dtype="f32" if quant.lower() == "f32" else "f16", verify=verify)
+    for is_draft, convert_draft, kind in ((is_dflash, convert_dflash, "a DFlash draft"),
+                                          (is_eagle3, convert_eagle3, "an EAGLE-3 draft")):
+        if is_draft(src):
+            if to != "gguf" or target is None:
+                raise OndeviceError(f"{shown(src)}: {kind}; convert it with --to gguf --target TARGET (the model it "
+                                    "drafts for: HF directory or GGUF)")
+            return convert_draft(src, target=_source(lookup.resolve(target)), out=out,
+                                 dtype="f32" if quant.lower() == "f32" else "f16", verify=verify)
     if target is not None:
         raise OndeviceError(f"--target is for EAGLE-3 / DFlash drafts (a config.json with draft_vocab_size / "
                             f"dflash_config); {shown(src)} is not one")

@@ -9,7 +9,10 @@ them llama.cpp reads the target's through ``ctx_other``); names with or without 
 keeps the rotate-half (NeoX) rope layout, writes ``dflash.target_layers`` = ids + 1 (the *inputs* of the layers
 after them), ``dflash.block_size``, the target's vocabulary and ``tokenizer.ggml.mask_token_id``. Everything is
 checked against the target (hidden size, vocabulary, layer ids) before a byte is written; a pickle checkpoint is
-refused unread; DFlash2 / DSpark variants (conv, selector, Markov head) are refused in one line.
+refused unread. DFlash2 (per-layer block convolutions + candidate selector) and DSpark (Markov head, optional
+confidence head) drafts of the Qwen family add their tensors and keys as llama.cpp's conversion names them
+(``dflash.conv_kernel_size`` / ``conv_group_size`` / ``selector_rank`` / ``selector_top_k``;
+``dflash.sample_from_anchor`` / ``has_confidence_head``); the layouts are in ``converters.dflash_source``.
 """
 
 from __future__ import annotations
@@ -18,8 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-from converters.dflash_source import LAYER, TOP, DFlashSource, is_dflash, open_dflash
-from converters.eagle3_source import Target, target_info
+from converters.dflash_source import CONV, DFLASH2_KEYS, LAYER, TOP, DFlashSource, is_dflash, open_dflash
+from converters.eagle3_source import Target, check_vocab
 from ondevice.errors import OndeviceError
 
 __all__ = ["DFlashSource", "check_against", "convert_dflash", "is_dflash", "open_dflash", "write_dflash_gguf"]
@@ -31,10 +34,7 @@ def check_against(src: DFlashSource, target: Target) -> list[int]:
     if src.hidden != target.hidden:
         raise OndeviceError(f"{src.path}: hidden size {src.hidden}, {name} has {target.hidden}; this draft was made "
                             "for another target")
-    cfg_vocab = int(src.config.get("vocab_size") or n_vocab)
-    if cfg_vocab != n_vocab:
-        raise OndeviceError(f"{src.path}: made for a vocabulary of {cfg_vocab} tokens, {name} has {n_vocab}; this "
-                            "draft was made for another target")
+    check_vocab(src, target)
     for t in ("embed_tokens.weight", "lm_head.weight"):
         if src.has(t) and src.tensors.shape(src.names[t]) != (n_vocab, src.hidden):
             raise OndeviceError(f"{src.path}: {t} has shape {list(src.tensors.shape(src.names[t]))}, expected "
@@ -54,19 +54,25 @@ def gguf_tensors(src: DFlashSource):
         if src.has(hf):
             yield g, hf
     for i in range(src.n_layers):
-        for hf, g in LAYER.items():
+        for hf, g in (LAYER | CONV if src.variant == "dflash2" else LAYER).items():
             yield f"blk.{i}.{g}", f"layers.{i}.{hf}"
+
+
+def _stored(g: str, shape: tuple[int, ...], dtype: str) -> np.dtype:
+    """Matrices in ``dtype``; vectors and the convolutions' base kernels (added to f32 coefficients) f32."""
+    f16 = dtype == "f16" and len(shape) >= 2 and not g.endswith("_conv_base")
+    return np.dtype(np.float16 if f16 else np.float32)
 
 
 def write_dflash_gguf(src: DFlashSource, target: Target, ids: list[int], out: Path, *, dtype: str = "f16") -> int:
     """Write the GGUF at ``out`` (matrices ``dtype`` f16 | f32, vectors f32); returns the parameter count."""
     import gguf
 
-    from converters.gguf_writer import write_vocab
+    from converters.gguf_writer import write_streamed, write_vocab
 
     if dtype not in ("f16", "f32"):
         raise OndeviceError(f"--dtype {dtype}: choose f16 or f32")
-    cfg, w, n = src.config, gguf.GGUFWriter(str(out), "dflash"), 0
+    cfg, w = src.config, gguf.GGUFWriter(str(out), "dflash")
     try:
         w.add_name(cfg.get("_name_or_path") or src.path.name)
         w.add_context_length(int(cfg.get("max_position_embeddings", 4096)))
@@ -82,29 +88,27 @@ def write_dflash_gguf(src: DFlashSource, target: Target, ids: list[int], out: Pa
         w.add_vocab_size(len(target.vocab.tokens))
         w.add_array("dflash.target_layers", ids)
         w.add_uint32("dflash.block_size", src.block_size)
+        if src.variant == "dflash2":
+            for key in DFLASH2_KEYS:
+                w.add_uint32(f"dflash.{key}", src.conv(key))
+        if src.variant == "dspark":
+            w.add_bool("dflash.sample_from_anchor", src.sample_from_anchor)
+            w.add_bool("dflash.has_confidence_head", src.has("confidence_head.proj.weight"))
         causal = cfg.get("is_causal", src.dflash.get("causal"))
         if causal is not None:
             w.add_bool("dflash.attention.causal", bool(causal))
         w.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if dtype == "f16" else gguf.LlamaFileType.ALL_F32)
         write_vocab(w, target.vocab)
         w.add_uint32("tokenizer.ggml.mask_token_id", int(src.dflash["mask_token_id"]))
-        # header first (shapes from the safetensors headers), then one tensor at a time: memory stays at one
-        # tensor whatever the draft's size
-        order = []
+        # header first (shapes from the safetensors headers), then one tensor at a time (``write_streamed``)
+        planned = []
         for g, hf in gguf_tensors(src):
             shape = src.tensors.shape(src.names[hf])
-            store = np.dtype(np.float16 if dtype == "f16" and len(shape) >= 2 else np.float32)
-            w.add_tensor_info(g, shape, store, int(np.prod(shape)) * store.itemsize)
-            order.append((hf, store))
-            n += int(np.prod(shape))
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_ti_data_to_file()
-        for hf, store in order:
-            w.write_tensor_data(np.ascontiguousarray(src.float32(hf), dtype=store))
+            planned.append((g, shape, _stored(g, shape, dtype)))
+        counts = write_streamed(w, planned, ((g, src.float32(hf)) for g, hf in gguf_tensors(src)), str(src.path))
+        return sum(counts.values())
     finally:
         w.close()
-    return n
 
 
 def convert_dflash(src: str | Path, *, target: str | Path, out: str | Path, dtype: str = "f16",
@@ -125,27 +129,19 @@ def convert_dflash(src: str | Path, *, target: str | Path, out: str | Path, dtyp
     Raises:
         OndeviceError: one line, for any refusal.
     """
-    import time
+    from converters.output import convert_draft
 
-    from converters.output import atomic_dir, check_out, write_manifest
+    def write(draft: DFlashSource, tgt: Target, ids: list[int], path: Path) -> dict:
+        n = write_dflash_gguf(draft, tgt, ids, path, dtype=dtype)
+        variant = {} if draft.variant == "dflash" else {"variant": draft.variant}  # plain DFlash's summary as before
+        return {"format": "gguf", "arch": "dflash", **variant, "dtype": dtype, "path": "model.gguf", "target": str(tgt.path),
+                "target_layers": ids, "block_size": draft.block_size, "own_head": draft.has("lm_head.weight"),
+                "n_params": n, "size_bytes": path.stat().st_size}
 
-    t0 = time.perf_counter()
-    out = Path(out)
-    check_out(out)
-    draft = open_dflash(src)
-    tgt = target_info(target)
-    ids = check_against(draft, tgt)
-    with atomic_dir(out) as tmp:
-        n = write_dflash_gguf(draft, tgt, ids, tmp / "model.gguf", dtype=dtype)
-        summary = {"format": "gguf", "arch": "dflash", "dtype": dtype, "path": "model.gguf", "target": str(tgt.path),
-                   "target_layers": ids, "block_size": draft.block_size, "own_head": draft.has("lm_head.weight"),
-                   "n_params": n, "size_bytes": (tmp / "model.gguf").stat().st_size}
-        if verify:
-            from converters.dflash_check import verify_dflash
+    def verified(draft: DFlashSource, path: Path, tgt: Target) -> dict:
+        from converters.dflash_check import verify_dflash
 
-            summary["verify"] = verify_dflash(draft, tmp / "model.gguf", tgt, dtype)
-        write_manifest(tmp, {"source": str(Path(src).resolve()), "format": "gguf", "arch": "dflash",
-                             "target": str(tgt.path.resolve()), "target_layers": ids, "dtype": dtype})
-    summary["out"] = str(out)
-    summary["seconds"] = round(time.perf_counter() - t0, 3)
-    return summary
+        return verify_dflash(draft, path, tgt, dtype)
+
+    return convert_draft(src, target, out, arch="dflash", dtype=dtype, open_draft=open_dflash, check=check_against,
+                         write=write, verify=verified if verify else None)

@@ -22,6 +22,7 @@ from converters.eagle3_source import (
     GGUF_NAMES,
     Eagle3Source,
     Target,
+    check_vocab,
     is_eagle3,
     open_eagle3,
     rope_factors,
@@ -50,10 +51,7 @@ def check_against(src: Eagle3Source, target: Target) -> list[int]:
     if src.target_hidden != target.hidden:
         raise OndeviceError(f"{src.path}: made for a target of hidden size {src.target_hidden}, {target.path.name} has "
                             f"{target.hidden}; this draft was made for another target")
-    cfg_vocab = int(src.config.get("vocab_size") or n_vocab)
-    if cfg_vocab != n_vocab:
-        raise OndeviceError(f"{src.path}: made for a vocabulary of {cfg_vocab} tokens, {target.path.name} has "
-                            f"{n_vocab}; this draft was made for another target")
+    check_vocab(src, target)
     if src.d2t.size and (src.d2t.min() < 0 or src.d2t.max() >= n_vocab):
         raise OndeviceError(f"{src.path}: d2t names target token {int(src.d2t.max())} but {target.path.name} has "
                             f"{n_vocab}; this draft was made for another target")
@@ -108,13 +106,12 @@ def write_eagle3_gguf(src: Eagle3Source, target: Target, ids: list[int], out: Pa
     string keys; returns counts per tensor."""
     import gguf
 
-    from converters.gguf_writer import write_vocab
+    from converters.gguf_writer import write_streamed, write_vocab
 
     if dtype not in ("f16", "f32"):
         raise OndeviceError(f"--dtype {dtype}: choose f16 or f32")
     arch, cfg = "eagle3", src.config
     w = gguf.GGUFWriter(str(out), arch)
-    counts: dict[str, int] = {}
     try:
         w.add_name(cfg.get("_name_or_path") or src.path.name)
         w.add_context_length(int(cfg.get("max_position_embeddings", 2048)))
@@ -138,25 +135,13 @@ def write_eagle3_gguf(src: Eagle3Source, target: Target, ids: list[int], out: Pa
         for key, value in (meta or {}).items():
             w.add_string(key, value)
         write_vocab(w, target.vocab)
-        # header first (shapes from the safetensors headers), then one tensor at a time: memory stays at one
-        # tensor whatever the draft's size (add_tensor would hold them all until the end)
-        order = []
-        for name, shape in tensor_shapes(src):
-            store = np.dtype(np.int64 if name == "d2t" else
-                             np.float16 if dtype == "f16" and len(shape) >= 2 else np.float32)
-            w.add_tensor_info(name, shape, store, int(np.prod(shape)) * store.itemsize)
-            order.append((name, store))
-            counts[name] = int(np.prod(shape))
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_ti_data_to_file()
-        for (want, store), (name, t) in zip(order, gguf_tensors(src), strict=True):
-            if name != want:
-                raise OndeviceError(f"{src.path}: tensor {name} came out of order (expected {want})")
-            w.write_tensor_data(np.ascontiguousarray(t, dtype=store))
+        # header first (shapes from the safetensors headers), then one tensor at a time (``write_streamed``)
+        planned = [(name, shape, np.dtype(np.int64 if name == "d2t" else
+                                          np.float16 if dtype == "f16" and len(shape) >= 2 else np.float32))
+                   for name, shape in tensor_shapes(src)]
+        return write_streamed(w, planned, gguf_tensors(src), str(src.path))
     finally:
         w.close()
-    return counts
 
 
 def convert_eagle3(src: str | Path, *, target: str | Path, out: str | Path, dtype: str = "f16",
@@ -179,28 +164,19 @@ def convert_eagle3(src: str | Path, *, target: str | Path, out: str | Path, dtyp
     Raises:
         OndeviceError: one line, for any refusal (``open_eagle3``, ``check_against``).
     """
-    import time
+    from converters.output import convert_draft
 
-    from converters.output import atomic_dir, check_out, write_manifest
+    def write(draft: Eagle3Source, tgt: Target, ids: list[int], path: Path) -> dict:
+        counts = write_eagle3_gguf(draft, tgt, ids, path, dtype=dtype, meta=meta)
+        return {"format": "gguf", "arch": "eagle3", "layout": draft.layout, "dtype": dtype, "path": "model.gguf",
+                "target": str(tgt.path), "target_layers": ids, "draft_vocab": int(draft.d2t.size),
+                "own_embeddings": draft.has("embed_tokens.weight"), "n_params": sum(counts.values()),
+                "size_bytes": path.stat().st_size}
 
-    t0 = time.perf_counter()
-    out = Path(out)
-    check_out(out)
-    draft = open_eagle3(src)
-    tgt = target_info(target)
-    ids = check_against(draft, tgt)
-    with atomic_dir(out) as tmp:
-        counts = write_eagle3_gguf(draft, tgt, ids, tmp / "model.gguf", dtype=dtype, meta=meta)
-        summary = {"format": "gguf", "arch": "eagle3", "layout": draft.layout, "dtype": dtype, "path": "model.gguf",
-                   "target": str(tgt.path), "target_layers": ids, "draft_vocab": int(draft.d2t.size),
-                   "own_embeddings": draft.has("embed_tokens.weight"), "n_params": sum(counts.values()),
-                   "size_bytes": (tmp / "model.gguf").stat().st_size}
-        if verify:
-            from converters.eagle3_check import verify_eagle3
+    def verified(draft: Eagle3Source, path: Path, tgt: Target) -> dict:
+        from converters.eagle3_check import verify_eagle3
 
-            summary["verify"] = verify_eagle3(draft, tmp / "model.gguf", tgt, dtype)
-        write_manifest(tmp, {"source": str(Path(src).resolve()), "format": "gguf", "arch": "eagle3",
-                             "target": str(tgt.path.resolve()), "target_layers": ids, "dtype": dtype})
-    summary["out"] = str(out)
-    summary["seconds"] = round(time.perf_counter() - t0, 3)
-    return summary
+        return verify_eagle3(draft, path, tgt, dtype)
+
+    return convert_draft(src, target, out, arch="eagle3", dtype=dtype, open_draft=open_eagle3, check=check_against,
+                         write=write, verify=verified if verify else None)

@@ -41,15 +41,54 @@ GGUF_NAMES = {
 PICKLES = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "model.pth", "training_args.bin")
 
 
-def is_eagle3(path: str | Path) -> bool:
-    """Whether directory ``path`` holds an EAGLE-3 draft (its config.json has ``draft_vocab_size``)."""
+def config_names(path: str | Path, key: str) -> bool:
+    """Whether directory ``path`` has a config.json (valid JSON) that names ``key``."""
     cfg = Path(path) / "config.json"
     if not cfg.is_file():
         return False
     try:
-        return "draft_vocab_size" in json.loads(cfg.read_text(encoding="utf-8"))
+        return key in json.loads(cfg.read_text(encoding="utf-8"))
     except ValueError:
         return False
+
+
+def is_eagle3(path: str | Path) -> bool:
+    """Whether directory ``path`` holds an EAGLE-3 draft (its config.json has ``draft_vocab_size``)."""
+    return config_names(path, "draft_vocab_size")
+
+
+def read_config(cfg_path: Path) -> dict:
+    """A checkpoint's config.json, parsed; invalid JSON is refused in one line naming the file."""
+    try:
+        return json.loads(cfg_path.read_text(encoding="utf-8"))
+    except ValueError as e:
+        raise OndeviceError(f"{cfg_path}: not valid JSON ({e})") from e
+
+
+def safetensors_files(path: Path, how_to_convert: str) -> list[Path]:
+    """The ``*.safetensors`` files of checkpoint directory ``path``, sorted. None: refused in one line, a PyTorch
+    pickle checkpoint (never opened) with ``how_to_convert`` it appended to the refusal."""
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        pickles = [p for p in PICKLES if (path / p).is_file()] or [p.name for p in path.glob("*.bin")]
+        if pickles:
+            raise OndeviceError(
+                f"{path / pickles[0]}: a PyTorch pickle checkpoint, refused (loading one runs arbitrary code); "
+                f"convert it to safetensors where you trust it{how_to_convert}")
+        raise OndeviceError(f"{path}: no *.safetensors files")
+    return files
+
+
+def check_shapes(src: DraftSource, want: dict[str, tuple[int, ...]], cfg_path: Path, missing: str) -> None:
+    """Refuse, in one line, a tensor of ``want`` (canonical name → shape) absent from ``src`` (the error:
+    "PATH: tensor NAME ``missing``") or of another shape than the config implies."""
+    for name, shape in want.items():
+        if name not in src.names:
+            raise OndeviceError(f"{src.path}: tensor {name} {missing}")
+        got = src.tensors.shape(src.names[name])
+        if got != shape:
+            raise OndeviceError(f"{src.path}: tensor {src.names[name]} has shape {list(got)}, {cfg_path.name} implies "
+                                f"{list(shape)}")
 
 
 class _Safetensors:
@@ -171,22 +210,12 @@ def open_eagle3(path: str | Path) -> Eagle3Source:
     cfg_path = path / "config.json"
     if not cfg_path.is_file():
         raise OndeviceError(f"{cfg_path}: missing; an EAGLE-3 checkpoint needs its config.json")
-    try:
-        raw = json.loads(cfg_path.read_text(encoding="utf-8"))
-    except ValueError as e:
-        raise OndeviceError(f"{cfg_path}: not valid JSON ({e})") from e
+    raw = read_config(cfg_path)
     config = {**raw, **(raw.get("transformer_layer_config") or {})}
     if "draft_vocab_size" not in config or int(config.get("num_hidden_layers", 0)) != 1:
         raise OndeviceError(f"{cfg_path}: not an EAGLE-3 draft (needs draft_vocab_size and num_hidden_layers: 1)")
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        pickles = [p for p in PICKLES if (path / p).is_file()] or [p.name for p in path.glob("*.bin")]
-        if pickles:
-            raise OndeviceError(
-                f"{path / pickles[0]}: a PyTorch pickle checkpoint, refused (loading one runs arbitrary code); "
-                "convert it to safetensors where you trust it, e.g. python -c \"import torch; from safetensors.torch "
-                "import save_file; save_file(torch.load('pytorch_model.bin', weights_only=True), 'model.safetensors')\"")
-        raise OndeviceError(f"{path}: no *.safetensors files")
+    files = safetensors_files(path, ", e.g. python -c \"import torch; from safetensors.torch import save_file; "
+                                    "save_file(torch.load('pytorch_model.bin', weights_only=True), 'model.safetensors')\"")
     act = config.get("hidden_act", "silu")
     if act != "silu":
         raise OndeviceError(f"{cfg_path}: hidden_act {act!r} is not supported (llama.cpp's eagle3 graph is SiLU)")
@@ -226,14 +255,7 @@ def _check_shapes(src: Eagle3Source, cfg_path: Path) -> None:
         del want["d2t"]  # no vocabulary reduction: nothing to map
     if src.norm_before_fc:
         want["input_norm.weight"] = (3 * th,)
-    for name, shape in want.items():
-        if name not in src.names:
-            raise OndeviceError(f"{src.path}: tensor {name} missing from this {src.layout} EAGLE-3 checkpoint; "
-                                "re-download or re-export it")
-        got = src.tensors.shape(src.names[name])
-        if got != shape:
-            raise OndeviceError(f"{src.path}: tensor {src.names[name]} has shape {list(got)}, {cfg_path.name} implies "
-                                f"{list(shape)}")
+    check_shapes(src, want, cfg_path, f"missing from this {src.layout} EAGLE-3 checkpoint; re-download or re-export it")
     extra = sorted(n for n in src.tensors.index if n not in src.names.values() and not n.endswith("rotary_emb.inv_freq"))
     if extra:
         raise OndeviceError(f"{src.path}: tensor {extra[0]} is not part of an EAGLE-3 draft llama.cpp runs; "
@@ -249,6 +271,15 @@ class Target:
     hidden: int
     n_layers: int
     vocab: object  # converters.tokenizer.Vocab
+
+
+def check_vocab(src: DraftSource, target: Target) -> None:
+    """Refuse, in one line, a draft whose config names a vocabulary size other than ``target``'s."""
+    n_vocab = len(target.vocab.tokens)
+    cfg_vocab = int(src.config.get("vocab_size") or n_vocab)
+    if cfg_vocab != n_vocab:
+        raise OndeviceError(f"{src.path}: made for a vocabulary of {cfg_vocab} tokens, {target.path.name} has "
+                            f"{n_vocab}; this draft was made for another target")
 
 
 def target_info(path: str | Path) -> Target:

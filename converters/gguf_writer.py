@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import numpy as np
@@ -39,27 +39,49 @@ def write_gguf(
         write_hparams(w, ckpt.config, arch, len(vocab.tokens))
         w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
         write_vocab(w, vocab)
-        counts: dict[str, int] = {}
-        order = []
+        planned = []
         for hf in ckpt.tensor_names():
             if hf not in names:
                 continue
             shape = shapes.shape(hf)
             dtype = np.dtype(np.float16 if len(shape) >= 2 else np.float32)  # llama.cpp wants 1-D tensors in F32
-            w.add_tensor_info(names[hf], shape, dtype, int(np.prod(shape)) * dtype.itemsize)
-            order.append((names[hf], dtype))
-            counts[names[hf]] = int(np.prod(shape))
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_ti_data_to_file()
-        for (want, dtype), (name, t) in zip(order, gguf_tensors(ckpt, arch), strict=True):
-            if name != want:
-                raise OndeviceError(f"{shown(ckpt.path)}: tensor {name} came out of order (expected {want})")
-            w.write_tensor_data(np.ascontiguousarray(t, dtype=dtype))
-            if on_tensor:
-                on_tensor(name)
+            planned.append((names[hf], shape, dtype))
+        return write_streamed(w, planned, gguf_tensors(ckpt, arch), shown(ckpt.path), on_tensor)
     finally:
         w.close()
+
+
+def write_streamed(w, planned: list[tuple[str, tuple[int, ...], np.dtype]], tensors: Iterable[tuple[str, np.ndarray]],
+                   where: str, on_tensor: Callable[[str], None] | None = None) -> dict[str, int]:
+    """Finish the GGUF ``w`` (its keys already added) one tensor at a time: the header of every tensor in
+    ``planned`` first (shapes known without reading the data), then each of ``tensors``, read, converted and
+    written before the next is read, so memory stays at one tensor whatever the model's size
+    (``gguf.GGUFWriter.add_tensor`` would hold them all until the end).
+
+    Args:
+        w: a ``gguf.GGUFWriter`` whose keys are all added; the caller closes it.
+        planned: (GGUF name, shape, stored dtype) of each tensor, in the order written.
+        tensors: (GGUF name, array) in the same order, lazily (a generator).
+        where: what an error names first (the source).
+        on_tensor: called with each tensor's name once it is written.
+    Returns:
+        Parameter count per GGUF tensor name.
+    Raises:
+        OndeviceError: a tensor came out of ``tensors`` in another order than ``planned``.
+    """
+    counts: dict[str, int] = {}
+    for name, shape, dtype in planned:
+        w.add_tensor_info(name, shape, dtype, int(np.prod(shape)) * dtype.itemsize)
+        counts[name] = int(np.prod(shape))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for (want, _, dtype), (name, t) in zip(planned, tensors, strict=True):
+        if name != want:
+            raise OndeviceError(f"{where}: tensor {name} came out of order (expected {want})")
+        w.write_tensor_data(np.ascontiguousarray(t, dtype=dtype))
+        if on_tensor:
+            on_tensor(name)
     return counts
 
 

@@ -1,4 +1,5 @@
-"""Atomic output directories and manifests: nothing half-written survives an error or Ctrl-C."""
+"""Atomic output directories and manifests: nothing half-written survives an error or Ctrl-C (``convert_draft``:
+the frame of the draft converters, EAGLE-3 and DFlash)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import shutil
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from ondevice.errors import OndeviceError, shown
@@ -139,3 +140,41 @@ def atomic_dir(out: Path) -> Iterator[Path]:
 
 def write_manifest(directory: Path, manifest: dict) -> None:
     (directory / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+
+
+def convert_draft(src: str | Path, target: str | Path, out: str | Path, *, arch: str, dtype: str,
+                  open_draft: Callable, check: Callable, write: Callable, verify: Callable | None) -> dict:
+    """Convert a draft checkpoint for ``target`` into ``out/model.gguf`` + ``out/manifest.json``, atomically:
+    ``out`` is refused before any work, the draft and its target are read and checked against each other before
+    a byte is written, and nothing is left behind on any error, refusal or Ctrl-C.
+
+    Args:
+        src: the draft checkpoint directory; target: its target (HF directory or GGUF, ``target_info``).
+        out: a new directory.
+        arch, dtype: the GGUF's architecture and matrix dtype (recorded in the manifest).
+        open_draft: ``src`` → the draft read and checked on its own.
+        check: (draft, target) → the target layer ids it reads (refusing a draft made for another target).
+        write: (draft, target, ids, GGUF path) → writes the GGUF; returns the summary.
+        verify: (draft, GGUF path, target) → ``summary["verify"]``; None: not verified.
+    Returns:
+        ``write``'s summary with ``verify``, ``out`` and ``seconds``.
+    """
+    import time
+
+    from converters.eagle3_source import target_info
+
+    t0 = time.perf_counter()
+    out = Path(out)
+    check_out(out)
+    draft = open_draft(src)
+    tgt = target_info(target)
+    ids = check(draft, tgt)
+    with atomic_dir(out) as tmp:
+        summary = write(draft, tgt, ids, tmp / "model.gguf")
+        if verify is not None:
+            summary["verify"] = verify(draft, tmp / "model.gguf", tgt)
+        write_manifest(tmp, {"source": str(Path(src).resolve()), "format": "gguf", "arch": arch,
+                             "target": str(tgt.path.resolve()), "target_layers": ids, "dtype": dtype})
+    summary["out"] = str(out)
+    summary["seconds"] = round(time.perf_counter() - t0, 3)
+    return summary

@@ -212,9 +212,65 @@ def law_after(target, prompt: str = LAW_PROMPT):
         b.close()
 
 
-def greedy_equal(spec, plain, prompts, gammas, max_tokens: int = 40) -> tuple[int, int]:
+def favoured_tokens(target, law) -> tuple[list[int], list[int]]:
+    """The tokens ``target`` favours, most first: by their mass in ``law`` (``law_after``), and by how often its
+    plain greedy answers (40 tokens) to ``DRAFT_PROMPTS`` repeat them. A random draft whose vocabulary is a mix of
+    them has its drafts both kept and rejected."""
+    from ondevice.loader import load
+
+    mass: dict[int, float] = {}
+    for seq, pr in law.items():
+        for t in seq:
+            mass[t] = mass.get(t, 0.0) + pr
+    seen: dict[int, int] = {}
+    with load(target, drafter="none", threads=1) as rt:
+        for prompt in DRAFT_PROMPTS:
+            for t in rt.generate(prompt, max_tokens=40, temperature=0).tokens:
+                seen[t] = seen.get(t, 0) + 1
+    return sorted(mass, key=mass.get, reverse=True), sorted(seen, key=seen.get, reverse=True)
+
+
+def sampled_law_kept(rt, ids, law, gamma: int = 3, n: int = 3000) -> None:
+    """Speculative sampling on ``rt`` under ``LAW`` after ``ids`` with γ = ``gamma``: drafts are both kept and
+    rejected (40 requests), so a planted control can fail, and the joint law of 3 tokens is ``law`` (chi-square
+    of ``n`` samples, p > 1e-3)."""
+    runs = [rt.generate(ids, max_tokens=3, seed=s, gamma=gamma, **LAW).stats for s in range(40)]
+    accepted, drafted = sum(r.accepted for r in runs), sum(r.drafted for r in runs)
+    assert 0 < accepted < drafted, (accepted, drafted)
+    assert chisquare(sampled_counts(rt, ids, n, 0.8, 6, gamma), law, n) > 1e-3
+
+
+def sampled_law_broken(rt, ids, law, gamma: int = 3, n: int = 3000) -> None:
+    """As ``sampled_law_kept``, the joint law is not ``law`` (p < 1e-4): what a planted control must give."""
+    assert chisquare(sampled_counts(rt, ids, n, 0.8, 6, gamma), law, n) < 1e-4
+
+
+def convert_then_generate(src, target, tmp_path, drafter: str) -> None:
+    """``ondevice convert SRC --to gguf --target TARGET --out DIR --json`` then ``ondevice generate TARGET --draft
+    DIR/model.gguf --gamma 3 --temperature 0 --json`` drafts with it (its ``drafter``, stats.drafted > 0); the
+    convert without ``--target`` exits 2 naming it and writes nothing."""
+    import json
+    import subprocess
+
+    run = [sys.executable, "-m", "ondevice"]
+    out = subprocess.run([*run, "convert", str(src), "--to", "gguf", "--target", str(target), "--out",
+                          str(tmp_path / "d"), "--json"], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    gen = subprocess.run([*run, "generate", str(target), "--draft", str(tmp_path / "d" / "model.gguf"), "--gamma", "3",
+                          "--temperature", "0", "--json", "-p", DRAFT_PROMPTS[0], "--threads", "1"],
+                         capture_output=True, text=True, timeout=600)
+    assert gen.returncode == 0, gen.stderr
+    stats = json.loads(gen.stdout)["stats"]
+    assert stats["drafter"] == drafter and stats["drafted"] > 0
+    bad = subprocess.run([*run, "convert", str(src), "--to", "gguf", "--out", str(tmp_path / "e")],
+                         capture_output=True, text=True, timeout=600)
+    assert bad.returncode == 2 and "--target" in bad.stderr and not (tmp_path / "e").exists()
+
+
+def greedy_equal(spec, plain, prompts, gammas, max_tokens: int = 40, cap: int | None = None) -> tuple[int, int]:
     """Greedy speculation on ``spec`` emits ``plain``'s tokens for every prompt (text, or a chat: a list of
-    messages) at every γ of ``gammas``; returns (drafted, accepted) summed."""
+    messages) at every γ of ``gammas`` (with ``cap``: never more than min(γ, cap) drafts per target pass);
+    returns (drafted, accepted) summed."""
     drafted = accepted = 0
     for prompt in prompts:
         chat = not isinstance(prompt, str)
@@ -222,6 +278,8 @@ def greedy_equal(spec, plain, prompts, gammas, max_tokens: int = 40) -> tuple[in
         for gamma in gammas:
             res = (spec.chat if chat else spec.generate)(prompt, max_tokens=max_tokens, temperature=0, gamma=gamma)
             assert res.tokens == ref.tokens, (prompt, gamma)
+            if cap is not None:
+                assert res.stats.drafted <= min(gamma, cap) * res.stats.target_forwards
             drafted, accepted = drafted + res.stats.drafted, accepted + res.stats.accepted
     return drafted, accepted
 
@@ -273,6 +331,8 @@ def steady_probe(monkeypatch) -> None:
                                                       for k, t in c.target_seconds.items()})
 
     monkeypatch.setattr(costs, "measure", measure)
+
+
 def served(model, n_ctx: int, api_key: str):
     """A module fixture's body (``yield from``): ``ondevice serve`` of ``model`` with one thread on a free loopback
     port behind ``api_key``; yields its URL and stops the server after the module."""

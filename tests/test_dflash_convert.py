@@ -5,24 +5,18 @@ and drafts through ``ondevice generate --draft DIR/model.gguf``."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
+from helpers import convert_then_generate, tiny_gguf_target
 
 from ondevice.errors import OndeviceError
 
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
-    from converters import convert
-    from ondevice.testing import make_tiny_hf
-
+    """(HF checkpoint, its f16 GGUF) of a tiny qwen3 target."""
     base = tmp_path_factory.mktemp("dfc")
-    hf = make_tiny_hf(base / "hf", arch="qwen3", n_layers=4)
-    convert(hf, to="gguf", quant="f16", out=base / "gguf", progress=False)
-    return hf, base / "gguf" / "model.gguf"
+    gguf = tiny_gguf_target(base, "qwen3")
+    return base / "hf", gguf
 
 
 @pytest.mark.parametrize("own_head", [False, True])
@@ -81,17 +75,4 @@ def test_the_two_commands(target, tmp_path):
     DIR/model.gguf --gamma 3 --temperature 0 --json`` drafts with it (stats.drafted > 0)."""
     from ondevice.testing.dflash import make_tiny_dflash_hf
 
-    src = make_tiny_dflash_hf(tmp_path / "src", seed=5)
-    run = [sys.executable, "-m", "ondevice"]
-    out = subprocess.run([*run, "convert", str(src), "--to", "gguf", "--target", str(target[1]), "--out",
-                          str(tmp_path / "d"), "--json"], capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr
-    gen = subprocess.run([*run, "generate", str(target[1]), "--draft", str(tmp_path / "d" / "model.gguf"), "--gamma",
-                          "3", "--temperature", "0", "--json", "-p", "def add(a, b):", "--threads", "1"],
-                         capture_output=True, text=True, timeout=600)
-    assert gen.returncode == 0, gen.stderr
-    stats = json.loads(gen.stdout)["stats"]
-    assert stats["drafter"] == "dflash" and stats["drafted"] > 0
-    bad = subprocess.run([*run, "convert", str(src), "--to", "gguf", "--out", str(tmp_path / "e")],
-                         capture_output=True, text=True, timeout=600)
-    assert bad.returncode == 2 and "--target" in bad.stderr and not (tmp_path / "e").exists()
+    convert_then_generate(make_tiny_dflash_hf(tmp_path / "src", seed=5), target[1], tmp_path, "dflash")

@@ -9,13 +9,14 @@ import numpy as np
 import pytest
 from helpers import (
     DRAFT_PROMPTS,
-    LAW,
     LAW_PROMPT,
-    chisquare,
+    favoured_tokens,
+    greedy_equal,
     law_after,
     plant_no_residual,
     plant_wrong_q,
-    sampled_counts,
+    sampled_law_broken,
+    sampled_law_kept,
     tiny_gguf_target,
 )
 
@@ -37,16 +38,7 @@ def pair(request, tmp_path_factory):
     base = tmp_path_factory.mktemp(f"dfd-{request.param}")
     target = tiny_gguf_target(base, request.param)
     law, ids = law_after(target)
-    mass: dict[int, float] = {}
-    for seq, pr in law.items():
-        for t in seq:
-            mass[t] = mass.get(t, 0.0) + pr
-    seen: dict[int, int] = {}
-    with ondevice.load(target, drafter="none", threads=1) as rt:  # the tokens greedy answers repeat
-        for prompt in PROMPTS:
-            for t in rt.generate(prompt, max_tokens=40, temperature=0).tokens:
-                seen[t] = seen.get(t, 0) + 1
-    by_mass, by_seen = sorted(mass, key=mass.get, reverse=True), sorted(seen, key=seen.get, reverse=True)
+    by_mass, by_seen = favoured_tokens(target, law)
     layers = (1, 3) if request.param == "qwen2" else (0, 2)  # the qwen2 tap cannot take layer 0's input
 
     def draft(name, favourites):
@@ -64,14 +56,7 @@ def test_the_draft_file_names_its_kind_and_greedy_equals_plain(pair):
     with ondevice.load(target, draft=str(draft), threads=1) as spec, \
             ondevice.load(target, drafter="none", threads=1) as plain:
         assert spec.drafter.name == "dflash"
-        drafted = accepted = 0
-        for prompt in PROMPTS:
-            ref = plain.generate(prompt, max_tokens=40, temperature=0, gamma=0)
-            for gamma in (1, 4, 7):  # 7: more than the block's 4, capped
-                res = spec.generate(prompt, max_tokens=40, temperature=0, gamma=gamma)
-                assert res.tokens == ref.tokens, (prompt, gamma)
-                assert res.stats.drafted <= min(gamma, 4) * res.stats.target_forwards
-                drafted, accepted = drafted + res.stats.drafted, accepted + res.stats.accepted
+        drafted, accepted = greedy_equal(spec, plain, PROMPTS, (1, 4, 7), cap=4)  # 7: more than the block's 4
         assert 0 < accepted < drafted, (accepted, drafted)
 
 
@@ -79,14 +64,10 @@ def test_sampled_law_is_the_targets(pair, monkeypatch):
     """Joint law of 3 tokens at T = 0.8, top-k 6 against the exact target law (γ = 3, one block; q = each block
     row's processed distribution); the planted control, a residual that does not subtract q, must fail."""
     target, _, draft, law, ids = pair
-    n = 3000
     with ondevice.load(target, drafter="dflash", draft=str(draft), threads=1) as rt:
-        runs = [rt.generate(ids, max_tokens=3, seed=s, gamma=3, **LAW).stats for s in range(40)]
-        accepted, drafted = sum(r.accepted for r in runs), sum(r.drafted for r in runs)
-        assert 0 < accepted < drafted, (accepted, drafted)  # both outcomes occur, so the controls can fail
-        assert chisquare(sampled_counts(rt, ids, n, 0.8, 6, 3), law, n) > 1e-3
+        sampled_law_kept(rt, ids, law)
         plant_no_residual(monkeypatch)  # the planted bug
-        assert chisquare(sampled_counts(rt, ids, n, 0.8, 6, 3), law, n) < 1e-4
+        sampled_law_broken(rt, ids, law)
 
 
 def test_a_wrong_q_fails_the_law(pair, monkeypatch):
@@ -95,10 +76,9 @@ def test_a_wrong_q_fails_the_law(pair, monkeypatch):
     from ondevice.drafters.dflash import DFlashDrafter
 
     target, _, draft, law, ids = pair
-    n = 3000
     with ondevice.load(target, draft=str(draft), threads=1) as rt:
         plant_wrong_q(monkeypatch, DFlashDrafter)
-        assert chisquare(sampled_counts(rt, ids, n, 0.8, 6, 3), law, n) < 1e-4
+        sampled_law_broken(rt, ids, law)
 
 
 def test_blocks_are_drafted_from_the_contexts_true_features(pair):

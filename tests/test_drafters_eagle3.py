@@ -5,33 +5,26 @@ graph records no layer inputs: the backend reads them through its cb_eval tap)."
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import pytest
 from helpers import (
     DRAFT_PROMPTS,
-    LAW,
-    chisquare,
+    convert_then_generate,
+    favoured_tokens,
     greedy_equal,
     law_after,
     plant_no_residual,
     plant_wrong_q,
-    sampled_counts,
+    sampled_law_broken,
+    sampled_law_kept,
     tiny_gguf_target,
+    use_trees,
 )
 
 import ondevice
 from ondevice.errors import OndeviceError
 
 PROMPTS = DRAFT_PROMPTS
-
-
-def _chains(rt):
-    """Make the runtime's EAGLE-3 drafter propose chains (its trees are tested apart; chains remain its path under
-    a constraint)."""
-    rt.drafter.traits = dataclasses.replace(rt.drafter.traits, trees=False)
-    return rt
 
 
 def _draft(base, target, favourites, layer_ids=(0, 2, 3), seed=0):
@@ -62,17 +55,8 @@ def pair(request, tmp_path_factory):
     base = tmp_path_factory.mktemp(f"e3d-{request.param}")
     target = tiny_gguf_target(base, request.param)
     law, ids = law_after(target)
-    mass: dict[int, float] = {}
-    for seq, pr in law.items():
-        for t in seq:
-            mass[t] = mass.get(t, 0.0) + pr
-    favourites = set(sorted(mass, key=mass.get, reverse=True)[:12])
-    seen: dict[int, int] = {}
-    with ondevice.load(target, drafter="none", threads=1) as rt:  # the tokens greedy answers repeat
-        for prompt in PROMPTS:
-            for t in rt.generate(prompt, max_tokens=40, temperature=0).tokens:
-                seen[t] = seen.get(t, 0) + 1
-    favourites |= set(sorted(seen, key=seen.get, reverse=True)[:10])
+    by_mass, by_seen = favoured_tokens(target, law)
+    favourites = set(by_mass[:12]) | set(by_seen[:10])
     qwen2 = request.param == "qwen2"  # the tap cannot take layer 0's input; seed 0's draft is never accepted greedily
     return target, _draft(base, target, favourites, (1, 2, 3) if qwen2 else (0, 2, 3), seed=int(qwen2)), law, ids
 
@@ -84,7 +68,7 @@ def test_the_draft_file_names_its_kind_and_greedy_equals_plain(pair):
     with ondevice.load(target, draft=str(draft), threads=1) as spec, \
             ondevice.load(target, drafter="none", threads=1) as plain:
         assert spec.drafter.name == "eagle3"
-        _chains(spec)
+        use_trees(spec.drafter, False)  # chains (trees are tested apart; chains remain its path under a constraint)
         drafted, accepted = greedy_equal(spec, plain, PROMPTS, (1, 3))
         assert drafted > 0 and accepted > 0
 
@@ -93,15 +77,11 @@ def test_sampled_law_is_the_targets(pair, monkeypatch):
     """Joint law of 3 tokens at T = 0.8, top-k 6 against the exact target law (γ = 3; q = the draft's processed
     distribution); the planted control, a residual that does not subtract q, must fail the same test."""
     target, draft, law, ids = pair
-    n = 3000
     with ondevice.load(target, drafter="eagle3", draft=str(draft), threads=1) as rt:
-        _chains(rt)
-        runs = [rt.generate(ids, max_tokens=3, seed=s, gamma=3, **LAW).stats for s in range(40)]
-        accepted, drafted = sum(r.accepted for r in runs), sum(r.drafted for r in runs)
-        assert 0 < accepted < drafted, (accepted, drafted)  # both outcomes occur, so the controls can fail
-        assert chisquare(sampled_counts(rt, ids, n, 0.8, 6, 3), law, n) > 1e-3
+        use_trees(rt.drafter, False)
+        sampled_law_kept(rt, ids, law)
         plant_no_residual(monkeypatch)  # the planted bug
-        assert chisquare(sampled_counts(rt, ids, n, 0.8, 6, 3), law, n) < 1e-4
+        sampled_law_broken(rt, ids, law)
 
 
 def test_a_wrong_q_fails_the_law(pair, monkeypatch):
@@ -110,11 +90,10 @@ def test_a_wrong_q_fails_the_law(pair, monkeypatch):
     from ondevice.drafters.eagle3 import Eagle3Drafter
 
     target, draft, law, ids = pair
-    n = 3000
     with ondevice.load(target, draft=str(draft), threads=1) as rt:
-        _chains(rt)
+        use_trees(rt.drafter, False)
         plant_wrong_q(monkeypatch, Eagle3Drafter)
-        assert chisquare(sampled_counts(rt, ids, n, 0.8, 6, 3), law, n) < 1e-4
+        sampled_law_broken(rt, ids, law)
 
 
 def _spy_trees(monkeypatch):
@@ -160,15 +139,12 @@ def test_sampled_trees_keep_the_targets_law(pair, monkeypatch):
     from ondevice import tree as T
 
     target, draft, law, ids = pair
-    n = 3000
     seen = _spy_trees(monkeypatch)
     with ondevice.load(target, draft=str(draft), threads=1) as rt:
-        runs = [rt.generate(ids, max_tokens=3, seed=s, gamma=4, **LAW).stats for s in range(40)]
-        accepted, drafted = sum(r.accepted for r in runs), sum(r.drafted for r in runs)
-        assert 0 < accepted < drafted and max(seen["nodes"]) > 2, (accepted, drafted)
-        assert chisquare(sampled_counts(rt, ids, n, 0.8, 6, 4), law, n) > 1e-3
+        sampled_law_kept(rt, ids, law, gamma=4)
+        assert max(seen["nodes"]) > 2
         monkeypatch.setattr(T, "residual_sparse", lambda ids, pr, qv, V: pr)  # the planted bug
-        assert chisquare(sampled_counts(rt, ids, n, 0.8, 6, 4), law, n) < 1e-4
+        sampled_law_broken(rt, ids, law, gamma=4)
 
 
 def test_best_first_keeps_the_most_confident_nodes():
@@ -217,22 +193,5 @@ def test_refusals_are_one_line(pair, tmp_path, request):
 def test_the_two_commands(pair, tmp_path):
     """``ondevice convert EAGLE_DIR --to gguf --target TARGET --out DIR`` then ``ondevice generate TARGET --draft
     DIR/model.gguf --gamma 3 --temperature 0 --json`` drafts with it (stats.drafted > 0)."""
-    import json
-    import subprocess
-    import sys
-
     target, draft = pair[:2]
-    src = draft.parent.parent / "e3src"
-    run = [sys.executable, "-m", "ondevice"]
-    out = subprocess.run([*run, "convert", str(src), "--to", "gguf", "--target", str(target), "--out",
-                          str(tmp_path / "d"), "--json"], capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr
-    gen = subprocess.run([*run, "generate", str(target), "--draft", str(tmp_path / "d" / "model.gguf"), "--gamma", "3",
-                          "--temperature", "0", "--json", "-p", PROMPTS[0], "--threads", "1"],
-                         capture_output=True, text=True, timeout=600)
-    assert gen.returncode == 0, gen.stderr
-    stats = json.loads(gen.stdout)["stats"]
-    assert stats["drafter"] == "eagle3" and stats["drafted"] > 0
-    bad = subprocess.run([*run, "convert", str(src), "--to", "gguf", "--out", str(tmp_path / "e")],
-                         capture_output=True, text=True, timeout=600)
-    assert bad.returncode == 2 and "--target" in bad.stderr and not (tmp_path / "e").exists()
+    convert_then_generate(draft.parent.parent / "e3src", target, tmp_path, "eagle3")

@@ -89,11 +89,7 @@ class Eagle3Graph(llama_ext.LlamaHandles):
                 self.close()
                 raise
         if callable(target_ctx):
-            try:
-                target_ctx = target_ctx(list(self.layer_ids))
-            except BaseException:
-                self.close()
-                raise
+            target_ctx = self._or_close(target_ctx, list(self.layer_ids))
         cp = llama_cpp.llama_context_default_params()
         cp.n_ctx = int(n_ctx)
         cp.n_batch = cp.n_ubatch = int(n_batch)

@@ -12,6 +12,11 @@ inputs (``llama_set_embeddings_layer_inp``, or the backend's cb_eval tap: a call
 target decode ``observe`` injects those rows at
 their positions (one draft decode of embedding rows, no LM head); ``draft`` decodes the block and drops
 its positions; ``rollback`` keeps the draft cache below the target's n_past.
+
+Variants (``variant``): DSpark drafts (a Markov head) with ``dflash.sample_from_anchor`` (the default) read the
+first draft from the anchor's own row, so a pass of k tokens ``[last, mask × (k − 1)]`` drafts k (up to
+block_size); DFlash2 drafts (a candidate selector) also hand back the selector's lattice. ``block`` wraps a pass
+for the drafter: the row of each position given the token drafted before it (``llama_dflash_heads``).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ondevice.backends.llama_dflash_heads import Block, MarkovHead
 from ondevice.backends.llama_ext import LlamaHandles, _ptr
 from ondevice.backends.llama_mtp import ext
 from ondevice.errors import OndeviceError
@@ -39,7 +45,9 @@ class DFlashGraph(LlamaHandles):
         n_ctx, threads, n_batch: the draft context's (n_ctx: the target's).
         exact: f32 KV cache and no flash attention (conversion checks; llama.cpp rounds K/V to f16 otherwise).
     Attributes:
-        block_size: the trained block (at most block_size - 1 draft tokens per pass).
+        block_size: the trained block.
+        variant: dflash | dflash2 (conv + selector) | dspark (Markov head).
+        max_draft: the most draft tokens one pass gives (block_size − 1; block_size for an anchor-first DSpark).
         layers: target layer ids whose inputs the draft reads.
         vocab_size: the logit row width (the target's vocabulary).
     Raises:
@@ -88,16 +96,23 @@ class DFlashGraph(LlamaHandles):
             self.block_size = int(buf.value)
         causal = llama_cpp.llama_model_meta_val_str(self._model, b"dflash.attention.causal", buf, 32) >= 0 \
             and buf.value == b"true"
+        anchor = llama_cpp.llama_model_meta_val_str(self._model, b"dflash.sample_from_anchor", buf, 32) < 0 \
+            or buf.value == b"true"
+        self.top_k = int(ext("model_dflash_selector_top_k")(self._model))
+        from ondevice.formats.gguf import GGUFFile
+
+        names = self._or_close(lambda: {t.name for t in GGUFFile(self.path).reader.tensors})
+        self.markov = self._or_close(MarkovHead, self.path, self.vocab_size) if "markov_w1.weight" in names else None
+        self.variant = "dspark" if self.markov else "dflash2" if self.top_k > 0 else "dflash"
+        self._first = 0 if self.markov and anchor else 1  # block row of the first draft
+        self.max_draft = self.block_size - self._first
+        self.lattice: np.ndarray | None = None  # DFlash2: the selector rows of the last draft
         self.mask_id = int(llama_cpp.llama_vocab_mask(self._vocab))
         if not 0 <= self.mask_id < self.vocab_size:
             self.close()
             raise OndeviceError(f"{self.path}: no mask token (tokenizer.ggml.mask_token_id); re-convert the draft")
         if callable(target_ctx):
-            try:
-                target_ctx = target_ctx(list(self.layers))
-            except BaseException:
-                self.close()
-                raise
+            target_ctx = self._or_close(target_ctx, list(self.layers))
         else:
             for lid in self.layers:
                 ext("set_embeddings_layer_inp")(target_ctx, lid, True)
@@ -115,6 +130,12 @@ class DFlashGraph(LlamaHandles):
             self.close()
             raise OndeviceError(f"{self.path}: llama.cpp could not create the DFlash context")
         llama_cpp.llama_set_causal_attn(self._ctx, causal)  # the block attends both ways unless trained causal
+        # the selector's lattice comes back as h_nextn, one row per block token; so do DSpark's confidences (its
+        # confidence head, read only by the conversion check: ``exact``)
+        self._conf = exact and self.markov is not None and "conf_proj.weight" in names
+        if self.top_k > 0 or self._conf:
+            ext("set_embeddings_nextn")(self._ctx, True, False)
+        self.confidence: np.ndarray | None = None  # DSpark (exact): the confidence of each row of the last draft
         self._tgt = target_ctx
         self.n_batch = int(llama_cpp.llama_n_batch(self._ctx))
         self._batch = llama_cpp.llama_batch_ext_init(self._ctx)
@@ -157,12 +178,14 @@ class DFlashGraph(LlamaHandles):
 
     def draft(self, token: int, k: int) -> np.ndarray:
         """Logits [k, vocab] of the block after ``token`` (the target's next token, at position n_past):
-        row i is q for the draft token at n_past + 1 + i. The draft cache is left as before."""
-        if not 1 <= k < self.block_size:
-            raise OndeviceError(f"{self.path.name}: a DFlash block drafts 1..{self.block_size - 1} tokens, not {k}")
-        lib, b, pos0 = self._lib, self._batch, self.n_past
+        row i is the graph's row for the draft token at n_past + 1 + i (DSpark: conditioned on the argmax of row
+        i − 1; ``block`` conditions on the token drafted). DFlash2 leaves the selector's rows of the same
+        positions in ``lattice`` [k, n_embd]. The draft cache is left as before."""
+        if not 1 <= k <= self.max_draft:
+            raise OndeviceError(f"{self.path.name}: a {self.variant} block drafts 1..{self.max_draft} tokens, not {k}")
+        lib, b, pos0, first = self._lib, self._batch, self.n_past, self._first
         lib.llama_batch_ext_clear(b)
-        for i, t in enumerate([token] + [self.mask_id] * k):
+        for i, t in enumerate([token] + [self.mask_id] * (k + first - 1)):
             idx = lib.llama_batch_ext_add_token(b, 0, int(t))
             lib.llama_batch_ext_set_pos(b, idx, self._pos(pos0 + i, 0, 0, 0))
             # every row out, as llama.cpp's driver does: the dflash graph selects no output rows, so the context
@@ -172,10 +195,20 @@ class DFlashGraph(LlamaHandles):
             rc = lib.llama_process(self._ctx, lib.LLAMA_PROCESS_TYPE_DECODE, b)
             if rc != 0:
                 raise OndeviceError(f"{self.path.name}: DFlash draft failed (code {rc}) at position {pos0}")
+            rows = range(first, first + k)
+            if self.top_k > 0 or self._conf:
+                get = ext("get_embeddings_nextn_ith")
+                nextn = np.stack([np.ctypeslib.as_array(get(self._ctx, i), shape=(self.n_embd,)) for i in rows]).copy()
+                self.lattice, self.confidence = (nextn, None) if self.top_k > 0 else (None, nextn[:, 0])
             return np.stack([np.ctypeslib.as_array(lib.llama_get_logits_ith(self._ctx, i), shape=(self.vocab_size,))
-                             for i in range(1, k + 1)]).copy()
+                             for i in rows]).copy()
         finally:
             lib.llama_memory_seq_rm(self._mem, 0, pos0, -1)
+
+    def block(self, token: int, k: int) -> Block:
+        """``draft`` as a ``Block``: the row of each draft position given the token drafted before it."""
+        logits = self.draft(token, k)
+        return Block(token, logits, self.markov, self.lattice if self.top_k > 0 else None, self.top_k)
 
     def rollback(self, n_past: int) -> None:
         """Drop the draft's cache from position ``n_past`` on."""

@@ -13,6 +13,7 @@ Layer inputs: ``set_embeddings_layer_inp(ctx, il, True)`` makes the target's gra
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from functools import cache
 
 import numpy as np
@@ -271,6 +272,14 @@ class LlamaHandles:
         if self._model:
             lib.llama_model_free(self._model)
             self._model = None
+
+    def _or_close(self, fn: Callable, *args):
+        """``fn(*args)``; on any exception (KeyboardInterrupt too) close what this holds, then raise it again."""
+        try:
+            return fn(*args)
+        except BaseException:
+            self.close()
+            raise
 
     def __del__(self) -> None:  # pragma: no cover - best effort
         try:

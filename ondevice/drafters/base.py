@@ -199,6 +199,64 @@ class Drafter:
         """Free what the drafter holds (a draft model)."""
 
 
+class LayerInputsDrafter(Drafter):
+    """A drafter whose draft (``graph``: llama.cpp's, with ``rollback`` and ``close``) runs on the target's layer
+    inputs, recorded for every token of every pass (EAGLE-3, DFlash): the draft's cache positions 0..``_valid``-1
+    hold what the target's true features of ``_tokens`` made. A kind calls ``_attach`` before making its graph,
+    ``_new_features`` then ``_absorbed`` to bring the cache up to a context."""
+
+    graph = None
+
+    def _attach(self, target) -> Callable[[list[int]], object]:
+        """Hold ``target`` (its vocabulary is the draft's) with an empty draft cache; returns the hook the graph
+        calls with the layer ids it reads, once checked against the target, before it makes its own context: it
+        switches the target's layer inputs on (a qwen2 target recreates its own context) and returns the target's
+        context."""
+        self.target = target
+        self.target_vocab = target.vocab_size
+        self._tokens: list[int] = []  # the context the valid draft positions were built from
+        self._valid = 0  # draft positions 0..valid-1 hold what the target's true features made
+        self._spt: float | None = None
+
+        def layer_inputs_on(ids: list[int]):
+            self.width = target.enable_layer_inputs(ids)
+            return target._ctx
+
+        return layer_inputs_on
+
+    def _new_features(self, context: Sequence[int], shared: int) -> tuple[int, np.ndarray] | None:
+        """What the draft's cache lacks to hold positions 0..L-2 (L = len(context)): (keep, the target's
+        layer-input rows of positions keep..L-2 [L-1-keep, width]), keep being the cached positions still valid
+        (at most ``shared``: those built from the same context); ``_valid`` is cut to keep before the caller
+        changes the draft's cache (an interruption leaves a prefix). None when the target kept no features for
+        position L-2 (nothing to draft from)."""
+        last = len(context) - 2
+        if last < 0 or self.target.feature("layer_inputs", last) is None:
+            return None
+        keep = max(0, min(self._valid, shared, last))
+        self._valid = keep
+        feats = np.zeros((last + 1 - keep, self.width), np.float32)
+        for i, pos in enumerate(range(keep, last + 1)):
+            row = self.target.feature("layer_inputs", pos)
+            if row is not None:  # a pass made without features leaves zeros: only the guesses change, never the law
+                feats[i] = row
+        return keep, feats
+
+    def _absorbed(self, context: Sequence[int], tokens: int) -> None:
+        """The draft's cache now holds positions 0..L-2 of ``context``, built from its first ``tokens`` tokens;
+        the target may drop the features it kept up to L-2."""
+        last = len(context) - 2
+        self._valid, self._tokens = last + 1, [int(t) for t in context[:tokens]]
+        self.target.release_features(last)
+
+    def reset(self) -> None:
+        self._valid, self._tokens = 0, []
+        self.graph.rollback(0)
+
+    def close(self) -> None:
+        self.graph.close()  # before the target: the draft borrows its context
+
+
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     """Length of the longest common prefix of two id sequences."""
     n = min(len(a), len(b))

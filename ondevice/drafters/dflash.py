@@ -13,6 +13,12 @@ each drafted token is drawn from its row processed with the request's own ``Samp
 (``probs_sparse``, with the drafted prefix as the repetition history) after the request's constraint mask, and
 that processed row is its q, so the shared rejection rule keeps the target's law at any temperature. Greedy
 drafting is deterministic (q None). Chains only: a block has no branching of its own.
+
+DSpark (Markov head) and DFlash2 (candidate selector) drafts make row i depend on the token drafted at i − 1:
+``DFlashGraph.block`` gives each row conditioned on the token actually drafted before it
+(``ondevice.backends.llama_dflash_heads``), computed before that position is drawn, so the processed row is
+still exactly the distribution the token was drawn from (q). An anchor-first DSpark drafts up to block_size
+tokens per pass, the others block_size − 1.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ondevice.drafters.base import Drafter, Traits, common_prefix, file_arch
+from ondevice.drafters.base import LayerInputsDrafter, Traits, common_prefix, file_arch
 from ondevice.drafters.chain import Chain
 from ondevice.errors import OndeviceError
 from ondevice.sampling import SamplingParams, probs_sparse
@@ -36,8 +42,8 @@ def is_dflash_gguf(path: str) -> bool:
     return file_arch(path) == "dflash"
 
 
-class DFlashDrafter(Drafter):
-    """Chains of up to ``block_size - 1`` tokens per draft pass from a DFlash draft (see the module docstring).
+class DFlashDrafter(LayerInputsDrafter):
+    """Chains of up to ``max_draft`` tokens per draft pass from a DFlash draft (see the module docstring).
 
     Args:
         target: the target backend; it must record layer inputs (a llama.cpp target of an architecture whose
@@ -54,70 +60,50 @@ class DFlashDrafter(Drafter):
         if "layer_inputs" not in target.features:
             raise OndeviceError(f"{Path(path).name}: a DFlash draft needs a llama.cpp target that records layer "
                                 f"inputs; {type(target).__name__} does not")
-        self.target = target
-        self.target_vocab = target.vocab_size
-
-        def layer_inputs_on(ids: list[int]):  # before the draft's context: a qwen2 target recreates its own
-            self.width = target.enable_layer_inputs(ids)
-            return target._ctx
-
+        layer_inputs_on = self._attach(target)
         # checks layers, vocabulary and hidden size against the target; may borrow its embeddings / LM head
         self.graph = DFlashGraph(path, target._model, layer_inputs_on, n_ctx=target.n_ctx, threads=threads)
-        self._tokens: list[int] = []  # the context the valid draft positions were built from
-        self._valid = 0  # draft positions 0..valid-1 hold K/V of the target's true features
-        self._spt: float | None = None
+        self.last_block = None  # the last proposal's Block (tests read it)
 
     def _absorb(self, context: Sequence[int]) -> bool:
-        """Bring the draft's cache to positions 0..L-2 (L = len(context)) of ``context``; False when the target
-        kept no features for the last cached position (nothing to draft from)."""
-        last = len(context) - 2
-        if last < 0 or self.target.feature("layer_inputs", last) is None:
+        """Bring the draft's cache to positions 0..L-2 (L = len(context)) of ``context`` (K/V of the target's
+        features there); False when the target kept no features for the last cached position (nothing to draft
+        from)."""
+        new = self._new_features(context, common_prefix(self._tokens, context))
+        if new is None:
             return False
-        keep = max(0, min(self._valid, common_prefix(self._tokens, context), last))
-        self._valid = keep  # shortened before the draft's cache changes (an interruption leaves a prefix)
-        feats = np.zeros((last + 1 - keep, self.width), np.float32)
-        for i, pos in enumerate(range(keep, last + 1)):
-            row = self.target.feature("layer_inputs", pos)
-            if row is not None:  # a pass made without features leaves zeros: only the guesses change, never the law
-                feats[i] = row
+        keep, feats = new
         self.graph.observe(feats, keep)
-        self._valid, self._tokens = last + 1, [int(t) for t in context[:last + 1]]
-        self.target.release_features(last)
+        self._absorbed(context, len(context) - 1)
         return True
 
     def propose(self, context, gamma, params, rng, keep_drafting=None, constraint=None):
-        """Up to ``gamma`` (≤ block_size − 1) tokens after ``context`` (its last token pending, the rest in the
+        """Up to ``gamma`` (≤ the graph's ``max_draft``) tokens after ``context`` (its last token pending, the rest in the
         target's cache), each drawn from its block row's processed (and constrained) distribution; (tokens, q rows
         [γ', V] or None greedy). Nothing (a plain step) when the target kept no features for the last position."""
         V = self.target_vocab
         none = ([], None if params.greedy else np.zeros((0, V)))
-        gamma = min(gamma, self.graph.block_size - 1, self.target.n_ctx - len(context))
+        gamma = min(gamma, self.graph.max_draft, self.target.n_ctx - len(context))
         if gamma <= 0 or not self._absorb(context):
             return none
-        rows = self.graph.draft(int(context[-1]), gamma)
+        self.last_block = block = self.graph.block(int(context[-1]), gamma)
         with Chain(context, gamma, params, rng, keep_drafting, constraint) as chain:
-            for row in rows:
-                if not chain.take(row):
+            for j in range(len(block)):  # each row given the token drafted before it (the anchor first)
+                if not chain.take(block.row(j, chain.tokens[-1] if chain.tokens else int(context[-1]))):
                     break
         return chain.result(V)
 
     def seconds_per_token(self, reps: int = 5) -> float:
-        """Median seconds of one drafted token: a block pass of min(4, block_size − 1) tokens and their processed
+        """Median seconds of one drafted token: a block pass of min(4, max_draft) tokens and their processed
         rows, divided by that count, timed once on the draft's cache (left as it was); charged by the policy."""
         if self._spt is None:
-            k = min(4, self.graph.block_size - 1)
+            k = min(4, self.graph.max_draft)
             times = []
             for _ in range(reps):
                 t0 = time.perf_counter()
-                for row in self.graph.draft(0, k):
-                    probs_sparse(row, _GREEDY, [])
+                block, prev = self.graph.block(0, k), 0
+                for j in range(k):  # the greedy chain (a DFlash2 row needs a candidate before it)
+                    prev = int(probs_sparse(block.row(j, prev), _GREEDY, [])[0][0])
                 times.append((time.perf_counter() - t0) / k)
             self._spt = float(np.median(times))
         return self._spt
-
-    def reset(self) -> None:
-        self._valid, self._tokens = 0, []
-        self.graph.rollback(0)
-
-    def close(self) -> None:
-        self.graph.close()  # before the target: the draft borrows its context

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ondevice.drafters.base import Drafter, Traits, common_prefix, file_arch
+from ondevice.drafters.base import LayerInputsDrafter, Traits, common_prefix, file_arch
 from ondevice.drafters.chain import Chain
 from ondevice.sampling import SamplingParams, probs_sparse
 from ondevice.tree import Tree
@@ -44,7 +44,7 @@ def is_eagle3_gguf(path: str) -> bool:
     return file_arch(path) == "eagle3"
 
 
-class Eagle3Drafter(Drafter):
+class Eagle3Drafter(LayerInputsDrafter):
     """Chains and best-first trees from an EAGLE-3 draft fed the target's layer inputs (see the module docstring).
 
     Args:
@@ -64,39 +64,24 @@ class Eagle3Drafter(Drafter):
 
         if "layer_inputs" not in target.features:
             target.enable_layer_inputs([])  # raises the backend's one-line refusal
-        self.target = target
-        self.target_vocab = target.vocab_size
-
-        def layer_inputs_on(ids: list[int]):  # before the draft's context: a qwen2 target recreates its own
-            self.width = target.enable_layer_inputs(ids)
-            return target._ctx
-
+        layer_inputs_on = self._attach(target)
         # checks hidden size, vocabulary and depth against the target; borrows its embeddings (ctx_other)
         self.graph = Eagle3Graph(path, layer_inputs_on, target._model, n_ctx=target.n_ctx, threads=threads)
         if not trees:
             self.traits = replace(self.traits, trees=False)
-        self._tokens: list[int] = []  # context[:valid + 1]: what the valid draft positions were built from
-        self._valid = 0  # draft positions 0..valid-1 hold pairs made from the target's true features
-        self._spt: float | None = None
 
     def _absorb(self, context: Sequence[int]) -> tuple[np.ndarray, np.ndarray] | None:
         """Bring the draft's cache to pairs 0..L-2 (L = len(context)); the depth-1 (logits, pre-norm) rows, or
         None when the target kept no features for the last cached position."""
         from ondevice.backends.eagle3 import absorb
 
-        last = len(context) - 2
-        if last < 0 or self.target.feature("layer_inputs", last) is None:
+        # a pair holds the next token too: position P is valid only while context[P + 1] is the same
+        new = self._new_features(context, common_prefix(self._tokens, context) - 1)
+        if new is None:
             return None
-        keep = max(0, min(self._valid, common_prefix(self._tokens, context) - 1, last))
-        self._valid = keep  # shortened before the draft's cache changes (an interruption leaves a prefix)
-        feats = np.zeros((last + 1 - keep, self.width), np.float32)
-        for i, pos in enumerate(range(keep, last + 1)):
-            row = self.target.feature("layer_inputs", pos)
-            if row is not None:  # a pass made without features leaves zeros: only the guesses change, never the law
-                feats[i] = row
-        logits, pre = absorb(self.graph, feats, context[keep:last + 1], keep, int(context[-1]))
-        self._valid, self._tokens = last + 1, [int(t) for t in context]
-        self.target.release_features(last)
+        keep, feats = new
+        logits, pre = absorb(self.graph, feats, context[keep:len(context) - 1], keep, int(context[-1]))
+        self._absorbed(context, len(context))
         return logits, pre
 
     def propose(self, context, gamma, params, rng, keep_drafting=None, constraint=None):
@@ -169,13 +154,6 @@ class Eagle3Drafter(Drafter):
 
             self._spt = seconds_per_token(self.graph, reps, lambda logits: probs_sparse(logits[0], _GREEDY, []))
         return self._spt
-
-    def reset(self) -> None:
-        self._valid, self._tokens = 0, []
-        self.graph.rollback(0)
-
-    def close(self) -> None:
-        self.graph.close()  # before the target: the draft borrows its context
 
 
 
