@@ -113,6 +113,10 @@ class MLXBackend(MLXLayerInputs, HFVocab):
         n = min(int(c.offset) for c in self.cache)
         return n if self._valid is None else min(n, self._valid)
 
+    def _whole(self) -> bool:
+        """Whether this is one whole model (not a subclass splitting it: hidden states and layer inputs need it)."""
+        return type(self) is MLXBackend
+
     # -- hidden states (optional) ----------------------------------------------------------------
     def enable_hidden(self) -> int:
         """Keep the post-norm hidden state (the output layer's input) of every row each later ``eval``

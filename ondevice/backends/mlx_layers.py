@@ -59,9 +59,7 @@ class MLXLayerInputs:
         """Record the inputs of decoder layers ``ids`` for every token of each later pass; returns a row's width
         (len(ids) × hidden size). Refuses (one line) a split model, a model without a ``layers`` list, a layer id
         out of range, or layers not called with the hidden state first (checked on a 2-token probe)."""
-        from ondevice.backends.mlx import MLXBackend
-
-        if type(self) is not MLXBackend:
+        if not self._whole():
             raise OndeviceError(f"{type(self).__name__}: layer inputs (EAGLE-3) are not implemented for a split model")
         mx = self._mx
         layers = self._layer_list()
