@@ -10,6 +10,8 @@ against the same HF checkpoint. Everything runs on MLX's CPU device here."""
 from __future__ import annotations
 
 import dataclasses
+import json
+import shutil
 
 import numpy as np
 import pytest
@@ -239,9 +241,15 @@ def test_refusals_are_one_line(setup, monkeypatch):
     from ondevice.drafters.eagle3 import Eagle3Drafter
 
     hf, target, draft, *_, base = setup
-    with pytest.raises(OndeviceError, match="mlx-lm drops|drops MTP") as e:
+    with pytest.raises(OndeviceError, match=r"declares no MTP .* mlx-lm [\d.]+ drops MTP weights") as e:
         ondevice.load(target, draft="mtp", device="cpu")
-    assert "\n" not in str(e.value) and "MTP" in str(e.value) and "GGUF" in str(e.value)
+    assert "\n" not in str(e.value) and "GGUF" in str(e.value)
+    mtp = base / "mtp-config"  # the same model whose config declares an MTP layer (mlx-lm loads it without one)
+    shutil.copytree(target, mtp)
+    cfg = json.loads((mtp / "config.json").read_text())
+    (mtp / "config.json").write_text(json.dumps({**cfg, "num_nextn_predict_layers": 1}))
+    with pytest.raises(OndeviceError, match=r"declares 1 MTP \(nextn\) layers but mlx-lm [\d.]+ drops MTP weights"):
+        ondevice.load(mtp, draft="mtp", device="cpu")
     far = _draft(base, hf, "far", layer_ids=[0, 2, 3])[1]
     b = _open(target)
     try:

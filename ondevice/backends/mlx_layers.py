@@ -160,15 +160,22 @@ class MLXLayerInputs:
         return out
 
     def mtp(self):
-        """Refused (one line): mlx-lm's model code drops MTP (nextn) weights when it loads a checkpoint."""
+        """Refused (one line): mlx-lm's model code drops MTP (nextn) weights when it loads a checkpoint (none of
+        its models keeps them), whether or not the config declares MTP layers."""
+        import json
+
         import mlx_lm
 
-        cfg = getattr(self.model, "args", None)
-        n = int(getattr(cfg, "num_nextn_predict_layers", 0) or getattr(cfg, "mtp_num_hidden_layers", 0) or 0)
-        kind = getattr(self.model, "model_type", None) or getattr(cfg, "model_type", "?")
-        has = f"its config declares {n} MTP layers but " if n else ""
-        raise OndeviceError(f"{self.path.name}: {has}mlx-lm {mlx_lm.__version__} drops MTP (nextn) weights when it "
-                            f"loads a {kind!r} model, so draft='mtp' cannot run on an MLX target; use the model's GGUF "
+        try:
+            cfg = json.loads((self.path / "config.json").read_text())
+        except (OSError, ValueError):
+            cfg = {}
+        cfgs = [cfg, cfg.get("text_config") or {}]
+        n = max(int(c.get(k) or 0) for c in cfgs for k in ("num_nextn_predict_layers", "mtp_num_hidden_layers"))
+        kind = cfg.get("model_type", "?")
+        has = f"its config declares {n} MTP (nextn) layers but" if n else "its config declares no MTP (nextn) layers, and"
+        raise OndeviceError(f"{self.path.name}: {has} mlx-lm {mlx_lm.__version__} drops MTP weights when it loads a "
+                            f"model (here {kind!r}), so draft='mtp' cannot run on an MLX target; use the model's GGUF "
                             "(llama.cpp runs its MTP heads)")
 
     def feature(self, name: str, pos: int) -> np.ndarray | None:
