@@ -13,6 +13,9 @@ stack (``model.model``, ending in the final norm) and its own output layer (``lm
 ``embed_tokens.as_linear``) itself, so the same pass gives the logits and the LM head's input;
 ``enable_hidden`` checks on a probe that this reproduces the model's own logits bit for bit and refuses
 an architecture that does more after the output layer (logit soft-capping, scaling, ...).
+
+Optional layer inputs (``enable_layer_inputs``, for EAGLE-3 drafts run in MLX by ``mlx_eagle3``): the same passes
+tap the inputs of chosen decoder layers (``ondevice.backends.mlx_layers``).
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ Tokens are embedded with the draft's own table, or with the target's (``model.mo
 not). Same convention and API as ``Eagle3Graph`` (``encode``, ``decode``, ``rollback``, ``n_past``, ``n_batch``),
 so ``Eagle3Drafter``'s chains and trees and ``eagle3.absorb`` / ``seconds_per_token`` run on either.
 
-Weights keep the file's f16 on a GPU (Metal); on the CPU they are widened to f32 (MLX's CPU f16 matmul is slow).
+Weights and activations keep an f16 file's f16 on a GPU (Metal); elsewhere they are f32 (as llama.cpp's graph
+computes); q is whatever the draft computes, so either keeps the rejection rule exact.
 """
 
 from __future__ import annotations
@@ -101,11 +102,11 @@ class Eagle3MLX:
         self._embed = None
         if target is not None:
             self._check_target(target, "token_embd.weight" in w)
-        dtype = mx.float16 if self.device == mx.gpu else mx.float32
+        # one compute dtype: the file's f16 on a GPU, else f32 (norm vectors, stored f32, follow the matrices)
+        self._dtype = mx.float16 if self.device == mx.gpu and w["fc.weight"].dtype == np.float16 else mx.float32
         with mx.stream(self.device):
-            self._w = {k: mx.array(v).astype(dtype if v.dtype == np.float16 else mx.float32) for k, v in w.items()}
+            self._w = {k: mx.array(v).astype(self._dtype) for k, v in w.items()}
             self._freqs = mx.array(periods.astype(np.float32))
-        self._dtype = self._w["fc.weight"].dtype
         self._cache = KVCache()
         if layer_inputs_on is not None:
             layer_inputs_on(list(self.layer_ids))
