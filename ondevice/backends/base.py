@@ -95,6 +95,13 @@ class Backend:
         raise OndeviceError(f"{Path(self.path).name}: EAGLE-3 drafts need a llama.cpp (GGUF) target that records "
                             f"its layer inputs; {type(self).__name__} does not")
 
+    def eagle3_draft(self, path, layer_inputs_on, threads: int | None = None):
+        """The runner of the EAGLE-3 draft GGUF ``path`` on this target (``Eagle3Drafter``'s graph: ``encode`` /
+        ``decode`` / ``rollback`` / ``n_past``), checked against it; it calls ``layer_inputs_on(layer_ids)`` once
+        checked, which switches the target's layer inputs on. Raises ``OndeviceError`` where the backend has none."""
+        raise OndeviceError(f"{Path(self.path).name}: {type(self).__name__} runs no EAGLE-3 drafts (llama.cpp and MLX "
+                            "targets do)")
+
     def release_features(self, before: int) -> None:
         """Kept feature rows of positions below ``before`` are no longer needed (a memory hint)."""
 

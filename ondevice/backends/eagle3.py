@@ -61,14 +61,13 @@ class Eagle3Graph(llama_ext.LlamaHandles):
                  threads: int | None = None, gpu: bool = False, exact: bool = False) -> None:
         import llama_cpp
 
-        from ondevice.backends.llama import init_llama
         from ondevice.formats.gguf import check_gguf_file
 
         self._lib = llama_cpp
         self.path = Path(path)
         self._model = self._ctx = self._batch = None
         check_gguf_file(self.path)
-        init_llama()
+        llama_ext.init_llama()
         mp = llama_cpp.llama_model_default_params()
         mp.n_gpu_layers = 999 if gpu else 0
         self._model = llama_cpp.llama_model_load_from_file(str(self.path).encode(), mp)

@@ -28,6 +28,7 @@ import numpy as np
 
 from ondevice.backends import llama_ext
 from ondevice.backends.base import Backend, check_room
+from ondevice.backends.llama_ext import init_llama  # re-exported: other modules import it from here
 from ondevice.backends.llama_features import MTP_RS_SEQ, LlamaFeatures
 from ondevice.backends.llama_mtp import file_mtp_layers
 from ondevice.backends.llama_state import LlamaState
@@ -35,8 +36,6 @@ from ondevice.backends.llama_tree import TREE_SEQS, LlamaTree
 from ondevice.errors import OndeviceError
 from ondevice.formats.gguf import check_gguf_file
 from ondevice.threads import default_threads
-
-_LOG_CB = None
 
 # KV-cache element types (``-ctk/-ctv``): name → llama_cpp's GGML type constant. A quantized V cache needs flash
 # attention (llama.cpp refuses it otherwise), so the backend switches it on for one.
@@ -48,23 +47,6 @@ def check_cache_type(name: str, value) -> str:
     if not isinstance(value, str) or value.lower() not in KV_CACHE_TYPES:
         raise OndeviceError(f"{name}={value!r}: choose a KV-cache type among {', '.join(KV_CACHE_TYPES)}")
     return value.lower()
-
-
-def init_llama(debug: bool = False) -> None:
-    """Initialise llama.cpp once; its log goes to stderr only when debugging."""
-    global _LOG_CB
-    import llama_cpp
-
-    if _LOG_CB is None:
-        llama_cpp.llama_backend_init()
-
-        @llama_cpp.llama_log_callback
-        def _log(level, text, user_data):  # pragma: no cover - C callback
-            if debug:
-                print(text.decode("utf-8", "replace"), end="", flush=True)
-
-        _LOG_CB = _log
-        llama_cpp.llama_log_set(_LOG_CB, ctypes.c_void_p(0))
 
 
 @contextmanager

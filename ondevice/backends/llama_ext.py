@@ -29,6 +29,26 @@ LAYER_INP_ARCHS = frozenset({
 })
 
 _CTX, _MODEL = "P13llama_context", "PK11llama_model"
+_LOG_CB = None
+
+
+def init_llama(debug: bool = False) -> None:
+    """Initialise llama.cpp once; its log goes to stderr only when debugging."""
+    global _LOG_CB
+    import llama_cpp
+
+    if _LOG_CB is None:
+        llama_cpp.llama_backend_init()
+
+        @llama_cpp.llama_log_callback
+        def _log(level, text, user_data):  # pragma: no cover - C callback
+            if debug:
+                print(text.decode("utf-8", "replace"), end="", flush=True)
+
+        _LOG_CB = _log
+        llama_cpp.llama_log_set(_LOG_CB, ctypes.c_void_p(0))
+
+
 # C name → (Itanium parameter encoding, argtypes (ctx / model pointers as void*), restype)
 _SIGNATURES = {
     "llama_set_embeddings_layer_inp": (_CTX + "jb", [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_bool], None),

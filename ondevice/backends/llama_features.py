@@ -128,6 +128,17 @@ class LlamaFeatures:
         self._layer_rows, self._layer_pos0 = [], 0
         return len(ids) * self._n_embd_trunk
 
+    def eagle3_draft(self, path, layer_inputs_on, threads: int | None = None):
+        """llama.cpp's own eagle3 graph (``backends.eagle3.Eagle3Graph``), borrowing this context's token table
+        (``ctx_other``) once ``layer_inputs_on`` ran (a qwen2 target recreates its context there)."""
+        from ondevice.backends.eagle3 import Eagle3Graph
+
+        def context(ids: list[int]):
+            layer_inputs_on(ids)
+            return self._ctx
+
+        return Eagle3Graph(path, context, self._model, n_ctx=self.n_ctx, threads=threads)
+
     def _install_tap(self, tap: llama_ext.EvalTap) -> None:
         """Recreate the (emptied) context with ``tap`` as its cb_eval, carry its switches over, and check with a
         one-token decode that the tap finds this architecture's layer outputs."""

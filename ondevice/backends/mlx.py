@@ -13,6 +13,9 @@ stack (``model.model``, ending in the final norm) and its own output layer (``lm
 ``embed_tokens.as_linear``) itself, so the same pass gives the logits and the LM head's input;
 ``enable_hidden`` checks on a probe that this reproduces the model's own logits bit for bit and refuses
 an architecture that does more after the output layer (logit soft-capping, scaling, ...).
+
+Optional layer inputs (``enable_layer_inputs``, for EAGLE-3 drafts run in MLX by ``mlx_eagle3``): the same passes
+tap the inputs of chosen decoder layers (``ondevice.backends.mlx_layers``).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import numpy as np
 
 from ondevice.backends.base import check_room
 from ondevice.backends.hf_vocab import HFVocab, no_remote_code
+from ondevice.backends.mlx_layers import MLXLayerInputs
 from ondevice.errors import OndeviceError
 
 PREFILL_CHUNK = 512
@@ -51,7 +55,7 @@ def mlx_tokenizer(path: Path, eos_token_ids=None):
     return no_remote_code(path, lambda **kw: load_tokenizer(Path(path), kw, eos_token_ids=eos_token_ids))
 
 
-class MLXBackend(HFVocab):
+class MLXBackend(MLXLayerInputs, HFVocab):
     """An mlx-lm model directory and its KV cache (see ``ondevice.backends.Backend``).
 
     Args:
@@ -60,7 +64,8 @@ class MLXBackend(HFVocab):
         device: 'gpu', 'cpu' or None (Metal when available).
     """
 
-    features = frozenset({"hidden"})  # post-norm hidden states, after ``enable_hidden`` (heads)
+    # post-norm hidden states, after ``enable_hidden`` (heads); decoder-layer inputs (EAGLE-3: ``mlx_layers``)
+    features = frozenset({"hidden", "layer_inputs"})
 
     def __init__(self, path: str | Path, *, n_ctx: int = 4096, device: str | None = None, threads: int | None = None) -> None:
         self.path = Path(path)
@@ -110,6 +115,10 @@ class MLXBackend(HFVocab):
             raise OndeviceError(f"{self.path.name}: this model was closed; load it again")
         n = min(int(c.offset) for c in self.cache)
         return n if self._valid is None else min(n, self._valid)
+
+    def _whole(self) -> bool:
+        """Whether this is one whole model (not a subclass splitting it: hidden states and layer inputs need it)."""
+        return type(self) is MLXBackend
 
     # -- hidden states (optional) ----------------------------------------------------------------
     def enable_hidden(self) -> int:
@@ -188,24 +197,30 @@ class MLXBackend(HFVocab):
         self._hidden = None
         check_room(self._valid, n, self.n_ctx, self.path)
         tokens = list(tokens)
-        with mx.stream(self.device):
+        kept = []  # (first position, layer-input rows) of each pass, kept once the eval has finished
+        with mx.stream(self.device), self._recording() as rec:
             if logits == "last" and n > 1:
                 # All but the last token only fill the cache: their logits are never evaluated (MLX is
                 # lazy), so the output layer runs for one row, as in mlx-lm's own prefill.
                 for start in range(0, n - 1, PREFILL_CHUNK):
                     self.model(mx.array([tokens[start : min(start + PREFILL_CHUNK, n - 1)]]), cache=self.cache)
-                    mx.eval([c.state for c in self.cache])
+                    kept.append((base + start, self._drain(rec, [c.state for c in self.cache])))
                 tokens = tokens[-1:]
             outs = [self._forward(mx.array([tokens[s : s + PREFILL_CHUNK]]), self.cache)
                     for s in range(0, len(tokens), PREFILL_CHUNK)]  # ([1, m, V], [1, m, d] | None) each
             rows = [lg[0] for lg, _ in outs]
-            res = rows[0] if len(rows) == 1 else mx.concatenate(rows)
+            res = (rows[0] if len(rows) == 1 else mx.concatenate(rows)).astype(mx.float32)
             if self._head is not None:
                 hid = mx.concatenate([h[0] for _, h in outs]).astype(mx.float32)
-                mx.eval(res, hid)
+                kept.append((base + n - len(tokens), self._drain(rec, res, hid)))
                 self._hidden = (base + n - len(tokens), np.array(hid))
-            out = np.array(res.astype(mx.float32))
+            else:
+                kept.append((base + n - len(tokens), self._drain(rec, res)))
+            out = np.array(res)
         self._valid = None  # every layer now holds every position
+        for pos0, f in kept:
+            if f is not None:
+                self._keep_rows(pos0, f)
         return out
 
     # -- trees -----------------------------------------------------------------------------------
@@ -253,16 +268,18 @@ class MLXBackend(HFVocab):
                 see[i, base : base + i] |= see[parents[i], base : base + i]
         pos = np.array([base + d for d in depth])
         self._valid = base  # the cache holds every branch until keep_path
-        self._hidden = self._tree_hidden = None
-        with mx.stream(self.device):
+        self._hidden = self._tree_hidden = self._tree_rows = None
+        with mx.stream(self.device), self._recording() as rec:
             proxies = [_TreeCache(c, mx.array(pos), see, mx) for c in self.cache]
             out, h = self._forward(mx.array([[int(t)] for t in tokens]), proxies)
-            out = out[:, -1, :]  # [n, V]
+            out = out[:, -1, :].astype(mx.float32)  # [n, V]
             if h is not None:  # every node's hidden state (``hidden`` after ``keep_path``)
                 h = h[:, -1, :].astype(mx.float32)
-                mx.eval(out, h)
+            rows = self._drain(rec, out, *([] if h is None else [h]))
+            if h is not None:
                 self._tree_hidden = np.array(h)
-            out = np.array(out.astype(mx.float32))
+            self._tree_rows = rows  # every node's layer inputs (``feature`` after ``keep_path``)
+            out = np.array(out)
         self._tree = (base, list(parents))
         return out
 
@@ -281,6 +298,9 @@ class MLXBackend(HFVocab):
         th, self._tree_hidden = self._tree_hidden, None
         if th is not None and path:  # the kept nodes are positions base.. in path order
             self._hidden = (base, th[path])
+        rows, self._tree_rows = self._tree_rows, None
+        if rows is not None and path:
+            self._keep_rows(base, rows[path])
         idx = mx.array([base + i for i in path], dtype=mx.int32)
         with mx.stream(self.device):
             for c in self.cache:
@@ -295,9 +315,11 @@ class MLXBackend(HFVocab):
         cur = self.n_past
         if n_past > cur or n_past < 0:
             raise ValueError(f"cannot roll back to {n_past}: cache holds {cur} positions")
+        self._tree_rows = None
         if n_past == 0:  # a fresh cache: always possible, whatever state the old one was left in
             self.cache = self._new_cache()
             self._valid = None
+            self._trim_rows(0)
             return
         over = [c for c in self.cache if c.offset > n_past]
         for c in over:
@@ -309,10 +331,12 @@ class MLXBackend(HFVocab):
         for c in over:
             c.trim(c.offset - n_past)
         self._valid = None
+        self._trim_rows(n_past)
 
     def close(self) -> None:
         self._tree = None
-        self._hidden = self._tree_hidden = self._head = None
+        self._hidden = self._tree_hidden = self._head = self._tree_rows = None
+        self._layer_ids = None
         self.cache = []
         self.model = None
         try:

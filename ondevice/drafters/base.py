@@ -220,7 +220,7 @@ class LayerInputsDrafter(Drafter):
 
         def layer_inputs_on(ids: list[int]):
             self.width = target.enable_layer_inputs(ids)
-            return target._ctx
+            return getattr(target, "_ctx", None)  # llama.cpp's context (an MLX target has none)
 
         return layer_inputs_on
 

@@ -1,5 +1,6 @@
 """The EAGLE-3 drafter: a published EAGLE-3 draft (a GGUF of arch ``eagle3``, ``ondevice convert EAGLE_DIR --to
-gguf --target TARGET``) run by llama.cpp's own graph (``ondevice.backends.eagle3``) on the target's layer inputs.
+gguf --target TARGET``) run on the target's layer inputs by llama.cpp's own graph (``ondevice.backends.eagle3``)
+for a llama.cpp target, or by the same layer written in MLX (``ondevice.backends.mlx_eagle3``) for an MLX one.
 
 The target records the inputs of the draft's 3 layers for every token of every pass (``Traits.needs``:
 "layer_inputs"; ``LlamaBackend.enable_layer_inputs``), so drafting costs no extra target pass. The draft keeps
@@ -49,9 +50,10 @@ class Eagle3Drafter(LayerInputsDrafter):
 
     Args:
         target: the target backend; it must record layer inputs (a llama.cpp target of an architecture whose
-            graph keeps them; others are refused in one line naming the architecture).
+            graph keeps them, or an MLX target whose mlx-lm model has a ``layers`` list; others are refused in
+            one line naming the architecture).
         path: the eagle3 GGUF.
-        threads: CPU threads of the draft's context.
+        threads: CPU threads of the draft's context (llama.cpp).
         trees: propose trees (``propose_tree``) when the runtime allows; False: chains only.
     """
 
@@ -60,13 +62,12 @@ class Eagle3Drafter(LayerInputsDrafter):
     max_depth = 8  # deepest tree node
 
     def __init__(self, target, path: str | Path, threads: int | None = None, trees: bool = True) -> None:
-        from ondevice.backends.eagle3 import Eagle3Graph
-
         if "layer_inputs" not in target.features:
             target.enable_layer_inputs([])  # raises the backend's one-line refusal
         layer_inputs_on = self._attach(target)
-        # checks hidden size, vocabulary and depth against the target; borrows its embeddings (ctx_other)
-        self.graph = Eagle3Graph(path, layer_inputs_on, target._model, n_ctx=target.n_ctx, threads=threads)
+        # llama.cpp's eagle3 graph or the same layer in MLX, by the target's backend; checked against the target
+        # (hidden size, vocabulary, depth), embedding with its table when the draft has none
+        self.graph = target.eagle3_draft(path, layer_inputs_on, threads=threads)
         if not trees:
             self.traits = replace(self.traits, trees=False)
 
