@@ -133,7 +133,7 @@ def convert_dflash(src: str | Path, *, target: str | Path, out: str | Path, dtyp
 
     def write(draft: DFlashSource, tgt: Target, ids: list[int], path: Path) -> dict:
         n = write_dflash_gguf(draft, tgt, ids, path, dtype=dtype)
-        variant = {} if draft.variant == "dflash" else {"variant": draft.variant}  # plain DFlash's summary as before
+        variant = {"variant": draft.variant} if draft.variant in ("dflash2", "dspark") else {}  # plain DFlash's as before
         return {"format": "gguf", "arch": "dflash", **variant, "dtype": dtype, "path": "model.gguf", "target": str(tgt.path),
                 "target_layers": ids, "block_size": draft.block_size, "own_head": draft.has("lm_head.weight"),
                 "n_params": n, "size_bytes": path.stat().st_size}

@@ -210,8 +210,7 @@ class LayerInputsDrafter(Drafter):
     def _attach(self, target) -> Callable[[list[int]], object]:
         """Hold ``target`` (its vocabulary is the draft's) with an empty draft cache; returns the hook the graph
         calls with the layer ids it reads, once checked against the target, before it makes its own context: it
-        switches the target's layer inputs on (a qwen2 target recreates its own context) and returns the target's
-        context."""
+        switches the target's layer inputs on (a qwen2 target recreates its own context)."""
         self.target = target
         self.target_vocab = target.vocab_size
         self._tokens: list[int] = []  # the context the valid draft positions were built from
@@ -220,7 +219,6 @@ class LayerInputsDrafter(Drafter):
 
         def layer_inputs_on(ids: list[int]):
             self.width = target.enable_layer_inputs(ids)
-            return getattr(target, "_ctx", None)  # llama.cpp's context (an MLX target has none)
 
         return layer_inputs_on
 

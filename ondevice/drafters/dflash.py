@@ -60,7 +60,12 @@ class DFlashDrafter(LayerInputsDrafter):
         if "layer_inputs" not in target.features:
             raise OndeviceError(f"{Path(path).name}: a DFlash draft needs a llama.cpp target that records layer "
                                 f"inputs; {type(target).__name__} does not")
-        layer_inputs_on = self._attach(target)
+        on = self._attach(target)
+
+        def layer_inputs_on(ids: list[int]):  # the graph borrows the target's context once its layer inputs are on
+            on(ids)
+            return target._ctx
+
         # checks layers, vocabulary and hidden size against the target; may borrow its embeddings / LM head
         self.graph = DFlashGraph(path, target._model, layer_inputs_on, n_ctx=target.n_ctx, threads=threads)
         self.last_block = None  # the last proposal's Block (tests read it)
