@@ -159,3 +159,19 @@ def check_room(n_past: int, n: int, n_ctx: int, path: Path) -> None:
         raise OndeviceError(
             f"context overflow: {n_past + n} tokens exceed n_ctx={n_ctx} of {Path(path).name}; raise n_ctx or shorten the prompt"
         )
+
+
+class KeptLayerRows:
+    """Mixin of the backends that record layer inputs (``LlamaFeatures``, ``MLXLayerInputs``): the rows kept per
+    cached position, ``_layer_rows[i]`` for position ``_layer_pos0 + i``."""
+
+    _layer_ids: list[int] | None = None  # layers whose inputs are recorded (``enable_layer_inputs``)
+    _layer_pos0 = 0  # position of _layer_rows[0]
+    _layer_rows: list
+
+    def release_features(self, before: int) -> None:
+        """Drop kept rows of positions below ``before`` (the drafter has consumed them)."""
+        if self._layer_ids is not None and before > self._layer_pos0:
+            k = min(before - self._layer_pos0, len(self._layer_rows))
+            del self._layer_rows[:k]
+            self._layer_pos0 += k

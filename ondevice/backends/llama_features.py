@@ -22,17 +22,15 @@ from __future__ import annotations
 import numpy as np
 
 from ondevice.backends import llama_ext, llama_mtp
+from ondevice.backends.base import KeptLayerRows
 from ondevice.errors import OndeviceError
 
 MTP_RS_SEQ = 9  # recurrent snapshots: a rollback over a verify pass of up to 8 drafts (``Traits.max_gamma``)
 
 
-class LlamaFeatures:
+class LlamaFeatures(KeptLayerRows):
     """Mixin of ``LlamaBackend``: the per-position feature rows (see the module docstring)."""
 
-    _layer_ids: list[int] | None = None  # layers whose inputs are recorded (``enable_layer_inputs``)
-    _layer_pos0 = 0  # position of _layer_rows[0]
-    _layer_rows: list[np.ndarray]
     _tree_rows: np.ndarray | None = None  # every node's layer-input rows of the last eval_tree (until keep_path)
     _tap: llama_ext.EvalTap | None = None  # cb_eval tap of a context whose graph records no layer inputs (qwen2)
     n_mtp = 0  # MTP blocks loaded with the model (``file_mtp_layers``)
@@ -213,13 +211,6 @@ class LlamaFeatures:
             self._mtp.rollback(n, self._nextn_rows[-1] if n else None)
         if self._layer_ids is not None:
             del self._layer_rows[max(0, n_past - self._layer_pos0):]
-
-    def release_features(self, before: int) -> None:
-        """Drop kept rows of positions below ``before`` (the drafter has consumed them)."""
-        if self._layer_ids is not None and before > self._layer_pos0:
-            k = min(before - self._layer_pos0, len(self._layer_rows))
-            del self._layer_rows[:k]
-            self._layer_pos0 += k
 
     def _layer_row(self, pos: int) -> np.ndarray | None:
         i = pos - self._layer_pos0

@@ -18,6 +18,7 @@ import sys
 
 import numpy as np
 
+from ondevice.backends.base import KeptLayerRows
 from ondevice.errors import OndeviceError
 
 
@@ -36,12 +37,9 @@ class _Tap:
         return getattr(self.layer, name)
 
 
-class MLXLayerInputs:
+class MLXLayerInputs(KeptLayerRows):
     """Mixin of ``MLXBackend``: recording and keeping the layer-input rows (see the module docstring)."""
 
-    _layer_ids: list[int] | None = None
-    _layer_pos0 = 0  # position of _layer_rows[0]
-    _layer_rows: list[np.ndarray]
     _tree_rows: np.ndarray | None = None  # every node's rows of the last eval_tree (until keep_path)
     _sinks: list[list] | None = None  # during a recorded pass: what each tap saw, per layer id
 
@@ -133,13 +131,6 @@ class MLXLayerInputs:
     def _trim_rows(self, n_past: int) -> None:
         if self._layer_ids is not None:
             del self._layer_rows[max(0, n_past - self._layer_pos0):]
-
-    def release_features(self, before: int) -> None:
-        """Drop kept rows of positions below ``before`` (the drafter has consumed them)."""
-        if self._layer_ids is not None and before > self._layer_pos0:
-            k = min(before - self._layer_pos0, len(self._layer_rows))
-            del self._layer_rows[:k]
-            self._layer_pos0 += k
 
     def enable_features(self, needs: frozenset[str]) -> dict[str, int]:
         """"hidden" (``enable_hidden``) and "layer_inputs" (after ``enable_layer_inputs``); "nextn" is refused in
