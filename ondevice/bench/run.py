@@ -192,7 +192,6 @@ def run_bench(
             spt = rt.drafter.seconds_per_token()
             if spt is not None:
                 kind_costs[kind] = spt / costs.target_seconds[1]
-    heads_cost = kind_costs.get("heads")
     for rt in runtimes.values():
         rt.reset()
     modes: list[tuple[str, object, object]] = [("plain", plain, 0)]
@@ -243,7 +242,7 @@ def run_bench(
                    "repeats": repeats, "gamma": gamma, "temperature": temperature, "threads": threads,
                    "seconds": time.perf_counter() - t_start},
         "runs": runs,
-        "costs": {**costs.to_json(), "heads_cost_ratio": heads_cost, "drafter_cost_ratios": kind_costs},
+        "costs": {**costs.to_json(), "heads_cost_ratio": kind_costs.get("heads"), "drafter_cost_ratios": kind_costs},
         "summary": summarize(runs, costs, kind_costs),
     }
 
@@ -261,19 +260,17 @@ def _gammas(gamma: str) -> list:
     return out
 
 
-def summarize(runs: list[dict], costs: Costs, kind_costs: dict[str, float] | float | None = None) -> list[dict]:
+def summarize(runs: list[dict], costs: Costs, kind_costs: dict[str, float] | None = None) -> list[dict]:
     """Median tok/s per (mode, class), speedup vs plain on the same prompts, and the cost-model bound.
 
-    ``kind_costs``: a drafter kind's seconds per drafted token ÷ one target decode, by kind (a float: the
-    heads'); a draft model's ratio comes from ``costs``, a kind without one (n-gram) drafts for free.
+    ``kind_costs``: a drafter kind's seconds per drafted token ÷ one target decode, by kind; a draft model's ratio comes from ``costs``, a kind without one (n-gram) drafts for free.
 
     ``speedup_vs_plain`` is end to end (prompt included); ``decode_speedup_vs_plain`` counts only the
     tokens after the first, which is what the bound (a decode-phase model) predicts. ``tau`` is tokens per
     target pass (hardware-free), ``acceptance_by_position[i]`` the share of drafting passes that kept
     at least i + 1 drafts; ``oracle_speedup`` (greedy) is a perfect drafter's bound on the same answers.
     """
-    if not isinstance(kind_costs, dict):
-        kind_costs = {} if kind_costs is None else {"heads": kind_costs}
+    kind_costs = kind_costs or {}
     out = []
     classes = list(dict.fromkeys(r["class"] for r in runs))
     modes = list(dict.fromkeys(r["mode"] for r in runs))

@@ -209,7 +209,8 @@ def train_eagle(model: str | os.PathLike, *, tokens: int = train.DEFAULT_TOKENS,
         # the LM-head rows of the draft vocabulary, and every token's embedding (the draft's input), in one read
         out_rows, table, arch = train.target_rows(path, vocab_ids, emb_ids=np.arange(V))
         shape = shape_for(cfg, len(vocab_ids))
-        params = eagle.init(shape, out_rows, _norm_row(path), seed, fc_top=fc_top)
+        norm_t = _norm_row(path)  # the target's final-norm weight: the draft's starts as it, the feature loss reads it
+        params = eagle.init(shape, out_rows, norm_t, seed, fc_top=fc_top)
         params["norm.weight"] *= _soften(params, shape, tr, inv, table)
         T = int(min(DEFAULTS["window"], eagle_data.bucket(max(len(s.tokens) for s in seqs))))
         wins = eagle_data.windows(tr, T)
@@ -226,7 +227,6 @@ def train_eagle(model: str | os.PathLike, *, tokens: int = train.DEFAULT_TOKENS,
             log, start, best = info["log"], info["epoch"], info.get("best")
         best_params = _load_state(work / f"eagle-best-{key}.npz", params) if best is not None else None
         best_params = best_params[0] if best_params else None
-        norm_t = _norm_row(path)
         hid = [eagle_data.hidden_rows(r) for r in tr_recs] if feat_w else None  # aligned with tr
         step = eagle.make_step(shape, depths, T, lr=lr, warmup=min(200, steps_per_epoch), total=epochs * steps_per_epoch,
                                feat_w=feat_w, norm_t=norm_t, frozen=("lm_head.weight",) if fix_head else (),
