@@ -18,12 +18,12 @@ import pytest
 from helpers import (
     DRAFT_PROMPTS,
     LAW,
-    chisquare,
     exact_law,
     greedy_equal,
     plant_no_residual,
     plant_wrong_q,
-    sampled_counts,
+    sampled_law_broken,
+    sampled_law_kept,
 )
 
 import ondevice
@@ -221,15 +221,12 @@ def test_sampled_law_is_the_targets(setup, monkeypatch):
     n = 1500
     with ondevice.load(target, draft=str(draft), device="cpu") as rt:
         _chains(rt)
-        runs = [rt.generate(ids, max_tokens=3, seed=s, gamma=3, **LAW).stats for s in range(40)]
-        accepted, drafted = sum(r.accepted for r in runs), sum(r.drafted for r in runs)
-        assert 0 < accepted < drafted, (accepted, drafted)  # both outcomes occur, so the controls can fail
-        assert chisquare(sampled_counts(rt, ids, n, 0.8, 6, 3), law, n) > 1e-3
+        sampled_law_kept(rt, ids, law, n=n)  # both outcomes occur, so the controls can fail
         with monkeypatch.context() as mp:
             plant_no_residual(mp)
-            assert chisquare(sampled_counts(rt, ids, n, 0.8, 6, 3), law, n) < 1e-4
+            sampled_law_broken(rt, ids, law, n=n)
         plant_wrong_q(monkeypatch, Eagle3Drafter)
-        assert chisquare(sampled_counts(rt, ids, n, 0.8, 6, 3), law, n) < 1e-4
+        sampled_law_broken(rt, ids, law, n=n)
 
 
 def test_refusals_are_one_line(setup, monkeypatch):
