@@ -158,10 +158,33 @@ def test_the_command(trained, home, monkeypatch):
     out = CliRunner().invoke(app, ["train-heads", str(target), "--tokens", "1500", "--epochs", "6", "--json"])
     assert out.exit_code == 0, out.output
     assert calls == [(str(target), {"tokens": 1500, "out": None, "seed": 0, "threads": None, "quiet": True, "epochs": 6,
-                                    "convert": convert_eagle3})]
+                                    "text": (), "text_tokens": None, "convert": convert_eagle3})]
     assert json.loads(out.output)["kind"] == "eagle" and Path(json.loads(out.output)["path"]).is_file()
     bad = CliRunner().invoke(app, ["train-heads", str(target), "--kind", "hydra"])
     assert bad.exit_code == 2 and "eagle or medusa" in bad.output and len(calls) == 1
+    out = CliRunner().invoke(app, ["train-heads", str(target), "--text", "src", "--text", "notes.md", "--text-tokens", "900"])
+    assert out.exit_code == 0 and calls[-1][1]["text"] == ["src", "notes.md"] and calls[-1][1]["text_tokens"] == 900
+    bad = CliRunner().invoke(app, ["train-heads", str(target), "--text-tokens", "900"])
+    assert bad.exit_code == 2 and "--text PATH" in bad.output and len(calls) == 2
+
+
+def test_text_on_the_machine_trains_too(trained, home, tmp_path):
+    """``text=``: pieces of the files named, teacher-forced, join the training rows (never the held-out answers,
+    where τ is still measured); a missing path is refused before any work."""
+    from ondevice.heads.eagle_train import train_eagle
+
+    target, _, r = trained
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(6):
+        (src / f"m{i}.py").write_text("".join(f"def f{i}_{j}(x):\n    return x * {j} + {i}\n\n" for j in range(30)))
+    got = train_eagle(target, **{**SMALL, "epochs": 2}, text=[src], text_tokens=600, out=tmp_path / "out")
+    assert 600 - 16 <= got["text_tokens"] <= 600
+    assert got["training_tokens"] == r["training_tokens"] + got["text_tokens"]
+    assert got["heldout_answers"] == r["heldout_answers"] and len(got["log"]) == 2  # its own fit, same judges
+    assert Path(got["path"]).is_file() and Path(got["path"]).parent == tmp_path / "out"
+    with pytest.raises(OndeviceError, match="no such file or folder"):
+        train_eagle(target, **SMALL, text=[tmp_path / "nowhere"])
 
 
 def test_chain_replay_counts_passes():

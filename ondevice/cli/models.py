@@ -117,12 +117,16 @@ def train_heads_cmd(
     out: Annotated[str | None, typer.Option("--out", help="Folder for the drafter file (default: beside the model in the store).")] = None,
     seed: Annotated[int, typer.Option("--seed", min=0, help="Seed of the split, initial weights and batch order.")] = 0,
     epochs: Annotated[int | None, typer.Option("--epochs", min=1, help="Passes over the recorded data (default: the kind's).")] = None,
+    text: Annotated[list[str] | None, typer.Option("--text", help="A file or folder of text already on the machine (your code, notes) to train on too, read teacher-forced (cheaper per token than recording answers); repeatable.")] = None,
+    text_tokens: Annotated[int | None, typer.Option("--text-tokens", min=16, help="Tokens of --text to read (default: as many as --tokens).")] = None,
     threads: ThreadsOpt = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
 ) -> None:
     """Train a drafter on the target's own answers (self-distillation) for `--draft heads`; resumable."""
     if kind not in ("eagle", "medusa"):
         raise typer.BadParameter(f"--kind {kind}: choose eagle or medusa")
+    if text_tokens is not None and not text:
+        raise typer.BadParameter("--text-tokens needs --text PATH (the files or folders to read)")
     extra = {} if epochs is None else {"epochs": epochs}
     try:
         if kind == "eagle":
@@ -130,10 +134,14 @@ def train_heads_cmd(
             from ondevice.heads import eagle_train
 
             r = eagle_train.train_eagle(model, tokens=tokens, out=out, seed=seed, threads=threads, quiet=json_out,
-                                        convert=convert_eagle3, **extra)
+                                        text=text or (), text_tokens=text_tokens, convert=convert_eagle3, **extra)
         else:
+            from ondevice.heads.texts import read_texts, text_files
             from ondevice.heads.train import train_heads
 
+            if text:
+                text_files(text)  # a missing path is refused before the recording
+                extra.update(texts=read_texts(text, seed), text_tokens=tokens if text_tokens is None else text_tokens)
             r = train_heads(model, tokens=tokens, out=out, seed=seed, threads=threads, quiet=json_out, **extra)
     except KeyboardInterrupt:
         typer.echo("stopped: the answers recorded and the fit's last epoch are kept; run the same command to resume",

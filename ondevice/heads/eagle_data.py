@@ -2,6 +2,7 @@
 teacher-forced prefill of the target that keeps, per position, the inputs of the drafter's 3 target layers (the
 same ``Backend.features`` "layer_inputs" rows the drafter reads while drafting) and the target's top-k next-token
 probabilities. One file per answer (temp file, then rename): an interrupted run resumes at the next answer.
+``collect_text`` does the same for pieces of text already on the machine (``train-heads --text``).
 
 ``windows`` cuts the sequences into fixed-length training windows; ``batch_arrays`` builds what
 ``ondevice.heads.eagle.loss_fn`` reads; ``chain_tau`` replays greedy chains from the unrolled hits.
@@ -10,7 +11,7 @@ probabilities. One file per answer (temp file, then rename): an interrupted run 
 from __future__ import annotations
 
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +20,7 @@ import numpy as np
 from ondevice import atomic
 
 TOP = 8  # teacher probabilities kept per row
+PER_TEXT = 2  # pieces taken from one text (``collect_text``)
 
 
 @dataclass
@@ -56,19 +58,48 @@ def collect(backend, records, work: Path, *, on_seq: Callable[[int], None] | Non
     work.mkdir(parents=True, exist_ok=True)
     out = []
     for i, rec in enumerate(records):
-        path = work / f"seq-{i:05d}.npz"
         tokens = np.concatenate([rec.prompt, rec.tokens[1:]]).astype(np.int64)
-        toks = tokens[: backend.n_ctx]  # what one prefill holds (``load`` returns the tokens its rows cover)
-        seq = load(path) if path.is_file() else None
-        if seq is None or not np.array_equal(seq.tokens, toks):
-            feats, ids, pr = features_of(backend, [int(t) for t in toks])
-            seq = Seq(toks, feats, ids, pr, len(rec.prompt))
-            with atomic.replacing(path) as tmp, open(tmp, "wb") as f:
-                np.savez(f, tokens=tokens, feats=feats, t_ids=ids, t_pr=pr, n_prompt=np.int64(seq.n_prompt))
-        out.append(seq)
+        out.append(_cached(backend, work / f"seq-{i:05d}.npz", tokens, len(rec.prompt)))
         if on_seq is not None:
-            on_seq(len(seq.tokens))
+            on_seq(len(out[-1].tokens))
     return out
+
+
+def collect_text(backend, texts: Iterable[str], work: Path, *, budget: int, chunk: int,
+                 on_seq: Callable[[int], None] | None = None) -> list[Seq]:
+    """Teacher-forced features of ``texts`` (``ondevice.heads.texts.read_texts``) cut into pieces of ``chunk``
+    tokens, until ``budget`` tokens; cached in ``work`` (a piece whose tokens changed is computed again).
+
+    At most ``PER_TEXT`` pieces come from one text, so a budget spans many files. Pieces have no prompt: every
+    position trains (the target's own distribution after each token is the label)."""
+    work.mkdir(parents=True, exist_ok=True)
+    out: list[Seq] = []
+    total = 0
+    for text in texts:
+        ids = backend.tokenize(text, add_bos=False)
+        for s in range(0, min(len(ids), PER_TEXT * chunk), chunk):
+            piece = np.asarray(ids[s:s + min(chunk, budget - total)], np.int64)
+            if len(piece) < 16:  # a tail too short to unroll the depths over
+                break
+            out.append(_cached(backend, work / f"txt-{len(out):05d}.npz", piece, 0))
+            total += len(out[-1].tokens)
+            if on_seq is not None:
+                on_seq(len(out[-1].tokens))
+            if total >= budget - 16:
+                return out
+    return out
+
+
+def _cached(backend, path: Path, tokens: np.ndarray, n_prompt: int) -> Seq:
+    """The features of ``tokens`` from ``path``, or one prefill written there (temp file, then rename)."""
+    toks = tokens[: backend.n_ctx]  # what one prefill holds (``load`` returns the tokens its rows cover)
+    seq = load(path) if path.is_file() else None
+    if seq is None or not np.array_equal(seq.tokens, toks):
+        feats, ids, pr = features_of(backend, [int(t) for t in toks])
+        seq = Seq(toks, feats, ids, pr, n_prompt)
+        with atomic.replacing(path) as tmp, open(tmp, "wb") as f:
+            np.savez(f, tokens=tokens, feats=feats, t_ids=ids, t_pr=pr, n_prompt=np.int64(n_prompt))
+    return seq
 
 
 def load(path: Path) -> Seq | None:

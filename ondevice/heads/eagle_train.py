@@ -3,7 +3,7 @@ from the target's own answers to a GGUF that llama.cpp's eagle3 graph runs.
 
 Steps: record the target's greedy answers (``train.record_answers``, shared with the Medusa heads; resumable)
 → one teacher-forced prefill per answer keeping the inputs of target layers [2, L/2, L − 3] and the target's top-k
-(``eagle_data``) → draft vocabulary (the answers' most frequent ids) with the target's LM-head rows and final norm
+(``eagle_data``; and of ``--text`` files, teacher-forced) → draft vocabulary (the answers' most frequent ids) with the target's LM-head rows and final norm
 → fit the drafter in JAX, unrolled over ``depths`` drafting steps on its own outputs (``eagle``; checkpointed
 every epoch, the best epoch on held-out answers kept) → τ of greedy chains on held-out answers, per depth → a
 SpecForge checkpoint converted and verified in llama.cpp (``eagle_store``). Everything random comes from ``seed``.
@@ -17,14 +17,14 @@ import os
 import tempfile
 import time
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import closing
 from pathlib import Path
 
 import numpy as np
 
 from ondevice.errors import OndeviceError
-from ondevice.heads import eagle, eagle_data, eagle_store, store, train
+from ondevice.heads import eagle, eagle_data, eagle_store, store, texts, train
 
 DEFAULTS = dict(vocab=8192, depths=5, epochs=12, max_new=192, window=384, batch_tokens=3072, lr=1e-3, noise=0.05,
                 feat_w=0.0, fix_head=False, wd=0.0, fc_top=False)
@@ -127,6 +127,7 @@ def train_eagle(model: str | os.PathLike, *, tokens: int = train.DEFAULT_TOKENS,
                 n_ctx: int = 1024, slots: int = 32, lr: float = DEFAULTS["lr"], noise: float = DEFAULTS["noise"],
                 batch_tokens: int = DEFAULTS["batch_tokens"], feat_w: float = DEFAULTS["feat_w"],
                 fix_head: bool = DEFAULTS["fix_head"], wd: float = DEFAULTS["wd"], fc_top: bool = DEFAULTS["fc_top"],
+                text: Sequence[str | os.PathLike] = (), text_tokens: int | None = None,
                 convert: Callable | None = None) -> dict:
     """Train the EAGLE-style drafter for ``model`` (a GGUF or catalog name) and store it (``eagle_store``).
 
@@ -142,6 +143,9 @@ def train_eagle(model: str | os.PathLike, *, tokens: int = train.DEFAULT_TOKENS,
         feat_w: weight of the feature loss (regression onto the target's hidden state, ``eagle.loss_fn``);
             fix_head: keep the LM head as the target's rows (its norm trains: it starts softened); wd: AdamW weight decay;
             fc_top: fc starts as the identity on the highest fused layer (``eagle.init``).
+        text: files or folders of text already on the machine (``texts.read_texts``), read teacher-forced as
+            extra training data (never held out: τ is measured on the target's own answers); text_tokens: how
+            many tokens of it (default: as many as ``tokens``).
         n_ctx, slots, threads, max_new: recording (as ``train.train_heads``).
     Returns:
         A summary: path, wall seconds, tokens, τ of greedy chains (γ 3 / 5) on held-out answers, per-depth
@@ -159,6 +163,11 @@ def train_eagle(model: str | os.PathLike, *, tokens: int = train.DEFAULT_TOKENS,
         raise OndeviceError(f"tokens={tokens}: train-heads needs a positive number of answer tokens (--tokens N, N >= 100)")
     _check_args(epochs=epochs, vocab=vocab, depths=depths, batch_tokens=batch_tokens, max_new=max_new, lr=lr, noise=noise,
                 feat_w=feat_w, wd=wd)
+    text_budget = (tokens if text_tokens is None else int(text_tokens)) if text else 0
+    if text:
+        if text_budget < 1:
+            raise OndeviceError(f"text_tokens={text_tokens}: must be a positive number of tokens (or drop --text)")
+        texts.text_files(text)  # a missing path is refused before any work
     t0 = time.perf_counter()
     path = lookup.resolve(model)
     if detect_format(path) != "gguf":
@@ -197,11 +206,19 @@ def train_eagle(model: str | os.PathLike, *, tokens: int = train.DEFAULT_TOKENS,
         task = bar.add_task("target features (tokens)", total=sum(len(r.prompt) + len(r.tokens) - 1 for r in records))
         seqs = eagle_data.collect(fb, records, work / f"eagle-feats-{'-'.join(map(str, layer_ids))}",
                                   on_seq=lambda n: bar.update(task, advance=n))
+        text_seqs = []
+        if text_budget:
+            task = bar.add_task("teacher-forced text (tokens)", total=text_budget)
+            text_seqs = eagle_data.collect_text(fb, texts.read_texts(text, seed), work / f"eagle-text-{'-'.join(map(str, layer_ids))}",
+                                                budget=text_budget, chunk=min(DEFAULTS["window"], n_ctx),
+                                                on_seq=lambda n: bar.update(task, advance=n))
+            if not text_seqs:
+                raise OndeviceError(f"{', '.join(map(str, text))}: no UTF-8 text of 16 tokens or more to train on")
         t_feat = time.perf_counter() - t0 - t_rec
         order = np.random.default_rng(seed).permutation(len(seqs))
         n_val = max(1, len(seqs) // 10) if len(seqs) > 1 else 0
         val = [seqs[i] for i in order[:n_val]]
-        tr = [seqs[i] for i in order[n_val:]] or val
+        tr = ([seqs[i] for i in order[n_val:]] or val) + text_seqs  # text trains, never judges
         tr_recs = [records[i] for i in order[n_val:]] or records
         vocab_ids = train.choose_vocab(tr_recs, V, vocab)
         inv = np.full(V, -1, np.int32)
@@ -212,12 +229,13 @@ def train_eagle(model: str | os.PathLike, *, tokens: int = train.DEFAULT_TOKENS,
         norm_t = _norm_row(path)  # the target's final-norm weight: the draft's starts as it, the feature loss reads it
         params = eagle.init(shape, out_rows, norm_t, seed, fc_top=fc_top)
         params["norm.weight"] *= _soften(params, shape, tr, inv, table)
-        T = int(min(DEFAULTS["window"], eagle_data.bucket(max(len(s.tokens) for s in seqs))))
+        T = int(min(DEFAULTS["window"], eagle_data.bucket(max(len(s.tokens) for s in seqs + text_seqs))))
         wins = eagle_data.windows(tr, T)
         steps_per_epoch = len(eagle_data.batches(tr, wins, T, batch_tokens, np.random.default_rng(0)))
         n_tr = int(sum(len(s.tokens) for s in tr))
-        extra = [feat_w, "lm_head" if fix_head else "", wd, *(["fc_top"] if fc_top else [])] \
-            if (feat_w or fix_head or wd or fc_top) else []  # earlier keys unchanged
+        n_text = int(sum(len(s.tokens) for s in text_seqs))
+        extra = [feat_w, "lm_head" if fix_head else "", wd, *(["fc_top"] if fc_top else []), *(["text", n_text] if n_text else [])] \
+            if (feat_w or fix_head or wd or fc_top or n_text) else []  # earlier keys unchanged
         key = hashlib.sha256(json.dumps(["soft-init", sha, n_tr, len(seqs), seed, vocab, depths, epochs, T, batch_tokens, lr, noise,
                                          layer_ids, *extra]).encode()).hexdigest()[:12]
         ckpt = work / f"eagle-fit-{key}.npz"
@@ -227,7 +245,8 @@ def train_eagle(model: str | os.PathLike, *, tokens: int = train.DEFAULT_TOKENS,
             log, start, best = info["log"], info["epoch"], info.get("best")
         best_params = _load_state(work / f"eagle-best-{key}.npz", params) if best is not None else None
         best_params = best_params[0] if best_params else None
-        hid = [eagle_data.hidden_rows(r) for r in tr_recs] if feat_w else None  # aligned with tr
+        hid = [eagle_data.hidden_rows(r) for r in tr_recs] + [(0, table[:0])] * len(text_seqs) \
+            if feat_w else None  # aligned with tr (text has no recorded hidden states: no feature loss there)
         step = eagle.make_step(shape, depths, T, lr=lr, warmup=min(200, steps_per_epoch), total=epochs * steps_per_epoch,
                                feat_w=feat_w, norm_t=norm_t, frozen=("lm_head.weight",) if fix_head else (),
                                wd=wd)
@@ -256,7 +275,7 @@ def train_eagle(model: str | os.PathLike, *, tokens: int = train.DEFAULT_TOKENS,
         final = heldout_tau(run, params, val or tr[:8], inv, table, T, depths)
         meta = {"target_sha256": sha, "target_file": path.name, "architecture": arch, "target_vocab_size": V,
                 "draft_vocab_size": int(len(vocab_ids)), "target_layers": layer_ids, "depths": depths,
-                "training_tokens": n_tr, "heldout_answers": len(val), "seed": seed, "epochs": epochs,
+                "training_tokens": n_tr, "text_tokens": n_text, "heldout_answers": len(val), "seed": seed, "epochs": epochs,
                 "feat_w": feat_w, "fix_head": bool(fix_head), "wd": wd, "fc_top": bool(fc_top),
                 "record_seconds": round(t_rec, 1), "feature_seconds": round(t_feat, 1), "fit_seconds": round(t_fit, 1),
                 "tau_heldout": final}

@@ -16,6 +16,7 @@ import json
 import os
 import tempfile
 import time
+from collections.abc import Iterable
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -218,7 +219,7 @@ def train_heads(
     threads: int | None = None,
     n_ctx: int = 1024,
     slots: int = 32,
-    texts: list[str] | None = None,
+    texts: Iterable[str] | None = None,
     text_tokens: int = 0,
     quiet: bool = False,
 ) -> dict:
