@@ -56,12 +56,13 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(skip)
 
 
-@pytest.fixture
+@pytest.fixture(autouse=True)
 def sigint_default():
-    """Ctrl-C (SIGINT) at Python's default for this test: KeyboardInterrupt here, and SIGINT at its default in
+    """Ctrl-C (SIGINT) at Python's default for every test: KeyboardInterrupt here, and SIGINT at its default in
     every child started meanwhile. A job started in the background (``pytest ... &`` from a script, nohup)
     begins with SIGINT ignored; Python then leaves it ignored and so do the children, which a test that
-    sends SIGINT and waits for its effect would wait on forever."""
+    sends SIGINT and waits for its effect would wait on forever (or see no KeyboardInterrupt at all). Autouse,
+    so a new Ctrl-C test cannot forget it (one did: tests/test_parallel_interrupts.py)."""
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         yield
