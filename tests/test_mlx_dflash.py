@@ -12,6 +12,7 @@ kept and rejected. Everything runs on MLX's CPU device here."""
 from __future__ import annotations
 
 from contextlib import contextmanager
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -38,10 +39,11 @@ SHAPE = dict(n_layer=4, vocab_size=512)  # the target's, as ondevice.testing.mtp
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    """(HF dir, MLX dir, greedy draft, the exact law after LAW_PROMPT, its ids, base dir, law draft). Each draft's
-    vocabulary (d2t) is a few tokens the target favours, with a logit bias in order of preference (as in
-    tests/test_dflash_drafter.py): the greedy draft prefers the tokens greedy answers repeat, the law draft the
-    tokens of the law's prompt."""
+    """The tiny MLX target and its drafts: ``hf`` / ``target`` (HF and MLX dirs), ``law`` (its exact law after
+    LAW_PROMPT) and ``ids``, ``base`` (a folder), ``draft(name, favoured_by, **variant)`` (a random DFlash GGUF whose
+    vocabulary (d2t) is a few tokens the target favours, with a logit bias in order of preference, as in
+    tests/test_dflash_drafter.py: favoured_by "greedy" prefers the tokens greedy answers repeat, "law" the tokens of
+    the law's prompt), ``greedy`` / ``law_draft`` (plain DFlash drafts of each)."""
     from converters import convert
     from ondevice.testing import make_tiny_hf
     from ondevice.testing.dflash import make_tiny_dflash_gguf
@@ -63,13 +65,15 @@ def setup(tmp_path_factory):
         for t in seq:
             mass[t] = mass.get(t, 0.0) + pr
     by_seen, by_mass = sorted(seen, key=seen.get, reverse=True), sorted(mass, key=mass.get, reverse=True)
+    favoured = {"greedy": by_seen[:8] + by_mass[:6], "law": by_mass[:8] + by_seen[:4]}
 
-    def draft(name, favourites):
+    def draft(name, favoured_by, **variant):
         return make_tiny_dflash_gguf(base / name, target=MtpShape(**SHAPE), target_layers=(0, 2), block_size=5,
-                                     favourites=list(dict.fromkeys(favourites)), preference=6.0, seed=1)
+                                     favourites=list(dict.fromkeys(favoured[favoured_by])), preference=6.0, seed=1,
+                                     **variant)
 
-    return (hf, target, draft("greedy.gguf", by_seen[:8] + by_mass[:6]), law, ids, base,
-            draft("law.gguf", by_mass[:8] + by_seen[:4]))
+    return SimpleNamespace(hf=hf, target=target, law=law, ids=ids, base=base, draft=draft,
+                           greedy=draft("greedy.gguf", "greedy"), law_draft=draft("law.gguf", "law"))
 
 
 def _open(path):
@@ -94,7 +98,7 @@ def test_the_mlx_runner_matches_the_numpy_reference(setup, case):
     from ondevice.backends.mlx_dflash import DFlashMLX
     from ondevice.testing.dflash import make_tiny_dflash_hf
 
-    hf, target, *_, base, _ = setup
+    hf, target, base = setup.hf, setup.target, setup.base
     kw = {"own_head": True, **CASES[case]}
     src = make_tiny_dflash_hf(base / f"{case}-src", layer_ids=(0, 2), n_layer=2, seed=3, block_size=5, **kw)
     convert_dflash(src, target=hf, out=base / case, dtype="f32", verify=False)
@@ -145,7 +149,7 @@ def test_a_causal_block_sees_no_later_row(setup, tmp_path):
     from ondevice.backends.mlx_dflash import DFlashMLX
     from ondevice.testing.dflash import make_tiny_dflash_hf
 
-    hf, target = setup[:2]
+    hf, target = setup.hf, setup.target
     b = _open(target)
     try:
         feats = np.random.default_rng(1).normal(size=(6, 2 * 256)).astype(np.float32)
@@ -165,16 +169,26 @@ def test_a_causal_block_sees_no_later_row(setup, tmp_path):
         b.close()
 
 
-def test_greedy_speculation_equals_plain(setup):
+VARIANTS = {"dflash": {}, "dflash2": dict(variant="dflash2", selector_gain=1.0, repeat=4.0),
+            "dspark": dict(variant="dspark", markov_gain=1.0, repeat=4.0)}  # rows depend on the token before
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_greedy_speculation_equals_plain(setup, variant):
     """``draft=x.gguf`` (arch dflash) on an MLX target drafts in MLX; greedy speculation emits plain decoding's tokens
-    at γ 1, 4 and 7 (beyond the block's 4: capped), with drafts both accepted and rejected."""
+    at γ 1, 4 and 7 (beyond the block's cap: 4, DSpark anchor-first 5), with drafts both accepted and rejected;
+    DFlash2 / DSpark drafts whose selector / Markov head favour repeating the previous token (as
+    tests/test_dflash_variants.py's) go through the same drafter."""
     from ondevice.backends.mlx_dflash import DFlashMLX
 
-    target, draft = setup[1], setup[2]
-    with ondevice.load(target, draft=str(draft), device="cpu") as spec, \
-            ondevice.load(target, drafter="none", device="cpu") as plain:
+    draft = setup.greedy if variant == "dflash" else setup.draft(f"greedy-{variant}.gguf", "greedy", **VARIANTS[variant])
+    with ondevice.load(setup.target, draft=str(draft), device="cpu") as spec, \
+            ondevice.load(setup.target, drafter="none", device="cpu") as plain:
         assert spec.drafter.name == "dflash" and isinstance(spec.drafter.graph, DFlashMLX)
-        drafted, accepted = greedy_equal(spec, plain, DRAFT_PROMPTS[:2], (1, 4, 7), max_tokens=24, cap=4)
+        assert spec.drafter.graph.variant == variant
+        cap = spec.drafter.graph.max_draft
+        assert cap == (5 if variant == "dspark" else 4)
+        drafted, accepted = greedy_equal(spec, plain, DRAFT_PROMPTS[:2], (1, 4, 7), max_tokens=24, cap=cap)
         assert 0 < accepted < drafted, (accepted, drafted)
 
 
@@ -184,8 +198,8 @@ def test_sampled_law_is_the_targets(setup, monkeypatch):
     rows replaced by a uniform law over their support."""
     from ondevice.drafters.dflash import DFlashDrafter
 
-    target, _, law, ids, _, draft = setup[1:]
-    with ondevice.load(target, draft=str(draft), device="cpu") as rt:
+    law, ids = setup.law, setup.ids
+    with ondevice.load(setup.target, draft=str(setup.law_draft), device="cpu") as rt:
         sampled_law_kept(rt, ids, law, n=1500)  # both outcomes occur, so the controls can fail
         # the controls fail by far at fewer samples (measured p ~ 1e-29 at 400; the bound is 1e-4): less CI time
         with monkeypatch.context() as mp:
@@ -201,7 +215,7 @@ def test_refusals_are_one_line(setup, tmp_path, monkeypatch):
     import ondevice.testing.dflash as TD
     from ondevice.testing.mtp import MtpShape
 
-    target = setup[1]
+    target = setup.target
     real = TD.gguf_writer
 
     def planted(extra_key=None, extra_tensor=None):
