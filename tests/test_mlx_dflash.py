@@ -178,7 +178,8 @@ def test_greedy_speculation_equals_plain(setup, variant):
     """``draft=x.gguf`` (arch dflash) on an MLX target drafts in MLX; greedy speculation emits plain decoding's tokens
     at γ 1, 4 and 7 (beyond the block's cap: 4, DSpark anchor-first 5), with drafts both accepted and rejected;
     DFlash2 / DSpark drafts whose selector / Markov head favour repeating the previous token (as
-    tests/test_dflash_variants.py's) go through the same drafter."""
+    tests/test_dflash_variants.py's) go through the same drafter; DSpark's rows (a reduced draft vocabulary: d2t)
+    are the unbiased rows plus ``MarkovHead.bias`` chained on each row's argmax."""
     from ondevice.backends.mlx_dflash import DFlashMLX
 
     draft = setup.greedy if variant == "dflash" else setup.draft(f"greedy-{variant}.gguf", "greedy", **VARIANTS[variant])
@@ -190,6 +191,14 @@ def test_greedy_speculation_equals_plain(setup, variant):
         assert cap == (5 if variant == "dspark" else 4)
         drafted, accepted = greedy_equal(spec, plain, DRAFT_PROMPTS[:2], (1, 4, 7), max_tokens=24, cap=cap)
         assert 0 < accepted < drafted, (accepted, drafted)
+        if variant == "dspark":  # the chain in MLX through d2t = MarkovHead's numpy bias of each row's argmax before
+            g = spec.drafter.graph
+            base, _ = g.forward([7] + [g.mask_id] * 3)
+            rows, prev = g.draft(7, 4), 7
+            for j in range(4):
+                want = base[j] + g.markov.bias(prev)
+                np.testing.assert_allclose(rows[j], want, rtol=1e-5, atol=1e-5 * np.abs(want[np.isfinite(want)]).max())
+                prev = int(np.argmax(rows[j]))
 
 
 def test_sampled_law_is_the_targets(setup, monkeypatch):

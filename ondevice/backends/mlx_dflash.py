@@ -143,7 +143,8 @@ class DFlashMLX:
         self._dtype = mx.float16 if self.device == mx.gpu and w["fc.weight"].dtype == np.float16 else mx.float32
         with mx.stream(self.device):
             self._w = {k: mx.array(np.asarray(v, np.float32)).astype(self._dtype) for k, v in w.items()
-                       if not k.startswith(("markov_", "conf_"))}
+                       if not k.startswith("conf_") and k != "markov_w2.scale"}
+            self._d2t_mx = None if self._d2t is None else mx.array(self._d2t.astype(np.int32))
             self._freqs = mx.array(periods.astype(np.float32))
         self.rollback(0)
         if layer_inputs_on is not None:
@@ -251,10 +252,11 @@ class DFlashMLX:
         f = (mx.sigmoid(gate) * gate * (h @ self._w[p + "ffn_up.weight"].T)) @ self._w[p + "ffn_down.weight"].T
         return x + (self._conv(f, dyn_f, p + "ffn_conv_base", 1) if self.conv else f)
 
-    def forward(self, tokens: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    def forward(self, tokens: list[int], markov_from: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """(logits [m, vocab] over the target vocabulary, −inf outside a reduced draft vocabulary; final normed hidden
-        states [m, hidden]), float32, of the block ``tokens`` at positions n_past.. (no Markov bias); the cache is
-        left as it was."""
+        states [m, hidden]), float32, of the block ``tokens`` at positions n_past..; the cache is left as it was.
+        DSpark with ``markov_from``: rows from that one on get the Markov bias of the row before's argmax (the anchor,
+        tokens[0], for the first), as the graph chains it (``build_dspark_markov_head``)."""
         mx, pos0, m = self._mx, self.n_past, len(tokens)
         if pos0 + m > self.n_ctx:
             raise OndeviceError(f"{self.path.name}: the draft's cache holds {self.n_ctx} positions; {pos0 + m} asked")
@@ -270,6 +272,8 @@ class DFlashMLX:
                     x = self._layer(i, x, pos0, mask)
                 h = self._rms(x, "output_norm.weight")
                 out = (self._head(h) if self._head is not None else h @ self._w["output.weight"].T).astype(mx.float32)
+                if markov_from is not None and self.markov is not None:
+                    out = self._markov_chain(out, ids[0], markov_from)
                 h = h.astype(mx.float32)
                 mx.eval(out, h)
                 out, h = np.array(out), np.array(h)
@@ -281,6 +285,17 @@ class DFlashMLX:
         logits[:, self._d2t] = out
         return logits, h
 
+    def _markov_chain(self, out, anchor, start: int):
+        """``out`` [m, draft vocabulary] with rows start.. biased by ``markov_w2 · markov_w1[prev]`` (× its scale),
+        prev the anchor, then each biased row's argmax (as a target id, through ``d2t``)."""
+        mx, w1, w2 = self._mx, self._w["markov_w1.weight"], self._w["markov_w2.weight"]
+        rows, prev = [out[i] for i in range(start)], anchor
+        for i in range(start, out.shape[0]):
+            rows.append(out[i] + (w2 @ w1[prev]).astype(mx.float32) * self.markov.scale)
+            prev = mx.argmax(rows[-1])
+            prev = prev if self._d2t_mx is None else self._d2t_mx[prev]
+        return mx.stack(rows)
+
     def _selector(self, logits: np.ndarray, h: np.ndarray, anchor: int) -> np.ndarray:
         """DFlash2's lattice rows of block positions 1.. (``build_dflash2_selector``): per position its top-k
         candidates, then their scores ``successor[c] · (predecessor[prev] ⊙ selector_hidden · h) + logit[c]`` for each
@@ -289,7 +304,8 @@ class DFlashMLX:
         gates = h @ self._select["selector_hidden"].T
         rows, before = [], np.array([int(anchor)])
         for p in range(1, len(logits)):
-            cand = np.argsort(-logits[p], kind="stable")[:k]
+            cand = np.argpartition(-logits[p], k)[:k]
+            cand = cand[np.argsort(-logits[p][cand], kind="stable")]  # the top k, best first
             score = (prev_cb[before] * gates[p]) @ next_cb[cand].T + logits[p][cand]
             rows.append(np.concatenate([cand.astype(np.float32), np.broadcast_to(score, (k, k)).reshape(-1)]))
             before = cand
@@ -302,16 +318,10 @@ class DFlashMLX:
         if not 1 <= k <= self.max_draft:
             raise OndeviceError(f"{self.path.name}: a {self.variant} block drafts 1..{self.max_draft} tokens, not {k}")
         first = self._first
-        logits, h = self.forward([int(token)] + [self.mask_id] * (k + first - 1))
+        logits, h = self.forward([int(token)] + [self.mask_id] * (k + first - 1), markov_from=first)
         if self.top_k > 0:
             self.lattice = self._selector(logits, h, int(token))[first - 1:]
-        rows = logits[first:first + k].copy()
-        if self.markov is not None:  # chained on the graph's own argmax, from the anchor
-            prev = int(token)
-            for r in rows:
-                r += self.markov.bias(prev)
-                prev = int(np.argmax(r))
-        return rows
+        return logits[first:first + k].copy()
 
     def block(self, token: int, k: int) -> Block:
         """``draft`` as a ``Block``: the row of each draft position given the token drafted before it."""
