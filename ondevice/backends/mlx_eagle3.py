@@ -35,8 +35,8 @@ _NAMES = ("blk.0.attn_norm.weight", "blk.0.attn_norm_2.weight", "blk.0.ffn_norm.
 def read_gguf_draft(path: Path, arch: str, what: str, required: tuple[str, ...]) -> tuple[dict, dict[str, np.ndarray]]:
     """(metadata, {tensor name: array in numpy order}) of a draft GGUF of architecture ``arch``; the metadata holds
     the ``arch.…`` keys (full names), the mask token id and ``n_tokens`` (the vocabulary's size). Float tensors keep
-    f16 / f32, other types are dequantized to f32, int64 ones (``d2t``) stay int64. Refuses (one line) another
-    architecture or a file without the ``required`` tensors."""
+    f16 / f32, other types are dequantized to f32, int64 ones (``d2t``) stay int64. Refuses (one line, naming the
+    kind as ``what``, e.g. "an EAGLE-3") another architecture or a file without the ``required`` tensors."""
     import gguf
 
     from ondevice.formats.gguf import GGUFFile
