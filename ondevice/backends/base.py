@@ -92,8 +92,8 @@ class Backend:
         """Record the inputs of layers ``ids`` of every token each later ``eval`` passes (``feature("layer_inputs",
         pos)`` reads them, concatenated); returns a row's width. Raises ``OndeviceError`` where the backend
         cannot (the default)."""
-        raise OndeviceError(f"{Path(self.path).name}: EAGLE-3 drafts need a llama.cpp (GGUF) target that records "
-                            f"its layer inputs; {type(self).__name__} does not")
+        raise OndeviceError(f"{Path(self.path).name}: EAGLE-3 / DFlash drafts need a llama.cpp (GGUF) or MLX "
+                            f"target that records its layer inputs; {type(self).__name__} does not")
 
     def eagle3_draft(self, path, layer_inputs_on, threads: int | None = None):
         """The runner of the EAGLE-3 draft GGUF ``path`` on this target (``Eagle3Drafter``'s graph: ``encode`` /
@@ -101,6 +101,14 @@ class Backend:
         checked, which switches the target's layer inputs on. Raises ``OndeviceError`` where the backend has none."""
         raise OndeviceError(f"{Path(self.path).name}: {type(self).__name__} runs no EAGLE-3 drafts (llama.cpp and MLX "
                             "targets do)")
+
+    def dflash_draft(self, path, layer_inputs_on, threads: int | None = None):
+        """The runner of the DFlash draft GGUF ``path`` on this target (``DFlashDrafter``'s graph: ``observe`` /
+        ``block`` / ``rollback`` / ``n_past`` / ``max_draft``), checked against it; it calls
+        ``layer_inputs_on(layer_ids)`` once checked, which switches the target's layer inputs on. Raises
+        ``OndeviceError`` where the backend has none (the default)."""
+        raise OndeviceError(f"{Path(self.path).name}: {type(self).__name__} runs no DFlash drafts (llama.cpp and MLX "
+                            "targets that record layer inputs do)")
 
     def release_features(self, before: int) -> None:
         """Kept feature rows of positions below ``before`` are no longer needed (a memory hint)."""

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from ondevice.backends.llama_dflash_heads import Block, MarkovHead
-from ondevice.backends.llama_ext import LlamaHandles, _ptr
+from ondevice.backends.llama_ext import LlamaHandles, _ptr, init_llama
 from ondevice.backends.llama_mtp import ext
 from ondevice.errors import OndeviceError
 
@@ -58,7 +58,6 @@ class DFlashGraph(LlamaHandles):
                  n_batch: int = 256, exact: bool = False) -> None:
         import llama_cpp
 
-        from ondevice.backends.llama import init_llama
         from ondevice.formats.gguf import check_gguf_file
 
         self._lib, self.path = llama_cpp, Path(path)

@@ -137,6 +137,18 @@ class LlamaFeatures(KeptLayerRows):
 
         return Eagle3Graph(path, context, self._model, n_ctx=self.n_ctx, threads=threads)
 
+    def dflash_draft(self, path, layer_inputs_on, threads: int | None = None):
+        """llama.cpp's own dflash graph (``backends.llama_dflash.DFlashGraph``), borrowing this context (its token
+        table and LM head when the draft has none) once ``layer_inputs_on`` ran (a qwen2 target recreates its
+        context there)."""
+        from ondevice.backends.llama_dflash import DFlashGraph
+
+        def context(ids: list[int]):
+            layer_inputs_on(ids)
+            return self._ctx
+
+        return DFlashGraph(path, self._model, context, n_ctx=self.n_ctx, threads=threads)
+
     def _install_tap(self, tap: llama_ext.EvalTap) -> None:
         """Recreate the (emptied) context with ``tap`` as its cb_eval, carry its switches over, and check with a
         one-token decode that the tap finds this architecture's layer outputs."""

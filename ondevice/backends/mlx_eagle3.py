@@ -32,28 +32,39 @@ _NAMES = ("blk.0.attn_norm.weight", "blk.0.attn_norm_2.weight", "blk.0.ffn_norm.
           "blk.0.ffn_up.weight", "blk.0.ffn_down.weight", "fc.weight", "output_norm.weight", "output.weight")
 
 
-def read_eagle3(path: Path) -> tuple[dict, dict[str, np.ndarray]]:
-    """(metadata, {tensor name: array in numpy order}) of an eagle3 GGUF; float tensors keep f16 / f32, other
-    types are dequantized to f32, ``d2t`` stays int64. Refuses (one line) another architecture."""
+def read_gguf_draft(path: Path, arch: str, what: str, required: tuple[str, ...]) -> tuple[dict, dict[str, np.ndarray]]:
+    """(metadata, {tensor name: array in numpy order}) of a draft GGUF of architecture ``arch``; the metadata holds
+    the ``arch.…`` keys (full names), the mask token id and ``n_tokens`` (the vocabulary's size). Float tensors keep
+    f16 / f32, other types are dequantized to f32, int64 ones (``d2t``) stay int64. Refuses (one line, naming the
+    kind as ``what``, e.g. "an EAGLE-3") another architecture or a file without the ``required`` tensors."""
     import gguf
 
     from ondevice.formats.gguf import GGUFFile
 
     g = GGUFFile(path)
-    if g.arch != "eagle3":
-        raise OndeviceError(f"{path}: architecture {g.arch!r}, not an EAGLE-3 draft (eagle3)")
-    meta = {k: g.get(k) for k in g.reader.fields if k.startswith("eagle3.")}
+    if g.arch != arch:
+        raise OndeviceError(f"{path}: architecture {g.arch!r}, not {what} draft ({arch})")
+    meta = {k: g.get(k) for k in g.reader.fields if k.startswith(arch + ".")}
+    tokens = g.reader.fields.get("tokenizer.ggml.tokens")
+    meta.update({"tokenizer.ggml.mask_token_id": g.get("tokenizer.ggml.mask_token_id"),
+                 "n_tokens": 0 if tokens is None else len(tokens.data)})
     out = {}
+    kept = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.I64)
     for t in g.reader.tensors:
         shape = [int(d) for d in reversed(t.shape)]
-        if t.name == "d2t" or t.tensor_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+        if t.name == "d2t" or t.tensor_type in kept:
             out[t.name] = np.array(t.data).reshape(shape)
         else:
             out[t.name] = np.asarray(gguf.dequantize(t.data, t.tensor_type), np.float32).reshape(shape)
-    missing = [n for n in _NAMES if n not in out]
+    missing = [n for n in required if n not in out]
     if missing:
-        raise OndeviceError(f"{path}: an eagle3 GGUF without {', '.join(missing)}; reconvert the draft")
+        raise OndeviceError(f"{path}: an {arch} GGUF without {', '.join(missing)}; reconvert the draft")
     return meta, out
+
+
+def read_eagle3(path: Path) -> tuple[dict, dict[str, np.ndarray]]:
+    """``read_gguf_draft`` of an eagle3 GGUF."""
+    return read_gguf_draft(path, "eagle3", "an EAGLE-3", _NAMES)
 
 
 class Eagle3MLX:

@@ -1,4 +1,4 @@
-"""Layer inputs of an MLX target (``Backend.features`` "layer_inputs", for EAGLE-3 drafts), read from its own passes.
+"""Layer inputs of an MLX target (``Backend.features`` "layer_inputs", for EAGLE-3 and DFlash drafts), read from its own passes.
 
 ``enable_layer_inputs(ids)`` makes every later ``eval`` / ``eval_tree`` of ``MLXBackend`` swap the chosen entries of
 the mlx-lm model's decoder-layer list (``model.layers``) for taps for the duration of the pass: a tap notes the
@@ -50,7 +50,7 @@ class MLXLayerInputs(KeptLayerRows):
             kind = getattr(self.model, "model_type", None) or type(self.model).__module__
             where = getattr(sys.modules.get(type(self.model).__module__), "__file__", None) or type(self.model).__module__
             raise OndeviceError(f"{self.path.name}: mlx-lm's {kind!r} model ({where}) has no `layers` list of decoder "
-                                "layers to read their inputs from; EAGLE-3 drafts cannot run on it")
+                                "layers to read their inputs from; EAGLE-3 / DFlash drafts cannot run on it")
         return layers
 
     def enable_layer_inputs(self, ids: list[int]) -> int:
@@ -75,7 +75,7 @@ class MLXLayerInputs(KeptLayerRows):
         if any(s is None or tuple(s) != (1, 2, d) for s in seen):
             self._layer_ids = None
             raise OndeviceError(f"{self.path.name}: its mlx-lm layers are not each called once with the hidden state "
-                                f"first (saw {seen}); EAGLE-3 drafts cannot read their inputs")
+                                f"first (saw {seen}); EAGLE-3 / DFlash drafts cannot read their inputs")
         self._n_embd_trunk = int(d)
         return len(ids) * self._n_embd_trunk
 
@@ -108,6 +108,12 @@ class MLXLayerInputs(KeptLayerRows):
         from ondevice.backends.mlx_eagle3 import Eagle3MLX
 
         return Eagle3MLX(path, self, layer_inputs_on, n_ctx=self.n_ctx)
+
+    def dflash_draft(self, path, layer_inputs_on, threads: int | None = None):
+        """The DFlash draft in MLX on this target's device (``backends.mlx_dflash.DFlashMLX``)."""
+        from ondevice.backends.mlx_dflash import DFlashMLX
+
+        return DFlashMLX(path, self, layer_inputs_on, n_ctx=self.n_ctx)
 
     def _drain(self, sinks, *also) -> np.ndarray | None:
         """Evaluate ``also`` (mx arrays) in one go with the rows recorded since the last drain, and return those

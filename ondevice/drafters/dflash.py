@@ -1,8 +1,9 @@
-"""The DFlash drafter: a published DFlash block draft (a GGUF of arch ``dflash``) run by llama.cpp's own graph
-(``ondevice.backends.llama_dflash``) on the target's layer inputs.
+"""The DFlash drafter: a published DFlash block draft (a GGUF of arch ``dflash``) run on the target's layer inputs by
+llama.cpp's own graph (``ondevice.backends.llama_dflash``) for a llama.cpp target, or by the same maths written in
+MLX (``ondevice.backends.mlx_dflash``) for an MLX one (``Backend.dflash_draft`` picks).
 
 The target records the inputs of the draft's layers for every token of every pass (``Traits.needs``:
-"layer_inputs"; ``LlamaBackend.enable_layer_inputs``), so drafting costs no extra target pass. The draft's KV
+"layer_inputs"; the backend's ``enable_layer_inputs``), so drafting costs no extra target pass. The draft's KV
 cache holds, at every target position, K/V made from the target's features there: before each block it is
 rolled back to the positions whose features came from the same context (the common prefix) and the new ones
 are injected from the kept rows. One draft pass of ``[pending token, mask × k]`` then gives k logit rows at
@@ -31,7 +32,6 @@ import numpy as np
 
 from ondevice.drafters.base import LayerInputsDrafter, Traits, common_prefix, file_arch
 from ondevice.drafters.chain import Chain
-from ondevice.errors import OndeviceError
 from ondevice.sampling import SamplingParams, probs_sparse
 
 _GREEDY = SamplingParams(temperature=0.0)
@@ -47,27 +47,21 @@ class DFlashDrafter(LayerInputsDrafter):
 
     Args:
         target: the target backend; it must record layer inputs (a llama.cpp target of an architecture whose
-            graph keeps them, or qwen2 through its cb_eval tap; others are refused in one line).
+            graph keeps them, or qwen2 through its cb_eval tap; an MLX target whose mlx-lm model has a ``layers``
+            list; others are refused in one line).
         path: the dflash GGUF.
-        threads: CPU threads of the draft's context.
+        threads: CPU threads of the draft's context (llama.cpp).
     """
 
     traits = Traits(name="dflash", needs=frozenset({"layer_inputs"}))
 
     def __init__(self, target, path: str | Path, threads: int | None = None) -> None:
-        from ondevice.backends.llama_dflash import DFlashGraph
-
         if "layer_inputs" not in target.features:
-            raise OndeviceError(f"{Path(path).name}: a DFlash draft needs a llama.cpp target that records layer "
-                                f"inputs; {type(target).__name__} does not")
-        on = self._attach(target)
-
-        def layer_inputs_on(ids: list[int]):  # the graph borrows the target's context once its layer inputs are on
-            on(ids)
-            return target._ctx
-
-        # checks layers, vocabulary and hidden size against the target; may borrow its embeddings / LM head
-        self.graph = DFlashGraph(path, target._model, layer_inputs_on, n_ctx=target.n_ctx, threads=threads)
+            target.enable_layer_inputs([])  # raises the backend's one-line refusal
+        layer_inputs_on = self._attach(target)
+        # llama.cpp's dflash graph or the same maths in MLX, by the target's backend; checks layers, vocabulary and
+        # hidden size against the target; may read its embeddings / LM head
+        self.graph = target.dflash_draft(path, layer_inputs_on, threads=threads)
         self.last_block = None  # the last proposal's Block (tests read it)
 
     def _absorb(self, context: Sequence[int]) -> bool:
