@@ -103,3 +103,32 @@ def test_the_medusa_kind_reads_the_same_text(tmp_path, monkeypatch):
     assert calls[0]["text_tokens"] == 500 and len(list(calls[0]["texts"])) == 2
     out = CliRunner().invoke(app, ["train-heads", "m.gguf", "--kind", "medusa", "--text", str(tmp_path / "gone")])
     assert out.exit_code != 0 and "no such file or folder" in out.output and len(calls) == 1
+
+
+class _HiddenBackend(_Backend):
+    """What the heads' ``data.collect_text`` reads: ``_Backend`` with hidden rows (``record_text``)."""
+
+    def enable_hidden(self):
+        pass
+
+    def hidden(self, i):
+        return np.full(4, i, np.float32)
+
+
+def test_the_medusa_kinds_pieces_of_a_changed_text_are_read_again(tmp_path):
+    """``--kind medusa --text``: a piece cached by an earlier run is served only while its text is unchanged; a
+    text edited between two runs is read again (the cache was keyed by the piece's number alone: the heads trained
+    on the old text's tokens and rows)."""
+    from types import SimpleNamespace
+
+    from ondevice.heads import data
+
+    be = _HiddenBackend()
+    rt = SimpleNamespace(target=be, reset=lambda: None)
+    first = data.collect_text(rt, iter(["a" * 100]), tmp_path, budget=1000, chunk=64)
+    assert [r.tokens.tolist() for r in first] == [be.tokenize("a" * 64), be.tokenize("a" * 36)]
+    again = data.collect_text(rt, iter(["a" * 100]), tmp_path, budget=1000, chunk=64)
+    assert len(be.evals) == 2 and [r.tokens.tolist() for r in again] == [r.tokens.tolist() for r in first]
+    edited = data.collect_text(rt, iter(["b" * 100]), tmp_path, budget=1000, chunk=64)
+    assert [r.tokens.tolist() for r in edited] == [be.tokenize("b" * 64), be.tokenize("b" * 36)]
+    assert len(be.evals) == 4

@@ -96,10 +96,10 @@ def collect_text(rt, texts: list[str], work: Path, *, budget: int, chunk: int = 
                 return out
             path = work / f"txt-{i:05d}.npz"
             i += 1
-            if path.is_file():
-                rec = load_record(path)
-            else:
-                rec = _save(path, record_text(backend, ids[s : s + chunk]))
+            piece = ids[s : s + chunk]
+            rec = load_record(path) if path.is_file() else None
+            if rec is None or not np.array_equal(rec.tokens, piece):  # a text changed since: its piece again
+                rec = _save(path, record_text(backend, piece))
             out.append(rec)
             total += len(rec.hidden)
             if on_record is not None:
