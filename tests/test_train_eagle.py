@@ -187,6 +187,25 @@ def test_text_on_the_machine_trains_too(trained, home, tmp_path):
         train_eagle(target, **SMALL, text=[tmp_path / "nowhere"])
 
 
+def test_changed_text_is_a_new_fit(trained, home, tmp_path):
+    """``text=`` edited between two runs, to as many tokens: the second run fits on the new text instead of
+    resuming the first run's finished fit (its checkpoint key counted the text's tokens, not which they were: the
+    drafter of the old text came back, its log and τ the first run's)."""
+    from ondevice.heads.eagle_train import train_eagle
+
+    target = trained[0]
+    runs = []
+    for sign in "+-":
+        src = tmp_path / f"src{sign}"
+        src.mkdir()
+        for i in range(3):
+            (src / f"m{i}.py").write_text("".join(f"def g{i}_{j}(x):\n    return x {sign} {j * i}\n\n" for j in range(40)))
+        runs.append(train_eagle(target, **{**SMALL, "epochs": 1}, text=[src], text_tokens=500, out=tmp_path / f"out{sign}"))
+    a, b = runs
+    assert a["text_tokens"] == b["text_tokens"] and a["training_tokens"] == b["training_tokens"]
+    assert a["log"] != b["log"]
+
+
 def test_chain_replay_counts_passes():
     """``chain_tau`` replays the runtime's loop: a pass emits its accepted drafts and one token of its own."""
     from ondevice.heads.eagle_data import chain_tau

@@ -213,7 +213,8 @@ def train_eagle(model: str | os.PathLike, *, tokens: int = train.DEFAULT_TOKENS,
                                                 budget=text_budget, chunk=min(DEFAULTS["window"], n_ctx),
                                                 on_seq=lambda n: bar.update(task, advance=n))
             if not text_seqs:
-                raise OndeviceError(f"{', '.join(map(str, text))}: no UTF-8 text of 16 tokens or more to train on")
+                raise OndeviceError(f"{', '.join(map(str, text))}: no UTF-8 text of 16 tokens or more to train on "
+                                   f"({texts.SKIPPED})")
         t_feat = time.perf_counter() - t0 - t_rec
         order = np.random.default_rng(seed).permutation(len(seqs))
         n_val = max(1, len(seqs) // 10) if len(seqs) > 1 else 0
@@ -234,7 +235,7 @@ def train_eagle(model: str | os.PathLike, *, tokens: int = train.DEFAULT_TOKENS,
         steps_per_epoch = len(eagle_data.batches(tr, wins, T, batch_tokens, np.random.default_rng(0)))
         n_tr = int(sum(len(s.tokens) for s in tr))
         n_text = int(sum(len(s.tokens) for s in text_seqs))
-        extra = [feat_w, "lm_head" if fix_head else "", wd, *(["fc_top"] if fc_top else []), *(["text", n_text] if n_text else [])] \
+        extra = [feat_w, "lm_head" if fix_head else "", wd, *(["fc_top"] if fc_top else []), *(["text", n_text, texts.digest(s.tokens for s in text_seqs)] if n_text else [])] \
             if (feat_w or fix_head or wd or fc_top or n_text) else []  # earlier keys unchanged
         key = hashlib.sha256(json.dumps(["soft-init", sha, n_tr, len(seqs), seed, vocab, depths, epochs, T, batch_tokens, lr, noise,
                                          layer_ids, *extra]).encode()).hexdigest()[:12]

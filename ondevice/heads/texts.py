@@ -12,8 +12,9 @@ many files instead of exhausting the first folder.
 
 from __future__ import annotations
 
+import hashlib
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +26,7 @@ SUFFIXES = frozenset(
     ".css .toml .yaml .yml .json .tex .cs .scala .lua .r .jl .zig".split())
 SKIP_DIRS = frozenset("__pycache__ node_modules .git .hg .svn .venv venv .tox build dist".split())
 MAX_FILE = 1 << 20  # bytes: larger files are mostly data, not prose or code
+SKIPPED = "files that are empty, over 1 MiB, binary or not UTF-8 are skipped"  # ``read_texts``, for messages
 
 
 def text_files(paths: Sequence[str | os.PathLike]) -> list[Path]:
@@ -66,3 +68,13 @@ def read_texts(paths: Sequence[str | os.PathLike], seed: int = 0) -> Iterator[st
             yield raw.decode("utf-8")
         except UnicodeDecodeError:
             continue
+
+
+def digest(pieces: Iterable[np.ndarray]) -> str:
+    """A short hash of the text pieces' token ids, in order, for a fit's checkpoint key: text changed between two
+    runs (same token count or not) starts a new fit instead of resuming the old text's one."""
+    h = hashlib.sha256()
+    for p in pieces:
+        a = np.ascontiguousarray(p, np.int64)
+        h.update(np.int64(len(a)).tobytes() + a.tobytes())
+    return h.hexdigest()[:16]
