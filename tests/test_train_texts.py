@@ -132,3 +132,27 @@ def test_the_medusa_kinds_pieces_of_a_changed_text_are_read_again(tmp_path):
     edited = data.collect_text(rt, iter(["b" * 100]), tmp_path, budget=1000, chunk=64)
     assert [r.tokens.tolist() for r in edited] == [be.tokenize("b" * 64), be.tokenize("b" * 36)]
     assert len(be.evals) == 4
+
+
+def test_the_medusa_kind_fits_again_on_edited_text_and_refuses_none(heads_trained, tmp_path, monkeypatch):
+    """``train_heads(texts=...)`` edited between two runs, to as many tokens, fits again on the new text instead of
+    resuming the first run's finished fit (its key counted the text's tokens, not which: the old heads came back);
+    text that gives no piece (only skipped files) is refused in one line instead of training without it."""
+    import shutil
+
+    from helpers import SMALL_HEADS
+
+    from ondevice.heads import train
+
+    target, home, _ = heads_trained
+    shutil.copytree(home, tmp_path / "home")  # its recorded answers: only the text and the fit are new
+    monkeypatch.setenv("ONDEVICE_HOME", str(tmp_path / "home"))
+    runs = [train.train_heads(target, **SMALL_HEADS, texts=iter([" alpha beta gamma" * 60]), text_tokens=300),
+            train.train_heads(target, **SMALL_HEADS, texts=iter([" gamma beta alpha" * 60]), text_tokens=300)]
+    a, b = runs
+    assert a["teacher_forced_text_tokens"] == b["teacher_forced_text_tokens"] > 0
+    assert a["log"] != b["log"]
+    with pytest.raises(OndeviceError, match="no text of 17 tokens or more") as e:
+        train.train_heads(target, **SMALL_HEADS, texts=iter(["too short"]), text_tokens=300)
+    assert "\n" not in str(e.value)
+

@@ -27,6 +27,7 @@ from ondevice.backends.llama import LlamaBackend
 from ondevice.errors import OndeviceError
 from ondevice.heads import batch, data, fit, selfprompts, store
 from ondevice.heads.model import Heads
+from ondevice.heads.texts import SKIPPED, digest
 
 DEFAULTS = dict(K=3, rank=256, vocab=4096, vocab_in=32768, epochs=8, max_new=192)
 DEFAULT_TOKENS = 150_000  # answer tokens: Qwen 1.5B held-out chat chain 1.53 at 150k against 1.45 at 90k (docs/heads.md)
@@ -272,6 +273,8 @@ def train_heads(
                 task = bar.add_task("teacher-forced text (tokens)", total=text_tokens)
                 extra = data.collect_text(rt, texts, work / "text", budget=text_tokens,
                                           on_record=lambda total, new: bar.update(task, completed=min(total, text_tokens)))
+                if not extra:  # --text named only files that are skipped: say so instead of training without them
+                    raise OndeviceError(f"--text: no text of 17 tokens or more to train on ({SKIPPED})")
             if not records:
                 raise OndeviceError(f"{path.name}: no prompt left room for an answer in n_ctx={n_ctx}; raise n_ctx")
             t_rec = time.perf_counter() - t0
@@ -303,7 +306,9 @@ def train_heads(
         t_ids, t_pr = fit.teacher(heads, flat.H)
         n_text = int(sum(len(r.hidden) for r in extra))
         key = hashlib.sha256(json.dumps([sha, n_tok, n_text, seed, K, rank, vocab, epochs, max_new]
-                                        + ([vocab_in] if len(in_only) else [])).encode()).hexdigest()[:12]
+                                        + ([vocab_in] if len(in_only) else [])
+                                        + ([digest(r.tokens for r in extra)] if extra else [])  # which text
+                                        ).encode()).hexdigest()[:12]
         ckpt = work / f"fit-{key}.npz"
         done, state = 0, None
         if ckpt.is_file():  # resume: finished heads' weights, and the running head's optimiser state
