@@ -206,6 +206,33 @@ def test_changed_text_is_a_new_fit(trained, home, tmp_path):
     assert a["log"] != b["log"]
 
 
+def test_the_text_folders_are_walked_once(trained, home, tmp_path, monkeypatch):
+    """``text=[FOLDER]``: the folder is walked once (the up-front check hands its files on to the reading), not
+    again when the pieces are read (``text=[Path.home()]`` walked the whole home folder twice)."""
+    import os
+
+    from ondevice.heads import eagle_data, texts
+    from ondevice.heads.eagle_train import train_eagle
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.py").write_text("def a(x):\n    return x + 1\n" * 20)
+    walks, real = [], os.walk
+    monkeypatch.setattr(texts.os, "walk", lambda top, *a, **k: walks.append(top) or real(top, *a, **k))
+
+    class Read(Exception):
+        pass
+
+    def read_then_stop(backend, pieces, work, **kw):
+        assert len(list(pieces)) == 1
+        raise Read
+
+    monkeypatch.setattr(eagle_data, "collect_text", read_then_stop)
+    with pytest.raises(Read):
+        train_eagle(trained[0], **SMALL, text=[src], out=tmp_path / "out")
+    assert walks == [src]
+
+
 def test_chain_replay_counts_passes():
     """``chain_tau`` replays the runtime's loop: a pass emits its accepted drafts and one token of its own."""
     from ondevice.heads.eagle_data import chain_tau

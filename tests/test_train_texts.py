@@ -156,3 +156,24 @@ def test_the_medusa_kind_fits_again_on_edited_text_and_refuses_none(heads_traine
         train.train_heads(target, **SMALL_HEADS, texts=iter(["too short"]), text_tokens=300)
     assert "\n" not in str(e.value)
 
+
+def test_the_folders_named_are_walked_once(tmp_path, monkeypatch):
+    """``--kind medusa --text FOLDER``: the folder is walked once (the check of the paths hands its files on), not
+    once more when the text is read: ``--text ~`` walks a whole home folder before the recording starts."""
+    import os
+
+    from typer.testing import CliRunner
+
+    from ondevice.cli.main import app
+    from ondevice.heads import train
+
+    _tree(tmp_path)
+    walks, real = [], os.walk
+    monkeypatch.setattr(texts.os, "walk", lambda top, *a, **k: walks.append(top) or real(top, *a, **k))
+    got = []
+    monkeypatch.setattr(train, "train_heads", lambda model, **kw: got.append(list(kw["texts"])) or {
+        "path": "h", "training_tokens": 1, "wall_seconds": 1.0, "tau_heldout_greedy_chain": {"tau": 1.0}})
+    out = CliRunner().invoke(app, ["train-heads", "m.gguf", "--kind", "medusa", "--text", str(tmp_path / "pkg")])
+    assert out.exit_code == 0, out.output
+    assert len(got[0]) == 2 and len(walks) == 1
+

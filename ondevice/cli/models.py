@@ -140,8 +140,8 @@ def train_heads_cmd(
             from ondevice.heads.train import train_heads
 
             if text:
-                text_files(text)  # a missing path is refused before the recording
-                extra.update(texts=read_texts(text, seed), text_tokens=tokens if text_tokens is None else text_tokens)
+                # a missing path is refused before the recording; the folders are walked once (--text ~ is big)
+                extra.update(texts=read_texts(text_files(text), seed), text_tokens=tokens if text_tokens is None else text_tokens)
             r = train_heads(model, tokens=tokens, out=out, seed=seed, threads=threads, quiet=json_out, **extra)
     except KeyboardInterrupt:
         typer.echo("stopped: the answers recorded and the fit's last epoch are kept; run the same command to resume",

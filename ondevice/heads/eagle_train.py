@@ -164,10 +164,11 @@ def train_eagle(model: str | os.PathLike, *, tokens: int = train.DEFAULT_TOKENS,
     _check_args(epochs=epochs, vocab=vocab, depths=depths, batch_tokens=batch_tokens, max_new=max_new, lr=lr, noise=noise,
                 feat_w=feat_w, wd=wd)
     text_budget = (tokens if text_tokens is None else int(text_tokens)) if text else 0
+    text_paths: list[Path] = []
     if text:
         if text_budget < 1:
             raise OndeviceError(f"text_tokens={text_tokens}: must be a positive number of tokens (or drop --text)")
-        texts.text_files(text)  # a missing path is refused before any work
+        text_paths = texts.text_files(text)  # a missing path is refused before any work; the folders walked once
     t0 = time.perf_counter()
     path = lookup.resolve(model)
     if detect_format(path) != "gguf":
@@ -209,7 +210,7 @@ def train_eagle(model: str | os.PathLike, *, tokens: int = train.DEFAULT_TOKENS,
         text_seqs = []
         if text_budget:
             task = bar.add_task("teacher-forced text (tokens)", total=text_budget)
-            text_seqs = eagle_data.collect_text(fb, texts.read_texts(text, seed), work / f"eagle-text-{'-'.join(map(str, layer_ids))}",
+            text_seqs = eagle_data.collect_text(fb, texts.read_texts(text_paths, seed), work / f"eagle-text-{'-'.join(map(str, layer_ids))}",
                                                 budget=text_budget, chunk=min(DEFAULTS["window"], n_ctx),
                                                 on_seq=lambda n: bar.update(task, advance=n))
             if not text_seqs:
