@@ -177,3 +177,17 @@ def test_the_folders_named_are_walked_once(tmp_path, monkeypatch):
     assert out.exit_code == 0, out.output
     assert len(got[0]) == 2 and len(walks) == 1
 
+
+def test_the_medusa_kinds_text_keeps_its_budget(tmp_path):
+    """``--kind medusa --text-tokens N``: at most N teacher-forced rows, the last piece cut to fit (a whole piece
+    was taken whenever any budget was left: up to ``chunk`` − 1 rows over), and no piece under 16 rows."""
+    from types import SimpleNamespace
+
+    from ondevice.heads import data
+
+    be = _HiddenBackend()
+    rt = SimpleNamespace(target=be, reset=lambda: None)
+    got = data.collect_text(rt, iter(["a" * 300, "b" * 300]), tmp_path / "a", budget=100, chunk=64)
+    assert [len(r.hidden) for r in got] == [63, 37]
+    got = data.collect_text(rt, iter(["a" * 300, "b" * 300]), tmp_path / "b", budget=70, chunk=64)
+    assert [len(r.hidden) for r in got] == [63]  # 7 rows left: too few for a piece

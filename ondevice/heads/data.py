@@ -84,19 +84,22 @@ def record_text(backend, ids: list[int]) -> Record:
 
 def collect_text(rt, texts: list[str], work: Path, *, budget: int, chunk: int = 256,
                  on_record: Callable[[int, int], None] | None = None) -> list[Record]:
-    """Teacher-forced records of ``texts`` cut into ``chunk``-token pieces until ``budget`` tokens (resumable)."""
+    """Teacher-forced records of ``texts`` cut into ``chunk``-token pieces, up to ``budget`` tokens (hidden rows;
+    the last piece is cut to fit) (resumable: a cached piece is read back while its tokens are the text's)."""
     backend = rt.target
     backend.enable_hidden()
     out: list[Record] = []
     total, i = 0, 0
     for text in texts:
+        if budget - total < 16:  # what is left of the budget is shorter than a piece (its hidden rows)
+            break
         ids = backend.tokenize(text, add_bos=False)
         for s in range(0, len(ids) - 16, chunk):
-            if total >= budget:
-                return out
+            if budget - total < 16:
+                break
             path = work / f"txt-{i:05d}.npz"
             i += 1
-            piece = ids[s : s + chunk]
+            piece = ids[s : s + min(chunk, budget - total + 1)]  # the budget counts hidden rows: tokens − 1
             rec = load_record(path) if path.is_file() else None
             if rec is None or not np.array_equal(rec.tokens, piece):  # a text changed since: its piece again
                 rec = _save(path, record_text(backend, piece))
