@@ -191,3 +191,14 @@ def test_the_medusa_kinds_text_keeps_its_budget(tmp_path):
     assert [len(r.hidden) for r in got] == [63, 37]
     got = data.collect_text(rt, iter(["a" * 300, "b" * 300]), tmp_path / "b", budget=70, chunk=64)
     assert [len(r.hidden) for r in got] == [63]  # 7 rows left: too few for a piece
+
+
+def test_a_text_budget_under_a_piece_is_refused_up_front(tmp_path):
+    """``train_eagle(text_tokens=N)`` with N under 16 (the CLI's minimum, a piece's least length) is refused before
+    any work: it read and tokenized every file named, found no piece to take, and said there was no text."""
+    from ondevice.heads.eagle_train import train_eagle
+
+    _tree(tmp_path)
+    with pytest.raises(OndeviceError, match=r"text_tokens=5: must be 16 tokens or more") as e:
+        train_eagle(tmp_path / "no-model.gguf", text=[tmp_path / "pkg"], text_tokens=5, convert=lambda *a, **k: None)
+    assert "\n" not in str(e.value)

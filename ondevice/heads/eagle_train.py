@@ -166,8 +166,8 @@ def train_eagle(model: str | os.PathLike, *, tokens: int = train.DEFAULT_TOKENS,
     text_budget = (tokens if text_tokens is None else int(text_tokens)) if text else 0
     text_paths: list[Path] = []
     if text:
-        if text_budget < 1:
-            raise OndeviceError(f"text_tokens={text_tokens}: must be a positive number of tokens (or drop --text)")
+        if text_budget < 16:  # a piece has 16 tokens or more: fewer read every file and found none
+            raise OndeviceError(f"text_tokens={text_tokens}: must be 16 tokens or more (or drop --text)")
         text_paths = texts.text_files(text)  # a missing path is refused before any work; the folders walked once
     t0 = time.perf_counter()
     path = lookup.resolve(model)
