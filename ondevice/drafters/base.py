@@ -210,7 +210,10 @@ class LayerInputsDrafter(Drafter):
     def _attach(self, target) -> Callable[[list[int]], object]:
         """Hold ``target`` (its vocabulary is the draft's) with an empty draft cache; returns the hook the graph
         calls with the layer ids it reads, once checked against the target, before it makes its own context: it
-        switches the target's layer inputs on (a qwen2 target recreates its own context)."""
+        switches the target's layer inputs on (a qwen2 target recreates its own context). A target that cannot
+        record layer inputs is refused here, in its backend's one line."""
+        if "layer_inputs" not in target.features:
+            target.enable_layer_inputs([])  # raises the backend's one-line refusal
         self.target = target
         self.target_vocab = target.vocab_size
         self._tokens: list[int] = []  # the context the valid draft positions were built from

@@ -56,9 +56,7 @@ class DFlashDrafter(LayerInputsDrafter):
     traits = Traits(name="dflash", needs=frozenset({"layer_inputs"}))
 
     def __init__(self, target, path: str | Path, threads: int | None = None) -> None:
-        if "layer_inputs" not in target.features:
-            target.enable_layer_inputs([])  # raises the backend's one-line refusal
-        layer_inputs_on = self._attach(target)
+        layer_inputs_on = self._attach(target)  # refuses a target that records no layer inputs
         # llama.cpp's dflash graph or the same maths in MLX, by the target's backend; checks layers, vocabulary and
         # hidden size against the target; may read its embeddings / LM head
         self.graph = target.dflash_draft(path, layer_inputs_on, threads=threads)

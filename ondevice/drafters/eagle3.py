@@ -62,9 +62,7 @@ class Eagle3Drafter(LayerInputsDrafter):
     max_depth = 8  # deepest tree node
 
     def __init__(self, target, path: str | Path, threads: int | None = None, trees: bool = True) -> None:
-        if "layer_inputs" not in target.features:
-            target.enable_layer_inputs([])  # raises the backend's one-line refusal
-        layer_inputs_on = self._attach(target)
+        layer_inputs_on = self._attach(target)  # refuses a target that records no layer inputs
         # llama.cpp's eagle3 graph or the same layer in MLX, by the target's backend; checked against the target
         # (hidden size, vocabulary, depth), embedding with its table when the draft has none
         self.graph = target.eagle3_draft(path, layer_inputs_on, threads=threads)
