@@ -19,6 +19,7 @@ from ondevice.results import Chunk, Result, Stats
 from ondevice.slot import Slot
 from ondevice.streams import AsyncStream, Request, Stream
 from ondevice.text import TextAssembler, add_tail, step_chunks
+from ondevice.threads import release_omp_team
 
 
 class Runtime:
@@ -115,9 +116,8 @@ class Runtime:
                 ``grammar`` (a constraint, exact under speculation: ``ondevice.constrain``) and ``logprobs`` /
                 ``top_logprobs`` (``Chunk.logprobs``, ``Result.logprobs``: ``ondevice.logprobs``).
         Returns:
-            A ``Stream``: iterate it for chunks; ``.cancel()`` stops it; ``.stats`` when finished.
-            A stream dropped unfinished ends at once; a new request from the thread that left a
-            stream unfinished ends that stream first.
+            A ``Stream``: iterate it for chunks; ``.cancel()`` stops it; ``.stats`` when finished. A stream dropped
+            unfinished ends at once; a new request from the thread that left one unfinished ends that stream first.
         Raises:
             OndeviceError: a bad argument (checked here, before anything runs) or a closed runtime.
         """
@@ -132,8 +132,7 @@ class Runtime:
         extra = {k: v for k, v in (("constraint", constraint), ("n_logprobs", n_lp)) if v is not None}
         if extra and not self.constraints_and_logprobs:
             raise OndeviceError(f"{', '.join(extra)}: not supported by a sharded target yet; load the model on one rank")
-        if media is not None:
-            extra["media"] = media
+        extra.update({"media": media} if media is not None else {})
         return Stream(lambda out: self._run(ids, request, out, **extra), Request())
 
     def _constraint(self, response_format, grammar):
@@ -288,6 +287,7 @@ class Runtime:
         self._owner = None
         self._current = None
         self._turn.release()
+        release_omp_team()  # this thread may not decode next: one team per process keeps libgomp spinning
 
     # -- the loop --------------------------------------------------------------------------------
     def _policy(self, gamma, stats: Stats, cancelled=None):

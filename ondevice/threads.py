@@ -70,3 +70,46 @@ def default_threads() -> int:
     """Threads for a model loaded now: the physical cores, less the CPUs other processes are using, at least 1."""
     free = usable_cpus() - round(busy_cpus())
     return max(1, min(physical_cores(), free))
+
+
+_gomp = None  # libgomp, once found loaded in this process
+
+
+def release_omp_team() -> None:
+    """Free the calling thread's OpenMP team, if llama.cpp's CPU backend made one (Linux builds use libgomp).
+
+    Every thread that ran a multi-threaded decode keeps a team, and once a process holds more team threads than
+    CPUs libgomp stops spinning at barriers (100 spins, then sleep): a server that loads on one thread and decodes
+    on another decoded one token 1.5x slower on an idle 2-core machine (scripts/bench_spin.py). So a thread frees
+    its team when its request ends and after ``load()``; the next decode makes one again (a thread start, tens of
+    microseconds). Only a libgomp this process already loaded is touched; a no-op elsewhere (macOS builds use
+    ggml's own thread pool) and inside a parallel region.
+    """
+    global _gomp
+    if _gomp is None:
+        if not sys.platform.startswith("linux") or "llama_cpp" not in sys.modules:
+            return
+        _gomp = _find_gomp()
+        if _gomp is None:
+            return
+    if _gomp:
+        _gomp.omp_pause_resource_all(1)  # omp_pause_soft: libgomp frees this thread's pool (per thread)
+
+
+def _find_gomp():
+    """The libgomp this process loaded (the system's, or a wheel's renamed copy); False when llama.cpp's CPU
+    backend is loaded without one; None when it is not loaded yet (ask again later)."""
+    import ctypes
+
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split(None, 5)[-1].strip() for line in f if "/" in line}
+    except OSError:
+        return False
+    gomp = sorted(p for p in paths if os.path.basename(p).startswith("libgomp"))
+    if gomp:
+        try:
+            return ctypes.CDLL(gomp[0], mode=os.RTLD_NOLOAD)
+        except OSError:
+            return False
+    return False if any("libggml-cpu" in p or "libllama" in p for p in paths) else None

@@ -148,10 +148,9 @@ def main(argv=None) -> int:
     path = lookup.resolve(a.model)
     rows = []
     threads = a.threads or default_threads()  # one count for both runtimes (each would pick its own at load)
-    # one after another runs on a thread of its own, as a server's requests do: with llama.cpp's OpenMP (Linux) each
-    # thread that decodes keeps a team, and the batch engine's worker is another one; libgomp shortens its spin-waits
-    # once more threads than CPUs are alive (scripts/bench_omp_teams.py), so both sides must run with as many teams
-    # (in the main thread the one-at-a-time side spun, the engine's did not: its lone request measured 0.61×)
+    # one after another runs on a thread of its own, as a server's requests do; with llama.cpp's OpenMP (Linux) a
+    # thread frees its team when its request ends (ondevice.threads.release_omp_team), so neither side decodes
+    # beside the other's idle team, which makes libgomp stop spinning (scripts/bench_spin.py)
     with ondevice.load(path, drafter="none", n_ctx=a.n_ctx, threads=threads) as rt, \
             ondevice.load(path, drafter="none", n_ctx=a.n_ctx, threads=threads, parallel=max(max(ks), 2)) as prt, \
             ThreadPoolExecutor(1, thread_name_prefix="one-after-another") as alone:
