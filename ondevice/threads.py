@@ -79,10 +79,10 @@ def release_omp_team() -> None:
     """Free the calling thread's OpenMP team, if llama.cpp's CPU backend made one (Linux builds use libgomp).
 
     Every thread that ran a multi-threaded decode keeps a team, and once a process holds more team threads than
-    CPUs libgomp stops spinning at barriers (100 spins, then sleep): a server that loads on one thread and decodes
-    on another decoded one token 1.5x slower on an idle 2-core machine (scripts/bench_spin.py). So a thread frees
-    its team when its request ends and after ``load()``; the next decode makes one again (a thread start, tens of
-    microseconds). Only a libgomp this process already loaded is touched; a no-op elsewhere (macOS builds use
+    CPUs libgomp stops spinning at barriers (100 spins, then sleep): a server whose requests ran on another thread
+    than its first decodes decoded one token 1.5-1.6x slower on an idle 2-core machine (scripts/bench_spin.py). So
+    a thread frees its team when its request ends (``Runtime``'s turn) and after the batch curve's probe at load;
+    the next decode makes one again (a thread start, tens of microseconds). Only a libgomp this process already loaded is touched; a no-op elsewhere (macOS builds use
     ggml's own thread pool) and inside a parallel region.
     """
     global _gomp
@@ -109,7 +109,8 @@ def _find_gomp():
     gomp = sorted(p for p in paths if os.path.basename(p).startswith("libgomp"))
     if gomp:
         try:
-            return ctypes.CDLL(gomp[0], mode=os.RTLD_NOLOAD)
+            lib = ctypes.CDLL(gomp[0], mode=os.RTLD_NOLOAD)
+            return lib if hasattr(lib, "omp_pause_resource_all") else False  # OpenMP 5.0: libgomp of GCC >= 9
         except OSError:
             return False
     return False if any("libggml-cpu" in p or "libllama" in p for p in paths) else None
