@@ -3,10 +3,11 @@ per target pass, hardware-free) at fixed greedy chains of γ 3 and 5, against pl
 equal) and n-gram drafting; the draft's cost per token ÷ a target decode; decode speed ratios in one run. JSON.
 
     PYTHONPATH=$PWD python scripts/bench_trained_eagle.py MODEL [--drafter X.eagle.gguf] [--per-class 3] [--tokens 128]
-        [--json OUT]
+        [--copy-min N] [--json OUT]
 
 Modes: chains of γ 3 and 5, EAGLE-2 trees of ≤ 8 and ≤ 16 nodes, n-gram γ 3; per mode τ, the speed ratio and the
-acceptance by position (the share of drafting passes that kept ≥ i drafts).
+acceptance by position (the share of drafting passes that kept ≥ i drafts). ``--copy-min 0`` runs the draft alone,
+without prompt-lookup copies (``ondevice.drafters.copies``; default: the drafter's own).
 
 Held-out prompts are ``prompts.json``'s "heldout" set, never used in training.
 """
@@ -68,6 +69,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json", default=None)
     ap.add_argument("--drafter", default=None, help="an EAGLE-3 GGUF (default: the one train-heads stored for MODEL)")
+    ap.add_argument("--copy-min", type=int, default=None, help="copies' match length (0: none; default: the drafter's)")
     a = ap.parse_args()
     path = lookup.resolve(a.model)
     gguf = path / "model.gguf" if path.is_dir() else path
@@ -77,6 +79,8 @@ def main() -> None:
             ondevice.load(path, draft=a.drafter or "heads", threads=a.threads) as spec, \
             ondevice.load(path, drafter="ngram", threads=a.threads) as ngram:
         cost = _cost(spec)
+        if a.copy_min is not None:
+            spec.drafter.copies.copy_min = a.copy_min
         for cls, prompts in sorted(heldout.items()):
             acc = {k: {"tokens": 0, "passes": 0, "seconds": 0.0, "counts": np.zeros(17)}
                    for k in ("plain", "eagle3", "eagle5", "tree8", "tree16", "ngram3")}
@@ -105,9 +109,10 @@ def main() -> None:
                              "acceptance_by_position": _by_position(v["counts"])}
                          for k, v in acc.items()}
             rows[cls]["greedy_equal"] = bool(equal)
+        spec_copy_min = spec.drafter.copies.copy_min
     drafter = Path(a.drafter) if a.drafter else eagle_store.find(gguf)
     emit_json({"model": path.name, "drafter": str(drafter), "meta": eagle_store.read_meta(drafter),
-               "draft_cost": cost, "by_class": rows, "per_class": a.per_class, "max_tokens": a.tokens}, a.json)
+               "draft_cost": cost, "copy_min": spec_copy_min, "by_class": rows, "per_class": a.per_class, "max_tokens": a.tokens}, a.json)
 
 
 if __name__ == "__main__":

@@ -185,6 +185,7 @@ def mlx_logits(model, ids) -> np.ndarray:
 
 
 DRAFT_PROMPTS = ["def add(a, b):", "The model draft and the target verify", "class Cache:\n    def __init__(self, n):"]
+REPEATS = "x = cache.get(key)\ny = cache.get(key)\nz = cache.get("  # its suffix occurs earlier: copies draft
 LAW_PROMPT = "The model draft"
 LAW = dict(temperature=0.8, top_k=6, top_p=1.0, min_p=0.0)
 
@@ -371,3 +372,23 @@ def plant_wrong_q(mp, drafter_cls) -> None:
         return tokens, q
 
     mp.setattr(drafter_cls, "propose", wrong_q)
+
+
+def count_copies(drafter) -> list[bool]:
+    """Per chain or tree proposed: whether it held a prompt-lookup copy (``Copies.copied``)."""
+    seen, chain, tree = [], drafter.propose, drafter.propose_tree
+
+    def propose(*a, **kw):
+        out = chain(*a, **kw)
+        if out[0]:
+            seen.append(drafter.copies.copied)
+        return out
+
+    def propose_tree(*a, **kw):
+        out = tree(*a, **kw)
+        if out is not None and len(out) > 1:
+            seen.append(drafter.copies.copied)
+        return out
+
+    drafter.propose, drafter.propose_tree = propose, propose_tree
+    return seen

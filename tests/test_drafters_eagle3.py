@@ -10,6 +10,7 @@ import pytest
 from helpers import (
     DRAFT_PROMPTS,
     convert_then_generate,
+    count_copies,
     favoured_tokens,
     greedy_equal,
     law_after,
@@ -25,6 +26,9 @@ import ondevice
 from ondevice.errors import OndeviceError
 
 PROMPTS = DRAFT_PROMPTS
+# repeats itself (copies draft); helpers.REPEATS meets a near-tie (0.002 logits) of the tiny llama target, where a
+# batched pass and a single decode may pick differently (not batch-invariant there)
+COPY_PROMPT = "class Cache:\n    def get(self, key):\n        return self.data.get(key)\n    def put(self, key"
 
 
 def _draft(base, target, favourites, layer_ids=(0, 2, 3), seed=0):
@@ -71,6 +75,26 @@ def test_the_draft_file_names_its_kind_and_greedy_equals_plain(pair):
         use_trees(spec.drafter, False)  # chains (trees are tested apart; chains remain its path under a constraint)
         drafted, accepted = greedy_equal(spec, plain, PROMPTS, (1, 3))
         assert drafted > 0 and accepted > 0
+
+
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+def test_copies_join_the_drafts_and_greedy_stays_exact(pair, shape):
+    """Where the context repeats, a prompt-lookup copy drafts the chain or joins the tree
+    (``ondevice.drafters.copies``; off by default for a downloaded draft), and greedy speculation still emits plain
+    decoding's tokens; the control: ``copy_min`` 0 proposes no copy on the same prompts."""
+    target, draft = pair[:2]
+    with ondevice.load(target, draft=str(draft), threads=1) as spec, \
+            ondevice.load(target, drafter="none", threads=1) as plain:
+        assert spec.drafter.copies.copy_min == 0
+        spec.drafter.copies.copy_min = 2
+        use_trees(spec.drafter, shape == "tree")
+        seen = count_copies(spec.drafter)
+        greedy_equal(spec, plain, [COPY_PROMPT, *PROMPTS], (4,))
+        assert any(seen), "no copy was proposed on a prompt that repeats itself"
+        spec.drafter.copies.copy_min = 0
+        seen.clear()
+        greedy_equal(spec, plain, [COPY_PROMPT, *PROMPTS], (4,))
+        assert seen and not any(seen)
 
 
 def test_sampled_law_is_the_targets(pair, monkeypatch):

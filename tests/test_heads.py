@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import TimeScale, use_trees
+from helpers import REPEATS, TimeScale, count_copies, use_trees
 
 import ondevice
 from ondevice import sampling
@@ -20,7 +20,6 @@ from ondevice.errors import OndeviceError
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = ["def add(a, b):", "The model draft and the target verify", "class Cache:\n    def __init__(self, n):"]
-REPEATS = "x = cache.get(key)\ny = cache.get(key)\nz = cache.get("  # its suffix occurs earlier: copies draft
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +69,7 @@ def test_input_only_ids_are_never_drafted(trained, home):
     target, path, _, _ = trained
     with ondevice.load(target, draft="heads", threads=1) as rt:
         d = rt.drafter
-        d.copy_min = 0  # the heads alone
+        d.copies.copy_min = 0  # the heads alone
         hs = d.heads
         h = np.random.default_rng(3).standard_normal(hs.d).astype(np.float32) / hs.s_h
         d.target.hidden = lambda pos: h
@@ -175,26 +174,6 @@ def _counts(rt, ids, n, gamma, **kw):
     return counts
 
 
-def _count_copies(drafter) -> list[bool]:
-    """Per chain or tree proposed: whether it held a prompt-lookup copy (``HeadsDrafter.copied``)."""
-    seen, chain, tree = [], drafter.propose, drafter.propose_tree
-
-    def propose(*a, **kw):
-        out = chain(*a, **kw)
-        if out[0]:
-            seen.append(drafter.copied)
-        return out
-
-    def propose_tree(*a, **kw):
-        out = tree(*a, **kw)
-        if out is not None and len(out) > 1:
-            seen.append(drafter.copied)
-        return out
-
-    drafter.propose, drafter.propose_tree = propose, propose_tree
-    return seen
-
-
 @pytest.mark.parametrize("shape", ["chain", "tree"])
 def test_copies_draft_and_greedy_stays_exact(trained, home, shape):
     """Where the context's suffix occurred before, the heads drafter's chain is the copy (q None) and a tree
@@ -203,12 +182,12 @@ def test_copies_draft_and_greedy_stays_exact(trained, home, shape):
     target = trained[0]
     with ondevice.load(target, draft="heads", threads=1) as spec, ondevice.load(target, drafter="none", threads=1) as plain:
         use_trees(spec.drafter, shape == "tree")
-        seen = _count_copies(spec.drafter)
+        seen = count_copies(spec.drafter)
         for p in (REPEATS, PROMPTS[1]):
             assert spec.generate(p, max_tokens=40, temperature=0, gamma=3).tokens == \
                 plain.generate(p, max_tokens=40, temperature=0, gamma=0).tokens
         assert any(seen) and not all(seen), seen
-        spec.drafter.copy_min = 0
+        spec.drafter.copies.copy_min = 0
         seen.clear()
         assert spec.generate(REPEATS, max_tokens=40, temperature=0, gamma=3).tokens == \
             plain.generate(REPEATS, max_tokens=40, temperature=0, gamma=0).tokens
@@ -219,7 +198,7 @@ def test_a_copy_is_cut_before_what_a_constraint_forbids():
     """``copy_guess`` under a constraint stops before the first forbidden token and after an end of
     generation, and leaves the matcher where it started; a match shorter than copy_min is no copy."""
     from ondevice.drafters import NgramDrafter
-    from ondevice.drafters.heads import copy_guess
+    from ondevice.drafters.copies import copy_guess
 
     class Walk:  # forbids token 9; token 7 ends generation
         eos_ids = [7]
@@ -265,7 +244,7 @@ def _copy_prompt(b, ids: list[int], params) -> list[int]:
     those a copy then proposes first: the copy (t, ...) is kept often, so a planted bug in rejecting point
     masses shows (a copy the target never keeps would be rejected whatever the residual)."""
     from ondevice.drafters import NgramDrafter
-    from ondevice.drafters.heads import copy_guess
+    from ondevice.drafters.copies import copy_guess
 
     def p_next(x):
         b.rollback(0)
@@ -309,8 +288,8 @@ def test_sampled_with_heads_matches_target_law(trained, home, monkeypatch, shape
         rt.target.eval_tree = lambda tokens, parents: trees.append(len(tokens)) or orig(tokens, parents)
         ids = rt.tokenize(PROMPTS[1])
         if shape != "chain-copies":
-            rt.drafter.copy_min = 0  # the heads' own q
-        seen = _count_copies(rt.drafter)
+            rt.drafter.copies.copy_min = 0  # the heads' own q
+        seen = count_copies(rt.drafter)
         b = LlamaBackend(target, n_ctx=128, threads=1)
         try:
             if shape == "chain-copies":

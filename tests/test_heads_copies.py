@@ -9,13 +9,13 @@ import random
 import numpy as np
 import pytest
 import test_heads
-from helpers import use_trees
-from test_heads import PROMPTS, REPEATS, _copy_prompt, _count_copies, _counts
+from helpers import count_copies, use_trees
+from test_heads import PROMPTS, REPEATS, _copy_prompt, _counts
 
 import ondevice
 from ondevice import sampling
 from ondevice.backends.llama import LlamaBackend
-from ondevice.drafters.heads import merge_copy
+from ondevice.drafters.copies import merge_copy
 from ondevice.tree import Tree
 
 trained, home = test_heads.trained, test_heads.home  # the tiny target's heads, trained once for this module too
@@ -91,9 +91,9 @@ def test_a_copy_drafts_without_a_hidden_row(trained, home):
         rng = np.random.default_rng(0)
         ids = rt.tokenize(REPEATS)
         toks, q = d.propose(ids, 3, params, rng)
-        assert toks and q is None and d.copied
+        assert toks and q is None and d.copies.copied
         tree = d.propose_tree(list(ids), 8, params, rng)
-        assert tree is not None and len(tree) > 1 and d.copied
+        assert tree is not None and len(tree) > 1 and d.copies.copied
         assert all(tree.parents[i] == i - 1 for i in range(1, len(tree)))  # one path: the copy
         assert tree.scores == sorted(tree.scores, reverse=True)
         plain = rt.tokenize("ab")
@@ -127,7 +127,7 @@ def test_sampled_trees_with_copies_match_target_law(trained, home, monkeypatch):
     n = 4000
     with ondevice.load(trained[0], draft="heads", threads=1) as rt:
         use_trees(rt.drafter, True)
-        seen = _count_copies(rt.drafter)
+        seen = count_copies(rt.drafter)
         b = LlamaBackend(trained[0], n_ctx=128, threads=1)
         try:
             ids = _copy_prompt(b, rt.tokenize(PROMPTS[1]), sampling.SamplingParams(**kw))

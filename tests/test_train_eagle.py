@@ -86,6 +86,7 @@ def test_greedy_with_the_trained_drafter_equals_plain(trained, home, shape):
     target = trained[0]
     with ondevice.load(target, draft="heads", threads=1) as spec, ondevice.load(target, drafter="none", threads=1) as plain:
         assert spec.drafter.name == "eagle3"
+        assert spec.drafter.copies.copy_min == 2  # train-heads' drafter drafts with copies (docs/eagle.md)
         use_trees(spec.drafter, shape == "tree")
         drafted, accepted = greedy_equal(spec, plain, [*PROMPTS, *_chats()], (1, 3, 5))
         assert drafted > 0 and accepted > 0, (drafted, accepted)

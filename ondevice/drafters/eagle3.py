@@ -20,6 +20,10 @@ prefix is a tree the policy can size (``Policy.tree_nodes``). Every node is a de
 siblings, point-mass q), which ``ondevice.tree``'s multi-draft rejection rule keeps exact at any temperature.
 A node is expanded (one draft decode of its path's rows not already in the draft's cache) only when its score
 is the best still open, so a tree of n nodes costs at most n draft decodes.
+
+**Copies** (``ondevice.drafters.copies``, as the heads): where the context repeats a stretch of at least
+``copy_min`` tokens, a chain is that prompt-lookup copy instead of drafted tokens, and a tree gets it as one more
+branch; on by default for the drafter ``train-heads`` makes (measured: docs/eagle.md), off for downloaded ones.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import numpy as np
 
 from ondevice.drafters.base import LayerInputsDrafter, Traits, common_prefix, file_arch
 from ondevice.drafters.chain import Chain
+from ondevice.drafters.copies import COPY_MIN, Copies
 from ondevice.sampling import SamplingParams, probs_sparse
 from ondevice.tree import Tree
 
@@ -55,14 +60,23 @@ class Eagle3Drafter(LayerInputsDrafter):
         path: the eagle3 GGUF.
         threads: CPU threads of the draft's context (llama.cpp).
         trees: propose trees (``propose_tree``) when the runtime allows; False: chains only.
+        copy_min: a prompt-lookup copy agreeing for at least this many tokens drafts the chain and joins the
+            tree (0: the draft alone). Default: 2 for a drafter ``train-heads`` wrote (measured: docs/eagle.md),
+            0 for one downloaded (a strong EAGLE-3 draft may beat a short copy; not measurable here).
     """
 
     traits = Traits(name="eagle3", trees=True, needs=frozenset({"layer_inputs"}))
     branch = 4  # children considered per expanded tree node
     max_depth = 8  # deepest tree node
 
-    def __init__(self, target, path: str | Path, threads: int | None = None, trees: bool = True) -> None:
+    def __init__(self, target, path: str | Path, threads: int | None = None, trees: bool = True,
+                 copy_min: int | None = None) -> None:
         layer_inputs_on = self._attach(target)  # refuses a target that records no layer inputs
+        if copy_min is None:
+            from ondevice.heads.eagle_store import read_meta
+
+            copy_min = COPY_MIN if read_meta(path) else 0
+        self.copies = Copies(copy_min)
         # llama.cpp's eagle3 graph or the same layer in MLX, by the target's backend; checked against the target
         # (hidden size, vocabulary, depth), embedding with its table when the draft has none
         self.graph = target.eagle3_draft(path, layer_inputs_on, threads=threads)
@@ -92,6 +106,9 @@ class Eagle3Drafter(LayerInputsDrafter):
         gamma = min(gamma, self.graph_room(context))
         if gamma <= 0:
             return none
+        guess = self.copies.chain(context, gamma, constraint)
+        if guess:  # the draft's cache catches up at the next drafted step (the target keeps the features)
+            return guess, None
         first = self._absorb(context)
         if first is None:
             return none
@@ -105,15 +122,16 @@ class Eagle3Drafter(LayerInputsDrafter):
 
     def propose_tree(self, context: Sequence[int], max_nodes: int, params: SamplingParams, rng) -> Tree | None:
         """A best-first tree of up to ``max_nodes`` drafted nodes after ``context`` (module docstring), with
-        ``scores`` (the draft's confidence in each node); None when the target kept no features for the last
-        cached position or nothing fits."""
+        ``scores`` (the draft's confidence in each node) and a copy grafted on (``Copies.graft``); the copy alone
+        when the target kept no features for the last cached position; None when nothing fits."""
         g = self.graph
         max_depth = min(self.max_depth, self.graph_room(context))
         if max_nodes <= 0 or max_depth <= 0:
             return None
+        max_nodes = min(max_nodes, self.graph_room(context))  # a copy's nodes are cache cells too
         first = self._absorb(context)
         if first is None:
-            return None
+            return self.copies.tree(context, max_nodes)
         logits0, pre0 = first
         shared = g.n_past  # pairs up to the pending token's: node at depth d goes to position shared + d - 1
         nodes: list[tuple[int, int]] = [(int(context[-1]), -1)]  # (token, parent) per node, the root first
@@ -137,13 +155,21 @@ class Eagle3Drafter(LayerInputsDrafter):
 
         tokens, parents, scores = best_first(logits0[-1], expand, max_nodes, self.branch, max_depth,
                                              on_node=lambda t, p: nodes.append((t, p)))
-        if not tokens:
-            return None
-        return Tree([int(context[-1]), *tokens], [-1, *parents], scores=[1.0, *scores])
+        tree = self.copies.graft(context, tokens, parents, scores, max_nodes)
+        return tree if len(tree) > 1 else None
+
+    def copy_tree(self, context: Sequence[int], max_nodes: int) -> Tree | None:
+        """The copy alone (``Copies.tree``; no draft decode), offered on steps the policy does not ask the draft
+        to draft."""
+        return self.copies.tree(context, min(max_nodes, self.graph_room(context)))
 
     def graph_room(self, context: Sequence[int]) -> int:
         """Drafts the draft's cache has room for after ``context``."""
         return self.target.n_ctx - len(context)
+
+    def reset(self) -> None:
+        super().reset()
+        self.copies.reset()
 
     def seconds_per_token(self, reps: int = 7) -> float:
         """Median seconds of one drafted token (a decoder step and its logits), timed once on the draft's cache

@@ -13,11 +13,8 @@ accepted token, which ``LlamaBackend.hidden`` still holds. A prompt the prefix c
 its last cached token evaluated again by the runtime (``Traits.needs``), so the row is there; when it
 is not (a caller driving the loop itself), the drafter proposes nothing and the step is a plain one.
 
-**Copies first**: when the context's suffix occurs earlier (``NgramDrafter``, prompt lookup) with at least
-``copy_min`` tokens agreeing, the chain is the copy instead (a point mass per token, q None: exact at any
-temperature); a tree gets the copy as one more branch, scored by the measured survival of such
-guesses. Heads rarely know an identifier or a phrase the prompt spelled out; a copy rarely guesses free
-text, so together they beat either alone (docs/ holds the measurements).
+**Copies first** (``ondevice.drafters.copies``): where the context repeats a stretch of at least ``copy_min``
+tokens, a chain is that prompt-lookup copy instead, and a tree gets it as one more branch.
 """
 
 from __future__ import annotations
@@ -31,9 +28,8 @@ import numpy as np
 from ondevice.constrain import apply_mask
 from ondevice.drafters.base import Drafter, Traits
 from ondevice.drafters.chain import q_rows
-from ondevice.drafters.ngram import NgramDrafter
+from ondevice.drafters.copies import COPY_MIN, Copies
 from ondevice.errors import OndeviceError
-from ondevice.guesses import GuessSurvival
 from ondevice.heads import store
 from ondevice.heads.grow import best_first
 from ondevice.heads.model import Heads
@@ -57,52 +53,6 @@ def seconds_per_token(hs: Heads, reps: int = 15) -> float:
     return float(np.median(times))
 
 
-def copy_guess(ngram: NgramDrafter, context: Sequence[int], gamma: int, copy_min: int, constraint=None) -> list[int]:
-    """The prompt-lookup copy of up to ``gamma`` tokens after ``context`` when its match agrees for at least
-    ``copy_min`` tokens, else []. Under a ``constraint`` the copy is cut before the first token it forbids
-    (``Constraint.valid_prefix``: nothing after an end of generation; nothing consumed)."""
-    guess, _ = ngram.propose(context, gamma, _GREEDY, None)
-    if not guess or ngram.last_match_len < copy_min:
-        return []
-    guess = [int(t) for t in guess]
-    return guess if constraint is None else guess[: constraint.valid_prefix(guess)]
-
-
-_GREEDY = SamplingParams(temperature=0.0)
-_PRIORS = GuessSurvival()  # read only: the measured priors of n-gram guesses' survival
-
-
-def merge_copy(tokens: list[int], parents: list[int], scores: list[float], copy: list[int], alphas: list[float],
-               max_nodes: int) -> tuple[list[int], list[int], list[float]]:
-    """A best-first tree (``tokens``, ``parents``: 0 = the root, node i + 1 is entry i; ``scores``) with a copy
-    grafted on as a path from the root, scored by the measured survival of n-gram guesses (``alphas``, the
-    chance each copied token is kept given the ones before were; ``GUESS_PRIORS``). A copied token equal
-    to a heads node at the same place is that node (siblings stay distinct; it keeps the larger score).
-    Returns the ``max_nodes`` best nodes by score, shallower first among equals, so every prefix is a tree
-    (a node scores no more than its parent, from either source)."""
-    child = {(parents[i], t): i + 1 for i, t in enumerate(tokens)}
-    toks, pars, scs = list(tokens), list(parents), list(scores)
-    node, score = 0, 1.0
-    for t, a in zip(copy, alphas, strict=True):
-        score *= a
-        hit = child.get((node, t))
-        if hit is None:
-            toks.append(t)
-            pars.append(node)
-            scs.append(score)
-            hit = len(toks)
-            child[(node, t)] = hit
-        else:
-            scs[hit - 1] = max(scs[hit - 1], score)
-        node = hit
-    depth = [0] * (len(toks) + 1)
-    for i, p in enumerate(pars):
-        depth[i + 1] = depth[p] + 1  # parents come first in either source
-    order = sorted(range(len(toks)), key=lambda i: (-scs[i], depth[i + 1]))[:max_nodes]
-    pos = {0: 0, **{old + 1: new + 1 for new, old in enumerate(order)}}
-    return [toks[i] for i in order], [pos[pars[i]] for i in order], [scs[i] for i in order]
-
-
 class HeadsDrafter(Drafter):
     """Heads on a target backend that can return hidden states (``enable_hidden``).
 
@@ -118,7 +68,7 @@ class HeadsDrafter(Drafter):
     # target's last row (re-evaluating a wholly cached prompt's last cached token)
     traits = Traits(name="heads", trees=True, needs=frozenset({"hidden"}))
 
-    COPY_MIN = 2  # measured best of 1, 2, 3, 4, 6 on held-out answers (1 lets chance one-token matches in)
+    COPY_MIN = COPY_MIN
 
     def __init__(self, target, heads: Heads, meta: dict | None = None, copy_min: int = COPY_MIN) -> None:
         d = target.enable_features(self.traits.needs)["hidden"]  # a backend without them refuses in one line
@@ -132,9 +82,7 @@ class HeadsDrafter(Drafter):
         self.inv = heads.index(target.vocab_size)
         self.max_gamma = heads.K
         self.branch = 4  # children considered per tree node
-        self.copy_min = copy_min
-        self.copies = NgramDrafter()
-        self.copied = False  # the last chain was a copy
+        self.copies = Copies(copy_min)  # prompt-lookup copies first (``ondevice.drafters.copies``)
         self._spt: float | None = None
 
     @classmethod
@@ -161,7 +109,7 @@ class HeadsDrafter(Drafter):
         keep_drafting: Callable[[list[float]], bool] | None = None, constraint=None,
     ) -> tuple[list[int], np.ndarray | None]:
         """Draft up to min(γ, K) tokens after ``context`` (its last token is pending, the rest cached), or a
-        copy of up to γ (``copy_guess``).
+        copy of up to γ (``Copies.chain``).
 
         ``keep_drafting(confidences)`` may stop early (confidence = q of each drafted token). With a
         ``constraint`` (``ondevice.constrain``) each row's draft logits are masked to the draft rows it allows
@@ -171,12 +119,9 @@ class HeadsDrafter(Drafter):
         """
         V = self.target_vocab
         none = ([], None if params.greedy else np.zeros((0, V)))
-        self.copied = False
-        if self.copy_min and gamma > 0:
-            guess = copy_guess(self.copies, context, gamma, self.copy_min, constraint)
-            if guess:
-                self.copied = True
-                return guess, None
+        guess = self.copies.chain(context, gamma, constraint)
+        if guess:
+            return guess, None
         h = self.target.feature("hidden", len(context) - 2) if gamma > 0 and len(context) >= 2 else None
         if h is None:
             return none
@@ -216,30 +161,19 @@ class HeadsDrafter(Drafter):
     def propose_tree(self, context: Sequence[int], max_nodes: int, params: SamplingParams, rng: np.random.Generator):
         """A best-first tree of up to ``max_nodes`` drafted nodes after ``context`` (``best_first``), as an
         ``ondevice.tree.Tree`` of point masses (deterministic, distinct siblings: exact at any temperature)
-        with ``scores``; None when there is no hidden row to draft from. A copy (``copy_guess``, up to
-        ``max_nodes`` long) joins the heads' nodes as one more branch (``merge_copy``)."""
+        with ``scores``; None when there is no hidden row to draft from. A copy (up to ``max_nodes`` long) joins
+        the heads' nodes as one more branch (``Copies.graft``)."""
         h = self.target.feature("hidden", len(context) - 2) if max_nodes > 0 and len(context) >= 2 else None
         if h is None:
             return self.copy_tree(context, max_nodes)
         x = int(self._rows(context[-1:])[0])
         rows, parents, scores = best_first(self.heads, h, x, max_nodes, self.branch)
-        return self._with_copy(context, [int(self.heads.vocab[r]) for r in rows], parents, scores, max_nodes)
+        return self.copies.graft(context, [int(self.heads.vocab[r]) for r in rows], parents, scores, max_nodes)
 
     def copy_tree(self, context: Sequence[int], max_nodes: int):
-        """The copy alone (``copy_guess``) as a scored chain ``Tree``, or None: no head step, so the runtime
-        may offer it on steps the policy does not ask the heads to draft (``ondevice.speculative.steps``)."""
-        tree = self._with_copy(context, [], [], [], max_nodes)
-        return tree if len(tree) > 1 else None
-
-    def _with_copy(self, context: Sequence[int], tokens: list[int], parents: list[int], scores: list[float],
-                   max_nodes: int) -> Tree:
-        """The tree of these drafted nodes (``best_first``'s layout) with the copy, if any, grafted on (``merge_copy``)."""
-        copy = copy_guess(self.copies, context, max_nodes, self.copy_min) if self.copy_min and max_nodes > 0 else []
-        self.copied = bool(copy)
-        if copy:
-            alphas = _PRIORS.alphas(self.copies.guess, len(copy))
-            tokens, parents, scores = merge_copy(tokens, parents, scores, copy, alphas, max_nodes)
-        return Tree([int(context[-1]), *tokens], [-1, *parents], scores=[1.0, *scores])
+        """The copy alone (``Copies.tree``), or None: no head step, so the runtime may offer it on steps the policy
+        does not ask the heads to draft (``ondevice.speculative.steps``)."""
+        return self.copies.tree(context, max_nodes)
 
     def seconds_per_token(self, reps: int = 15) -> float:
         """``seconds_per_token(self.heads)``, measured once and cached."""

@@ -214,10 +214,10 @@ def offline_tau(hits: np.ndarray, flat: Flat, recs: np.ndarray | None = None) ->
 
 
 def offline_tau_copy(hits: np.ndarray, flat: Flat, records: list[Record], gamma: int, copy_min: int) -> dict:
-    """``offline_tau`` of the heads drafter as it runs (``ondevice.drafters.heads.copy_guess`` first): at every pass a
+    """``offline_tau`` of the heads drafter as it runs (``ondevice.drafters.copies.copy_guess`` first): at every pass a
     prompt-lookup copy agreeing for at least ``copy_min`` tokens drafts the chain, else the heads'
     chain (``hits``). ``records`` are the ones ``flat`` was made of, in order; exact for greedy decoding."""
-    from ondevice.drafters.heads import copy_guess
+    from ondevice.drafters.copies import copy_guess
     from ondevice.drafters.ngram import NgramDrafter
 
     passes = tokens = 0
