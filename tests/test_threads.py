@@ -22,15 +22,15 @@ def test_default_threads_counts_free_physical_cores(monkeypatch):
 
 
 def _os_threads(want: int | None = None, settle: float = 0.5, timeout: float = 10.0) -> int:
-    """OS threads of this process once the count has held for ``settle`` seconds (or, given ``want``, as soon as it
-    is ``want``; at most ``timeout``): a freed team's threads and a joined thread leave /proc/self/task a moment
+    """OS threads of this process once the count has held for ``settle`` seconds (given ``want``: as soon as it is
+    ``want``; either at most ``timeout``): a freed team's threads and a joined thread leave /proc/self/task a moment
     after they end (a count read at once counted them, and a negative control then saw no new team)."""
     import os
     import time
 
     t0 = now = time.monotonic()
     last, since = len(os.listdir("/proc/self/task")), now
-    while now - t0 < timeout and last != want and now - since < settle:
+    while now - t0 < timeout and last != want and (want is not None or now - since < settle):
         time.sleep(0.02)
         n, now = len(os.listdir("/proc/self/task")), time.monotonic()
         if n != last:
@@ -112,3 +112,22 @@ def test_the_team_freed_is_llama_cpps_not_another_libgomps(tiny_gguf, tmp_path, 
         before, start, end = _worker_counts(rt)
         assert end == start, f"the worker's OpenMP team outlived its request ({start} -> {end} OS threads)"
         assert start == before + 1, "the main thread's team outlived its request"
+
+
+def test_load_frees_the_openmp_team_its_own_decodes_made(tiny_gguf, monkeypatch):
+    """``load(draft="auto")`` times the target on the loading thread (``costs.cached_measure``, uncached on a first
+    run): that thread's team outlived the load, beside every request of a server decoding on threads of its own."""
+    import ondevice
+    import ondevice.autodraft
+
+    def timed(target, **_):  # what choose_draft's cost probe does on the loading thread, without a candidate
+        target.eval(target.tokenize("hello there, a prompt to time"), logits="last")
+        return None, {"drafter": "ngram", "draft": None}
+
+    with _openmp_runtime(tiny_gguf):  # skips without libgomp
+        pass
+    monkeypatch.setattr(ondevice.autodraft, "choose_draft", timed)
+    with ondevice.load(tiny_gguf("llama"), draft="auto", n_ctx=256, threads=2) as rt:
+        loaded = _os_threads()
+        rt.generate("hello there", max_tokens=3, temperature=0)  # ends by freeing this thread's team
+        assert loaded == _os_threads(loaded), "the loading thread kept the team of its cost probe"
