@@ -131,3 +131,24 @@ def test_load_frees_the_openmp_team_its_own_decodes_made(tiny_gguf, monkeypatch)
         loaded = _os_threads()
         rt.generate("hello there", max_tokens=3, temperature=0)  # ends by freeing this thread's team
         assert loaded == _os_threads(loaded), "the loading thread kept the team of its cost probe"
+
+
+def test_embeddings_free_the_openmp_team_they_made(tiny_gguf):
+    """``Runtime.embed`` decodes on the caller's thread outside a request's turn (``serve`` runs /v1/embeddings on
+    its event loop's executor threads, which live on): that thread's team outlived the call, beside every later
+    generation."""
+    import threading
+
+    with _openmp_runtime(tiny_gguf) as rt:
+        rt.embed("warm up: the embedder's context is made here")
+        box = []
+
+        def work():
+            box.append(_os_threads())
+            rt.embed(["hello there", "another text to embed"])
+            box.append(_os_threads(box[0]))
+
+        t = threading.Thread(target=work)
+        t.start()
+        t.join()
+        assert box[1] == box[0], f"the thread's OpenMP team outlived its embeddings ({box[0]} -> {box[1]} OS threads)"
