@@ -81,8 +81,8 @@ def release_omp_team() -> None:
     Every thread that ran a multi-threaded decode keeps a team, and once a process holds more team threads than
     CPUs libgomp stops spinning at barriers (100 spins, then sleep): a server whose requests ran on another thread
     than its first decodes decoded one token 1.5-1.6x slower on an idle 2-core machine (scripts/bench_spin.py). So
-    a thread frees its team when its request ends (``Runtime``'s turn) and after ``load()``'s own decodes (the
-    batch curve's probe, ``draft="auto"``'s cost probe); the next decode makes one again (a thread start, tens of
+    a thread frees its team when its request ends (``Runtime``'s turn), after embeddings / reranking (outside a
+    turn) and after ``load()``'s own decodes (the batch curve's probe, ``draft="auto"``'s cost probe); the next decode makes one again (a thread start, tens of
     microseconds). Only the libgomp llama.cpp's libraries link (already loaded) is touched, not another copy in the
     process (a wheel's renamed one, e.g. sentencepiece's); a no-op elsewhere (macOS builds use ggml's own thread
     pool), without OpenMP 5.0 (libgomp of GCC < 9) and inside a parallel region.
