@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from ondevice.errors import OndeviceError
+from ondevice.threads import release_omp_team
 
 POOLING = {1: "mean", 2: "cls", 3: "last", 4: "rank"}  # llama.cpp's enum llama_pooling_type (0: none)
 MAX_INPUTS = 2048  # per call, as OpenAI's /v1/embeddings
@@ -127,7 +128,16 @@ class Embedder:
         return out / np.maximum(norms, np.float32(1e-12))
 
     def _pooled(self, seqs: Sequence[Sequence[int]], width: int) -> np.ndarray:
-        """llama.cpp's pooled output of each checked sequence: float32 [len(seqs), width] (finite)."""
+        """llama.cpp's pooled output of each checked sequence: float32 [len(seqs), width] (finite). The calling
+        thread's OpenMP team is freed after (``serve`` embeds on its executor's threads, which live on beside the
+        threads that generate: ``ondevice.threads.release_omp_team``)."""
+        try:
+            return self._decode_pooled(seqs, width)
+        finally:
+            release_omp_team()
+
+    def _decode_pooled(self, seqs: Sequence[Sequence[int]], width: int) -> np.ndarray:
+        """``_pooled`` on this thread's OpenMP team."""
         lib, llm = self._lib, self.llm
         out = np.empty((len(seqs), width), np.float32)
         n_seq_max = int(llm.context_params.n_seq_max)

@@ -136,6 +136,9 @@ def build(model, draft, *, drafter, n_ctx, threads, device, mmap, draft_device=N
     rt = (runtime_class or Runtime)(target, drafter_obj, vocab_limit=vocab_limit, load_seconds=time.perf_counter() - t0)
     rt.draft_choice = draft_choice  # draft="auto": what was chosen and why (None otherwise)
     rt.slot.prompt_cache, rt.projector, rt.mmproj = extras
+    from ondevice.threads import release_omp_team
+
+    release_omp_team()  # draft="auto" timed the models on this thread, which need not be the one that serves
     return rt
 
 

@@ -72,7 +72,7 @@ def default_threads() -> int:
     return max(1, min(physical_cores(), free))
 
 
-_gomp = None  # libgomp, once found loaded in this process
+_gomp = None  # llama.cpp's omp_pause_resource_all once found (False: none), per process
 
 
 def release_omp_team() -> None:
@@ -81,9 +81,11 @@ def release_omp_team() -> None:
     Every thread that ran a multi-threaded decode keeps a team, and once a process holds more team threads than
     CPUs libgomp stops spinning at barriers (100 spins, then sleep): a server whose requests ran on another thread
     than its first decodes decoded one token 1.5-1.6x slower on an idle 2-core machine (scripts/bench_spin.py). So
-    a thread frees its team when its request ends (``Runtime``'s turn) and after the batch curve's probe at load;
-    the next decode makes one again (a thread start, tens of microseconds). Only a libgomp this process already loaded is touched; a no-op elsewhere (macOS builds use
-    ggml's own thread pool) and inside a parallel region.
+    a thread frees its team when its request ends (``Runtime``'s turn), after embeddings / reranking (outside a
+    turn) and after ``load()``'s own decodes (the batch curve's probe, ``draft="auto"``'s cost probe); the next decode makes one again (a thread start, tens of
+    microseconds). Only the libgomp llama.cpp's libraries link (already loaded) is touched, not another copy in the
+    process (a wheel's renamed one, e.g. sentencepiece's); a no-op elsewhere (macOS builds use ggml's own thread
+    pool), without OpenMP 5.0 (libgomp of GCC < 9) and inside a parallel region.
     """
     global _gomp
     if _gomp is None:
@@ -93,12 +95,14 @@ def release_omp_team() -> None:
         if _gomp is None:
             return
     if _gomp:
-        _gomp.omp_pause_resource_all(1)  # omp_pause_soft: libgomp frees this thread's pool (per thread)
+        _gomp(1)  # omp_pause_soft: libgomp frees this thread's pool (per thread)
 
 
 def _find_gomp():
-    """The libgomp this process loaded (the system's, or a wheel's renamed copy); False when llama.cpp's CPU
-    backend is loaded without one; None when it is not loaded yet (ask again later)."""
+    """``omp_pause_resource_all`` of the libgomp llama.cpp's CPU backend links (the system's or a wheel's renamed
+    copy): looked up in that library's own dependencies, so another libgomp loaded first (sentencepiece's, torch's)
+    is not the one paused. False when llama.cpp's libraries are loaded without it (no OpenMP, or GCC < 9); None
+    when they are not loaded yet (ask again later)."""
     import ctypes
 
     try:
@@ -106,11 +110,14 @@ def _find_gomp():
             paths = {line.split(None, 5)[-1].strip() for line in f if "/" in line}
     except OSError:
         return False
-    gomp = sorted(p for p in paths if os.path.basename(p).startswith("libgomp"))
-    if gomp:
-        try:
-            lib = ctypes.CDLL(gomp[0], mode=os.RTLD_NOLOAD)
-            return lib if hasattr(lib, "omp_pause_resource_all") else False  # OpenMP 5.0: libgomp of GCC >= 9
-        except OSError:
-            return False
-    return False if any("libggml-cpu" in p or "libllama" in p for p in paths) else None
+    names = ("libggml-cpu", "libggml", "libllama")  # the CPU backend first; a static build has it in libllama
+    libs = sorted(paths, key=lambda p: [os.path.basename(p).startswith(n) for n in names], reverse=True)
+    libs = [p for p in libs if os.path.basename(p).startswith(names)]
+    if not libs:
+        return None
+    for path in libs:
+        try:  # dlsym on a library's handle searches it and its dependencies, not the whole process
+            return ctypes.CDLL(path, mode=os.RTLD_NOLOAD).omp_pause_resource_all  # OpenMP 5.0: GCC >= 9
+        except (OSError, AttributeError):
+            continue
+    return False
