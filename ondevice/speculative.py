@@ -145,7 +145,7 @@ def plan_chain(drafter: Drafter | None, policy: Policy, *, context: list[int], p
     if g > 0:  # q from masked logits under a constraint
         p = drafter.proposal(Ask(context=context, budget=g, params=params, rng=rng, keep_drafting=policy.keep_drafting,
                               constraint=constraint))
-        return Proposal.plain(root, asked=g) if p is None else Proposal(tree=p.tree, q=p.q, asked=g)
+        return Proposal.plain(root, asked=g) if p is None else Proposal(tree=p.tree, q=p.q, asked=g, copied=p.copied)
     copy = drafter.proposal(Ask(context=context, budget=min(policy.max_gamma, room), params=params, rng=rng,
                              copy_only=True))  # not worth asking the drafter: a free copy may still be
     if copy is None:

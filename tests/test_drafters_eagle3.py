@@ -97,6 +97,25 @@ def test_copies_join_the_drafts_and_greedy_stays_exact(pair, shape):
         assert seen and not any(seen)
 
 
+def test_a_copied_chain_is_reported_as_a_free_copy(pair, monkeypatch):
+    """A chain the drafter's copies drafted (``Copies.chain``) reaches the loop as a free copy (``Proposal.copied``),
+    so the policy neither charges its near-zero drafting time as the draft's cost per token nor learns the draft's
+    acceptance from it; a drafted chain is not one."""
+    from ondevice import speculative
+
+    target, draft = pair[:2]
+    learned, real = [], speculative.learn
+    monkeypatch.setattr(speculative, "learn", lambda policy, prop, *a: learned.append(prop.copied) or real(policy, prop, *a))
+    with ondevice.load(target, draft=str(draft), threads=1) as spec:
+        spec.drafter.copies.copy_min = 2
+        use_trees(spec.drafter, False)
+        seen = count_copies(spec.drafter)
+        for prompt in [COPY_PROMPT, *PROMPTS]:
+            spec.generate(prompt, max_tokens=24, temperature=0, gamma=3)
+    assert any(seen) and not all(seen), seen
+    assert sum(learned) == sum(seen), (sum(learned), sum(seen))
+
+
 def test_sampled_law_is_the_targets(pair, monkeypatch):
     """Joint law of 3 tokens at T = 0.8, top-k 6 against the exact target law (γ = 3; q = the draft's processed
     distribution); the planted control, a residual that does not subtract q, must fail the same test."""

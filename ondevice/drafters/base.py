@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
@@ -19,6 +19,9 @@ from ondevice.backends.base import Backend
 from ondevice.errors import OndeviceError
 from ondevice.sampling import SamplingParams
 from ondevice.tree import Tree
+
+if TYPE_CHECKING:
+    from ondevice.drafters.copies import Copies
 
 
 class Guess(NamedTuple):
@@ -130,6 +133,7 @@ class Drafter:
     traits: Traits = Traits(name="drafter")
     backend: Backend | None = None
     vocab_limit: int | None = None  # the ids it can propose, below this (None: the target's whole vocabulary)
+    copies: Copies | None = None  # prompt-lookup copies beside its drafts (``ondevice.drafters.copies``), if any
 
     @property
     def name(self) -> str:
@@ -158,7 +162,8 @@ class Drafter:
             return None if tree is None else Proposal(tree=tree, asked=ask.budget)
         tokens, q = self.propose(ctx, ask.budget, ask.params, ask.rng, keep_drafting=ask.keep_drafting,
                                  constraint=ask.constraint)
-        return Proposal.chain(ctx[-1], tokens, q, asked=ask.budget, guess=self.guess)
+        copied = bool(tokens) and self.copies is not None and self.copies.copied  # the chain is a free copy
+        return Proposal.chain(ctx[-1], tokens, q, asked=ask.budget, guess=self.guess, copied=copied)
 
     def propose(
         self, context: Sequence[int], gamma: int, params: SamplingParams, rng: np.random.Generator,
