@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 
@@ -19,9 +19,6 @@ from ondevice.backends.base import Backend
 from ondevice.errors import OndeviceError
 from ondevice.sampling import SamplingParams
 from ondevice.tree import Tree
-
-if TYPE_CHECKING:
-    from ondevice.drafters.copies import Copies
 
 
 class Guess(NamedTuple):
@@ -133,7 +130,7 @@ class Drafter:
     traits: Traits = Traits(name="drafter")
     backend: Backend | None = None
     vocab_limit: int | None = None  # the ids it can propose, below this (None: the target's whole vocabulary)
-    copies: Copies | None = None  # prompt-lookup copies beside its drafts (``ondevice.drafters.copies``), if any
+    copies = None  # an ``ondevice.drafters.copies.Copies`` beside its drafts, if any (not imported: copies imports base)
 
     @property
     def name(self) -> str:
