@@ -98,7 +98,7 @@ def cached_curve(path: str | Path, *, threads: int | None, device: str | None, m
 
     from ondevice.backends.llama import LlamaBackend
     from ondevice.store import catalog
-    from ondevice.threads import default_threads, release_omp_team
+    from ondevice.threads import default_threads
 
     path = Path(path)
     threads = int(threads or default_threads())
@@ -117,7 +117,6 @@ def cached_curve(path: str | Path, *, threads: int | None, device: str | None, m
         curve = measure(probe)
     finally:
         probe.close()
-        release_omp_team()  # the loading thread is not the one that serves
     ok = plausible(curve)
     (note or (lambda m: print(f"ondevice: {m}", file=sys.stderr)))(
         f"measured the batch curve of {path.name} ({threads} thread{'s' * (threads != 1)}): gains "

@@ -138,7 +138,7 @@ def build(model, draft, *, drafter, n_ctx, threads, device, mmap, draft_device=N
     rt.slot.prompt_cache, rt.projector, rt.mmproj = extras
     from ondevice.threads import release_omp_team
 
-    release_omp_team()  # draft="auto" timed the models on this thread, which need not be the one that serves
+    release_omp_team()  # draft="auto" / parallel="auto" timed the models on this thread, which need not serve
     return rt
 
 

@@ -82,8 +82,8 @@ def release_omp_team() -> None:
     CPUs libgomp stops spinning at barriers (100 spins, then sleep): a server whose requests ran on another thread
     than its first decodes decoded one token 1.5-1.6x slower on an idle 2-core machine (scripts/bench_spin.py). So
     a thread frees its team when its request ends (``Runtime``'s turn), after embeddings / reranking (outside a
-    turn) and after ``load()``'s own decodes (the batch curve's probe, ``draft="auto"``'s cost probe); the next decode makes one again (a thread start, tens of
-    microseconds). Only the libgomp llama.cpp's libraries link (already loaded) is touched, not another copy in the
+    turn) and at the end of ``load()`` (the batch curve's probe, ``draft="auto"``'s cost probe decode there); the
+    next decode makes one again (a thread start, tens of microseconds). Only the libgomp llama.cpp's libraries link (already loaded) is touched, not another copy in the
     process (a wheel's renamed one, e.g. sentencepiece's); a no-op elsewhere (macOS builds use ggml's own thread
     pool), without OpenMP 5.0 (libgomp of GCC < 9) and inside a parallel region.
     """
@@ -110,9 +110,8 @@ def _find_gomp():
             paths = {line.split(None, 5)[-1].strip() for line in f if "/" in line}
     except OSError:
         return False
-    names = ("libggml-cpu", "libggml", "libllama")  # the CPU backend first; a static build has it in libllama
-    libs = sorted(paths, key=lambda p: [os.path.basename(p).startswith(n) for n in names], reverse=True)
-    libs = [p for p in libs if os.path.basename(p).startswith(names)]
+    # the CPU backend first; a static build has it in libllama
+    libs = [p for n in ("libggml-cpu", "libggml", "libllama") for p in sorted(paths) if os.path.basename(p).startswith(n)]
     if not libs:
         return None
     for path in libs:

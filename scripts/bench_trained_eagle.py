@@ -81,6 +81,7 @@ def main() -> None:
         cost = _cost(spec)
         if a.copy_min is not None:
             spec.drafter.copies.copy_min = a.copy_min
+        copy_min = spec.drafter.copies.copy_min
         for cls, prompts in sorted(heldout.items()):
             acc = {k: {"tokens": 0, "passes": 0, "seconds": 0.0, "counts": np.zeros(17)}
                    for k in ("plain", "eagle3", "eagle5", "tree8", "tree16", "ngram3")}
@@ -109,10 +110,9 @@ def main() -> None:
                              "acceptance_by_position": _by_position(v["counts"])}
                          for k, v in acc.items()}
             rows[cls]["greedy_equal"] = bool(equal)
-        spec_copy_min = spec.drafter.copies.copy_min
     drafter = Path(a.drafter) if a.drafter else eagle_store.find(gguf)
     emit_json({"model": path.name, "drafter": str(drafter), "meta": eagle_store.read_meta(drafter),
-               "draft_cost": cost, "copy_min": spec_copy_min, "by_class": rows, "per_class": a.per_class, "max_tokens": a.tokens}, a.json)
+               "draft_cost": cost, "copy_min": copy_min, "by_class": rows, "per_class": a.per_class, "max_tokens": a.tokens}, a.json)
 
 
 if __name__ == "__main__":
