@@ -145,6 +145,64 @@ def test_a_rerun_resumes_and_another_models_file_is_refused(trained, home, tmp_p
     assert "\n" not in str(e.value) and "train-heads" in str(e.value)
 
 
+def test_a_fit_stopped_mid_epoch_resumes_where_it_stopped(trained, tmp_path, monkeypatch):
+    """Ctrl-C in the middle of an epoch, then the same command: the fit goes on from the step of its last
+    mid-epoch checkpoint (not from the epoch's start: an epoch of a 1.5B target's fit is hours) and ends where the
+    uninterrupted fit ended (same losses, same held-out τ: the epoch's batches and noise stream restored)."""
+    from ondevice.heads import eagle, eagle_data, eagle_train
+
+    target, home, r = trained
+    work = tmp_path / "home" / "heads" / "work"  # the answers and features copied, not the fit
+    shutil.copytree(home / "heads" / "work", work, ignore=shutil.ignore_patterns("eagle-fit-*", "eagle-best-*"))
+    monkeypatch.setenv("ONDEVICE_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(eagle_train, "SAVE_SECONDS", 0.0)  # a checkpoint after every step
+    kw = {**SMALL, "out": tmp_path / "out"}  # the fixture's drafter file left alone
+    plans, calls, real_step = [], [], eagle.make_step
+    stop = None
+
+    def make_step(*a, **k):
+        step = real_step(*a, **k)
+
+        def counted(*b):
+            calls.append(1)
+            if len(calls) == stop:
+                raise KeyboardInterrupt
+            return step(*b)
+        return counted
+
+    class Planned(Exception):
+        pass
+
+    def plan_then_stop(*a, **k):
+        plans.append(real(*a, **k))
+        raise Planned
+
+    real = eagle_data.batches
+    with pytest.MonkeyPatch.context() as mp:  # the length of an epoch's plan first (every epoch has as many steps)
+        mp.setattr(eagle_data, "batches", plan_then_stop)
+        with pytest.raises(Planned):
+            eagle_train.train_eagle(target, **kw)
+    n = len(plans[0])
+    assert n >= 2
+    monkeypatch.setattr(eagle, "make_step", make_step)
+    stop = n + n // 2 + 1  # in epoch 2 after n // 2 of its steps
+    with pytest.raises(KeyboardInterrupt):
+        eagle_train.train_eagle(target, **kw)
+    ckpt = next(work.rglob("eagle-fit-*.npz"))
+    with np.load(ckpt) as z:
+        info = json.loads(str(z["__info__"]))
+    assert (info["epoch"], info["step"]) == (1, n // 2)
+    calls.clear()
+    stop = None
+    again = eagle_train.train_eagle(target, **kw)
+    assert len(calls) == len(r["log"]) * n - (n + n // 2)  # the steps left, none redone
+
+    def plain(log):
+        return [{k: v for k, v in e.items() if k != "seconds"} for e in log]
+
+    assert plain(again["log"]) == plain(r["log"]) and again["tau_heldout"] == r["tau_heldout"]
+
+
 def test_the_command(trained, home, monkeypatch):
     """``ondevice train-heads MODEL --json`` trains this kind by default (the stored summary printed as JSON);
     ``--kind`` refuses what it does not know before any work."""

@@ -5,7 +5,7 @@ Steps: record the target's greedy answers (``train.record_answers``, shared with
 → one teacher-forced prefill per answer keeping the inputs of target layers [2, L/2, L − 3] and the target's top-k
 (``eagle_data``; and of ``--text`` files, teacher-forced) → draft vocabulary (the answers' most frequent ids) with the target's LM-head rows and final norm
 → fit the drafter in JAX, unrolled over ``depths`` drafting steps on its own outputs (``eagle``; checkpointed
-every epoch, the best epoch on held-out answers kept) → τ of greedy chains on held-out answers, per depth → a
+every epoch and every ``SAVE_SECONDS`` within one, the best epoch on held-out answers kept) → τ of greedy chains on held-out answers, per depth → a
 SpecForge checkpoint converted and verified in llama.cpp (``eagle_store``). Everything random comes from ``seed``.
 """
 
@@ -28,6 +28,7 @@ from ondevice.heads import eagle, eagle_data, eagle_store, store, texts, train
 
 DEFAULTS = dict(vocab=8192, depths=5, epochs=12, max_new=192, window=384, batch_tokens=3072, lr=1e-3, noise=0.05,
                 feat_w=0.0, fix_head=False, wd=0.0, fc_top=False)
+SAVE_SECONDS = 600.0  # the fit's checkpoint is also saved mid-epoch this often (an epoch of a 1.5B target's fit is hours)
 
 
 def _norm_row(path: Path) -> np.ndarray:
@@ -241,7 +242,7 @@ def train_eagle(model: str | os.PathLike, *, tokens: int = train.DEFAULT_TOKENS,
         key = hashlib.sha256(json.dumps(["soft-init", sha, n_tr, len(seqs), seed, vocab, depths, epochs, T, batch_tokens, lr, noise,
                                          layer_ids, *extra]).encode()).hexdigest()[:12]
         ckpt = work / f"eagle-fit-{key}.npz"
-        opt, log, start, best = eagle.zeros_like(params), [], 0, None
+        opt, log, start, best, info = eagle.zeros_like(params), [], 0, None, {}
         if (state := _load_state(ckpt, params)) is not None:
             params, opt, info = state
             log, start, best = info["log"], info["epoch"], info.get("best")
@@ -254,16 +255,28 @@ def train_eagle(model: str | os.PathLike, *, tokens: int = train.DEFAULT_TOKENS,
                                wd=wd)
         run = eagle.make_eval(shape, depths, T)
         t1 = time.perf_counter()
-        task = bar.add_task("fitting the drafter (steps)", total=epochs * steps_per_epoch, completed=start * steps_per_epoch)
+        done = info.get("step", 0)  # steps of epoch `start` already taken (a checkpoint saved mid-epoch)
+        task = bar.add_task("fitting the drafter (steps)", total=epochs * steps_per_epoch,
+                            completed=start * steps_per_epoch + done)
         for ep in range(start, epochs):
             rng = np.random.default_rng([seed, ep])
             loss_sum, hits = 0.0, np.zeros((depths, 2))
-            for s, (L, B, ws) in enumerate(eagle_data.batches(tr, wins, T, batch_tokens, rng)):
+            plan = eagle_data.batches(tr, wins, T, batch_tokens, rng)
+            if done:  # resume exactly: the epoch's plan again, then the noise stream where it stopped
+                rng.bit_generator.state, loss_sum, hits = info["rng"], info["loss_sum"], np.asarray(info["hits"])
+            saved = time.perf_counter()
+            for s, (L, B, ws) in enumerate(plan[done:], start=done):
                 batch = eagle_data.batch_arrays(tr, ws, L, inv, table, rng, noise, rows=B, hidden=hid)
                 params, opt, loss, h = step(params, opt, batch, ep * steps_per_epoch + s)
                 loss_sum += float(loss)
                 hits += np.asarray(h)
                 bar.update(task, advance=1)
+                if time.perf_counter() - saved >= SAVE_SECONDS and s + 1 < steps_per_epoch:
+                    _save_state(ckpt, params, opt, {"epoch": ep, "step": s + 1, "log": log, "best": best,
+                                                    "rng": rng.bit_generator.state, "loss_sum": loss_sum,
+                                                    "hits": hits.tolist()})
+                    saved = time.perf_counter()
+            done = 0
             ev = heldout_tau(run, params, val or tr[:8], inv, table, T, depths)
             log.append({"epoch": ep + 1, "loss": round(loss_sum / steps_per_epoch, 4),
                         "train_top1_by_depth": [round(a / max(1, c), 3) for a, c in hits], **ev,
