@@ -203,6 +203,24 @@ def test_a_fit_stopped_mid_epoch_resumes_where_it_stopped(trained, tmp_path, mon
     assert plain(again["log"]) == plain(r["log"]) and again["tau_heldout"] == r["tau_heldout"]
 
 
+@pytest.mark.parametrize("field,value", [(8, 1), (10, 99)])  # a member's "encrypted" flag; its compression method
+def test_a_damaged_fit_checkpoint_is_started_over(tmp_path, field, value):
+    """One damaged byte in the fit checkpoint's zip directory (zipfile then refuses the member as encrypted or
+    compressed some unknown way): the checkpoint reads as missing and the fit starts over, not a crash."""
+    from ondevice.heads import eagle_train
+
+    params = {"w": np.ones((4, 4), np.float32)}
+    path = tmp_path / "eagle-fit.npz"
+    eagle_train._save_state(path, params, {g: {"w": np.zeros((4, 4), np.float32)} for g in ("m", "v")},
+                            {"epoch": 1, "step": 2, "log": [], "best": None})
+    assert eagle_train._load_state(path, params)[2]["step"] == 2
+    data = bytearray(path.read_bytes())
+    cd = data.index(b"PK\x01\x02")  # the first member's central-directory record
+    data[cd + field] = value
+    path.write_bytes(bytes(data))
+    assert eagle_train._load_state(path, params) is None
+
+
 def test_the_command(trained, home, monkeypatch):
     """``ondevice train-heads MODEL --json`` trains this kind by default (the stored summary printed as JSON);
     ``--kind`` refuses what it does not know before any work."""
