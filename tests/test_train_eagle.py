@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -185,6 +186,8 @@ def test_a_fit_stopped_mid_epoch_resumes_where_it_stopped(trained, tmp_path, mon
     n = len(plans[0])
     assert n >= 2
     monkeypatch.setattr(eagle, "make_step", make_step)
+    clock = iter(range(10**9))  # the fit's clock ticks a second a reading: its log's seconds are the same every run
+    monkeypatch.setattr(eagle_train, "time", SimpleNamespace(perf_counter=lambda: float(next(clock))))
     stop = n + n // 2 + 1  # in epoch 2 after n // 2 of its steps
     with pytest.raises(KeyboardInterrupt):
         eagle_train.train_eagle(target, **kw)
@@ -201,6 +204,8 @@ def test_a_fit_stopped_mid_epoch_resumes_where_it_stopped(trained, tmp_path, mon
         return [{k: v for k, v in e.items() if k != "seconds"} for e in log]
 
     assert plain(again["log"]) == plain(r["log"]) and again["tau_heldout"] == r["tau_heldout"]
+    seconds = [e["seconds"] for e in again["log"]]  # the clock goes on across the stop (not from 0 again)
+    assert seconds == sorted(set(seconds)), seconds  # increasing
 
 
 @pytest.mark.parametrize("field,value", [(8, 1), (10, 99)])  # a member's "encrypted" flag; its compression method

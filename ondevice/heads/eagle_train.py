@@ -256,6 +256,7 @@ def train_eagle(model: str | os.PathLike, *, tokens: int = train.DEFAULT_TOKENS,
         run = eagle.make_eval(shape, depths, T)
         t1 = time.perf_counter()
         done = info.get("step", 0)  # steps of epoch `start` already taken (a checkpoint saved mid-epoch)
+        before = info.get("seconds", log[-1]["seconds"] if log else 0.0)  # the log's fit clock goes on from there
         task = bar.add_task("fitting the drafter (steps)", total=epochs * steps_per_epoch,
                             completed=start * steps_per_epoch + done)
         for ep in range(start, epochs):
@@ -274,13 +275,14 @@ def train_eagle(model: str | os.PathLike, *, tokens: int = train.DEFAULT_TOKENS,
                 if time.perf_counter() - saved >= SAVE_SECONDS and s + 1 < steps_per_epoch:
                     _save_state(ckpt, params, opt, {"epoch": ep, "step": s + 1, "log": log, "best": best,
                                                     "rng": rng.bit_generator.state, "loss_sum": loss_sum,
-                                                    "hits": hits.tolist()})
+                                                    "hits": hits.tolist(),
+                                                    "seconds": round(before + time.perf_counter() - t1, 1)})
                     saved = time.perf_counter()
             done = 0
             ev = heldout_tau(run, params, val or tr[:8], inv, table, T, depths)
             log.append({"epoch": ep + 1, "loss": round(loss_sum / steps_per_epoch, 4),
                         "train_top1_by_depth": [round(a / max(1, c), 3) for a, c in hits], **ev,
-                        "seconds": round(time.perf_counter() - t1, 1)})
+                        "seconds": round(before + time.perf_counter() - t1, 1)})
             if best is None or ev["tau_chain5"] > best:
                 best, best_params = ev["tau_chain5"], {k: np.asarray(v) for k, v in params.items()}
                 _save_state(work / f"eagle-best-{key}.npz", best_params, eagle.zeros_like(best_params), {"best": best})
