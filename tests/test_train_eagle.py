@@ -211,8 +211,9 @@ def test_a_fit_stopped_mid_epoch_resumes_where_it_stopped(trained, tmp_path, mon
 @pytest.mark.parametrize("field,value", [(8, 1), (10, 99)])  # a member's "encrypted" flag; its compression method
 def test_a_damaged_fit_checkpoint_is_started_over(tmp_path, field, value):
     """One damaged byte in the fit checkpoint's zip directory (zipfile then refuses the member as encrypted or
-    compressed some unknown way): the checkpoint reads as missing and the fit starts over, not a crash."""
-    from ondevice.heads import eagle_train
+    compressed some unknown way): the checkpoint reads as missing and the fit starts over, not a crash; an
+    answer's cached features so damaged are computed again."""
+    from ondevice.heads import eagle_data, eagle_train
 
     params = {"w": np.ones((4, 4), np.float32)}
     path = tmp_path / "eagle-fit.npz"
@@ -224,6 +225,14 @@ def test_a_damaged_fit_checkpoint_is_started_over(tmp_path, field, value):
     data[cd + field] = value
     path.write_bytes(bytes(data))
     assert eagle_train._load_state(path, params) is None
+    seq = tmp_path / "seq-0.npz"  # an answer's cached features: the same damage computes them again
+    np.savez(seq, tokens=np.arange(5), feats=np.ones((5, 6), np.float16), t_ids=np.zeros((5, 8), np.int32),
+             t_pr=np.zeros((5, 8), np.float16), n_prompt=np.int64(2))
+    assert eagle_data.load(seq) is not None
+    data = bytearray(seq.read_bytes())
+    data[data.index(b"PK\x01\x02") + field] = value
+    seq.write_bytes(bytes(data))
+    assert eagle_data.load(seq) is None
 
 
 def test_the_command(trained, home, monkeypatch):

@@ -108,7 +108,7 @@ def load(path: Path) -> Seq | None:
         with np.load(path) as z:
             n = len(z["feats"])
             return Seq(z["tokens"][:n].astype(np.int64), z["feats"], z["t_ids"], z["t_pr"], int(z["n_prompt"]))
-    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):
+    except (OSError, ValueError, KeyError, EOFError, RuntimeError, zipfile.BadZipFile):  # RuntimeError: a damaged zip member (_load_state)
         return None  # damaged: recorded again
 
 
