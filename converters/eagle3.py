@@ -145,7 +145,7 @@ def write_eagle3_gguf(src: Eagle3Source, target: Target, ids: list[int], out: Pa
 
 
 def convert_eagle3(src: str | Path, *, target: str | Path, out: str | Path, dtype: str = "f16",
-                   verify: bool = True, meta: dict[str, str] | None = None) -> dict:
+                   verify: bool = True, meta: dict[str, str] | None = None, mlx_target=None) -> dict:
     """``ondevice convert EAGLE_DIR --to gguf --target TARGET --out DIR``: write ``DIR/model.gguf`` (arch eagle3)
     and ``DIR/manifest.json``, atomically (nothing is left behind on any error or refusal).
 
@@ -157,6 +157,8 @@ def convert_eagle3(src: str | Path, *, target: str | Path, out: str | Path, dtyp
         verify: compare the written draft's logits (llama.cpp's eagle3 graph) with a numpy forward of the
             source weights, given the same random target features and tokens (``converters.eagle3_check``).
         meta: extra string keys for the GGUF (``train-heads`` records what it trained on).
+        mlx_target: verify in MLX on this ``MLXBackend`` (layer inputs on) instead of llama.cpp: ``train-heads``
+            for an MLX target, whose GGUF ``mlx_eagle3`` runs.
             The draft's own token embeddings are used when it has them; otherwise the target's, which needs the
             target as a GGUF.
     Returns:
@@ -176,7 +178,7 @@ def convert_eagle3(src: str | Path, *, target: str | Path, out: str | Path, dtyp
     def verified(draft: Eagle3Source, path: Path, tgt: Target) -> dict:
         from converters.eagle3_check import verify_eagle3
 
-        return verify_eagle3(draft, path, tgt, dtype)
+        return verify_eagle3(draft, path, tgt, dtype, mlx_target=mlx_target)
 
     return convert_draft(src, target, out, arch="eagle3", dtype=dtype, open_draft=open_eagle3, check=check_against,
                          write=write, verify=verified if verify else None)

@@ -125,11 +125,18 @@ def compare(src: Eagle3Source, graph, embed: np.ndarray, *, n: int = 12, seed: i
 TOLERANCE = {"f32": 1e-4, "f16": 1e-2}
 
 
-def verify_eagle3(src: Eagle3Source, draft_gguf: Path, target: Target, dtype: str = "f16") -> dict:
+def verify_eagle3(src: Eagle3Source, draft_gguf: Path, target: Target, dtype: str = "f16", mlx_target=None) -> dict:
     """Load the written draft in llama.cpp and ``compare`` it with the source; refuse (one line) beyond
-    ``TOLERANCE``. A draft without its own token table needs the target as a GGUF (its table lives there)."""
+    ``TOLERANCE``. A draft without its own token table needs the target as a GGUF (its table lives there).
+    ``mlx_target``: an ``MLXBackend`` to run the draft on instead (``mlx_eagle3.Eagle3MLX``, as ``draft=`` does
+    on that target; its own token table), with its layer inputs on."""
     from ondevice.backends.eagle3 import Eagle3Graph
 
+    if mlx_target is not None:
+        from ondevice.backends.mlx_eagle3 import Eagle3MLX
+
+        embed = src.float32("embed_tokens.weight") if src.has("embed_tokens.weight") else mlx_target.token_table()
+        return _judged(src, Eagle3MLX(draft_gguf, mlx_target, n_ctx=256), embed, draft_gguf, dtype, "MLX")
     if src.has("embed_tokens.weight"):
         embed, tgt = src.float32("embed_tokens.weight"), None
     elif target.path.suffix == ".gguf":
@@ -138,18 +145,22 @@ def verify_eagle3(src: Eagle3Source, draft_gguf: Path, target: Target, dtype: st
         embed, tgt = target_embedding(target.path), LlamaBackend(target.path, n_ctx=256, n_batch=64)
     else:
         return {"skipped": "the draft embeds tokens with the target's table: pass the target as a GGUF to verify"}
-    graph = None
     try:
         graph = Eagle3Graph(draft_gguf, tgt and tgt._ctx, tgt and tgt._model, n_ctx=256, n_batch=64, exact=True)
-        report = compare(src, graph, embed)
+        return _judged(src, graph, embed, draft_gguf, dtype, "llama.cpp")
     finally:
-        if graph is not None:
-            graph.close()
         if tgt is not None:
             tgt.close()
-    ok = report["logit_rel"] <= TOLERANCE[dtype] and report["inf_pattern_ok"]
-    report["ok"] = ok
-    if not ok:
-        raise OndeviceError(f"{draft_gguf.name}: llama.cpp's logits differ from the source's by {report['logit_rel']:.2e} "
+
+
+def _judged(src: Eagle3Source, graph, embed: np.ndarray, draft_gguf: Path, dtype: str, runtime: str) -> dict:
+    """``compare`` on ``graph`` (closed after), refused (one line) beyond ``TOLERANCE``."""
+    try:
+        report = compare(src, graph, embed)
+    finally:
+        graph.close()
+    report.update(ok=report["logit_rel"] <= TOLERANCE[dtype] and report["inf_pattern_ok"], runtime=runtime)
+    if not report["ok"]:
+        raise OndeviceError(f"{draft_gguf.name}: {runtime}'s logits differ from the source's by {report['logit_rel']:.2e} "
                             f"(relative; {dtype} allows {TOLERANCE[dtype]:.0e}); conversion refused")
     return report

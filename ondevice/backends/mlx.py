@@ -179,8 +179,29 @@ class MLXBackend(MLXLayerInputs, HFVocab):
 
         with mx.stream(self.device):
             out, e = rows(out_layer), rows(emb)
-        arch = str(getattr(self.model, "model_type", None) or getattr(getattr(self.model, "args", None), "model_type", ""))
-        return out, e, arch
+        return out, e, self._model_type()
+
+    def token_table(self, chunk: int = 16384) -> np.ndarray:
+        """Every token's embedding row, float32 [V, h] (``output_rows`` a chunk at a time: its output rows dropped)."""
+        self.enable_hidden()
+        first = self.output_rows(np.arange(min(chunk, self.vocab_size)))[1]
+        table = np.empty((self.vocab_size, first.shape[1]), np.float32)
+        table[:len(first)] = first
+        for s in range(len(first), self.vocab_size, chunk):
+            table[s:s + chunk] = self.output_rows(np.arange(s, min(self.vocab_size, s + chunk)))[1]
+        return table
+
+    def _model_type(self) -> str:
+        return str(getattr(self.model, "model_type", None) or getattr(getattr(self.model, "args", None), "model_type", ""))
+
+    def final_norm(self) -> np.ndarray:
+        """The scale of the final RMSNorm (float32 [h]; Gemma's norms scale by 1 + weight, as its GGUF stores);
+        a one-line refusal where the mlx-lm model has none at ``model.norm``."""
+        w = getattr(getattr(getattr(self.model, "model", None), "norm", None), "weight", None)
+        if w is None:
+            raise OndeviceError(f"{self.path.name}: no final norm (model.norm.weight) in its mlx-lm model")
+        out = np.array(w.astype(self._mx.float32)).reshape(-1)
+        return out + 1.0 if self._model_type().startswith("gemma") else out
 
     def _forward(self, x, cache):
         """(logits, hidden states or None) of one pass: with hidden states on, the inner model and the

@@ -87,9 +87,10 @@ class MLXLayerInputs(KeptLayerRows):
             return
         layers = self._layer_list()
         saved = {i: layers[i] for i in self._layer_ids}
-        sinks = [[] for _ in self._layer_ids]
+        by_id: dict[int, list] = {i: [] for i in saved}  # one tap per layer: an id named twice reads it twice
+        sinks = [by_id[i] for i in self._layer_ids]
         try:
-            for i, sink in zip(self._layer_ids, sinks, strict=True):
+            for i, sink in by_id.items():
                 layers[i] = _Tap(saved[i], sink)
             yield sinks
         finally:

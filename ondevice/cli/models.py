@@ -113,7 +113,7 @@ def convert_cmd(
 def train_heads_cmd(
     model: Annotated[str, typer.Argument(help="Target: a GGUF file, an MLX model directory or a catalog name.")],
     tokens: Annotated[int, typer.Option("--tokens", min=100, help="Answer tokens the target writes to train on (150k: ~1.5 h for a 1.5B target on a 2-core x86; resumable).")] = 150_000,
-    kind: Annotated[str, typer.Option("--kind", help="eagle: one decoder layer on the target's layer features, run by llama.cpp's eagle3 graph (GGUF targets); medusa: heads on the final hidden state (GGUF or MLX).")] = "eagle",
+    kind: Annotated[str, typer.Option("--kind", help="eagle: one decoder layer on the target's layer features, run by llama.cpp's eagle3 graph (GGUF targets) or in MLX (MLX targets); medusa: heads on the final hidden state (GGUF or MLX).")] = "eagle",
     out: Annotated[str | None, typer.Option("--out", help="Folder for the drafter file (default: beside the model in the store).")] = None,
     seed: Annotated[int, typer.Option("--seed", min=0, help="Seed of the split, initial weights and batch order.")] = 0,
     epochs: Annotated[int | None, typer.Option("--epochs", min=1, help="Passes over the recorded data (default: the kind's).")] = None,

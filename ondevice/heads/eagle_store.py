@@ -50,14 +50,14 @@ def save_checkpoint(folder: Path, params: dict[str, np.ndarray], config: dict, v
     return folder
 
 
-def write_gguf(checkpoint: Path, target_gguf: Path, dest: Path, meta: dict, convert, dtype: str = "f16") -> dict:
-    """Convert ``checkpoint`` for ``target_gguf`` with ``convert`` (``converters.eagle3.convert_eagle3``: it writes the
-    GGUF and checks llama.cpp's graph against a numpy forward of the checkpoint) and move the GGUF to ``dest``
-    atomically; returns the converter's summary."""
+def write_gguf(checkpoint: Path, target: Path, dest: Path, meta: dict, convert, dtype: str = "f16", **kw) -> dict:
+    """Convert ``checkpoint`` for ``target`` with ``convert`` (``converters.eagle3.convert_eagle3``: it writes the
+    GGUF and checks llama.cpp's graph — or, given ``mlx_target=`` in ``kw``, MLX's — against a numpy forward of the
+    checkpoint) and move the GGUF to ``dest`` atomically; returns the converter's summary."""
     with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".eagle-") as tmp:
         out = Path(tmp) / "out"
-        summary = convert(checkpoint, target=target_gguf, out=out, dtype=dtype,
-                                 meta={META_KEY: json.dumps({"format": FORMAT, **meta})})
+        summary = convert(checkpoint, target=target, out=out, dtype=dtype,
+                          meta={META_KEY: json.dumps({"format": FORMAT, **meta})}, **kw)
         with atomic.replacing(dest) as part:
             shutil.move(str(out / "model.gguf"), part)
     return summary

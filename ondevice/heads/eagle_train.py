@@ -1,5 +1,6 @@
-"""``train_eagle`` (``ondevice train-heads MODEL``, the default kind): an EAGLE-style drafter for one GGUF target,
-from the target's own answers to a GGUF that llama.cpp's eagle3 graph runs.
+"""``train_eagle`` (``ondevice train-heads MODEL``, the default kind): an EAGLE-style drafter for one GGUF or MLX
+target, from the target's own answers to a GGUF that llama.cpp's eagle3 graph runs (and ``mlx_eagle3`` on an MLX
+target: ``eagle_mlx`` reads what the GGUF path reads from the file, and the converter checks the written file in MLX).
 
 Steps: record the target's greedy answers (``train.record_answers``, shared with the Medusa heads; resumable)
 → one teacher-forced prefill per answer keeping the inputs of target layers [2, L/2, L − 3] and the target's top-k
@@ -18,13 +19,13 @@ import tempfile
 import time
 import zipfile
 from collections.abc import Callable, Sequence
-from contextlib import closing
+from contextlib import ExitStack
 from pathlib import Path
 
 import numpy as np
 
 from ondevice.errors import OndeviceError
-from ondevice.heads import eagle, eagle_data, eagle_store, store, texts, train
+from ondevice.heads import eagle, eagle_data, eagle_mlx, eagle_store, store, texts, train
 
 DEFAULTS = dict(vocab=8192, depths=5, epochs=12, max_new=192, window=384, batch_tokens=3072, lr=1e-3, noise=0.05,
                 feat_w=0.0, fix_head=False, wd=0.0, fc_top=False)
@@ -172,33 +173,47 @@ def train_eagle(model: str | os.PathLike, *, tokens: int = train.DEFAULT_TOKENS,
         text_paths = texts.text_files(text)  # a missing path is refused before any work; the folders walked once
     t0 = time.perf_counter()
     path = lookup.resolve(model)
-    if detect_format(path) != "gguf":
-        raise OndeviceError(f"{path.name}: the EAGLE drafter trains for a GGUF target (llama.cpp runs it); for an MLX "
-                            "model run `ondevice train-heads MODEL --kind medusa`")
-    if path.is_dir():
+    fmt = detect_format(path)
+    if fmt not in ("gguf", "mlx"):
+        raise OndeviceError(f"{path.name}: the EAGLE drafter trains for a GGUF file or an MLX model directory, not a "
+                            f"{fmt} model; run train-heads on the GGUF or MLX form of this model")
+    mlx = fmt == "mlx"  # one model in memory: the runtime's target records, reads the features, checks the file
+    if path.is_dir() and not mlx:
         path = path / "model.gguf"
     sha = store.target_sha256(path)
     work = catalog.home() / "heads" / "work" / sha[:16]
     dest = train._dest(path, out)
     dest = dest.with_name(eagle_store.default_path(path).name)
-    cfg = GGUFFile(path).config()
+    cfg = eagle_mlx.config(path) if mlx else GGUFFile(path).config()
     L = int(cfg["num_hidden_layers"])
     layer_ids = [min(max(i, 1), L - 1) for i in (2, L // 2, L - 3)]  # llama.cpp's default, clipped (layer 0: qwen2 cannot)
     # the features' context first: a target whose graph cannot hand out layer inputs is refused before any work
-    fb = LlamaBackend(path, n_ctx=n_ctx, threads=threads, n_batch=512)
+    fb = None if mlx else LlamaBackend(path, n_ctx=n_ctx, threads=threads, n_batch=512)  # MLX: after the load
     try:
-        fb.enable_layer_inputs(layer_ids)
+        if fb is not None:
+            fb.enable_layer_inputs(layer_ids)
     except OndeviceError as e:
         fb.close()
-        raise OndeviceError(f"{e}; train Medusa heads for it instead: `ondevice train-heads MODEL --kind medusa`") from None
+        raise OndeviceError(f"{e}; {eagle_mlx.MEDUSA}") from None
     except BaseException:
         fb.close()
         raise
-    with closing(fb), train._exclusive(work, path), train._progress(quiet) as bar:
-        with load(path, drafter="none", n_ctx=n_ctx, threads=threads) as rt:
-            V = rt.target.vocab_size
-            records = train.record_answers(rt, path, work, tokens=tokens, seed=seed, max_new=max_new, slots=slots,
-                                           threads=threads, bar=bar, mlx=False)
+    with ExitStack() as stack:
+        if fb is not None:
+            stack.callback(fb.close)
+        stack.enter_context(train._exclusive(work, path))
+        bar = stack.enter_context(train._progress(quiet))
+        rt = load(path, drafter="none", n_ctx=n_ctx, threads=threads)
+        stack.callback(rt.close)
+        V = rt.target.vocab_size
+        if mlx:
+            fb = eagle_mlx.prepare(rt.target, layer_ids)
+        records = train.record_answers(rt, path, work, tokens=tokens, seed=seed, max_new=max_new, slots=slots,
+                                       threads=threads, bar=bar, mlx=mlx)
+        if mlx:
+            fb.enable_layer_inputs(layer_ids)
+        else:
+            rt.close()  # llama.cpp: the features' own context is the one model in memory from here
         if not records:
             raise OndeviceError(f"{path.name}: no prompt left room for an answer in n_ctx={n_ctx}; raise n_ctx")
         if len(records) < 2:  # else τ "held out" would be measured on the training answer
@@ -227,9 +242,11 @@ def train_eagle(model: str | os.PathLike, *, tokens: int = train.DEFAULT_TOKENS,
         inv = np.full(V, -1, np.int32)
         inv[vocab_ids] = np.arange(len(vocab_ids), dtype=np.int32)
         # the LM-head rows of the draft vocabulary, and every token's embedding (the draft's input), in one read
-        out_rows, table, arch = train.target_rows(path, vocab_ids, emb_ids=np.arange(V))
+        out_rows, table, arch = eagle_mlx.rows(fb, vocab_ids) if mlx else \
+            train.target_rows(path, vocab_ids, emb_ids=np.arange(V))
         shape = shape_for(cfg, len(vocab_ids))
-        norm_t = _norm_row(path)  # the target's final-norm weight: the draft's starts as it, the feature loss reads it
+        # the target's final-norm weight: the draft's starts as it, the feature loss reads it
+        norm_t = fb.final_norm() if mlx else _norm_row(path)
         params = eagle.init(shape, out_rows, norm_t, seed, fc_top=fc_top)
         params["norm.weight"] *= _soften(params, shape, tr, inv, table)
         T = int(min(DEFAULTS["window"], eagle_data.bucket(max(len(s.tokens) for s in seqs + text_seqs))))
@@ -298,6 +315,6 @@ def train_eagle(model: str | os.PathLike, *, tokens: int = train.DEFAULT_TOKENS,
                 "tau_heldout": final}
         with tempfile.TemporaryDirectory(dir=work, prefix="eagle-ckpt-") as tmp:
             ckpt_dir = eagle_store.save_checkpoint(Path(tmp), params, shape.config(V, layer_ids), vocab_ids)
-            conv = eagle_store.write_gguf(ckpt_dir, path, dest, meta, convert)
+            conv = eagle_store.write_gguf(ckpt_dir, path, dest, meta, convert, **({"mlx_target": fb} if mlx else {}))
     return {"path": str(dest), "kind": "eagle", "wall_seconds": round(time.perf_counter() - t0, 1), **meta,
             "verify": conv.get("verify"), "log": log}

@@ -1,0 +1,107 @@
+"""``ondevice train-heads MODEL`` (the EAGLE-style drafter) for an MLX target: one model in memory records the
+answers, hands out its layer inputs (``mlx_layers``; the 4-layer target's default ids name layer 2 twice) and
+checks the written GGUF in MLX (``mlx_eagle3``) against the trained weights; ``draft="heads"`` then drafts with it
+on the MLX target, greedy equal to plain decoding token for token, drafts both kept and rejected.
+
+Target: a tiny random-weight llama written by our converter to MLX (float16: mlx-lm's 8-bit layers cost ~20× more
+per pass on this CPU). Everything runs on MLX's CPU device here."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from helpers import greedy_equal, use_trees
+
+import ondevice
+from ondevice.errors import OndeviceError
+
+pytest.importorskip("mlx.core", reason="MLX is not installed (pip install 'ondevice[mlx]')")
+pytest.importorskip("jax")
+from converters.eagle3 import convert_eagle3  # noqa: E402  (the conversion step train_eagle is handed)
+
+SMALL = dict(convert=convert_eagle3, tokens=1500, epochs=12, vocab=256, depths=3, batch_tokens=256, lr=3e-3, max_new=64,
+             threads=1, n_ctx=512, quiet=True)
+PROMPTS = ["def add(a, b):", "The model draft and the target verify"]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """(MLX target, home, summary, a copy of the trained checkpoint the GGUF was written from)."""
+    from converters import convert
+    from ondevice.heads import eagle_store
+    from ondevice.heads.eagle_train import train_eagle
+    from ondevice.testing import make_tiny_hf
+
+    base = tmp_path_factory.mktemp("mlx-train")
+    convert(make_tiny_hf(base / "hf", arch="llama", n_layers=4), to="mlx", out=base / "mlx", bits=16, progress=False)
+    home, kept = base / "home", base / "checkpoint"
+    real = eagle_store.save_checkpoint
+
+    def keep(folder, *a, **k):
+        out = real(folder, *a, **k)
+        shutil.copytree(out, kept)
+        return out
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("ONDEVICE_HOME", str(home))
+        mp.setattr(eagle_store, "save_checkpoint", keep)
+        r = train_eagle(base / "mlx", **SMALL)
+    return base / "mlx", home, r, kept
+
+
+@pytest.fixture
+def home(trained, monkeypatch):
+    monkeypatch.setenv("ONDEVICE_HOME", str(trained[1]))
+    return trained[1]
+
+
+def test_the_stored_drafter_was_checked_in_mlx(trained, home):
+    from ondevice.heads import eagle_store, store
+
+    target, _, r, _ = trained
+    path = Path(r["path"])
+    assert path == eagle_store.find(target) and r["target_layers"] == [2, 2, 1]
+    assert eagle_store.read_meta(path)["target_sha256"] == store.target_sha256(target)
+    v = r["verify"]
+    assert v["runtime"] == "MLX" and v["ok"] and v["logit_rel"] < 1e-2  # f16: argmax may differ at near ties
+    assert r["log"][-1]["loss"] < r["log"][0]["loss"] and r["tau_heldout"]["tau_chain3"] >= 1.0
+
+
+def test_the_check_refuses_a_file_that_is_not_the_trained_weights(trained, home, tmp_path):
+    """The converter's MLX check (``verify_eagle3(mlx_target=…)``) compares the file with the checkpoint: the same
+    file against weights changed after the conversion is refused in one line (the check can fail)."""
+    from safetensors.numpy import load_file, save_file
+
+    from converters.eagle3_check import verify_eagle3
+    from converters.eagle3_source import open_eagle3, target_info
+    from ondevice.backends.mlx import MLXBackend
+
+    target, _, r, kept = trained
+    b = MLXBackend(target, n_ctx=256, device="cpu")
+    try:
+        b.enable_layer_inputs(r["target_layers"])
+        tgt = target_info(target)
+        assert verify_eagle3(open_eagle3(kept), Path(r["path"]), tgt, mlx_target=b)["ok"]
+        other = tmp_path / "changed"
+        shutil.copytree(kept, other)
+        t = load_file(other / "model.safetensors")
+        t["midlayer.mlp.down_proj.weight"] = t["midlayer.mlp.down_proj.weight"] * 3 + 0.05
+        save_file(t, other / "model.safetensors")
+        with pytest.raises(OndeviceError, match="MLX's logits differ") as e:
+            verify_eagle3(open_eagle3(other), Path(r["path"]), tgt, mlx_target=b)
+        assert "\n" not in str(e.value)
+    finally:
+        b.close()
+
+
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+def test_greedy_with_the_trained_drafter_on_mlx_equals_plain(trained, home, shape):
+    target = trained[0]
+    with ondevice.load(target, draft="heads", device="cpu") as spec, \
+            ondevice.load(target, drafter="none", device="cpu") as plain:
+        assert spec.drafter.name == "eagle3" and type(spec.drafter.graph).__name__ == "Eagle3MLX"
+        use_trees(spec.drafter, shape == "tree")
+        drafted, accepted = greedy_equal(spec, plain, PROMPTS, (1, 3))
+        assert 0 < accepted < drafted, (drafted, accepted)
