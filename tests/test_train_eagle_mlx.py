@@ -105,3 +105,18 @@ def test_greedy_with_the_trained_drafter_on_mlx_equals_plain(trained, home, shap
         use_trees(spec.drafter, shape == "tree")
         drafted, accepted = greedy_equal(spec, plain, PROMPTS, (1, 3))
         assert 0 < accepted < drafted, (drafted, accepted)
+
+
+def test_auto_weighs_the_trained_drafter_on_mlx(trained, home):
+    """``draft="auto"`` (``autodraft.heads_row``) on the MLX target judges the drafter ``train-heads`` stored, timed
+    in MLX: a verdict with its expected speedup (it read llama.cpp's ``target._ctx``: an AttributeError)."""
+    from ondevice import autodraft
+    from ondevice.backends.mlx import MLXBackend
+
+    b = MLXBackend(trained[0], n_ctx=256, device="cpu")
+    try:
+        row = autodraft.heads_row(b)
+    finally:
+        b.close()
+    assert row["format"] == "eagle" and row["ok"], row
+    assert "trained EAGLE drafter" in row["reason"] and row["expected_speedup"] > 0
