@@ -120,3 +120,18 @@ def test_auto_weighs_the_trained_drafter_on_mlx(trained, home):
         b.close()
     assert row["format"] == "eagle" and row["ok"], row
     assert "trained EAGLE drafter" in row["reason"] and row["expected_speedup"] > 0
+
+
+def test_the_converter_reads_a_quantized_mlx_target(tmp_path):
+    """``train-heads`` on a 4-bit MLX target (``ondevice convert --to mlx``'s default) hands the converter that
+    directory as the target: ``target_info`` reads its config and tokenizer as the float one's (it refused the
+    ``quantization`` key as a checkpoint to convert, after the recording, features and fit)."""
+    from converters import convert
+    from converters.eagle3_source import target_info
+    from ondevice.testing import make_tiny_hf
+
+    hf = make_tiny_hf(tmp_path / "hf", arch="qwen2", n_layers=4)
+    convert(hf, to="mlx", out=tmp_path / "q4", bits=4, progress=False)
+    got, want = target_info(tmp_path / "q4"), target_info(hf)
+    assert (got.arch, got.hidden, got.n_layers) == (want.arch, want.hidden, want.n_layers)
+    assert got.vocab.tokens == want.vocab.tokens
