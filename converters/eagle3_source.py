@@ -297,7 +297,7 @@ def target_info(path: str | Path) -> Target:
         return Target(path, g.arch, int(cfg["hidden_size"]), int(cfg["num_hidden_layers"]), read_gguf_vocab(g))
     from converters.hf import open_checkpoint
 
-    ckpt = open_checkpoint(path)
+    ckpt = open_checkpoint(path, quantized=True)  # config and tokenizer only: a 4-bit MLX target is one too
     return Target(path, ckpt.arch, int(ckpt.config["hidden_size"]), int(ckpt.config["num_hidden_layers"]),
                   read_hf_vocab(ckpt.path, ckpt.vocab_size, ckpt.config))
 

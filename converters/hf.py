@@ -70,8 +70,9 @@ class HFCheckpoint:
         return h.hexdigest()
 
 
-def open_checkpoint(path: str | Path) -> HFCheckpoint:
-    """Open and validate an HF checkpoint directory; every problem is one line naming the file."""
+def open_checkpoint(path: str | Path, quantized: bool = False) -> HFCheckpoint:
+    """Open and validate an HF checkpoint directory; every problem is one line naming the file. ``quantized``:
+    accept already quantized weights (a caller that reads only the config and tokenizer, e.g. an MLX target's)."""
     path = Path(path)
     if not path.is_dir():
         raise OndeviceError(f"{shown(path)}: not a directory; pass an HF checkpoint directory (config.json + *.safetensors)")
@@ -84,7 +85,7 @@ def open_checkpoint(path: str | Path) -> HFCheckpoint:
         raise OndeviceError(f"{shown(cfg_path)}: not valid JSON ({e})") from e
     arch_of(config, cfg_path)  # refuses unsupported architectures and quirks llama.cpp would compute differently
     for key in ("quantization", "quantization_config"):  # MLX-quantized (mlx-lm), or GPTQ/AWQ/bitsandbytes
-        if config.get(key):
+        if config.get(key) and not quantized:
             raise OndeviceError(f"{shown(cfg_path)}: already quantized weights ({key!r}); convert from the original float "
                                 "checkpoint (or from a GGUF file)")
     files = sorted(path.glob("model*.safetensors"))

@@ -142,7 +142,8 @@ def heads_row(target) -> dict | None:
 
 def _eagle_row(target, path) -> dict:
     """``heads_row`` for the EAGLE-style drafter ``train-heads`` stored: its held-out τ at γ 5 and its cost per
-    drafted token timed in llama.cpp's graph (a draft context of its own on the target, closed after)."""
+    drafted token timed in llama.cpp's graph (a draft context of its own on the target, closed after), or in
+    MLX on an MLX target (``eagle3_draft``)."""
     import dataclasses
 
     from ondevice.backends.eagle3 import Eagle3Graph, seconds_per_token
@@ -170,7 +171,9 @@ def _eagle_row(target, path) -> dict:
         tau = taus[chain]
         alpha = alpha_from_tau(tau, chain)
         costs = cached_measure(target)
-        graph = Eagle3Graph(path, target._ctx, target._model, n_ctx=64, threads=target.threads)
+        # llama.cpp's graph on a llama.cpp target; an MLX target runs it in MLX (Eagle3MLX: no _ctx to borrow)
+        graph = Eagle3Graph(path, target._ctx, target._model, n_ctx=64, threads=target.threads) \
+            if hasattr(target, "_ctx") else target.eagle3_draft(path, None)
         try:
             spt = seconds_per_token(graph)
         finally:

@@ -105,3 +105,66 @@ def test_greedy_with_the_trained_drafter_on_mlx_equals_plain(trained, home, shap
         use_trees(spec.drafter, shape == "tree")
         drafted, accepted = greedy_equal(spec, plain, PROMPTS, (1, 3))
         assert 0 < accepted < drafted, (drafted, accepted)
+
+
+def test_auto_weighs_the_trained_drafter_on_mlx(trained, home):
+    """``draft="auto"`` (``autodraft.heads_row``) on the MLX target judges the drafter ``train-heads`` stored, timed
+    in MLX: a verdict with its expected speedup (it read llama.cpp's ``target._ctx``: an AttributeError)."""
+    from ondevice import autodraft
+    from ondevice.backends.mlx import MLXBackend
+
+    b = MLXBackend(trained[0], n_ctx=256, device="cpu")
+    try:
+        row = autodraft.heads_row(b)
+    finally:
+        b.close()
+    assert row["format"] == "eagle" and row["ok"], row
+    assert "trained EAGLE drafter" in row["reason"] and row["expected_speedup"] > 0
+
+
+def test_the_converter_reads_a_quantized_mlx_target(tmp_path):
+    """``train-heads`` on a 4-bit MLX target (``ondevice convert --to mlx``'s default) hands the converter that
+    directory as the target: ``target_info`` reads its config and tokenizer as the float one's (it refused the
+    ``quantization`` key as a checkpoint to convert, after the recording, features and fit)."""
+    from converters import convert
+    from converters.eagle3_source import target_info
+    from ondevice.testing import make_tiny_hf
+
+    hf = make_tiny_hf(tmp_path / "hf", arch="qwen2", n_layers=4)
+    convert(hf, to="mlx", out=tmp_path / "q4", bits=4, progress=False)
+    got, want = target_info(tmp_path / "q4"), target_info(hf)
+    assert (got.arch, got.hidden, got.n_layers) == (want.arch, want.hidden, want.n_layers)
+    assert got.vocab.tokens == want.vocab.tokens
+
+
+def test_a_qwen2_mlx_target_hands_out_its_layer_inputs(tmp_path):
+    """mlx-lm's qwen2 runs a fresh slice of its layer list each pass (``PipelineMixin.pipeline_layers``): the taps
+    go in the list it slices, so a qwen2 MLX target hands out the real inputs of its layers (it was refused in
+    one line, "saw [None, None, None]": no EAGLE drafter could train or draft on Qwen MLX targets)."""
+    import mlx.core as mx
+    import numpy as np
+    from mlx_lm.models.base import create_attention_mask
+
+    from converters import convert
+    from ondevice.backends.mlx import MLXBackend
+    from ondevice.testing import make_tiny_hf
+
+    convert(make_tiny_hf(tmp_path / "hf", arch="qwen2", n_layers=4), to="mlx", out=tmp_path / "mlx", bits=16,
+            progress=False)
+    b = MLXBackend(tmp_path / "mlx", n_ctx=64, device="cpu")
+    try:
+        ids = b.tokenize(PROMPTS[0])
+        plain = b.eval(ids)
+        b.rollback(0)
+        d = b.enable_layer_inputs([2, 2, 1]) // 3
+        np.testing.assert_array_equal(b.eval(ids), plain)
+        rows = np.stack([b.feature("layer_inputs", p) for p in range(len(ids))])
+        h, cache, seen = b.model.model.embed_tokens(mx.array([ids])), b._new_cache(), []
+        mask = create_attention_mask(h, cache[0])
+        for i, layer in enumerate(b.model.model.layers):
+            seen.append(np.array(h[0].astype(mx.float32)))
+            h = layer(h, mask, cache[i])
+        np.testing.assert_allclose(rows, np.concatenate([seen[2], seen[2], seen[1]], axis=-1), rtol=1e-3, atol=1e-3)
+        assert rows.shape == (len(ids), 3 * d)
+    finally:
+        b.close()

@@ -44,8 +44,14 @@ class MLXLayerInputs(KeptLayerRows):
     _sinks: list[list] | None = None  # during a recorded pass: what each tap saw, per layer id
 
     def _layer_list(self) -> list:
-        """The mlx-lm model's decoder-layer list, or a one-line refusal naming the model type."""
-        layers = getattr(self.model, "layers", None)
+        """The mlx-lm model's decoder-layer list, or a one-line refusal naming the model type. An inner model
+        with mlx-lm's ``PipelineMixin`` (qwen2, deepseek, …) runs a fresh slice of its ``layers`` each pass
+        (``pipeline_layers``, also what ``model.layers`` returns): that list, unsplit, is the one to tap."""
+        body = getattr(self.model, "model", None)
+        if hasattr(type(body), "pipeline_layers") and getattr(body, "pipeline_size", 1) == 1:
+            layers = getattr(body, "layers", None)
+        else:
+            layers = getattr(self.model, "layers", None)
         if not isinstance(layers, list) or not layers:
             kind = getattr(self.model, "model_type", None) or type(self.model).__module__
             where = getattr(sys.modules.get(type(self.model).__module__), "__file__", None) or type(self.model).__module__
