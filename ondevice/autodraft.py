@@ -146,7 +146,7 @@ def _eagle_row(target, path) -> dict:
     MLX on an MLX target (``eagle3_draft``)."""
     import dataclasses
 
-    from ondevice.backends.eagle3 import Eagle3Graph, seconds_per_token
+    from ondevice.backends.eagle3 import seconds_per_token
     from ondevice.costs import cached_measure
     from ondevice.heads import eagle_store
 
@@ -171,9 +171,9 @@ def _eagle_row(target, path) -> dict:
         tau = taus[chain]
         alpha = alpha_from_tau(tau, chain)
         costs = cached_measure(target)
-        # llama.cpp's graph on a llama.cpp target; an MLX target runs it in MLX (Eagle3MLX: no _ctx to borrow)
-        graph = Eagle3Graph(path, target._ctx, target._model, n_ctx=64, threads=target.threads) \
-            if hasattr(target, "_ctx") else target.eagle3_draft(path, None)
+        # the target's own runner (llama.cpp's graph, or Eagle3MLX on an MLX target), timed without switching the
+        # target's layer inputs on: a drafted token's cost does not depend on them
+        graph = target.eagle3_draft(path, lambda ids: None, threads=target.threads)
         try:
             spt = seconds_per_token(graph)
         finally:
