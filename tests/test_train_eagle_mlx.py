@@ -51,13 +51,13 @@ def trained(tmp_path_factory):
     return base / "mlx", home, r, kept
 
 
-@pytest.fixture
-def home(trained, monkeypatch):
+@pytest.fixture(autouse=True)
+def _home(trained, monkeypatch) -> None:
+    """Every test here reads the drafter stored under the trained run's ONDEVICE_HOME."""
     monkeypatch.setenv("ONDEVICE_HOME", str(trained[1]))
-    return trained[1]
 
 
-def test_the_stored_drafter_was_checked_in_mlx(trained, home):
+def test_the_stored_drafter_was_checked_in_mlx(trained):
     from ondevice.heads import eagle_store, store
 
     target, _, r, _ = trained
@@ -69,7 +69,7 @@ def test_the_stored_drafter_was_checked_in_mlx(trained, home):
     assert r["log"][-1]["loss"] < r["log"][0]["loss"] and r["tau_heldout"]["tau_chain3"] >= 1.0
 
 
-def test_the_check_refuses_a_file_that_is_not_the_trained_weights(trained, home, tmp_path):
+def test_the_check_refuses_a_file_that_is_not_the_trained_weights(trained, tmp_path):
     """The converter's MLX check (``verify_eagle3(mlx_target=…)``) compares the file with the checkpoint: the same
     file against weights changed after the conversion is refused in one line (the check can fail)."""
     from safetensors.numpy import load_file, save_file
@@ -97,7 +97,7 @@ def test_the_check_refuses_a_file_that_is_not_the_trained_weights(trained, home,
 
 
 @pytest.mark.parametrize("shape", ["chain", "tree"])
-def test_greedy_with_the_trained_drafter_on_mlx_equals_plain(trained, home, shape):
+def test_greedy_with_the_trained_drafter_on_mlx_equals_plain(trained, shape):
     target = trained[0]
     with ondevice.load(target, draft="heads", device="cpu") as spec, \
             ondevice.load(target, drafter="none", device="cpu") as plain:
@@ -107,7 +107,7 @@ def test_greedy_with_the_trained_drafter_on_mlx_equals_plain(trained, home, shap
         assert 0 < accepted < drafted, (drafted, accepted)
 
 
-def test_auto_weighs_the_trained_drafter_on_mlx(trained, home):
+def test_auto_weighs_the_trained_drafter_on_mlx(trained):
     """``draft="auto"`` (``autodraft.heads_row``) on the MLX target judges the drafter ``train-heads`` stored, timed
     in MLX: a verdict with its expected speedup (it read llama.cpp's ``target._ctx``: an AttributeError)."""
     from ondevice import autodraft
