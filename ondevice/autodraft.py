@@ -171,9 +171,9 @@ def _eagle_row(target, path) -> dict:
         tau = taus[chain]
         alpha = alpha_from_tau(tau, chain)
         costs = cached_measure(target)
-        # the target's own runner (llama.cpp's graph, or Eagle3MLX on an MLX target), timed without switching the
-        # target's layer inputs on: a drafted token's cost does not depend on them
-        graph = target.eagle3_draft(path, lambda ids: None, threads=target.threads)
+        # the target's own runner (llama.cpp's graph, or Eagle3MLX on an MLX target) on a small cache of its own,
+        # timed without switching the target's layer inputs on: a drafted token's cost does not depend on them
+        graph = target.eagle3_draft(path, lambda ids: None, threads=target.threads, n_ctx=64)
         try:
             spt = seconds_per_token(graph)
         finally:

@@ -95,10 +95,11 @@ class Backend:
         raise OndeviceError(f"{Path(self.path).name}: EAGLE-3 / DFlash drafts need a llama.cpp (GGUF) or MLX "
                             f"target that records its layer inputs; {type(self).__name__} does not")
 
-    def eagle3_draft(self, path, layer_inputs_on, threads: int | None = None):
+    def eagle3_draft(self, path, layer_inputs_on, threads: int | None = None, n_ctx: int | None = None):
         """The runner of the EAGLE-3 draft GGUF ``path`` on this target (``Eagle3Drafter``'s graph: ``encode`` /
         ``decode`` / ``rollback`` / ``n_past``), checked against it; it calls ``layer_inputs_on(layer_ids)`` once
-        checked, which switches the target's layer inputs on. Raises ``OndeviceError`` where the backend has none."""
+        checked, which switches the target's layer inputs on. ``n_ctx``: the draft cache's positions (default: the
+        target's). Raises ``OndeviceError`` where the backend has none."""
         raise OndeviceError(f"{Path(self.path).name}: {type(self).__name__} runs no EAGLE-3 drafts (llama.cpp and MLX "
                             "targets do)")
 

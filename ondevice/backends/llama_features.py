@@ -126,7 +126,7 @@ class LlamaFeatures(KeptLayerRows):
         self._layer_rows, self._layer_pos0 = [], 0
         return len(ids) * self._n_embd_trunk
 
-    def eagle3_draft(self, path, layer_inputs_on, threads: int | None = None):
+    def eagle3_draft(self, path, layer_inputs_on, threads: int | None = None, n_ctx: int | None = None):
         """llama.cpp's own eagle3 graph (``backends.eagle3.Eagle3Graph``), borrowing this context's token table
         (``ctx_other``) once ``layer_inputs_on`` ran (a qwen2 target recreates its context there)."""
         from ondevice.backends.eagle3 import Eagle3Graph
@@ -135,7 +135,7 @@ class LlamaFeatures(KeptLayerRows):
             layer_inputs_on(ids)
             return self._ctx
 
-        return Eagle3Graph(path, context, self._model, n_ctx=self.n_ctx, threads=threads)
+        return Eagle3Graph(path, context, self._model, n_ctx=n_ctx or self.n_ctx, threads=threads)
 
     def dflash_draft(self, path, layer_inputs_on, threads: int | None = None):
         """llama.cpp's own dflash graph (``backends.llama_dflash.DFlashGraph``), borrowing this context (its token

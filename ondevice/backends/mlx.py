@@ -183,11 +183,8 @@ class MLXBackend(MLXLayerInputs, HFVocab):
 
     def token_table(self, chunk: int = 16384) -> np.ndarray:
         """Every token's embedding row, float32 [V, h] (``output_rows`` a chunk at a time: its output rows dropped)."""
-        self.enable_hidden()
-        first = self.output_rows(np.arange(min(chunk, self.vocab_size)))[1]
-        table = np.empty((self.vocab_size, first.shape[1]), np.float32)
-        table[:len(first)] = first
-        for s in range(len(first), self.vocab_size, chunk):
+        table = np.empty((self.vocab_size, self.enable_hidden()), np.float32)
+        for s in range(0, self.vocab_size, chunk):
             table[s:s + chunk] = self.output_rows(np.arange(s, min(self.vocab_size, s + chunk)))[1]
         return table
 

@@ -110,11 +110,11 @@ class MLXLayerInputs(KeptLayerRows):
         calls = [mx.concatenate([s[k].reshape(-1, s[k].shape[-1]) for s in sinks], axis=-1) for k in range(len(sinks[0]))]
         return (calls[0] if len(calls) == 1 else mx.concatenate(calls)).astype(mx.float32)
 
-    def eagle3_draft(self, path, layer_inputs_on, threads: int | None = None):
+    def eagle3_draft(self, path, layer_inputs_on, threads: int | None = None, n_ctx: int | None = None):
         """The draft's layer in MLX on this target's device (``backends.mlx_eagle3.Eagle3MLX``)."""
         from ondevice.backends.mlx_eagle3 import Eagle3MLX
 
-        return Eagle3MLX(path, self, layer_inputs_on, n_ctx=self.n_ctx)
+        return Eagle3MLX(path, self, layer_inputs_on, n_ctx=n_ctx or self.n_ctx)
 
     def dflash_draft(self, path, layer_inputs_on, threads: int | None = None):
         """The DFlash draft in MLX on this target's device (``backends.mlx_dflash.DFlashMLX``)."""

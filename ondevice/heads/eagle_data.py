@@ -20,6 +20,8 @@ import numpy as np
 from ondevice import atomic
 
 TOP = 8  # teacher probabilities kept per row
+# what reading a damaged .npz raises (RuntimeError / NotImplementedError: a zip member's flags or method damaged)
+DAMAGED = (OSError, ValueError, KeyError, EOFError, RuntimeError, zipfile.BadZipFile)
 PER_TEXT = 2  # pieces taken from one text (``collect_text``)
 
 
@@ -108,7 +110,7 @@ def load(path: Path) -> Seq | None:
         with np.load(path) as z:
             n = len(z["feats"])
             return Seq(z["tokens"][:n].astype(np.int64), z["feats"], z["t_ids"], z["t_pr"], int(z["n_prompt"]))
-    except (OSError, ValueError, KeyError, EOFError, RuntimeError, zipfile.BadZipFile):  # RuntimeError: a damaged zip member (_load_state)
+    except DAMAGED:
         return None  # damaged: recorded again
 
 

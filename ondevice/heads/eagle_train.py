@@ -17,7 +17,6 @@ import json
 import os
 import tempfile
 import time
-import zipfile
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from pathlib import Path
@@ -104,8 +103,8 @@ def _load_state(path: Path, params: dict) -> tuple[dict, dict, dict] | None:
             info = json.loads(str(z["__info__"]))
             p = {k: z[f"p.{k}"] for k in params}
             opt = {g: {k: z[f"{g}.{k}"] for k in params} for g in ("m", "v")}
-    except (OSError, ValueError, KeyError, EOFError, RuntimeError, zipfile.BadZipFile):  # RuntimeError: a damaged
-        return None  # member's flags or method read as encrypted or unsupported (zipfile; NotImplementedError too)
+    except eagle_data.DAMAGED:
+        return None
     return p, opt, info
 
 
