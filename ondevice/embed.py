@@ -77,6 +77,9 @@ class Embedder:
     def _open(self, code: int, n_ctx: int, threads: int | None) -> None:
         import llama_cpp
 
+        from ondevice.backends.llama_ext import guard_amx
+
+        guard_amx()
         self._lock = threading.Lock()
         self.llm = llama_cpp.Llama(model_path=str(self.path), embedding=True, n_ctx=n_ctx, n_batch=n_ctx,
                                    n_ubatch=n_ctx, pooling_type=code, verbose=False, use_mmap=True,

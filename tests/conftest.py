@@ -33,9 +33,14 @@ TINY_CACHE = Path(os.environ.get("ONDEVICE_TEST_CACHE", ROOT / "build" / "test-m
 
 def pytest_sessionstart(session):
     """Drop tiny models built by other versions of the code and unused for an hour (a run still going with
-    another version, e.g. one half of a split run started before an edit, keeps its own)."""
+    another version, e.g. one half of a split run started before an edit, keeps its own). Tests that load
+    models with llama_cpp directly get the runtime's AMX guard too (``llama_ext.guard_amx``)."""
     import shutil
     import time
+
+    from ondevice.backends.llama_ext import guard_amx
+
+    guard_amx()
 
     if TINY_CACHE.parent.is_dir():
         for old in TINY_CACHE.parent.iterdir():

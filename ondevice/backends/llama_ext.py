@@ -13,8 +13,10 @@ Layer inputs: ``set_embeddings_layer_inp(ctx, il, True)`` makes the target's gra
 from __future__ import annotations
 
 import ctypes
+import os
 from collections.abc import Callable
 from functools import cache
+from pathlib import Path
 
 import numpy as np
 
@@ -30,13 +32,58 @@ LAYER_INP_ARCHS = frozenset({
 
 _CTX, _MODEL = "P13llama_context", "PK11llama_model"
 _LOG_CB = None
+CPUINFO = Path("/proc/cpuinfo")
+_DEFAULTS = None  # llama_cpp's own llama_model_default_params, once guard_amx has replaced it
+
+
+def amx_off() -> bool:
+    """Whether llama.cpp's AMX kernels are kept from running (``guard_amx``): this build has them (``AMX_INT8``
+    in its system info) and the CPU reports ``amx_int8``, unless ``ONDEVICE_LLAMA_AMX=1``.
+
+    Why: their tile configuration can be compiled away (llama.cpp PR #26954, issue #20824); the first matrix
+    product on AMX-repacked weights then dies in ``ldtilecfg`` (seen here: llama-cpp-python 0.3.36 built by GCC 12
+    with ``-march=native`` on a Sapphire Rapids VM: every model, a segfault on the first decode).
+    """
+    import llama_cpp
+
+    if os.environ.get("ONDEVICE_LLAMA_AMX") == "1":
+        return False
+    if b"AMX_INT8 = 1" not in llama_cpp.llama_print_system_info():
+        return False
+    try:
+        flags = CPUINFO.read_text(errors="replace")
+    except OSError:
+        return True  # cannot tell: the build has AMX kernels, keep them off
+    return "amx_int8" in flags
+
+
+def guard_amx() -> None:
+    """Make llama.cpp's default model parameters skip the extra (repacked) weight buffers where ``amx_off``:
+    the AMX buffer is one of them. Patched into ``llama_cpp.llama_model_default_params`` once, so models that
+    ``llama_cpp.Llama`` loads (embeddings, the bench's anchors) get it as well as ours; the weights and the
+    maths are the same, only the CPU kernels differ (the REPACK ones go with AMX)."""
+    global _DEFAULTS
+    import llama_cpp
+    import llama_cpp.llama_cpp as raw
+
+    if _DEFAULTS is not None or not amx_off():
+        return
+    _DEFAULTS = raw.llama_model_default_params
+
+    def defaults():
+        mp = _DEFAULTS()
+        mp.use_extra_bufts = False
+        return mp
+
+    raw.llama_model_default_params = llama_cpp.llama_model_default_params = defaults
 
 
 def init_llama(debug: bool = False) -> None:
-    """Initialise llama.cpp once; its log goes to stderr only when debugging."""
+    """Initialise llama.cpp once (``guard_amx`` included); its log goes to stderr only when debugging."""
     global _LOG_CB
     import llama_cpp
 
+    guard_amx()
     if _LOG_CB is None:
         llama_cpp.llama_backend_init()
 

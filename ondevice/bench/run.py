@@ -94,6 +94,10 @@ def _anchor_runs(model_path: Path, threads: int, n_ctx: int) -> dict[str, Callab
     import llama_cpp
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
+    from ondevice.backends.llama_ext import guard_amx
+
+    guard_amx()  # the anchors run as a user's llama-cpp-python would, short of a crash on AMX (llama_ext.amx_off)
+
     kw = dict(n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, n_batch=512, verbose=False)
     raw = llama_cpp.Llama(str(model_path), **kw)
     lookup = llama_cpp.Llama(str(model_path), draft_model=LlamaPromptLookupDecoding(num_pred_tokens=10), **kw)

@@ -25,6 +25,8 @@ if kind == "ondevice":
     next(iter(rt.stream("Hello", max_tokens=1, temperature=0)))
 else:
     import llama_cpp
+    from ondevice.backends.llama_ext import guard_amx
+    guard_amx()  # else AMX machines crash (llama_ext.amx_off)
     t_imp = time.perf_counter()
     llm = llama_cpp.Llama(path, n_ctx=512, use_mmap=mmap, n_threads=threads, n_threads_batch=threads, verbose=False)
     t_load = time.perf_counter()
