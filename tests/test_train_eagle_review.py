@@ -109,6 +109,24 @@ def test_a_target_without_layer_inputs_is_refused_with_the_way_out(tiny_gguf, tm
     assert not (tmp_path / "home" / "heads" / "work").exists()
 
 
+def test_a_target_the_converter_refuses_is_refused_before_any_work(tiny_gguf, tmp_path, monkeypatch):
+    """The converter reads the target (vocabulary, hidden size, layers) only after the fit; ``target_info`` asks it
+    first, so its refusal comes before the recording, not hours later."""
+    from ondevice.heads import eagle_train
+
+    seen = []
+
+    def refuse(path):
+        seen.append(Path(path).name)
+        raise OndeviceError(f"{Path(path).name}: tokenizer 'x' is not supported")
+
+    monkeypatch.setenv("ONDEVICE_HOME", str(tmp_path / "home"))
+    with pytest.raises(OndeviceError, match="tokenizer 'x'"):
+        eagle_train.train_eagle(tiny_gguf("llama"), tokens=1500, threads=1, quiet=True, convert=convert_eagle3,
+                                target_info=refuse)
+    assert seen == ["model.gguf"] and not (tmp_path / "home" / "heads" / "work").exists()
+
+
 def test_a_budget_of_one_answer_is_refused_not_measured_on_its_training_data(tiny_gguf, tmp_path, monkeypatch):
     """One answer leaves none to hold out: τ labelled held-out would be measured on the training answer itself."""
     import shutil

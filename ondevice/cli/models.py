@@ -130,11 +130,12 @@ def train_heads_cmd(
     extra = {} if epochs is None else {"epochs": epochs}
     try:
         if kind == "eagle":
-            from converters.eagle3 import convert_eagle3
+            from converters.eagle3 import convert_eagle3, target_info
             from ondevice.heads import eagle_train
 
             r = eagle_train.train_eagle(model, tokens=tokens, out=out, seed=seed, threads=threads, quiet=json_out,
-                                        text=text or (), text_tokens=text_tokens, convert=convert_eagle3, **extra)
+                                        text=text or (), text_tokens=text_tokens, convert=convert_eagle3,
+                                        target_info=target_info, **extra)
         else:
             from ondevice.heads.texts import read_texts, text_files
             from ondevice.heads.train import train_heads

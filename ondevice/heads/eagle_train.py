@@ -129,13 +129,16 @@ def train_eagle(model: str | os.PathLike, *, tokens: int = train.DEFAULT_TOKENS,
                 batch_tokens: int = DEFAULTS["batch_tokens"], feat_w: float = DEFAULTS["feat_w"],
                 fix_head: bool = DEFAULTS["fix_head"], wd: float = DEFAULTS["wd"], fc_top: bool = DEFAULTS["fc_top"],
                 text: Sequence[str | os.PathLike] = (), text_tokens: int | None = None,
-                convert: Callable | None = None) -> dict:
+                convert: Callable | None = None, target_info: Callable | None = None) -> dict:
     """Train the EAGLE-style drafter for ``model`` (a GGUF or catalog name) and store it (``eagle_store``).
 
     Args:
         convert: ``converters.eagle3.convert_eagle3``, which writes the trained checkpoint as an eagle3 GGUF and
             checks it in llama.cpp (converters sit above the runtime, so the caller hands it in; ``ondevice
             train-heads`` does).
+        target_info: the converter's reading of the target (``converters.eagle3.target_info``: its vocabulary, hidden
+            size and layers), called before any work, so that a target the converter would refuse after hours of
+            recording and fitting is refused first.
         tokens: answer tokens to record (self-distillation; a tenth of the answers is held out to measure τ).
         out: folder for the drafter file (default: beside the model in the store).
         vocab: draft vocabulary size; depths: drafting steps trained (the longest chain it is trained for).
@@ -179,6 +182,8 @@ def train_eagle(model: str | os.PathLike, *, tokens: int = train.DEFAULT_TOKENS,
     mlx = fmt == "mlx"  # one model in memory: the runtime's target records, reads the features, checks the file
     if path.is_dir() and not mlx:
         path = path / "model.gguf"
+    if target_info is not None:
+        target_info(path)  # raises the converter's own one-line refusal
     sha = store.target_sha256(path)
     work = catalog.home() / "heads" / "work" / sha[:16]
     dest = train._dest(path, out)
