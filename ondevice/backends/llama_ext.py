@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import threading
 from collections.abc import Callable
 from functools import cache
 from pathlib import Path
@@ -34,6 +35,7 @@ _CTX, _MODEL = "P13llama_context", "PK11llama_model"
 _LOG_CB = None
 CPUINFO = Path("/proc/cpuinfo")
 _DEFAULTS = None  # llama_cpp's own llama_model_default_params, once guard_amx has replaced it
+_GUARD_LOCK = threading.Lock()
 
 
 def amx_off() -> bool:
@@ -66,16 +68,17 @@ def guard_amx() -> None:
     import llama_cpp
     import llama_cpp.llama_cpp as raw
 
-    if _DEFAULTS is not None or not amx_off():
-        return
-    _DEFAULTS = raw.llama_model_default_params
+    with _GUARD_LOCK:  # two threads loading models at once (embeddings beside the server's model) patch once
+        if _DEFAULTS is not None or not amx_off():
+            return
+        own = _DEFAULTS = raw.llama_model_default_params
 
-    def defaults():
-        mp = _DEFAULTS()
-        mp.use_extra_bufts = False
-        return mp
+        def defaults():
+            mp = own()
+            mp.use_extra_bufts = False
+            return mp
 
-    raw.llama_model_default_params = llama_cpp.llama_model_default_params = defaults
+        raw.llama_model_default_params = llama_cpp.llama_model_default_params = defaults
 
 
 def init_llama(debug: bool = False) -> None:
