@@ -59,6 +59,9 @@ def main() -> None:
 
     import llama_cpp
 
+    from ondevice.backends.llama_ext import guard_amx
+
+    guard_amx()  # raw loads before any ondevice backend: else an AMX machine crashes (llama_ext.amx_off)
     target = lookup.resolve(a.target)
     draft = lookup.resolve(a.draft)
     th = a.threads

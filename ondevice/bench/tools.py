@@ -25,8 +25,10 @@ if kind == "ondevice":
     next(iter(rt.stream("Hello", max_tokens=1, temperature=0)))
 else:
     import llama_cpp
+    t_imp = time.perf_counter()
     from ondevice.backends.llama_ext import guard_amx
-    guard_amx()  # else AMX machines crash (llama_ext.amx_off)
+    guard_amx()  # else AMX machines crash (llama_ext.amx_off); its import is ondevice's, not the anchor's: left out
+    t0 += time.perf_counter() - t_imp
     t_imp = time.perf_counter()
     llm = llama_cpp.Llama(path, n_ctx=512, use_mmap=mmap, n_threads=threads, n_threads_batch=threads, verbose=False)
     t_load = time.perf_counter()
