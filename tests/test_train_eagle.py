@@ -29,7 +29,7 @@ from ondevice.errors import OndeviceError
 pytest.importorskip("jax")
 
 PROMPTS = ["def add(a, b):", "The model draft and the target verify", "class Cache:\n    def __init__(self, n):"]
-from converters.eagle3 import convert_eagle3  # noqa: E402  (the conversion step train_eagle is handed)
+from converters.eagle3 import convert_eagle3, target_info  # noqa: E402  (the conversion step train_eagle is handed)
 
 SMALL = dict(convert=convert_eagle3, tokens=1500, epochs=12, vocab=256, depths=3, batch_tokens=256, lr=3e-3, max_new=64, threads=1, n_ctx=512,
              quiet=True)
@@ -249,7 +249,8 @@ def test_the_command(trained, home, monkeypatch):
     out = CliRunner().invoke(app, ["train-heads", str(target), "--tokens", "1500", "--epochs", "6", "--json"])
     assert out.exit_code == 0, out.output
     assert calls == [(str(target), {"tokens": 1500, "out": None, "seed": 0, "threads": None, "quiet": True, "epochs": 6,
-                                    "text": (), "text_tokens": None, "convert": convert_eagle3})]
+                                    "text": (), "text_tokens": None, "convert": convert_eagle3,
+                                    "target_info": target_info})]
     assert json.loads(out.output)["kind"] == "eagle" and Path(json.loads(out.output)["path"]).is_file()
     bad = CliRunner().invoke(app, ["train-heads", str(target), "--kind", "hydra"])
     assert bad.exit_code == 2 and "eagle or medusa" in bad.output and len(calls) == 1
@@ -257,6 +258,10 @@ def test_the_command(trained, home, monkeypatch):
     assert out.exit_code == 0 and calls[-1][1]["text"] == ["src", "notes.md"] and calls[-1][1]["text_tokens"] == 900
     bad = CliRunner().invoke(app, ["train-heads", str(target), "--text-tokens", "900"])
     assert bad.exit_code == 2 and "--text PATH" in bad.output and len(calls) == 2
+    out = CliRunner().invoke(app, ["train-heads", str(target), "--hours", "0.5"])  # epochs sized to a budget
+    assert out.exit_code == 0 and calls[-1][1]["hours"] == 0.5 and "epochs" not in calls[-1][1]
+    bad = CliRunner().invoke(app, ["train-heads", str(target), "--hours", "0.5", "--kind", "medusa"])
+    assert bad.exit_code == 2 and "--hours" in bad.output and len(calls) == 3
 
 
 def test_text_on_the_machine_trains_too(trained, home, tmp_path):

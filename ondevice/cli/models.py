@@ -116,7 +116,8 @@ def train_heads_cmd(
     kind: Annotated[str, typer.Option("--kind", help="eagle: one decoder layer on the target's layer features, run by llama.cpp's eagle3 graph (GGUF targets) or in MLX (MLX targets); medusa: heads on the final hidden state (GGUF or MLX).")] = "eagle",
     out: Annotated[str | None, typer.Option("--out", help="Folder for the drafter file (default: beside the model in the store).")] = None,
     seed: Annotated[int, typer.Option("--seed", min=0, help="Seed of the split, initial weights and batch order.")] = 0,
-    epochs: Annotated[int | None, typer.Option("--epochs", min=1, help="Passes over the recorded data (default: the kind's).")] = None,
+    epochs: Annotated[int | None, typer.Option("--epochs", min=1, help="Passes over the recorded data (default: eagle, as many as fit in --hours, at most 12; medusa, 8).")] = None,
+    hours: Annotated[float | None, typer.Option("--hours", min=0.01, help="eagle: the whole run's time budget (recording, features, fit) that sizes the epochs when --epochs is not given [default: 1.5].")] = None,
     text: Annotated[list[str] | None, typer.Option("--text", help="A file or folder of text already on the machine (your code, notes) to train on too, read teacher-forced (cheaper per token than recording answers); repeatable.")] = None,
     text_tokens: Annotated[int | None, typer.Option("--text-tokens", min=16, help="Tokens of --text to read (default: as many as --tokens).")] = None,
     threads: ThreadsOpt = None,
@@ -128,6 +129,10 @@ def train_heads_cmd(
     if text_tokens is not None and not text:
         raise typer.BadParameter("--text-tokens needs --text PATH (the files or folders to read)")
     extra = {} if epochs is None else {"epochs": epochs}
+    if hours is not None:
+        if kind != "eagle":
+            raise typer.BadParameter("--hours sizes the eagle kind's fit; for --kind medusa give --epochs")
+        extra["hours"] = hours
     try:
         if kind == "eagle":
             from converters.eagle3 import convert_eagle3, target_info

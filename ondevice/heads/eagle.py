@@ -222,7 +222,10 @@ def make_step(shape: Shape, depths: int, T: int, lr: float, warmup: int, total: 
     Args:
         feat_w, norm_t: the feature loss's weight and the target's final-norm weight (``loss_fn``).
         frozen: parameters kept as initialised (e.g. the LM head: the target's own rows).
-        wd: decoupled weight decay of the matrices (AdamW), × the step's rate."""
+        wd: decoupled weight decay of the matrices (AdamW), × the step's rate.
+    Returns:
+        The step; its ``total`` attribute (the schedule's length) may be set before any step (``train_eagle`` sizes
+        it from the step's own measured time) without compiling again."""
     import jax
     import jax.numpy as jnp
 
@@ -230,14 +233,14 @@ def make_step(shape: Shape, depths: int, T: int, lr: float, warmup: int, total: 
     b1, b2, eps = 0.9, 0.95, 1e-8
     norm_t = None if norm_t is None else jnp.asarray(norm_t, jnp.float32)
 
-    def step(params, opt, batch, t):
+    def inner(params, opt, batch, t, total):
         n = batch["emb"].shape[1]  # any window length up to T (one trace per length)
         (loss, hits), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, shape, batch, cos[:n], sin[:n], depths,
                                                                         feat_w, norm_t)
         grads = {k: jnp.zeros_like(g) if k in frozen else g for k, g in grads.items()}
         norm = jnp.sqrt(sum(jnp.sum(g * g) for g in grads.values()))
         factor = jnp.minimum(1.0, clip / (norm + 1e-6))
-        frac = jnp.clip((t - warmup) / max(1, total - warmup), 0.0, 1.0)
+        frac = jnp.clip((t - warmup) / jnp.maximum(1, total - warmup), 0.0, 1.0)
         rate = lr * jnp.where(t < warmup, (t + 1) / warmup, 0.1 + 0.45 * (1 + jnp.cos(jnp.pi * frac)))
         new_p, new_m, new_v = {}, {}, {}
         for k, w in params.items():
@@ -250,7 +253,13 @@ def make_step(shape: Shape, depths: int, T: int, lr: float, warmup: int, total: 
             new_m[k], new_v[k] = m, v
         return new_p, {"m": new_m, "v": new_v}, loss, hits
 
-    return jax.jit(step)
+    inner = jax.jit(inner)
+
+    def step(params, opt, batch, t):
+        return inner(params, opt, batch, t, step.total)  # total traced: a new value compiles nothing
+
+    step.total = int(total)
+    return step
 
 
 def make_eval(shape: Shape, depths: int, T: int):

@@ -28,6 +28,7 @@ from ondevice.heads import eagle, eagle_data, eagle_mlx, eagle_store, store, tex
 
 DEFAULTS = dict(vocab=8192, depths=5, epochs=12, max_new=192, window=384, batch_tokens=3072, lr=1e-3, noise=0.05,
                 feat_w=0.0, fix_head=False, wd=0.0, fc_top=False)
+DEFAULT_HOURS = 1.5  # the whole run's wall-time budget when no epochs are given (the issue's: a 1.5B target, 2 cores)
 SAVE_SECONDS = 600.0  # the fit's checkpoint is also saved mid-epoch this often (an epoch of a 1.5B target's fit is hours)
 
 
@@ -74,6 +75,39 @@ def heldout_tau(run, params, seqs: list[eagle_data.Seq], inv, table, T: int, dep
             "accept_by_depth": [round(a / max(1, c), 3) for a, c in acc]}
 
 
+def _budget_epochs(path: Path, step, params, tr, wins, T: int, batch_tokens: int, inv, table, *,
+                   seconds_left: float, hidden=None) -> dict:
+    """How many epochs fit in ``seconds_left``: the step's seconds per (padded) row, timed on a batch of the longest
+    windows after a first call compiles it (the fit reuses that compile), times an epoch's rows. Saved at ``path``
+    and read back, so a resumed run keeps its schedule.
+
+    Returns:
+        {"epochs", "seconds_per_row", "epoch_seconds", "seconds_left"}.
+    """
+    from ondevice import atomic
+
+    try:
+        got = json.loads(path.read_text("utf-8"))
+        if isinstance(got.get("epochs"), int) and got["epochs"] >= 1:
+            return got
+    except (OSError, ValueError, AttributeError):
+        pass  # none yet, or damaged: measure again
+    plan = eagle_data.batches(tr, wins, T, batch_tokens, np.random.default_rng(0))
+    L, B, ws = max(plan, key=lambda b: (b[0], len(b[2])))
+    batch = eagle_data.batch_arrays(tr, ws, L, inv, table, rows=B, hidden=hidden)
+    opt = eagle.zeros_like(params)
+    for _ in range(2):  # the first compiles
+        t = time.perf_counter()
+        np.asarray(step(params, opt, batch, 0)[2])  # waits for the step (its outputs are dropped)
+        took = time.perf_counter() - t
+    per_row = took / (B * L)
+    epoch_s = per_row * sum(b[0] * b[1] for b in plan)
+    got = {"epochs": int(min(DEFAULTS["epochs"], max(1, seconds_left // max(epoch_s, 1e-9)))),
+           "seconds_per_row": per_row, "epoch_seconds": round(epoch_s, 2), "seconds_left": round(seconds_left, 1)}
+    atomic.write_text(path, json.dumps(got))
+    return got
+
+
 def _soften(params, shape: eagle.Shape, seqs, inv, table, target_std: float = 2.0) -> float:
     """The factor on the final norm's weight that gives the initial draft logits a spread of ``target_std``: the
     target's own norm and LM head are sharp for its hidden states, and the untrained layer's output points
@@ -111,8 +145,13 @@ def _load_state(path: Path, params: dict) -> tuple[dict, dict, dict] | None:
 def _check_args(**kw) -> None:
     """Refuse, in one line naming the argument, settings that would train nothing or fail after the recording."""
     for name in ("epochs", "vocab", "depths", "batch_tokens", "max_new"):
+        if name == "epochs" and kw[name] is None:
+            continue  # sized to the time budget
         if not isinstance(kw[name], (int, np.integer)) or kw[name] < 1:
             raise OndeviceError(f"{name}={kw[name]!r}: must be a positive integer")
+    if not np.isfinite(kw["hours"]) or kw["hours"] <= 0:
+        raise OndeviceError(f"hours={kw['hours']!r}: the time budget must be a positive number of hours "
+                            f"(default {DEFAULT_HOURS})")
     if not np.isfinite(kw["lr"]) or kw["lr"] <= 0:
         raise OndeviceError(f"lr={kw['lr']!r}: the learning rate must be a positive number (default {DEFAULTS['lr']})")
     if not np.isfinite(kw["noise"]) or kw["noise"] < 0:
@@ -124,12 +163,13 @@ def _check_args(**kw) -> None:
 
 def train_eagle(model: str | os.PathLike, *, tokens: int = train.DEFAULT_TOKENS, out: str | os.PathLike | None = None,
                 seed: int = 0, threads: int | None = None, quiet: bool = False, vocab: int = DEFAULTS["vocab"],
-                depths: int = DEFAULTS["depths"], epochs: int = DEFAULTS["epochs"], max_new: int = DEFAULTS["max_new"],
+                depths: int = DEFAULTS["depths"], epochs: int | None = None, max_new: int = DEFAULTS["max_new"],
                 n_ctx: int = 1024, slots: int = 32, lr: float = DEFAULTS["lr"], noise: float = DEFAULTS["noise"],
                 batch_tokens: int = DEFAULTS["batch_tokens"], feat_w: float = DEFAULTS["feat_w"],
                 fix_head: bool = DEFAULTS["fix_head"], wd: float = DEFAULTS["wd"], fc_top: bool = DEFAULTS["fc_top"],
                 text: Sequence[str | os.PathLike] = (), text_tokens: int | None = None,
-                convert: Callable | None = None, target_info: Callable | None = None) -> dict:
+                convert: Callable | None = None, target_info: Callable | None = None,
+                hours: float = DEFAULT_HOURS) -> dict:
     """Train the EAGLE-style drafter for ``model`` (a GGUF or catalog name) and store it (``eagle_store``).
 
     Args:
@@ -142,7 +182,9 @@ def train_eagle(model: str | os.PathLike, *, tokens: int = train.DEFAULT_TOKENS,
         tokens: answer tokens to record (self-distillation; a tenth of the answers is held out to measure τ).
         out: folder for the drafter file (default: beside the model in the store).
         vocab: draft vocabulary size; depths: drafting steps trained (the longest chain it is trained for).
-        epochs: passes over the data (the best on held-out answers is kept); lr, noise: AdamW peak rate and
+        epochs: passes over the data (the best on held-out answers is kept); None: as many as fit in what is left
+            of ``hours`` (the whole run's budget, recording included) when the fit starts, from the fit step's own
+            measured time, between 1 and DEFAULTS["epochs"] (``_budget_epochs``; kept for a resumed run); lr, noise: AdamW peak rate and
             the features' relative input noise; batch_tokens: rows per optimiser step.
         feat_w: weight of the feature loss (regression onto the target's hidden state, ``eagle.loss_fn``);
             fix_head: keep the LM head as the target's rows (its norm trains: it starts softened); wd: AdamW weight decay;
@@ -165,7 +207,7 @@ def train_eagle(model: str | os.PathLike, *, tokens: int = train.DEFAULT_TOKENS,
         raise OndeviceError("train_eagle needs the EAGLE-3 converter: pass convert=converters.eagle3.convert_eagle3")
     if tokens < 1:
         raise OndeviceError(f"tokens={tokens}: train-heads needs a positive number of answer tokens (--tokens N, N >= 100)")
-    _check_args(epochs=epochs, vocab=vocab, depths=depths, batch_tokens=batch_tokens, max_new=max_new, lr=lr, noise=noise,
+    _check_args(epochs=epochs, hours=hours, vocab=vocab, depths=depths, batch_tokens=batch_tokens, max_new=max_new, lr=lr, noise=noise,
                 feat_w=feat_w, wd=wd)
     text_budget = (tokens if text_tokens is None else int(text_tokens)) if text else 0
     text_paths: list[Path] = []
@@ -258,8 +300,21 @@ def train_eagle(model: str | os.PathLike, *, tokens: int = train.DEFAULT_TOKENS,
         steps_per_epoch = len(eagle_data.batches(tr, wins, T, batch_tokens, np.random.default_rng(0)))
         n_tr = int(sum(len(s.tokens) for s in tr))
         n_text = int(sum(len(s.tokens) for s in text_seqs))
+        hid = [eagle_data.hidden_rows(r) for r in tr_recs] + [(0, table[:0])] * len(text_seqs) \
+            if feat_w else None  # aligned with tr (text has no recorded hidden states: no feature loss there)
         extra = [feat_w, "lm_head" if fix_head else "", wd, *(["fc_top"] if fc_top else []), *(["text", n_text, texts.digest(s.tokens for s in text_seqs)] if n_text else [])] \
             if (feat_w or fix_head or wd or fc_top or n_text) else []  # earlier keys unchanged
+        step = eagle.make_step(shape, depths, T, lr=lr, warmup=min(200, steps_per_epoch), total=(epochs or 1) * steps_per_epoch,
+                               feat_w=feat_w, norm_t=norm_t, frozen=("lm_head.weight",) if fix_head else (),
+                               wd=wd)
+        sized = None
+        if epochs is None:
+            pre = hashlib.sha256(json.dumps([sha, n_tr, len(seqs), seed, vocab, depths, T, batch_tokens, layer_ids, hours,
+                                             *extra]).encode()).hexdigest()[:12]
+            sized = _budget_epochs(work / f"eagle-epochs-{pre}.json", step, params, tr, wins, T, batch_tokens, inv, table,
+                                   seconds_left=hours * 3600 - (time.perf_counter() - t0), hidden=hid)
+            epochs = sized["epochs"]
+            step.total = epochs * steps_per_epoch  # the schedule's length, now known (no new compile)
         key = hashlib.sha256(json.dumps(["soft-init", sha, n_tr, len(seqs), seed, vocab, depths, epochs, T, batch_tokens, lr, noise,
                                          layer_ids, *extra]).encode()).hexdigest()[:12]
         ckpt = work / f"eagle-fit-{key}.npz"
@@ -269,11 +324,6 @@ def train_eagle(model: str | os.PathLike, *, tokens: int = train.DEFAULT_TOKENS,
             log, start, best = info["log"], info["epoch"], info.get("best")
         best_params = _load_state(work / f"eagle-best-{key}.npz", params) if best is not None else None
         best_params = best_params[0] if best_params else None
-        hid = [eagle_data.hidden_rows(r) for r in tr_recs] + [(0, table[:0])] * len(text_seqs) \
-            if feat_w else None  # aligned with tr (text has no recorded hidden states: no feature loss there)
-        step = eagle.make_step(shape, depths, T, lr=lr, warmup=min(200, steps_per_epoch), total=epochs * steps_per_epoch,
-                               feat_w=feat_w, norm_t=norm_t, frozen=("lm_head.weight",) if fix_head else (),
-                               wd=wd)
         run = eagle.make_eval(shape, depths, T)
         t1 = time.perf_counter()
         done = info.get("step", 0)  # steps of epoch `start` already taken (a checkpoint saved mid-epoch)
@@ -314,6 +364,7 @@ def train_eagle(model: str | os.PathLike, *, tokens: int = train.DEFAULT_TOKENS,
         meta = {"target_sha256": sha, "target_file": path.name, "architecture": arch, "target_vocab_size": V,
                 "draft_vocab_size": int(len(vocab_ids)), "target_layers": layer_ids, "depths": depths,
                 "training_tokens": n_tr, "text_tokens": n_text, "heldout_answers": len(val), "seed": seed, "epochs": epochs,
+                **({"epochs_sized": sized} if sized else {}),
                 "feat_w": feat_w, "fix_head": bool(fix_head), "wd": wd, "fc_top": bool(fc_top),
                 "record_seconds": round(t_rec, 1), "feature_seconds": round(t_feat, 1), "fit_seconds": round(t_fit, 1),
                 "tau_heldout": final}
