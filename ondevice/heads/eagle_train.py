@@ -77,12 +77,12 @@ def heldout_tau(run, params, seqs: list[eagle_data.Seq], inv, table, T: int, dep
 
 def _budget_epochs(path: Path, step, params, tr, wins, T: int, batch_tokens: int, inv, table, *,
                    seconds_left: float, hidden=None) -> dict:
-    """How many epochs fit in ``seconds_left``: the step's seconds per (padded) row, timed on a batch of the longest
-    windows after a first call compiles it (the fit reuses that compile), times an epoch's rows. Saved at ``path``
-    and read back, so a resumed run keeps its schedule.
+    """How many epochs fit in ``seconds_left``: the step's seconds per (padded) row, timed on a batch of each
+    window length of the plan after a first call compiles it (the fit reuses those compiles: a few lengths), times
+    the epoch's rows of that length. Saved at ``path`` and read back, so a resumed run keeps its schedule.
 
     Returns:
-        {"epochs", "seconds_per_row", "epoch_seconds", "seconds_left"}.
+        {"epochs", "seconds_per_row" (by window length), "epoch_seconds", "seconds_left"}.
     """
     from ondevice import atomic
 
@@ -93,17 +93,18 @@ def _budget_epochs(path: Path, step, params, tr, wins, T: int, batch_tokens: int
     except (OSError, ValueError, AttributeError):
         pass  # none yet, or damaged: measure again
     plan = eagle_data.batches(tr, wins, T, batch_tokens, np.random.default_rng(0))
-    L, B, ws = max(plan, key=lambda b: (b[0], len(b[2])))
-    batch = eagle_data.batch_arrays(tr, ws, L, inv, table, rows=B, hidden=hidden)
-    opt = eagle.zeros_like(params)
-    for _ in range(2):  # the first compiles
-        t = time.perf_counter()
-        np.asarray(step(params, opt, batch, 0)[2])  # waits for the step (its outputs are dropped)
-        took = time.perf_counter() - t
-    per_row = took / (B * L)
-    epoch_s = per_row * sum(b[0] * b[1] for b in plan)
+    opt, per_row = eagle.zeros_like(params), {}
+    for L in sorted({b[0] for b in plan}):
+        _, B, ws = max((b for b in plan if b[0] == L), key=lambda b: len(b[2]))
+        batch = eagle_data.batch_arrays(tr, ws, L, inv, table, rows=B, hidden=hidden)
+        for _ in range(2):  # the first compiles
+            t = time.perf_counter()
+            np.asarray(step(params, opt, batch, 0)[2])  # waits for the step (its outputs are dropped)
+            took = time.perf_counter() - t
+        per_row[L] = took / (B * L)
+    epoch_s = sum(per_row[L] * L * B for L, B, _ in plan)
     got = {"epochs": int(min(DEFAULTS["epochs"], max(1, seconds_left // max(epoch_s, 1e-9)))),
-           "seconds_per_row": per_row, "epoch_seconds": round(epoch_s, 2), "seconds_left": round(seconds_left, 1)}
+           "seconds_per_row": {str(k): v for k, v in per_row.items()}, "epoch_seconds": round(epoch_s, 2), "seconds_left": round(seconds_left, 1)}
     atomic.write_text(path, json.dumps(got))
     return got
 
