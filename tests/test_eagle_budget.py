@@ -37,9 +37,9 @@ def _fake_step(calls: list):
 
 def _size(tmp_path, seconds_left: float, calls: list, T: int = 256, batch_tokens: int = 512) -> dict:
     seqs, inv, table = _data()
-    wins = eagle_data.windows(seqs, T)
-    return eagle_train._budget_epochs(tmp_path / "epochs.json", _fake_step(calls), {"w": np.zeros(3)}, seqs, wins, T,
-                                      batch_tokens, inv, table, seconds_left=seconds_left)
+    plan = eagle_data.batches(seqs, eagle_data.windows(seqs, T), T, batch_tokens, np.random.default_rng(0))
+    return eagle_train._budget_epochs(tmp_path / "epochs.json", _fake_step(calls), {"w": np.zeros(3)}, seqs, plan,
+                                      inv, table, seconds_left=seconds_left)
 
 
 def test_epochs_fill_what_is_left_of_the_budget(tmp_path):

@@ -75,10 +75,9 @@ def heldout_tau(run, params, seqs: list[eagle_data.Seq], inv, table, T: int, dep
             "accept_by_depth": [round(a / max(1, c), 3) for a, c in acc]}
 
 
-def _budget_epochs(path: Path, step, params, tr, wins, T: int, batch_tokens: int, inv, table, *,
-                   seconds_left: float, hidden=None) -> dict:
+def _budget_epochs(path: Path, step, params, tr, plan, inv, table, *, seconds_left: float, hidden=None) -> dict:
     """How many epochs fit in ``seconds_left``: the step's seconds per (padded) row, timed on a batch of each
-    window length of the plan after a first call compiles it (the fit reuses those compiles: a few lengths), times
+    window length of an epoch's ``plan`` (``eagle_data.batches``) after a first call compiles it (the fit reuses those compiles: a few lengths), times
     the epoch's rows of that length. Saved at ``path`` and read back, so a resumed run keeps its schedule.
 
     Returns:
@@ -92,7 +91,6 @@ def _budget_epochs(path: Path, step, params, tr, wins, T: int, batch_tokens: int
             return got
     except (OSError, ValueError, AttributeError):
         pass  # none yet, or damaged: measure again
-    plan = eagle_data.batches(tr, wins, T, batch_tokens, np.random.default_rng(0))
     opt, per_row = eagle.zeros_like(params), {}
     for L in sorted({b[0] for b in plan}):
         _, B, ws = max((b for b in plan if b[0] == L), key=lambda b: len(b[2]))
@@ -298,7 +296,8 @@ def train_eagle(model: str | os.PathLike, *, tokens: int = train.DEFAULT_TOKENS,
         params["norm.weight"] *= _soften(params, shape, tr, inv, table)
         T = int(min(DEFAULTS["window"], eagle_data.bucket(max(len(s.tokens) for s in seqs + text_seqs))))
         wins = eagle_data.windows(tr, T)
-        steps_per_epoch = len(eagle_data.batches(tr, wins, T, batch_tokens, np.random.default_rng(0)))
+        plan0 = eagle_data.batches(tr, wins, T, batch_tokens, np.random.default_rng(0))  # every epoch as many steps
+        steps_per_epoch = len(plan0)
         n_tr = int(sum(len(s.tokens) for s in tr))
         n_text = int(sum(len(s.tokens) for s in text_seqs))
         hid = [eagle_data.hidden_rows(r) for r in tr_recs] + [(0, table[:0])] * len(text_seqs) \
@@ -308,16 +307,18 @@ def train_eagle(model: str | os.PathLike, *, tokens: int = train.DEFAULT_TOKENS,
         step = eagle.make_step(shape, depths, T, lr=lr, warmup=min(200, steps_per_epoch), total=(epochs or 1) * steps_per_epoch,
                                feat_w=feat_w, norm_t=norm_t, frozen=("lm_head.weight",) if fix_head else (),
                                wd=wd)
+
+        def fit_key(passes) -> str:  # the fit's identity; ``passes``: its epochs, or the budget that sizes them
+            return hashlib.sha256(json.dumps(["soft-init", sha, n_tr, len(seqs), seed, vocab, depths, passes, T,
+                                              batch_tokens, lr, noise, layer_ids, *extra]).encode()).hexdigest()[:12]
+
         sized = None
         if epochs is None:
-            pre = hashlib.sha256(json.dumps([sha, n_tr, len(seqs), seed, vocab, depths, T, batch_tokens, layer_ids, hours,
-                                             *extra]).encode()).hexdigest()[:12]
-            sized = _budget_epochs(work / f"eagle-epochs-{pre}.json", step, params, tr, wins, T, batch_tokens, inv, table,
-                                   seconds_left=hours * 3600 - (time.perf_counter() - t0), hidden=hid)
+            sized = _budget_epochs(work / f"eagle-epochs-{fit_key(['hours', hours])}.json", step, params, tr, plan0,
+                                   inv, table, seconds_left=hours * 3600 - (time.perf_counter() - t0), hidden=hid)
             epochs = sized["epochs"]
             step.total = epochs * steps_per_epoch  # the schedule's length, now known (no new compile)
-        key = hashlib.sha256(json.dumps(["soft-init", sha, n_tr, len(seqs), seed, vocab, depths, epochs, T, batch_tokens, lr, noise,
-                                         layer_ids, *extra]).encode()).hexdigest()[:12]
+        key = fit_key(epochs)
         ckpt = work / f"eagle-fit-{key}.npz"
         opt, log, start, best, info = eagle.zeros_like(params), [], 0, None, {}
         if (state := _load_state(ckpt, params)) is not None:
