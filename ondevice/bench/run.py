@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ondevice.bench.oracle import oracle_speedup
+from ondevice.bench.ties import explain
 from ondevice.costs import Costs, cached_measure, speedup_bound
 from ondevice.errors import OndeviceError
 from ondevice.params import GenerateRequest, gamma_value
@@ -227,6 +228,8 @@ def run_bench(
                     plain_tokens = res.tokens
                 elif temperature == 0:
                     runs[-1]["same_as_plain"] = res.tokens == plain_tokens  # greedy: token for token
+                    if res.tokens != plain_tokens:  # a near tie flipped by batch rounding, or a bug
+                        runs[-1]["divergence"] = explain(rt.target, ids, plain_tokens, res.tokens)
                 if name != "plain" and temperature == 0:  # the answer is a fact: replayable offline
                     runs[-1].update(oracle_speedup(ids, res.tokens, costs), prompt_ids=ids, answer_ids=res.tokens)
                 if progress:
@@ -313,6 +316,7 @@ def summarize(runs: list[dict], costs: Costs, kind_costs: dict[str, float] | Non
                 row["realized_over_oracle"] = row["decode_speedup_vs_plain"] / row["oracle_speedup"] if dec else None
             if any("same_as_plain" in r for r in rs):
                 row["same_as_plain"] = all(r.get("same_as_plain", True) for r in rs)
+                row["unexplained_divergences"] = sum(not r["divergence"]["explained"] for r in rs if "divergence" in r)
             forwards = sum(r.get("target_forwards") or 0 for r in rs)
             if forwards:
                 row["plain_steps_share"] = sum(r["plain_steps"] for r in rs) / forwards
