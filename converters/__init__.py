@@ -57,7 +57,8 @@ def convert(
             warn converts and reports the strings that differ and which reading the output follows.
         target: with an EAGLE-3 draft checkpoint as ``src`` (``--to gguf``): the target it drafts for (HF
             directory or GGUF); the draft is written as GGUF arch eagle3 (``converters.eagle3``), its matrices
-            f16 (``quant="f32"``: f32; drafts are not quantized).
+            f16 (``quant="f32"``: f32; an EAGLE-3 draft also ``q8_0`` / ``q4_0``, by llama.cpp's quantizer; any
+            other ``quant`` leaves a draft f16).
     Returns:
         A JSON-able summary (sizes, seconds, bits per weight, tensor types, fallbacks) with, per output,
         ``verify``: what loading it in its runtime and comparing with the source found (``converters.verify``),
@@ -77,8 +78,9 @@ def convert(
             if to != "gguf" or target is None:
                 raise OndeviceError(f"{shown(src)}: {kind}; convert it with --to gguf --target TARGET (the model it "
                                     "drafts for: HF directory or GGUF)")
-            return convert_draft(src, target=_source(lookup.resolve(target)), out=out,
-                                 dtype="f32" if quant.lower() == "f32" else "f16", verify=verify)
+            q = quant.lower()
+            dtype = q if q == "f32" or (convert_draft is convert_eagle3 and q in ("q8_0", "q4_0")) else "f16"
+            return convert_draft(src, target=_source(lookup.resolve(target)), out=out, dtype=dtype, verify=verify)
     if target is not None:
         raise OndeviceError(f"--target is for EAGLE-3 / DFlash drafts (a config.json with draft_vocab_size / "
                             f"dflash_config); {shown(src)} is not one")

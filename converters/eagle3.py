@@ -30,8 +30,13 @@ from converters.eagle3_source import (
 )
 from ondevice.errors import OndeviceError
 
-__all__ = ["Eagle3Source", "Target", "check_against", "convert_eagle3", "is_eagle3", "open_eagle3", "target_info",
-           "write_eagle3_gguf"]
+__all__ = ["DTYPES", "Eagle3Source", "Target", "check_against", "convert_eagle3", "is_eagle3", "open_eagle3",
+           "target_info", "write_eagle3_gguf"]
+
+# the matrices' type: f32 / f16 written as such; q8_0 / q4_0 written f16, then quantized by llama.cpp's own
+# quantizer (``llama_model_quantize``): the draft is read once per drafted token, so its bytes are its cost
+DTYPES = ("f32", "f16", "q8_0", "q4_0")
+
 
 def layer_ids(src: Eagle3Source, target: Target) -> list[int]:
     """The 3 target layers whose *inputs* the draft reads: the config's ``eagle_aux_hidden_state_layer_ids``, else
@@ -153,7 +158,7 @@ def convert_eagle3(src: str | Path, *, target: str | Path, out: str | Path, dtyp
         src: the EAGLE-3 checkpoint directory (either layout).
         target: the target it drafts for: an HF checkpoint directory or a GGUF (file or ``convert`` output dir).
         out: a new directory.
-        dtype: f16 | f32 for the matrices.
+        dtype: the matrices' type, one of ``DTYPES`` (q8_0 / q4_0: llama.cpp's quantizer on the f16 file).
         verify: compare the written draft's logits (llama.cpp's eagle3 graph) with a numpy forward of the
             source weights, given the same random target features and tokens (``converters.eagle3_check``).
         meta: extra string keys for the GGUF (``train-heads`` records what it trained on).
@@ -168,8 +173,27 @@ def convert_eagle3(src: str | Path, *, target: str | Path, out: str | Path, dtyp
     """
     from converters.output import convert_draft
 
+    if dtype not in DTYPES:
+        raise OndeviceError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
+    if mlx_target is not None and dtype not in ("f16", "f32"):
+        raise OndeviceError(f"--dtype {dtype}: an MLX target runs its drafter from an f16 or f32 GGUF")
+
+    checked: dict = {}  # a quantized draft's f16 file, verified before quantizing
+
     def write(draft: Eagle3Source, tgt: Target, ids: list[int], path: Path) -> dict:
-        counts = write_eagle3_gguf(draft, tgt, ids, path, dtype=dtype, meta=meta)
+        if dtype in ("f16", "f32"):
+            counts = write_eagle3_gguf(draft, tgt, ids, path, dtype=dtype, meta=meta)
+        else:
+            from converters.quantize import llama_quantize
+
+            f16 = path.with_name("model.f16.gguf")  # inside convert_draft's temporary directory
+            counts = write_eagle3_gguf(draft, tgt, ids, f16, dtype="f16", meta=meta)
+            if verify:  # the conversion itself, to f16's tolerance; the quantized file is checked after, to its own
+                from converters.eagle3_check import verify_eagle3
+
+                checked["f16"] = verify_eagle3(draft, f16, tgt, "f16")
+            llama_quantize(f16, path, dtype)
+            f16.unlink()
         return {"format": "gguf", "arch": "eagle3", "layout": draft.layout, "dtype": dtype, "path": "model.gguf",
                 "target": str(tgt.path), "target_layers": ids, "draft_vocab": int(draft.d2t.size),
                 "own_embeddings": draft.has("embed_tokens.weight"), "n_params": sum(counts.values()),
@@ -178,7 +202,7 @@ def convert_eagle3(src: str | Path, *, target: str | Path, out: str | Path, dtyp
     def verified(draft: Eagle3Source, path: Path, tgt: Target) -> dict:
         from converters.eagle3_check import verify_eagle3
 
-        return verify_eagle3(draft, path, tgt, dtype, mlx_target=mlx_target)
+        return {**verify_eagle3(draft, path, tgt, dtype, mlx_target=mlx_target), **checked}
 
     return convert_draft(src, target, out, arch="eagle3", dtype=dtype, open_draft=open_eagle3, check=check_against,
                          write=write, verify=verified if verify else None)

@@ -171,3 +171,38 @@ def test_convert_entry_point(target, tmp_path):
     s = convert(src, to="gguf", out=tmp_path / "c", target=target[1].parent, progress=False)
     assert s["arch"] == "eagle3" and s["dtype"] == "f16" and s["verify"]["ok"]
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    s = convert(src, to="gguf", out=tmp_path / "d", target=target[1].parent, quant="q8_0", progress=False)
+    assert s["dtype"] == "q8_0" and s["verify"]["ok"] and s["verify"]["f16"]["ok"]
+
+
+@pytest.mark.parametrize("dtype", ["q8_0", "q4_0"])
+def test_quantized_draft(target, tmp_path, dtype):
+    """A quantized draft: the f16 file is verified to f16's tolerance first, then llama.cpp's quantizer writes the
+    matrices as ``dtype`` (smaller file) and the quantized graph is checked to its own looser bound."""
+    import gguf
+
+    from converters.eagle3 import convert_eagle3
+    from converters.eagle3_check import TOLERANCE
+
+    src = _draft(tmp_path, layout="specforge", own_embeddings=False)
+    f16 = convert_eagle3(src, target=target[1], out=tmp_path / "f16")
+    s = convert_eagle3(src, target=target[1], out=tmp_path / "q", dtype=dtype)
+    v = s["verify"]
+    assert v["ok"] and 0 < v["logit_rel"] <= TOLERANCE[dtype] and v["f16"]["logit_rel"] <= TOLERANCE["f16"]
+    assert v["logit_rel"] > 10 * v["f16"]["logit_rel"]  # the quantized graph is what was checked
+    assert s["dtype"] == dtype and s["size_bytes"] < 0.6 * f16["size_bytes"]
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(tmp_path / "q" / "model.gguf")).tensors}
+    assert types["blk.0.ffn_up.weight"] == dtype.upper() and types["d2t"] == "I64"
+    assert sorted(p.name for p in (tmp_path / "q").iterdir()) == ["manifest.json", "model.gguf"]
+
+
+def test_quantized_draft_catches_a_wrong_conversion_before_quantizing(target, tmp_path, monkeypatch):
+    """Quantization's own error is far above f16's: a layout bug is caught on the f16 file, to f16's tolerance."""
+    import converters.eagle3 as conv
+
+    monkeypatch.setattr(conv, "_permute", lambda t, n_head: t)
+    with pytest.raises(OndeviceError, match=r"model\.f16\.gguf: llama\.cpp's logits differ"):
+        conv.convert_eagle3(_draft(tmp_path, layout="specforge"), target=target[1], out=tmp_path / "out", dtype="q8_0")
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(OndeviceError, match="choose one of f32, f16, q8_0, q4_0"):
+        conv.convert_eagle3(_draft(tmp_path, "d2"), target=target[1], out=tmp_path / "out", dtype="q4_k")

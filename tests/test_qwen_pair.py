@@ -7,6 +7,7 @@ import pytest
 
 import ondevice
 from ondevice.backends.llama import LlamaBackend
+from ondevice.bench.ties import explain
 from ondevice.store import fetch
 
 pytestmark = pytest.mark.slow
@@ -39,16 +40,10 @@ def test_greedy_speculative_vs_plain_on_k_quants():
     if delta == 0.0:
         assert spec.tokens == ref.tokens
         return
-    n = next((i for i, (a, b) in enumerate(zip(ref.tokens, spec.tokens, strict=False)) if a != b), None)
-    if n is None:
-        print("no divergence in 96 tokens")
-        return
-    # the plain run's own top-2 margin at the first divergence must be within the batch noise
     b = LlamaBackend(target, n_ctx=1024)
-    ids = b.tokenize(PROMPT)
-    logits = b.eval(ids + ref.tokens[:n], logits="last")[-1]
-    b.close()
-    top2 = np.sort(logits)[-2:]
-    margin = float(top2[1] - top2[0])
-    print(f"first divergence at token {n}: plain {ref.tokens[n]} vs speculative {spec.tokens[n]}, top-2 margin {margin:.3f}")
-    assert margin < delta
+    try:  # a difference must be a near tie the target's own batch rounding can flip (``ondevice.bench.ties``)
+        r = explain(b, b.tokenize(PROMPT), ref.tokens, spec.tokens)
+    finally:
+        b.close()
+    print(r)
+    assert r["equal"] or (r["reproduced"] and r["explained"])

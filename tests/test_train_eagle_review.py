@@ -77,7 +77,7 @@ def test_a_damaged_fit_checkpoint_starts_the_fit_over(tmp_path, how):
     assert _load_state(path, params) is None
 
 
-@pytest.mark.parametrize("bad", [dict(epochs=0), dict(lr=0.0), dict(lr=-1e-3), dict(lr=float("nan")), dict(noise=-0.1),
+@pytest.mark.parametrize("bad", [dict(epochs=0), dict(draft_dtype="q4_k"), dict(lr=0.0), dict(lr=-1e-3), dict(lr=float("nan")), dict(noise=-0.1),
                                  dict(batch_tokens=0), dict(depths=0), dict(vocab=0)])
 def test_bad_settings_are_refused_before_any_work(tmp_path, monkeypatch, bad):
     """epochs=0 used to store an untrained drafter; the others failed (or trained nothing) after the recording."""
@@ -252,3 +252,13 @@ def test_heads_on_a_target_without_layer_inputs_is_the_medusa_kind(tiny_gguf, tm
 
     with pytest.raises(OndeviceError, match="no heads trained for this model"):
         _heads(Build(target=NoLayerInputs(target)))
+
+
+def test_a_quantized_drafter_for_an_mlx_target_is_refused_before_any_work(tiny_mlx, tmp_path, monkeypatch):
+    """An MLX target runs its drafter from the f16 GGUF (``mlx_eagle3``): q4_0 is refused before the recording."""
+    from ondevice.heads import eagle_train
+
+    monkeypatch.setenv("ONDEVICE_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(eagle_train.train, "record_answers", lambda *a, **k: pytest.fail("recorded"))
+    with pytest.raises(OndeviceError, match="an MLX target runs its drafter from an f16 GGUF"):
+        eagle_train.train_eagle(tiny_mlx("llama"), tokens=1500, convert=convert_eagle3, draft_dtype="q4_0")

@@ -118,6 +118,7 @@ def train_heads_cmd(
     seed: Annotated[int, typer.Option("--seed", min=0, help="Seed of the split, initial weights and batch order.")] = 0,
     epochs: Annotated[int | None, typer.Option("--epochs", min=1, help="Passes over the recorded data (default: eagle, as many as fit in --hours, at most 12; medusa, 8).")] = None,
     hours: Annotated[float | None, typer.Option("--hours", min=0.01, help="eagle: the whole run's time budget (recording, features, fit) that sizes the epochs when --epochs is not given [default: 1.5].")] = None,
+    draft_dtype: Annotated[str | None, typer.Option("--draft-dtype", help="eagle: the drafter file's matrices, q4_0 | q8_0 | f16 (llama.cpp's quantizer; a drafted token costs ~.03 of a 1.5B target's decode at q4_0) [default: q4_0; f16 for MLX targets].")] = None,
     text: Annotated[list[str] | None, typer.Option("--text", help="A file or folder of text already on the machine (your code, notes) to train on too, read teacher-forced (cheaper per token than recording answers); repeatable.")] = None,
     text_tokens: Annotated[int | None, typer.Option("--text-tokens", min=16, help="Tokens of --text to read (default: as many as --tokens).")] = None,
     threads: ThreadsOpt = None,
@@ -129,6 +130,10 @@ def train_heads_cmd(
     if text_tokens is not None and not text:
         raise typer.BadParameter("--text-tokens needs --text PATH (the files or folders to read)")
     extra = {} if epochs is None else {"epochs": epochs}
+    if draft_dtype is not None:
+        if kind != "eagle":
+            raise typer.BadParameter("--draft-dtype is for the eagle kind's drafter file")
+        extra["draft_dtype"] = draft_dtype
     if hours is not None:
         if kind != "eagle":
             raise typer.BadParameter("--hours sizes the eagle kind's fit; for --kind medusa give --epochs")

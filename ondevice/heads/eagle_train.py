@@ -28,6 +28,9 @@ from ondevice.heads import eagle, eagle_data, eagle_mlx, eagle_store, store, tex
 
 DEFAULTS = dict(vocab=8192, depths=5, epochs=12, max_new=192, window=384, batch_tokens=3072, lr=1e-3, noise=0.05,
                 feat_w=0.0, fix_head=False, wd=0.0, fc_top=False)
+# the stored drafter's matrices (llama.cpp's quantizer): q4_0 drafts a token for ~.03 of a Qwen2.5-Coder-1.5B decode
+# against ~.07 (q8_0) and ~.06-.15 (f16), τ unchanged (docs/eagle.md, session 18); an MLX target's drafter stays f16
+DRAFT_DTYPES = ("q4_0", "q8_0", "f16")
 DEFAULT_HOURS = 1.5  # the whole run's wall-time budget when no epochs are given (the issue's: a 1.5B target, 2 cores)
 SAVE_SECONDS = 600.0  # the fit's checkpoint is also saved mid-epoch this often (an epoch of a 1.5B target's fit is hours)
 
@@ -158,6 +161,8 @@ def _check_args(**kw) -> None:
     for name in ("feat_w", "wd"):
         if not np.isfinite(kw[name]) or kw[name] < 0:
             raise OndeviceError(f"{name}={kw[name]!r}: must be a number >= 0 (default {DEFAULTS[name]})")
+    if kw["draft_dtype"] not in (None, *DRAFT_DTYPES):
+        raise OndeviceError(f"draft_dtype={kw['draft_dtype']!r}: choose {' | '.join(DRAFT_DTYPES)} (default {DRAFT_DTYPES[0]})")
 
 
 def train_eagle(model: str | os.PathLike, *, tokens: int = train.DEFAULT_TOKENS, out: str | os.PathLike | None = None,
@@ -168,7 +173,7 @@ def train_eagle(model: str | os.PathLike, *, tokens: int = train.DEFAULT_TOKENS,
                 fix_head: bool = DEFAULTS["fix_head"], wd: float = DEFAULTS["wd"], fc_top: bool = DEFAULTS["fc_top"],
                 text: Sequence[str | os.PathLike] = (), text_tokens: int | None = None,
                 convert: Callable | None = None, target_info: Callable | None = None,
-                hours: float = DEFAULT_HOURS) -> dict:
+                hours: float = DEFAULT_HOURS, draft_dtype: str | None = None) -> dict:
     """Train the EAGLE-style drafter for ``model`` (a GGUF or catalog name) and store it (``eagle_store``).
 
     Args:
@@ -192,6 +197,8 @@ def train_eagle(model: str | os.PathLike, *, tokens: int = train.DEFAULT_TOKENS,
             extra training data (never held out: τ is measured on the target's own answers); text_tokens: how
             many tokens of it (default: as many as ``tokens``).
         n_ctx, slots, threads, max_new: recording (as ``train.train_heads``).
+        draft_dtype: the drafter file's matrices, one of ``DRAFT_DTYPES`` (default q4_0; f16 for an MLX target, the
+            only one it takes). A run already fitted only converts again.
     Returns:
         A summary: path, wall seconds, tokens, τ of greedy chains (γ 3 / 5) on held-out answers, per-depth
         acceptance, the fit log and the conversion check.
@@ -207,7 +214,7 @@ def train_eagle(model: str | os.PathLike, *, tokens: int = train.DEFAULT_TOKENS,
     if tokens < 1:
         raise OndeviceError(f"tokens={tokens}: train-heads needs a positive number of answer tokens (--tokens N, N >= 100)")
     _check_args(epochs=epochs, hours=hours, vocab=vocab, depths=depths, batch_tokens=batch_tokens, max_new=max_new, lr=lr, noise=noise,
-                feat_w=feat_w, wd=wd)
+                feat_w=feat_w, wd=wd, draft_dtype=draft_dtype)
     text_budget = (tokens if text_tokens is None else int(text_tokens)) if text else 0
     text_paths: list[Path] = []
     if text:
@@ -221,6 +228,10 @@ def train_eagle(model: str | os.PathLike, *, tokens: int = train.DEFAULT_TOKENS,
         raise OndeviceError(f"{path.name}: the EAGLE drafter trains for a GGUF file or an MLX model directory, not a "
                             f"{fmt} model; run train-heads on the GGUF or MLX form of this model")
     mlx = fmt == "mlx"  # one model in memory: the runtime's target records, reads the features, checks the file
+    if draft_dtype is None:
+        draft_dtype = "f16" if mlx else DRAFT_DTYPES[0]
+    if mlx and draft_dtype != "f16":
+        raise OndeviceError(f"draft_dtype={draft_dtype!r}: an MLX target runs its drafter from an f16 GGUF; use f16")
     if path.is_dir() and not mlx:
         path = path / "model.gguf"
     if target_info is not None:
@@ -367,11 +378,12 @@ def train_eagle(model: str | os.PathLike, *, tokens: int = train.DEFAULT_TOKENS,
                 "draft_vocab_size": int(len(vocab_ids)), "target_layers": layer_ids, "depths": depths,
                 "training_tokens": n_tr, "text_tokens": n_text, "heldout_answers": len(val), "seed": seed, "epochs": epochs,
                 **({"epochs_sized": sized} if sized else {}),
-                "feat_w": feat_w, "fix_head": bool(fix_head), "wd": wd, "fc_top": bool(fc_top),
+                "feat_w": feat_w, "fix_head": bool(fix_head), "wd": wd, "fc_top": bool(fc_top), "dtype": draft_dtype,
                 "record_seconds": round(t_rec, 1), "feature_seconds": round(t_feat, 1), "fit_seconds": round(t_fit, 1),
                 "tau_heldout": final}
         with tempfile.TemporaryDirectory(dir=work, prefix="eagle-ckpt-") as tmp:
             ckpt_dir = eagle_store.save_checkpoint(Path(tmp), params, shape.config(V, layer_ids), vocab_ids)
-            conv = eagle_store.write_gguf(ckpt_dir, path, dest, meta, convert, **({"mlx_target": fb} if mlx else {}))
+            conv = eagle_store.write_gguf(ckpt_dir, path, dest, meta, convert, dtype=draft_dtype,
+                                          **({"mlx_target": fb} if mlx else {}))
     return {"path": str(dest), "kind": "eagle", "wall_seconds": round(time.perf_counter() - t0, 1), **meta,
             "verify": conv.get("verify"), "log": log}
