@@ -6,7 +6,8 @@ within the target's own batch rounding: ``ondevice.bench.ties``) and n-gram draf
     PYTHONPATH=$PWD python scripts/bench_trained_eagle.py MODEL [--drafter X.eagle.gguf] [--per-class 3] [--tokens 128]
         [--copy-min N] [--json OUT]
 
-Modes: chains of γ 3 and 5, EAGLE-2 trees of ≤ 8 and ≤ 16 nodes, n-gram γ 3; per mode τ, the speed ratio and the
+Modes: chains of γ 3 and 5, EAGLE-2 trees of ≤ 8 and ≤ 16 nodes, ``gamma="auto"`` (the policy, from the measured
+verify curve: never slower than plain is its promise), n-gram γ 3; per mode τ, the speed ratio and the
 acceptance by position (the share of drafting passes that kept ≥ i drafts). ``--copy-min 0`` runs the draft alone,
 without prompt-lookup copies (``ondevice.drafters.copies``; default: the drafter's own).
 
@@ -84,9 +85,12 @@ def main() -> None:
         if a.copy_min is not None:
             spec.drafter.copies.copy_min = a.copy_min
         copy_min = spec.drafter.copies.copy_min
+        traits = spec.drafter.traits
+        spec.chat([{"role": "user", "content": "hi"}], max_tokens=2, temperature=0, gamma="auto")  # the cost probe,
+        spec.reset()  # once, outside the measured runs
         for cls, prompts in sorted(heldout.items()):
             acc = {k: {"tokens": 0, "passes": 0, "seconds": 0.0, "counts": np.zeros(17)}
-                   for k in ("plain", "eagle3", "eagle5", "tree8", "tree16", "ngram3")}
+                   for k in ("plain", "eagle3", "eagle5", "tree8", "tree16", "auto", "ngram3")}
             equal, divergences = 0, []
             for j, text in enumerate(prompts[: a.per_class]):
                 msgs = [{"role": "user", "content": text}]
@@ -98,6 +102,8 @@ def main() -> None:
                 _trees(spec.drafter, True)  # best-first trees of ≤ 8 nodes
                 runs["tree8"] = spec.chat(msgs, max_tokens=a.tokens, temperature=0, gamma=8)
                 runs["tree16"] = spec.chat(msgs, max_tokens=a.tokens, temperature=0, gamma=16)
+                spec.drafter.traits = traits  # the drafter as loaded: the policy picks chain, tree or plain
+                runs["auto"] = spec.chat(msgs, max_tokens=a.tokens, temperature=0, gamma="auto")
                 runs["ngram3"] = ngram.chat(msgs, max_tokens=a.tokens, temperature=0, gamma=3)
                 for k, r in runs.items():
                     if r.tokens == ref.tokens:
@@ -118,7 +124,7 @@ def main() -> None:
                              "speed_vs_plain": round(acc["plain"]["seconds"] / max(1e-9, v["seconds"]), 3),
                              "acceptance_by_position": _by_position(v["counts"])}
                          for k, v in acc.items()}
-            rows[cls]["greedy"] = {"equal_runs": equal, "runs": 5 * min(a.per_class, len(prompts)),
+            rows[cls]["greedy"] = {"equal_runs": equal, "runs": 6 * min(a.per_class, len(prompts)),
                                    "divergences": divergences}
     drafter = Path(a.drafter) if a.drafter else eagle_store.find(gguf)
     emit_json({"model": path.name, "drafter": str(drafter), "meta": eagle_store.read_meta(drafter),
