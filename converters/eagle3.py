@@ -167,7 +167,8 @@ def convert_eagle3(src: str | Path, *, target: str | Path, out: str | Path, dtyp
             The draft's own token embeddings are used when it has them; otherwise the target's, which needs the
             target as a GGUF.
     Returns:
-        Summary: arch, layout, layer ids, sizes, tensor count, ``verify`` (max abs / relative logit error).
+        Summary: arch, layout, layer ids, sizes, tensor count, ``verify`` (max abs / relative logit error); a
+        quantized draft also ``fallbacks``: matrices llama.cpp left f16 (rows not a multiple of its block).
     Raises:
         OndeviceError: one line, for any refusal (``open_eagle3``, ``check_against``).
     """
@@ -181,6 +182,7 @@ def convert_eagle3(src: str | Path, *, target: str | Path, out: str | Path, dtyp
     checked: dict = {}  # a quantized draft's f16 file, verified before quantizing
 
     def write(draft: Eagle3Source, tgt: Target, ids: list[int], path: Path) -> dict:
+        extra = {}
         if dtype in ("f16", "f32"):
             counts = write_eagle3_gguf(draft, tgt, ids, path, dtype=dtype, meta=meta)
         else:
@@ -194,10 +196,14 @@ def convert_eagle3(src: str | Path, *, target: str | Path, out: str | Path, dtyp
                 checked["f16"] = verify_eagle3(draft, f16, tgt, "f16")
             llama_quantize(f16, path, dtype)
             f16.unlink()
+            from converters.quant_types import TYPE_BITS, fallbacks, tensor_types
+
+            # llama.cpp keeps a matrix whose rows are not a multiple of the 32-wide block f16, silently: say which
+            extra = {"fallbacks": {n: t for n, t in fallbacks(tensor_types(path), dtype).items() if t in TYPE_BITS}}
         return {"format": "gguf", "arch": "eagle3", "layout": draft.layout, "dtype": dtype, "path": "model.gguf",
                 "target": str(tgt.path), "target_layers": ids, "draft_vocab": int(draft.d2t.size),
                 "own_embeddings": draft.has("embed_tokens.weight"), "n_params": sum(counts.values()),
-                "size_bytes": path.stat().st_size}
+                "size_bytes": path.stat().st_size, **extra}
 
     def verified(draft: Eagle3Source, path: Path, tgt: Target) -> dict:
         from converters.eagle3_check import verify_eagle3

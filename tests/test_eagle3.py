@@ -192,7 +192,7 @@ def test_quantized_draft(target, tmp_path, dtype):
     assert v["logit_rel"] > 10 * v["f16"]["logit_rel"]  # the quantized graph is what was checked
     assert s["dtype"] == dtype and s["size_bytes"] < 0.6 * f16["size_bytes"]
     types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(tmp_path / "q" / "model.gguf")).tensors}
-    assert types["blk.0.ffn_up.weight"] == dtype.upper() and types["d2t"] == "I64"
+    assert types["blk.0.ffn_up.weight"] == dtype.upper() and types["d2t"] == "I64" and s["fallbacks"] == {}
     assert sorted(p.name for p in (tmp_path / "q").iterdir()) == ["manifest.json", "model.gguf"]
 
 
@@ -206,3 +206,12 @@ def test_quantized_draft_catches_a_wrong_conversion_before_quantizing(target, tm
     assert not (tmp_path / "out").exists()
     with pytest.raises(OndeviceError, match="choose one of f32, f16, q8_0, q4_0"):
         conv.convert_eagle3(_draft(tmp_path, "d2"), target=target[1], out=tmp_path / "out", dtype="q4_k")
+
+
+def test_a_matrix_llama_cpp_cannot_quantize_is_reported(target, tmp_path):
+    """Rows not a multiple of the 32-wide q4_0 block: llama.cpp quietly keeps that matrix f16; the summary says so."""
+    from converters.eagle3 import convert_eagle3
+
+    src = _draft(tmp_path, own_embeddings=False, intermediate=520)  # ffn_down's rows: 520 wide
+    s = convert_eagle3(src, target=target[1], out=tmp_path / "q", dtype="q4_0")
+    assert s["verify"]["ok"] and s["fallbacks"] == {"blk.0.ffn_down.weight": "F16"}
