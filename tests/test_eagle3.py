@@ -215,3 +215,15 @@ def test_a_matrix_llama_cpp_cannot_quantize_is_reported(target, tmp_path):
     src = _draft(tmp_path, own_embeddings=False, intermediate=520)  # ffn_down's rows: 520 wide
     s = convert_eagle3(src, target=target[1], out=tmp_path / "q", dtype="q4_0")
     assert s["verify"]["ok"] and s["fallbacks"] == {"blk.0.ffn_down.weight": "F16"}
+
+
+def test_a_quantized_draft_past_its_bound_names_the_wider_types(target, tmp_path, monkeypatch):
+    """A trained draft whose q4_0 error exceeds the bound: the refusal says which dtype to ask for instead."""
+    import converters.eagle3_check as check
+    from converters.eagle3 import convert_eagle3
+
+    monkeypatch.setitem(check.TOLERANCE, "q4_0", 1e-3)
+    with pytest.raises(OndeviceError, match=r"^model\.gguf: .*q4_0 allows.*convert it q8_0 or f16 \(train-heads "
+                                            r"--draft-dtype, convert --quant\)$"):
+        convert_eagle3(_draft(tmp_path, own_embeddings=False), target=target[1], out=tmp_path / "q", dtype="q4_0")
+    assert not (tmp_path / "q").exists()
