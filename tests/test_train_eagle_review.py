@@ -260,5 +260,5 @@ def test_a_quantized_drafter_for_an_mlx_target_is_refused_before_any_work(tiny_m
 
     monkeypatch.setenv("ONDEVICE_HOME", str(tmp_path / "home"))
     monkeypatch.setattr(eagle_train.train, "record_answers", lambda *a, **k: pytest.fail("recorded"))
-    with pytest.raises(OndeviceError, match="an MLX target runs its drafter from an f16 GGUF"):
+    with pytest.raises(OndeviceError, match=r"an MLX target runs its drafter from an f16 GGUF; use f16 \(--draft-dtype f16"):
         eagle_train.train_eagle(tiny_mlx("llama"), tokens=1500, convert=convert_eagle3, draft_dtype="q4_0")

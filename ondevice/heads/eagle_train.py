@@ -231,7 +231,8 @@ def train_eagle(model: str | os.PathLike, *, tokens: int = train.DEFAULT_TOKENS,
     if draft_dtype is None:
         draft_dtype = "f16" if mlx else DRAFT_DTYPES[0]
     if mlx and draft_dtype != "f16":
-        raise OndeviceError(f"draft_dtype={draft_dtype!r}: an MLX target runs its drafter from an f16 GGUF; use f16")
+        raise OndeviceError(f"draft_dtype={draft_dtype!r}: an MLX target runs its drafter from an f16 GGUF; "
+                            "use f16 (--draft-dtype f16, or leave it out)")
     if path.is_dir() and not mlx:
         path = path / "model.gguf"
     if target_info is not None:
