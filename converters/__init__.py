@@ -70,6 +70,7 @@ def convert(
 
     src, out = _source(lookup.resolve(src)), Path(out)  # a catalog name is accepted wherever a path is
     from converters.dflash import convert_dflash, is_dflash
+    from converters.eagle3 import DTYPES as EAGLE3_DTYPES
     from converters.eagle3 import convert_eagle3, is_eagle3
 
     for is_draft, convert_draft, kind in ((is_dflash, convert_dflash, "a DFlash draft"),
@@ -79,7 +80,7 @@ def convert(
                 raise OndeviceError(f"{shown(src)}: {kind}; convert it with --to gguf --target TARGET (the model it "
                                     "drafts for: HF directory or GGUF)")
             q = quant.lower()
-            dtype = q if q == "f32" or (convert_draft is convert_eagle3 and q in ("q8_0", "q4_0")) else "f16"
+            dtype = q if q == "f32" or (convert_draft is convert_eagle3 and q in EAGLE3_DTYPES) else "f16"
             return convert_draft(src, target=_source(lookup.resolve(target)), out=out, dtype=dtype, verify=verify)
     if target is not None:
         raise OndeviceError(f"--target is for EAGLE-3 / DFlash drafts (a config.json with draft_vocab_size / "

@@ -175,9 +175,9 @@ def convert_eagle3(src: str | Path, *, target: str | Path, out: str | Path, dtyp
     from converters.output import convert_draft
 
     if dtype not in DTYPES:
-        raise OndeviceError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
+        raise OndeviceError(f"dtype={dtype!r}: choose one of {', '.join(DTYPES)} (ondevice convert: --quant)")
     if mlx_target is not None and dtype not in ("f16", "f32"):
-        raise OndeviceError(f"--dtype {dtype}: an MLX target runs its drafter from an f16 or f32 GGUF")
+        raise OndeviceError(f"dtype={dtype!r}: an MLX target runs its drafter from an f16 or f32 GGUF")
 
     checked: dict = {}  # a quantized draft's f16 file, verified before quantizing
 
