@@ -80,3 +80,23 @@ def test_a_fixed_gamma_grows_trees_past_eight_nodes(tmp_path):
         r = spec.generate("def add(a, b):", max_tokens=24, temperature=0, gamma=16)
         assert r.tokens == plain.generate("def add(a, b):", max_tokens=24, temperature=0).tokens
         assert r.stats.drafted > 8 * r.stats.target_forwards  # more than 8 drafted nodes per pass on average
+
+
+def test_bench_explains_greedy_divergences_and_counts_a_planted_bug(tmp_path, monkeypatch):
+    """A greedy verify that keeps every draft (planted bug) makes speculative output differ from plain: each such
+    run carries its ``divergence`` and the summary counts it as unexplained (the tiny q8_0 target is batch-invariant,
+    so no rounding explains any flip)."""
+    import numpy as np
+
+    from ondevice import sampling
+
+    target = tiny_gguf_target(tmp_path, "llama")
+    monkeypatch.setattr(sampling, "verify_greedy",
+                        lambda d, logits, params, history, rng: (len(d), int(np.argmax(logits[len(d)]))))
+    doc = run_bench(str(target), None, ngram=True, classes=["edit", "code"], per_class=1, repeats=1, max_tokens=24, gamma="4",
+                    n_ctx=512, threads=1)
+    bad = [r for r in doc["runs"] if r.get("same_as_plain") is False]
+    assert bad, "the planted bug changed no output"
+    assert all(not r["divergence"]["explained"] and r["divergence"]["noise"] == 0.0 for r in bad)
+    rows = [s for s in doc["summary"] if "unexplained_divergences" in s]
+    assert sum(s["unexplained_divergences"] for s in rows) == len(bad)
