@@ -210,10 +210,11 @@ def speedup_bound(alpha: float, gamma: int, c: float, verify_cost: float) -> flo
 
 
 def _key(b: Backend) -> str:
-    """Model file (path, size, mtime), backend, threads and the device it really runs on."""
+    """Model file (path, size, mtime), backend, threads, the device it really runs on and its kernels."""
     p = Path(b.path)
     st = p.stat() if p.is_file() else (p / "config.json").stat()
-    return f"{type(b).__name__}:{p.resolve()}:{st.st_size}:{st.st_mtime_ns}:{b.threads or ''}:{b.device or ''}"
+    return (f"{type(b).__name__}:{p.resolve()}:{st.st_size}:{st.st_mtime_ns}:{b.threads or ''}:{b.device or ''}"
+            + (f":{b.kernels}" if b.kernels else ""))
 
 
 def _read(path: Path) -> dict:

@@ -8,7 +8,9 @@ within the target's own batch rounding: ``ondevice.bench.ties``) and n-gram draf
 
 Modes: chains of γ 3 and 5, EAGLE-2 trees of ≤ 8 and ≤ 16 nodes, ``gamma="auto"`` (the policy, from the measured
 verify curve: never slower than plain is its promise), n-gram γ 3; per mode τ, the speed ratio and the
-acceptance by position (the share of drafting passes that kept ≥ i drafts). ``--copy-min 0`` runs the draft alone,
+acceptance by position (the share of drafting passes that kept ≥ i drafts); for chains the speed their τ implies
+on the measured verify curve and draft cost (``modelled_speed``) and a perfect drafter's (``perfect_drafter_speed``,
+the bound on this machine). ``--copy-min 0`` runs the draft alone,
 without prompt-lookup copies (``ondevice.drafters.copies``; default: the drafter's own).
 
 Held-out prompts are ``prompts.json``'s "heldout" set, never used in training.
@@ -25,6 +27,7 @@ import numpy as np
 import ondevice
 from ondevice.bench.ties import explain
 from ondevice.bench.tools import emit_json
+from ondevice.costs import cached_measure
 from ondevice.heads import data, eagle_store
 from ondevice.store import lookup
 
@@ -88,6 +91,7 @@ def main() -> None:
         traits = spec.drafter.traits
         spec.chat([{"role": "user", "content": "hi"}], max_tokens=2, temperature=0, gamma="auto")  # the cost probe,
         spec.reset()  # once, outside the measured runs
+        curve = cached_measure(spec.target, None, attempts=1)  # the verify curve the policy read (cached)
         for cls, prompts in sorted(heldout.items()):
             acc = {k: {"tokens": 0, "passes": 0, "seconds": 0.0, "counts": np.zeros(17)}
                    for k in ("plain", "eagle3", "eagle5", "tree8", "tree16", "auto", "ngram3")}
@@ -124,12 +128,16 @@ def main() -> None:
                              "speed_vs_plain": round(acc["plain"]["seconds"] / max(1e-9, v["seconds"]), 3),
                              "acceptance_by_position": _by_position(v["counts"])}
                          for k, v in acc.items()}
+            for k, g in (("eagle3", 3), ("eagle5", 5)):  # a pass: γ drafted tokens, then a verify of γ + 1
+                per_pass = curve.verify_cost(g + 1) + g * cost["ratio"]
+                rows[cls][k]["modelled_speed"] = round(rows[cls][k]["tau"] / per_pass, 3)
+                rows[cls][k]["perfect_drafter_speed"] = round((g + 1) / per_pass, 3)
             rows[cls]["greedy"] = {"equal_runs": equal, "runs": 6 * min(a.per_class, len(prompts)),
                                    "divergences": divergences}
     drafter = Path(a.drafter) if a.drafter else eagle_store.find(gguf)
     emit_json({"model": path.name, "drafter": str(drafter), "meta": eagle_store.read_meta(drafter),
                "greedy_unexplained": sum(not d["explained"] for r in rows.values() for d in r["greedy"]["divergences"]),
-               "draft_cost": cost, "copy_min": copy_min, "by_class": rows, "per_class": a.per_class, "max_tokens": a.tokens}, a.json)
+               "draft_cost": cost, "verify_cost": {k: round(curve.verify_cost(k), 3) for k in (2, 4, 6, 9, 17)}, "copy_min": copy_min, "by_class": rows, "per_class": a.per_class, "max_tokens": a.tokens}, a.json)
 
 
 if __name__ == "__main__":

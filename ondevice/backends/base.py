@@ -27,6 +27,8 @@ class Backend:
         chunk: tokens a pass is padded to (a fixed-shape Core ML / MIL prefill runs any batch up to it as one);
             1 for backends whose cost grows with every token.
         threads, device: what the backend runs with (part of the key of its measured costs).
+        kernels: the library build and kernel set that compute its passes (also part of that key: a rebuilt
+            llama.cpp, or one loaded without its repacked kernels, has another verify curve).
     """
 
     path: Path
@@ -38,6 +40,7 @@ class Backend:
     chunk: int = 1
     threads: int | None = None
     device: str | None = None
+    kernels: str = ""
 
     @property
     def n_past(self) -> int:

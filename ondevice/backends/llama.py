@@ -18,6 +18,7 @@ absolute position. Heads drafters read it (``ondevice.heads``), so drafting need
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import os
 from collections.abc import Sequence
 from contextlib import contextmanager
@@ -139,6 +140,8 @@ class LlamaBackend(LlamaFeatures, LlamaTree, LlamaState, Backend):  # features w
             self.n_mtp = 0  # a header we cannot read: llama.cpp's load below says what is wrong
         mp.load_mtp = self.n_mtp > 0
         self.device = "gpu" if mp.n_gpu_layers != 0 and llama_cpp.llama_supports_gpu_offload() else "cpu"
+        build = hashlib.sha256(llama_cpp.llama_print_system_info()).hexdigest()[:8]
+        self.kernels = f"llama.cpp {llama_cpp.__version__} {build} {'repack' if mp.use_extra_bufts else 'plain'}"
         with _ctrl_c_deferred():
             self._model = llama_cpp.llama_model_load_from_file(str(self.path).encode(), mp)
         if not self._model:

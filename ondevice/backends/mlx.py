@@ -75,6 +75,7 @@ class MLXBackend(MLXLayerInputs, HFVocab):
         self.device = pick_device(device)
         import mlx.core as mx
         self._mx = mx
+        self.kernels = f"mlx {mx.__version__}"
         try:
             with mx.stream(self.device):
                 self.model, self.tokenizer = self._load_model()
