@@ -196,10 +196,10 @@ def convert_eagle3(src: str | Path, *, target: str | Path, out: str | Path, dtyp
                 checked["f16"] = verify_eagle3(draft, f16, tgt, "f16")
             llama_quantize(f16, path, dtype)
             f16.unlink()
-            from converters.quant_types import TYPE_BITS, fallbacks, tensor_types
+            from converters.quant_types import tensor_types, weight_fallbacks
 
             # llama.cpp keeps a matrix whose rows are not a multiple of the 32-wide block f16, silently: say which
-            extra = {"fallbacks": {n: t for n, t in fallbacks(tensor_types(path), dtype).items() if t in TYPE_BITS}}
+            extra = {"fallbacks": weight_fallbacks(tensor_types(path), dtype)}
         return {"format": "gguf", "arch": "eagle3", "layout": draft.layout, "dtype": dtype, "path": "model.gguf",
                 "target": str(tgt.path), "target_layers": ids, "draft_vocab": int(draft.d2t.size),
                 "own_embeddings": draft.has("embed_tokens.weight"), "n_params": sum(counts.values()),

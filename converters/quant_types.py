@@ -68,6 +68,11 @@ def fallbacks(types: dict[str, str], quant: str, asked: set[str] = frozenset()) 
     return {n: t for n, t in types.items() if t not in ok and not n.endswith(".bias")}
 
 
+def weight_fallbacks(types: dict[str, str], quant: str, asked: set[str] = frozenset()) -> dict[str, str]:
+    """``fallbacks`` of weight types only (``TYPE_BITS``): an integer table, such as an EAGLE-3 draft's d2t, is none."""
+    return {n: t for n, t in fallbacks(types, quant, asked).items() if t in TYPE_BITS}
+
+
 def precision(path: Path) -> dict:
     """Bits per weight of a GGUF's 2-D weights (parameter-weighted) and the count of each tensor type."""
     from ondevice.formats.gguf import GGUFFile

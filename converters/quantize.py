@@ -25,11 +25,10 @@ from converters.quant_types import (
     FTYPES,
     LOW_BIT,
     QUANT_BITS,
-    TYPE_BITS,
     check_tensor_types,
-    fallbacks,
     precision,
     tensor_types,
+    weight_fallbacks,
 )
 from ondevice.errors import OndeviceError, shown
 
@@ -140,7 +139,7 @@ def requantize_file(src: Path, dst: Path, quant: str, *, allow_requantize: bool 
     out_prec = precision(dst)
     types_by_name = tensor_types(dst)
     asked = {t.upper() for t in (output_type, embedding_type) if t}
-    wider = {n: t for n, t in fallbacks(types_by_name, quant, asked).items() if t in TYPE_BITS}
+    wider = weight_fallbacks(types_by_name, quant, asked)
     if prec["quantized"] and out_prec["bits_per_weight"] > prec["bits_per_weight"] + 0.05 and (wider or not asked):
         kinds = ", ".join(f"{t}×{c}" for t, c in Counter(wider.values()).most_common(3)) or "wider types"
         warning = (f"{warning}; " if warning else "") + (
