@@ -26,16 +26,10 @@ def measure(path: str, kernels: str, n_pre: int, threads: int) -> dict:
     import llama_cpp
 
     from ondevice.backends.llama import LlamaBackend
+    from ondevice.backends.llama_ext import without_extra_bufts
 
     if kernels == "plain":
-        defaults = llama_cpp.llama_model_default_params
-
-        def plain():
-            mp = defaults()
-            mp.use_extra_bufts = False
-            return mp
-
-        llama_cpp.llama_model_default_params = plain
+        llama_cpp.llama_model_default_params = without_extra_bufts(llama_cpp.llama_model_default_params)
     b = LlamaBackend(path, n_ctx=max(1024, n_pre + 64), threads=threads)
     try:
         text = " ".join(f"def f{i}(x):\n    return x * {i} + {i * i}\n" for i in range(400))

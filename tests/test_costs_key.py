@@ -6,20 +6,14 @@ from __future__ import annotations
 import llama_cpp
 
 from ondevice.backends.llama import LlamaBackend
+from ondevice.backends.llama_ext import without_extra_bufts
 from ondevice.costs import _key
 
 
 def test_the_costs_key_names_the_kernel_set(tiny_gguf, monkeypatch):
     path = tiny_gguf("llama")
     a = LlamaBackend(path, n_ctx=64, threads=1)
-    defaults = llama_cpp.llama_model_default_params
-
-    def plain():
-        mp = defaults()
-        mp.use_extra_bufts = False
-        return mp
-
-    monkeypatch.setattr(llama_cpp, "llama_model_default_params", plain)
+    monkeypatch.setattr(llama_cpp, "llama_model_default_params", without_extra_bufts(llama_cpp.llama_model_default_params))
     b = LlamaBackend(path, n_ctx=64, threads=1)
     try:
         assert a.kernels.startswith(f"llama.cpp {llama_cpp.__version__} ") and b.kernels.endswith(" plain")

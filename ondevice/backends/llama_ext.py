@@ -59,6 +59,18 @@ def amx_off() -> bool:
     return "amx_int8" in flags
 
 
+def without_extra_bufts(defaults: Callable):
+    """``llama_model_default_params`` as ``defaults`` gives it, less the extra (repacked) weight buffers: llama.cpp's
+    plain CPU kernels (``guard_amx``; ``scripts/batch_invariance.py`` compares the two sets)."""
+
+    def plain():
+        mp = defaults()
+        mp.use_extra_bufts = False
+        return mp
+
+    return plain
+
+
 def guard_amx() -> None:
     """Make llama.cpp's default model parameters skip the extra (repacked) weight buffers where ``amx_off``:
     the AMX buffer is one of them. Patched into ``llama_cpp.llama_model_default_params`` once, so models that
@@ -71,14 +83,8 @@ def guard_amx() -> None:
     with _GUARD_LOCK:  # two threads loading models at once (embeddings beside the server's model) patch once
         if _DEFAULTS is not None or not amx_off():
             return
-        own = _DEFAULTS = raw.llama_model_default_params
-
-        def defaults():
-            mp = own()
-            mp.use_extra_bufts = False
-            return mp
-
-        raw.llama_model_default_params = llama_cpp.llama_model_default_params = defaults
+        _DEFAULTS = raw.llama_model_default_params
+        raw.llama_model_default_params = llama_cpp.llama_model_default_params = without_extra_bufts(_DEFAULTS)
 
 
 def init_llama(debug: bool = False) -> None:
