@@ -163,8 +163,8 @@ def _judged(src: Eagle3Source, graph, embed: np.ndarray, draft_gguf: Path, dtype
     report.update(ok=report["logit_rel"] <= TOLERANCE[dtype] and report["inf_pattern_ok"], runtime=runtime)
     if not report["ok"]:
         # quantization's own error past its bound: a wider type is the fix (the f16 file passed before quantizing)
-        fix = "; convert it q8_0 or f16 (train-heads --draft-dtype, convert --quant)" if dtype == "q4_0" else (
-            "; convert it f16 (train-heads --draft-dtype, convert --quant)" if dtype == "q8_0" else "")
+        wider = {"q4_0": "q8_0 or f16", "q8_0": "f16"}.get(dtype)
+        fix = f"; convert it {wider} (train-heads --draft-dtype, convert --quant)" if wider else ""
         raise OndeviceError(f"{draft_gguf.name}: {runtime}'s logits differ from the source's by {report['logit_rel']:.2e} "
                             f"(relative; {dtype} allows {TOLERANCE[dtype]:.0e}); conversion refused{fix}")
     return report

@@ -1,7 +1,7 @@
 """The drafter ``train-heads`` trained (EAGLE-style) through the runtime, on held-out prompts by class: τ (tokens
 per target pass, hardware-free) at fixed greedy chains of γ 3 and 5, against plain decoding's tokens (must be
-equal, or differ only where a near tie flips
-within the target's own batch rounding: ``ondevice.bench.ties``) and n-gram drafting; the draft's cost per token ÷ a target decode; decode speed ratios in one run. JSON.
+equal, or differ only where a near tie flips within the target's own batch rounding: ``ondevice.bench.ties``) and
+n-gram drafting; the draft's cost per token ÷ a target decode; decode speed ratios in one run. JSON.
 
     PYTHONPATH=$PWD python scripts/bench_trained_eagle.py MODEL [--drafter X.eagle.gguf] [--per-class 3] [--tokens 128]
         [--copy-min N] [--json OUT]
@@ -98,7 +98,8 @@ def main() -> None:
             equal, divergences = 0, []
             for j, text in enumerate(prompts[: a.per_class]):
                 msgs = [{"role": "user", "content": text}]
-                ref = plain.chat(msgs, max_tokens=a.tokens, temperature=0)
+                ids = plain.render_chat(msgs)
+                ref = plain.generate(ids, max_tokens=a.tokens, temperature=0)
                 runs = {"plain": ref}
                 _trees(spec.drafter, False)
                 runs["eagle3"] = spec.chat(msgs, max_tokens=a.tokens, temperature=0, gamma=3)
@@ -114,8 +115,7 @@ def main() -> None:
                         equal += k != "plain"
                     else:
                         target = (ngram if k == "ngram3" else spec).target
-                        divergences.append({"mode": k, "prompt": j, **explain(target, plain.render_chat(msgs),
-                                                                                ref.tokens, r.tokens)})
+                        divergences.append({"mode": k, "prompt": j, **explain(target, ids, ref.tokens, r.tokens)})
                     acc[k]["tokens"] += r.stats.tokens
                     acc[k]["passes"] += r.stats.target_forwards
                     acc[k]["seconds"] += r.stats.total_seconds - r.stats.prompt_seconds

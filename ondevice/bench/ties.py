@@ -1,8 +1,9 @@
 """Is a greedy divergence between plain and speculative decoding a rounding flip of a near tie, or a bug?
 
 A backend that is not batch-invariant computes a position's logits slightly differently when it sits in a
-batch of k rows than as a single decode (llama.cpp on x86: REPACK kernels at k ≥ 2; another flash-attention
-path at k ≥ 8; single decodes switch to a split-KV path once the cache holds ≥ 512 cells). The rejection rule
+batch of k rows than as a single decode (llama.cpp on x86: REPACK kernels at k ≥ 4; another flash-attention
+path at k ≥ 8; single decodes on ≥ 2 threads switch to a split-KV path once the cache holds ≥ 512 cells;
+``scripts/batch_invariance.py``). The rejection rule
 is exact for the logits it is given, so greedy speculative decoding then equals plain decoding only up to
 that rounding: where the target's top two logits are closer than the rounding, a different batching may pick
 the other token. ``explain`` tells the two apart at the first differing token n:
