@@ -18,7 +18,7 @@ def convert(
     *,
     to: str = "gguf",
     out: str | Path,
-    quant: str = "q4_k_m",
+    quant: str | None = None,
     bits: int = 4,
     group_size: int = 64,
     draft: str | Path | None = None,
@@ -39,7 +39,7 @@ def convert(
         src: HF checkpoint directory, or a GGUF file (``to="gguf"`` requantizes it: converters.quantize).
         to: "gguf" | "mlx" | "coreml".
         out: a new directory; a pair writes ``out/target`` and ``out/draft``.
-        quant: GGUF quantization: f16 | q8_0 | q4_0 | iq4_nl | q4_k_m.
+        quant: GGUF quantization: f16 | q8_0 | q4_0 | iq4_nl | q4_k_m (None: q4_k_m; a draft checkpoint, f16).
         allow_requantize: GGUF → GGUF from an already quantized file (stacks two quantizations; the quality
             cost against the source is measured and reported).
         output_type, embedding_type: GGUF: a ggml tensor type (q4_0, iq4_nl, q8_0, q6_k, ...) for the output
@@ -58,7 +58,7 @@ def convert(
         target: with an EAGLE-3 draft checkpoint as ``src`` (``--to gguf``): the target it drafts for (HF
             directory or GGUF); the draft is written as GGUF arch eagle3 (``converters.eagle3``), its matrices
             f16 (``quant="f32"``: f32; an EAGLE-3 draft also ``q8_0`` / ``q4_0``, by llama.cpp's quantizer; any
-            other ``quant`` leaves a draft f16).
+            other ``quant`` is refused for a draft).
     Returns:
         A JSON-able summary (sizes, seconds, bits per weight, tensor types, fallbacks) with, per output,
         ``verify``: what loading it in its runtime and comparing with the source found (``converters.verify``),
@@ -79,8 +79,11 @@ def convert(
             if to != "gguf" or target is None:
                 raise OndeviceError(f"{shown(src)}: {kind}; convert it with --to gguf --target TARGET (the model it "
                                     "drafts for: HF directory or GGUF)")
-            q = quant.lower()
-            dtype = q if q == "f32" or (convert_draft is convert_eagle3 and q in EAGLE3_DTYPES) else "f16"
+            dtypes = EAGLE3_DTYPES if convert_draft is convert_eagle3 else ("f32", "f16")
+            dtype = (quant or "f16").lower()
+            if dtype not in dtypes:
+                raise OndeviceError(f"--quant {quant}: {kind} is written as {' | '.join(dtypes)} ({shown(src)}); "
+                                    "pick one, or leave --quant out for f16")
             return convert_draft(src, target=_source(lookup.resolve(target)), out=out, dtype=dtype, verify=verify)
     if target is not None:
         raise OndeviceError(f"--target is for EAGLE-3 / DFlash drafts (a config.json with draft_vocab_size / "
@@ -88,6 +91,7 @@ def convert(
     draft = _source(lookup.resolve(draft)) if draft is not None else None
     if to not in FORMATS:
         raise OndeviceError(f"--to {to}: unknown format; choose one of {', '.join(FORMATS)}")
+    quant = quant or "q4_k_m"
     if to == "gguf":
         from converters.quant_types import FTYPES
 

@@ -28,7 +28,7 @@ from converters.eagle3_source import (
     rope_factors,
     target_info,
 )
-from ondevice.errors import OndeviceError
+from ondevice.errors import OndeviceError, shown
 
 __all__ = ["DTYPES", "Eagle3Source", "Target", "check_against", "convert_eagle3", "is_eagle3", "open_eagle3",
            "target_info", "write_eagle3_gguf"]
@@ -194,7 +194,7 @@ def convert_eagle3(src: str | Path, *, target: str | Path, out: str | Path, dtyp
                 from converters.eagle3_check import verify_eagle3
 
                 checked["f16"] = verify_eagle3(draft, f16, tgt, "f16")
-            llama_quantize(f16, path, dtype)
+            llama_quantize(f16, path, dtype, name=f"{shown(src)} (the draft, written f16)")
             f16.unlink()
             from converters.quant_types import tensor_types, weight_fallbacks
 

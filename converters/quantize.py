@@ -43,7 +43,7 @@ def _init():
 
 
 def llama_quantize(src: Path, dst: Path, quant: str, *, allow_requantize: bool = False, threads: int = 0,
-                   output_type: str | None = None, embedding_type: str | None = None) -> None:
+                   output_type: str | None = None, embedding_type: str | None = None, name: str | None = None) -> None:
     """Quantize GGUF ``src`` into ``dst`` with llama.cpp's ``llama_model_quantize``.
 
     Args:
@@ -53,13 +53,16 @@ def llama_quantize(src: Path, dst: Path, quant: str, *, allow_requantize: bool =
         threads: quantizer threads (0 = all cores).
         output_type, embedding_type: a ``TENSOR_TYPES`` name for the output projection (``output.weight``, or
             ``token_embd.weight`` when the two are tied) and for the token embedding; None: llama.cpp's choice.
+        name: what error messages call the source (default: ``src``; a caller quantizing a temporary file names
+            the file the user gave).
     """
+    name = name or shown(src)
     if quant not in FTYPES or quant == "f16":
         raise OndeviceError(f"--quant {quant}: llama.cpp can quantize to {', '.join(q for q in FTYPES if q != 'f16')}")
     output_type, embedding_type = check_tensor_types(quant, output_type, embedding_type)
     if output_type and embedding_type and output_type != embedding_type:
         if "output.weight" not in tensor_types(src):  # llama.cpp would quietly give the tied tensor the embedding's
-            raise OndeviceError(f"{shown(src)}: the output projection is the token embedding (tied weights); give it one type "
+            raise OndeviceError(f"{name}: the output projection is the token embedding (tied weights); give it one type "
                                 f"(--output-type {output_type} or --embedding-type {embedding_type}), not two")
     llama_cpp = _init()
     params = llama_cpp.llama_model_quantize_default_params()
@@ -75,7 +78,7 @@ def llama_quantize(src: Path, dst: Path, quant: str, *, allow_requantize: bool =
 
     check_interrupted()  # a Ctrl-C that landed in llama.cpp's log callback was swallowed there
     if rc != 0:
-        raise OndeviceError(f"{shown(src)}: llama_model_quantize to {quant} failed (code {rc})")
+        raise OndeviceError(f"{name}: llama_model_quantize to {quant} failed (code {rc})")
 
 
 def check_requantize(src: Path, quant: str, allow_requantize: bool) -> tuple[dict, str | None]:

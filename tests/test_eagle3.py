@@ -173,6 +173,10 @@ def test_convert_entry_point(target, tmp_path):
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
     s = convert(src, to="gguf", out=tmp_path / "d", target=target[1].parent, quant="q8_0", progress=False)
     assert s["dtype"] == "q8_0" and s["verify"]["ok"] and s["verify"]["f16"]["ok"]
+    for q in ("iq4_nl", "q4_k_m"):  # a model's quantization, not a draft's: refused (was: f16, silently)
+        with pytest.raises(OndeviceError, match=rf"^--quant {q}: an EAGLE-3 draft is written as f32 \| f16 \| q8_0 \| q4_0"):
+            convert(src, to="gguf", out=tmp_path / q, target=target[1].parent, quant=q, progress=False)
+        assert not (tmp_path / q).exists()
 
 
 @pytest.mark.parametrize("dtype", ["q8_0", "q4_0"])

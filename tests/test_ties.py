@@ -90,6 +90,8 @@ def test_a_flip_within_the_rounding_is_explained_and_a_wrong_token_is_not():
     assert r["at"] == at and not r["explained"], r
     r = explain(b, prompt, ref, ref[:10])  # stopped early: never explained
     assert r["at"] == 10 and not r["explained"]
+    with pytest.raises(ValueError, match="empty prompt"):  # no row to compare (was an IndexError)
+        explain(b, [], ref, other)
 
 
 def test_on_a_batch_invariant_backend_no_divergence_is_explained(tiny_gguf):

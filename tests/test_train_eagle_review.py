@@ -92,6 +92,16 @@ def test_bad_settings_are_refused_before_any_work(tmp_path, monkeypatch, bad):
     assert not (tmp_path / "home").exists()
 
 
+def test_draft_dtype_is_read_as_llama_cpp_spells_it(tmp_path, monkeypatch):
+    """``--draft-dtype Q4_0`` (llama.cpp's and file names' spelling) is q4_0: the run goes on to the model."""
+    from ondevice.heads import eagle_train
+
+    monkeypatch.setenv("ONDEVICE_HOME", str(tmp_path / "home"))
+    with pytest.raises(OndeviceError) as e:
+        eagle_train.train_eagle(tmp_path / "no-such.gguf", tokens=1500, convert=convert_eagle3, draft_dtype="Q4_0")
+    assert "no-such.gguf: no such file" in str(e.value)  # the check passed; the model is what is missing
+
+
 def test_a_target_without_layer_inputs_is_refused_with_the_way_out(tiny_gguf, tmp_path, monkeypatch):
     """A target whose graph does not hand out its layer inputs (the backend's one-line refusal): one line, before
     any recording, naming what does work for that model (the Medusa heads)."""

@@ -45,12 +45,16 @@ def explain(backend, prompt: Sequence[int], ref: Sequence[int], other: Sequence[
         {"equal": True} or {"equal": False, "at": n, "ref_token", "other_token", "margin", "noise",
         "reproduced" (row_1's argmax is ref[n]), "explained" (margin ≤ 2·noise)}; where one run is a prefix
         of the other (it stopped early), "explained" is False and "why" says so.
+    Raises:
+        ValueError: an empty ``prompt`` (no row to compute) where the runs differ.
     """
     n = first_divergence(ref, other)
     if n is None:
         return {"equal": True}
     if n >= min(len(ref), len(other)):
         return {"equal": False, "at": n, "explained": False, "why": f"one run stopped after {n} tokens"}
+    if not len(prompt):
+        raise ValueError("explain: an empty prompt has no logits; pass the token ids both runs evaluated (BOS included)")
     prompt, head = [int(t) for t in prompt], [int(t) for t in ref[:n]]
     backend.rollback(0)
     row = backend.eval(prompt, logits="last")[-1]

@@ -79,7 +79,8 @@ def convert_cmd(
     src: Annotated[Path, typer.Argument(help="HF checkpoint directory, or a GGUF file (--to mlx | coreml).")],
     to: Annotated[str, typer.Option("--to", help="gguf | mlx | coreml")] = "gguf",
     out: Annotated[Path, typer.Option("--out", help="New output directory.")] = ...,
-    quant: Annotated[str, typer.Option("--quant", help="GGUF: f16 | q8_0 | q4_0 | iq4_nl | q4_k_m")] = "q4_k_m",
+    quant: Annotated[str | None, typer.Option("--quant", help="GGUF: f16 | q8_0 | q4_0 | iq4_nl | q4_k_m [default: q4_k_m; "
+                                                  "an EAGLE-3 draft: f16, or f32 | q8_0 | q4_0; DFlash: f16 | f32]")] = None,
     bits: Annotated[int, typer.Option("--bits", help="MLX bits (16: float16, unquantized).")] = 4,
     group_size: Annotated[int, typer.Option("--group-size", help="MLX group size.")] = 64,
     draft: Annotated[Path | None, typer.Option("--draft", help="Also convert this draft; check the pair first.")] = None,

@@ -213,6 +213,8 @@ def train_eagle(model: str | os.PathLike, *, tokens: int = train.DEFAULT_TOKENS,
         raise OndeviceError("train_eagle needs the EAGLE-3 converter: pass convert=converters.eagle3.convert_eagle3")
     if tokens < 1:
         raise OndeviceError(f"tokens={tokens}: train-heads needs a positive number of answer tokens (--tokens N, N >= 100)")
+    if isinstance(draft_dtype, str):
+        draft_dtype = draft_dtype.lower()  # Q4_0 as llama.cpp and file names spell it
     _check_args(epochs=epochs, hours=hours, vocab=vocab, depths=depths, batch_tokens=batch_tokens, max_new=max_new, lr=lr, noise=noise,
                 feat_w=feat_w, wd=wd, draft_dtype=draft_dtype)
     text_budget = (tokens if text_tokens is None else int(text_tokens)) if text else 0
