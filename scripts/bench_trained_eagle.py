@@ -93,7 +93,7 @@ def main() -> None:
         spec.reset()  # once, outside the measured runs
         curve = cached_measure(spec.target, None, attempts=1)  # the verify curve the policy read (cached)
         for cls, prompts in sorted(heldout.items()):
-            acc = {k: {"tokens": 0, "passes": 0, "seconds": 0.0, "counts": np.zeros(17)}
+            acc = {k: {"tokens": 0, "passes": 0, "seconds": 0.0, "draft_seconds": 0.0, "counts": np.zeros(17)}
                    for k in ("plain", "eagle3", "eagle5", "tree8", "tree16", "auto", "ngram3")}
             equal, divergences = 0, []
             for j, text in enumerate(prompts[: a.per_class]):
@@ -119,6 +119,7 @@ def main() -> None:
                     acc[k]["tokens"] += r.stats.tokens
                     acc[k]["passes"] += r.stats.target_forwards
                     acc[k]["seconds"] += r.stats.total_seconds - r.stats.prompt_seconds
+                    acc[k]["draft_seconds"] += r.stats.draft_seconds
                     c = np.asarray(list(r.stats.accept_counts)[:17], float)
                     acc[k]["counts"][: len(c)] += c
                     acc[k]["counts"][0] -= r.stats.plain_steps  # accept_counts[0] holds plain steps too
@@ -128,10 +129,15 @@ def main() -> None:
                              "speed_vs_plain": round(acc["plain"]["seconds"] / max(1e-9, v["seconds"]), 3),
                              "acceptance_by_position": _by_position(v["counts"])}
                          for k, v in acc.items()}
+            for k, v in acc.items():  # drafting's measured share of a pass, in target decodes
+                rows[cls][k]["draft_per_pass"] = round(v["draft_seconds"] / max(1, v["passes"]) / (cost["decode_ms"] / 1e3), 3)
             for k, g in (("eagle3", 3), ("eagle5", 5)):  # a pass: γ drafted tokens, then a verify of γ + 1
                 per_pass = curve.verify_cost(g + 1) + g * cost["ratio"]
                 rows[cls][k]["modelled_speed"] = round(rows[cls][k]["tau"] / per_pass, 3)
                 rows[cls][k]["perfect_drafter_speed"] = round((g + 1) / per_pass, 3)
+            for k, n in (("tree8", 8), ("tree16", 16)):  # a tree's drafting: one draft decode per expanded node,
+                # measured (its nodes ≤ n, so c(n + 1) bounds its verify from above)
+                rows[cls][k]["modelled_speed"] = round(rows[cls][k]["tau"] / (curve.verify_cost(n + 1) + rows[cls][k]["draft_per_pass"]), 3)
             rows[cls]["greedy"] = {"equal_runs": equal, "runs": 6 * min(a.per_class, len(prompts)),
                                    "divergences": divergences}
     drafter = Path(a.drafter) if a.drafter else eagle_store.find(gguf)
