@@ -86,8 +86,17 @@ class Stream(_Outputs):
         return next(self._gen)
 
     def close(self) -> None:
-        """End the request now (from the thread iterating it, or when no thread is)."""
-        self._gen.close()
+        """End the request: now when no thread is inside ``next`` (or from the thread iterating it); from another
+        thread while a pass runs, right after that pass (a cancel: the iterating thread sees the stream end)."""
+        if self._gen.gi_running:  # closing a running generator raises "already executing"
+            self.cancel()
+            return
+        try:
+            self._gen.close()
+        except ValueError:
+            if not self._gen.gi_running:  # not the race with a next() that started after the check
+                raise
+            self.cancel()
 
     def __enter__(self) -> Stream:
         return self

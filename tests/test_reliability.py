@@ -202,6 +202,34 @@ def test_04_an_abandoned_stream_releases_the_slot(tiny_gguf):
     # close() (from __exit__) ran although a stream was left unfinished
 
 
+def test_04_closing_a_stream_from_another_thread_mid_pass(tiny_gguf, monkeypatch):
+    """``Stream.close()`` from a thread other than the one inside ``next()`` (a UI's stop button) used to raise
+    "generator already executing"; it now ends the request right after the pass in flight."""
+    with ondevice.load(tiny_gguf("llama"), drafter="none", threads=1) as rt:
+        ref = rt.generate(PROMPT, max_tokens=8, temperature=0)
+        s = rt.stream(PROMPT, max_tokens=200, temperature=0)
+        next(s)
+        inside, go = threading.Event(), threading.Event()
+        real = rt.target.eval
+
+        def held(*a, **k):  # the iterating thread parks inside a target pass until the close has happened
+            inside.set()
+            assert go.wait(30)
+            return real(*a, **k)
+
+        monkeypatch.setattr(rt.target, "eval", held)
+        got: list = []
+        t = threading.Thread(target=lambda: got.append(list(s)), daemon=True)
+        t.start()
+        assert inside.wait(30)
+        s.close()
+        go.set()
+        t.join(30)
+        monkeypatch.undo()
+        assert not t.is_alive() and len(got[0]) <= 1 and s.stats.stop_reason == "cancelled"
+        assert rt.generate(PROMPT, max_tokens=8, temperature=0).tokens == ref.tokens
+
+
 def test_04_cli_under_a_closed_pipe_exits_quietly(tiny_gguf):
     cmd = (f"{sys.executable} -P -m ondevice generate {tiny_gguf('llama')} -p '{PROMPT}' --max-tokens 300 "
            f"--temperature 0 --no-spec --threads 1 | head -c 20; echo \" rc=${{PIPESTATUS[0]}}\"")
