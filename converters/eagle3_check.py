@@ -41,13 +41,13 @@ def encode(src: Eagle3Source, features: np.ndarray) -> np.ndarray:
     return f @ src.float32("fc.weight").T.astype(np.float64)
 
 
-def reference(src: Eagle3Source, g: np.ndarray, tokens, embed: np.ndarray, n_vocab: int,
+def reference(src: Eagle3Source, g: np.ndarray, tokens, embed: np.ndarray | TableRows, n_vocab: int,
               pos0: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """The decoder on rows (tokens[i], g[i]) at positions pos0.. with causal attention over these rows only.
 
     Args:
         g: [n, hidden] rows (``encode`` output or pre-norm rows of a previous step).
-        embed: the token table the draft embeds with ([n_vocab, hidden]: its own, or the target's).
+        embed: the token table the draft embeds with ([n_vocab, hidden]: its own, or the target's, read by rows).
     Returns:
         (logits [n, n_vocab] with −inf outside d2t, pre-norm rows [n, hidden]), float64.
     """
@@ -82,21 +82,34 @@ def reference(src: Eagle3Source, g: np.ndarray, tokens, embed: np.ndarray, n_voc
     return logits, pre
 
 
-def target_embedding(target_gguf: Path) -> np.ndarray:
-    """The token table of a target GGUF, dequantized to float32 [n_vocab, hidden]."""
-    import gguf
+class TableRows:
+    """A GGUF tensor's rows, dequantized only when indexed (``table[ids]`` → float32 [*ids.shape, hidden]): the
+    check reads a dozen tokens' embeddings, not a 150k-row table (~0.9 GB as float32 at a 1.5B target's width)."""
 
+    def __init__(self, tensor) -> None:
+        self._t = tensor
+        self.shape = tuple(int(d) for d in reversed(tensor.shape))
+
+    def __getitem__(self, ids) -> np.ndarray:
+        import gguf
+
+        ids = np.asarray(ids)
+        rows = gguf.quants.dequantize(np.asarray(self._t.data)[ids.reshape(-1)], self._t.tensor_type)
+        return np.asarray(rows, np.float32).reshape(*ids.shape, self.shape[-1])
+
+
+def target_embedding(target_gguf: Path) -> TableRows:
+    """The token table of a target GGUF, read by rows (``TableRows``)."""
     from ondevice.formats.gguf import GGUFFile
 
     g = GGUFFile(target_gguf)
     for t in g.reader.tensors:
         if t.name == "token_embd.weight":
-            arr = np.asarray(gguf.dequantize(t.data, t.tensor_type), dtype=np.float32)
-            return arr.reshape([int(d) for d in reversed(t.shape)])
+            return TableRows(t)
     raise OndeviceError(f"{target_gguf}: no token_embd.weight")
 
 
-def compare(src: Eagle3Source, graph, embed: np.ndarray, *, n: int = 12, seed: int = 0) -> dict:
+def compare(src: Eagle3Source, graph, embed: np.ndarray | TableRows, *, n: int = 12, seed: int = 0) -> dict:
     """Feed the same random features and tokens to ``graph`` (``ondevice.backends.eagle3.Eagle3Graph``) and to
     ``reference``; return the largest errors: ``g_rel`` (encoder), ``logit_rel`` (max |Δ| / max |ref| over the
     draft vocabulary), ``pre_rel``, ``argmax_agree`` (fraction of rows) and ``inf_pattern_ok``."""
@@ -154,7 +167,7 @@ def verify_eagle3(src: Eagle3Source, draft_gguf: Path, target: Target, dtype: st
             tgt.close()
 
 
-def _judged(src: Eagle3Source, graph, embed: np.ndarray, draft_gguf: Path, dtype: str, runtime: str) -> dict:
+def _judged(src: Eagle3Source, graph, embed: np.ndarray | TableRows, draft_gguf: Path, dtype: str, runtime: str) -> dict:
     """``compare`` on ``graph`` (closed after), refused (one line) beyond ``TOLERANCE``."""
     try:
         report = compare(src, graph, embed)
