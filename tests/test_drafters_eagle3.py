@@ -97,6 +97,30 @@ def test_copies_join_the_drafts_and_greedy_stays_exact(pair, shape):
         assert seen and not any(seen)
 
 
+def test_a_long_copy_run_keeps_the_pending_features_bounded(pair, monkeypatch):
+    """While copies draft every chain, the draft's cache is not brought up to date, so the target kept every
+    position's layer-input rows until the next drafted step (unbounded memory, then one huge catch-up batch); past
+    ``pending_max`` rows a copied chain absorbs them. Greedy still equals plain."""
+    target, draft = pair[:2]
+    with ondevice.load(target, draft=str(draft), threads=1) as spec, \
+            ondevice.load(target, drafter="none", threads=1) as plain:
+        d = spec.drafter
+        use_trees(d, False)
+        d.pending_max = 8
+        monkeypatch.setattr(d.copies, "chain", lambda context, gamma, constraint: [int(context[-1])])  # always a copy
+        pending, real = [], d.propose
+
+        def spy(context, *a, **k):
+            out = real(context, *a, **k)
+            pending.append(len(context) - 1 - d._valid)
+            return out
+
+        monkeypatch.setattr(d, "propose", spy)
+        ref = plain.generate(PROMPTS[0], max_tokens=40, temperature=0).tokens
+        assert spec.generate(PROMPTS[0], max_tokens=40, temperature=0, gamma=3).tokens == ref
+        assert len(pending) > 20 and max(pending) <= d.pending_max, pending
+
+
 def test_a_copied_chain_is_reported_as_a_free_copy(pair, monkeypatch):
     """A chain the drafter's copies drafted (``Copies.chain``) reaches the loop as a free copy (``Proposal.copied``),
     so the policy neither charges its near-zero drafting time as the draft's cost per token nor learns the draft's

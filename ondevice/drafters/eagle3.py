@@ -68,6 +68,7 @@ class Eagle3Drafter(LayerInputsDrafter):
     traits = Traits(name="eagle3", trees=True, needs=frozenset({"layer_inputs"}))
     branch = 4  # children considered per expanded tree node
     max_depth = 8  # deepest tree node
+    pending_max = 64  # a run of copied chains absorbs the rows it left behind past this many (see ``propose``)
 
     def __init__(self, target, path: str | Path, threads: int | None = None, trees: bool = True,
                  copy_min: int | None = None) -> None:
@@ -107,7 +108,9 @@ class Eagle3Drafter(LayerInputsDrafter):
         if gamma <= 0:
             return none
         guess = self.copies.chain(context, gamma, constraint)
-        if guess:  # the draft's cache catches up at the next drafted step (the target keeps the features)
+        if guess:  # the draft's cache catches up at the next drafted step (the target keeps the features) ...
+            if len(context) - 1 - self._valid > self.pending_max:  # ... unless a long copy run piles them up:
+                self._absorb(context)  # the target's kept rows and the next catch-up batch stay bounded
             return guess, None
         first = self._absorb(context)
         if first is None:
