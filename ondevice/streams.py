@@ -74,6 +74,7 @@ class Stream(_Outputs):
         self._req = request
         self._gen = gen_factory(request)
         request.gen = weakref.ref(self._gen)
+        self._busy = threading.RLock()  # held by ``next`` and ``close``: neither meets the other's generator running
 
     @property
     def cancelled(self) -> bool:
@@ -83,20 +84,22 @@ class Stream(_Outputs):
         return self
 
     def __next__(self) -> Chunk:
-        return next(self._gen)
+        with self._busy:  # a close() from another thread may be running the generator's cleanup: wait for it
+            return next(self._gen)
 
     def close(self) -> None:
         """End the request: now when no thread is inside ``next`` (or from the thread iterating it); from another
         thread while a pass runs, right after that pass (a cancel: the iterating thread sees the stream end)."""
-        if self._gen.gi_running:  # closing a running generator raises "already executing"
-            self.cancel()
+        if not self._busy.acquire(blocking=False):  # another thread is inside next: closing would raise
+            self.cancel()  # "generator already executing"
             return
         try:
-            self._gen.close()
-        except ValueError:
-            if not self._gen.gi_running:  # not the race with a next() that started after the check
-                raise
-            self.cancel()
+            if self._gen.gi_running:  # this thread, from inside the pass (a callback)
+                self.cancel()
+            else:
+                self._gen.close()
+        finally:
+            self._busy.release()
 
     def __enter__(self) -> Stream:
         return self

@@ -230,6 +230,42 @@ def test_04_closing_a_stream_from_another_thread_mid_pass(tiny_gguf, monkeypatch
         assert rt.generate(PROMPT, max_tokens=8, temperature=0).tokens == ref.tokens
 
 
+def test_04_next_waits_for_a_close_from_another_thread(tiny_gguf, monkeypatch):
+    """A close() from another thread between two chunks runs the generator's cleanup there; the iterating
+    thread's next() meanwhile used to raise "generator already executing": it now waits, and the stream ends."""
+    with ondevice.load(tiny_gguf("llama"), drafter="none", threads=1) as rt:
+        s = rt.stream(PROMPT, max_tokens=200, temperature=0)
+        next(s)
+        inside, go = threading.Event(), threading.Event()
+        real = rt.slot.finish
+
+        def held(*a, **k):  # the closing thread parks inside the generator's cleanup
+            inside.set()
+            assert go.wait(30)
+            return real(*a, **k)
+
+        monkeypatch.setattr(rt.slot, "finish", held)
+        closer = threading.Thread(target=s.close, daemon=True)
+        closer.start()
+        assert inside.wait(30)
+        got: list = []
+
+        def iterate():
+            try:
+                got.append(list(s))
+            except Exception as e:  # noqa: BLE001 - the test reports it
+                got.append(e)
+
+        t = threading.Thread(target=iterate, daemon=True)
+        t.start()
+        t.join(0.5)
+        go.set()
+        closer.join(30)
+        t.join(30)
+        monkeypatch.undo()
+        assert not t.is_alive() and got == [[]] and s.stats.stop_reason == "cancelled", got
+
+
 def test_04_cli_under_a_closed_pipe_exits_quietly(tiny_gguf):
     cmd = (f"{sys.executable} -P -m ondevice generate {tiny_gguf('llama')} -p '{PROMPT}' --max-tokens 300 "
            f"--temperature 0 --no-spec --threads 1 | head -c 20; echo \" rc=${{PIPESTATUS[0]}}\"")
