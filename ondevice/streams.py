@@ -97,6 +97,8 @@ class Stream(_Outputs):
             if self._gen.gi_running:  # this thread, from inside the pass (a callback)
                 self.cancel()
             else:
+                if self._gen.gi_frame is not None and not self._gen.gi_suspended:  # never started: its cleanup
+                    self.cancel()  # will not run, and a request already queued (a BatchEngine's) must end too
                 self._gen.close()
         finally:
             self._busy.release()

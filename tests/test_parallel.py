@@ -257,6 +257,22 @@ def test_a_full_slot_stops_at_its_context_and_a_dropped_stream_frees_its_slot(ti
         assert eng.active == 0 and eng.steps == len(alone.tokens)  # the dropped one never took a step
 
 
+def test_a_stream_closed_before_its_first_chunk_frees_its_slot(tiny_gguf):
+    """A BatchEngine request starts before its stream is read; closing the stream before its first chunk ends
+    the request (was: the generator, never started, closed without its cleanup, and the slot decoded on)."""
+    with ondevice.load(tiny_gguf("llama"), drafter="none", parallel=2, n_ctx=256, threads=1) as rt:
+        eng, steps = BatchEngine(rt), []
+        eng.on_step = steps.append
+        with rt._lock:
+            closed = eng.stream(PROMPTS[1], max_tokens=60, temperature=0)
+            closed.close()
+            other = eng.stream(PROMPTS[0], max_tokens=20, temperature=0)
+        for _ in other:
+            pass
+        assert steps and all(len(s) == 1 for s in steps), steps  # the closed one never took a step
+        assert closed.stats.stop_reason == "cancelled" and closed.tokens == [] and list(closed) == []
+
+
 def test_runtime_close_ends_a_running_batch(tiny_gguf):
     rt = ondevice.load(tiny_gguf("llama"), drafter="none", parallel=2, n_ctx=256, threads=1)
     eng = BatchEngine(rt)
