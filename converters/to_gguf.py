@@ -12,6 +12,7 @@ from converters.output import write_manifest
 from converters.quant_types import fallbacks, tensor_types
 from converters.quantize import llama_quantize
 from converters.tokenizer import read_hf_vocab
+from ondevice.errors import shown
 
 
 def hf_to_gguf(src: Path, out: Path, *, quant: str = "q4_k_m", progress: bool = True, output_type: str | None = None,
@@ -33,7 +34,7 @@ def hf_to_gguf(src: Path, out: Path, *, quant: str = "q4_k_m", progress: bool = 
         counts = write_gguf(ckpt, vocab, f16, on_tensor=lambda n: bar.update(task, advance=1, description=f"gguf {n}"))
         if quant != "f16":
             bar.update(task, description=f"quantize {quant} (llama.cpp)")
-            llama_quantize(f16, final, quant, output_type=output_type, embedding_type=embedding_type)
+            llama_quantize(f16, final, quant, output_type=output_type, embedding_type=embedding_type, name=shown(src))
             f16.unlink()
     types = tensor_types(final)
     n_params = sum(counts.values())

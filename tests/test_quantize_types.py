@@ -71,6 +71,20 @@ def test_hf_to_gguf_takes_an_output_type_and_verifies(tiny_hf, tmp_path):
     assert s["verify"]["passed"]
 
 
+def test_hf_to_gguf_names_the_checkpoint_not_its_temporary_f16(tiny_hf, tmp_path):
+    """Two types for a tied tensor, from an HF checkpoint: the refusal names the checkpoint the user gave (was:
+    the f16 file written on the way, inside the output's temporary directory); nothing is left."""
+    from converters import convert
+    from ondevice.errors import shown
+
+    src = tiny_hf["llama"]  # tied embeddings
+    with pytest.raises(OndeviceError, match="tied weights") as e:
+        convert(src, to="gguf", quant="q4_0", out=tmp_path / "o", output_type="q4_0", embedding_type="q8_0",
+                progress=False)
+    assert str(e.value).startswith(f"{shown(src)}: ") and "f16" not in str(e.value), str(e.value)
+    assert not (tmp_path / "o").exists()
+
+
 def test_a_bad_tensor_type_is_one_line_and_leaves_nothing(tiny_gguf, tmp_path):
     from converters import convert
 
