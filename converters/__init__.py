@@ -80,7 +80,7 @@ def convert(
                 raise OndeviceError(f"{shown(src)}: {kind}; convert it with --to gguf --target TARGET (the model it "
                                     "drafts for: HF directory or GGUF)")
             dtypes = EAGLE3_DTYPES if convert_draft is convert_eagle3 else ("f32", "f16")
-            dtype = (quant or "f16").lower()
+            dtype = "f16" if quant is None else quant.lower()
             if dtype not in dtypes:
                 raise OndeviceError(f"--quant {quant}: {kind} is written as {' | '.join(dtypes)} ({shown(src)}); "
                                     "pick one, or leave --quant out for f16")
@@ -91,7 +91,7 @@ def convert(
     draft = _source(lookup.resolve(draft)) if draft is not None else None
     if to not in FORMATS:
         raise OndeviceError(f"--to {to}: unknown format; choose one of {', '.join(FORMATS)}")
-    quant = quant or "q4_k_m"
+    quant = "q4_k_m" if quant is None else quant
     if to == "gguf":
         from converters.quant_types import FTYPES
 

@@ -179,6 +179,18 @@ def test_convert_entry_point(target, tmp_path):
         assert not (tmp_path / q).exists()
 
 
+def test_an_empty_quant_is_refused_not_read_as_the_default(target, tmp_path):
+    """``--quant ""`` (an unset shell variable) is no quantization: refused, for a model and for a draft (was: the
+    default, silently: q4_k_m for a model, f16 for a draft); only None (no --quant) means the default."""
+    from converters import convert
+
+    with pytest.raises(OndeviceError, match=r"^--quant : unknown"):
+        convert(target[0], to="gguf", out=tmp_path / "m", quant="", progress=False)
+    with pytest.raises(OndeviceError, match=r"^--quant : an EAGLE-3 draft is written as"):
+        convert(_draft(tmp_path), to="gguf", out=tmp_path / "d", target=target[1], quant="", progress=False)
+    assert not (tmp_path / "m").exists() and not (tmp_path / "d").exists()
+
+
 @pytest.mark.parametrize("dtype", ["q8_0", "q4_0"])
 def test_quantized_draft(target, tmp_path, dtype):
     """A quantized draft: the f16 file is verified to f16's tolerance first, then llama.cpp's quantizer writes the
