@@ -337,7 +337,7 @@ def test_a_long_prompt_prefills_in_chunks_between_the_others_steps(tiny_gguf):
     path = tiny_gguf("llama")
     with ondevice.load(path, drafter="none", n_ctx=1024, threads=1) as rt:
         long = rt.tokenize(" ".join(str(i) for i in range(600)))[:900]
-    reqs = [(PROMPTS[1], dict(max_tokens=20, temperature=0)), (long, dict(max_tokens=5, temperature=0))]
+    reqs = [(PROMPTS[1], dict(max_tokens=120, temperature=0)), (long, dict(max_tokens=5, temperature=0))]
     alone = _alone(path, reqs, n_ctx=1024, threads=1)
     log: list = []
     with ondevice.load(path, drafter="none", parallel=2, n_ctx=1024, threads=1) as rt:
