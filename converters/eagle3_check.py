@@ -15,6 +15,8 @@ import numpy as np
 
 from converters.eagle3_source import Eagle3Source, Target, rope_factors
 from ondevice.errors import OndeviceError
+from ondevice.formats.gguf import GGUFFile
+from ondevice.formats.gguf_rows import TableRows
 
 
 def _rms(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
@@ -82,26 +84,8 @@ def reference(src: Eagle3Source, g: np.ndarray, tokens, embed: np.ndarray | Tabl
     return logits, pre
 
 
-class TableRows:
-    """A GGUF tensor's rows, dequantized only when indexed (``table[ids]`` → float32 [*ids.shape, hidden]): the
-    check reads a dozen tokens' embeddings, not a 150k-row table (~0.9 GB as float32 at a 1.5B target's width)."""
-
-    def __init__(self, tensor) -> None:
-        self._t = tensor
-        self.shape = tuple(int(d) for d in reversed(tensor.shape))
-
-    def __getitem__(self, ids) -> np.ndarray:
-        import gguf
-
-        ids = np.asarray(ids)
-        rows = gguf.quants.dequantize(np.asarray(self._t.data)[ids.reshape(-1)], self._t.tensor_type)
-        return np.asarray(rows, np.float32).reshape(*ids.shape, self.shape[-1])
-
-
 def target_embedding(target_gguf: Path) -> TableRows:
-    """The token table of a target GGUF, read by rows (``TableRows``)."""
-    from ondevice.formats.gguf import GGUFFile
-
+    """The token table of a target GGUF, read by rows (``TableRows``): the check embeds a dozen tokens."""
     g = GGUFFile(target_gguf)
     for t in g.reader.tensors:
         if t.name == "token_embd.weight":

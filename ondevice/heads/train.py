@@ -42,13 +42,14 @@ def target_rows(gguf_path: Path, ids: np.ndarray, emb_ids: np.ndarray | None = N
     """
     import gguf
 
+    from ondevice.formats.gguf_rows import TableRows
+
     r = gguf.GGUFReader(str(gguf_path))
     tensors = {t.name: t for t in r.tensors}
     arch = str(r.fields["general.architecture"].contents())
 
     def rows(name: str, which: np.ndarray) -> np.ndarray:
-        t = tensors[name]
-        return np.asarray(gguf.quants.dequantize(np.asarray(t.data)[which], t.tensor_type), np.float32)
+        return TableRows(tensors[name])[which]
 
     emb = rows("token_embd.weight", ids if emb_ids is None else emb_ids)
     if "output.weight" in tensors:
