@@ -17,5 +17,7 @@ class TableRows:
         import gguf
 
         ids = np.asarray(ids)
+        if ids.size == 0:  # gguf-py's block dequantizers fail on zero rows
+            return np.zeros((*ids.shape, self.shape[-1]), np.float32)
         rows = gguf.quants.dequantize(np.asarray(self._t.data)[ids.reshape(-1)], self._t.tensor_type)
         return np.asarray(rows, np.float32).reshape(*ids.shape, self.shape[-1])
