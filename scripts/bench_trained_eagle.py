@@ -3,7 +3,8 @@ per target pass, hardware-free) at fixed greedy chains of γ 3 and 5, against pl
 equal, or differ only where a near tie flips within the target's own batch rounding: ``ondevice.bench.ties``) and
 n-gram drafting; the draft's cost per token ÷ a target decode; decode speed ratios in one run. JSON.
 
-    PYTHONPATH=$PWD python scripts/bench_trained_eagle.py MODEL [--drafter X.eagle.gguf] [--per-class 3] [--tokens 128]
+    PYTHONPATH=$PWD python scripts/bench_trained_eagle.py MODEL [--drafter X.eagle.gguf | X.heads.safetensors]
+        [--per-class 3] [--tokens 128]
         [--copy-min N] [--json OUT]
 
 Modes: chains of γ 3 and 5, EAGLE-2 trees of ≤ 8 and ≤ 16 nodes, ``gamma="auto"`` (the policy, from the measured
@@ -29,6 +30,7 @@ from ondevice.bench.ties import explain
 from ondevice.bench.tools import emit_json
 from ondevice.costs import cached_measure
 from ondevice.heads import data, eagle_store
+from ondevice.heads import store as heads_store
 from ondevice.store import lookup
 
 
@@ -45,6 +47,15 @@ def _cost(rt, reps: int = 15) -> dict:
     ids = target.tokenize("def fibonacci(n):")
     target.rollback(0)
     target.eval(ids)
+    if not hasattr(drafter, "graph"):  # Medusa heads: a numpy step, timed by the drafter itself
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            target.eval([int(ids[-1])])
+            t.append(time.perf_counter() - t0)
+        target.rollback(0)
+        spt = drafter.seconds_per_token()
+        return {"draft_ms": round(1e3 * spt, 3), "decode_ms": round(1e3 * float(np.median(t)), 3),
+                "ratio": round(spt / float(np.median(t)), 4)}
     g = drafter.graph
     pre = np.zeros((1, g.n_embd), np.float32)
     base = g.n_past
@@ -74,7 +85,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json", default=None)
-    ap.add_argument("--drafter", default=None, help="an EAGLE-3 GGUF (default: the one train-heads stored for MODEL)")
+    ap.add_argument("--drafter", default=None, help="an EAGLE-3 GGUF or Medusa .heads.safetensors (default: the "
+                    "EAGLE-style drafter train-heads stored for MODEL)")
     ap.add_argument("--copy-min", type=int, default=None, help="copies' match length (0: none; default: the drafter's)")
     a = ap.parse_args()
     path = lookup.resolve(a.model)
@@ -141,7 +153,8 @@ def main() -> None:
             rows[cls]["greedy"] = {"equal_runs": equal, "runs": 6 * min(a.per_class, len(prompts)),
                                    "divergences": divergences}
     drafter = Path(a.drafter) if a.drafter else eagle_store.find(gguf)
-    emit_json({"model": path.name, "drafter": str(drafter), "meta": eagle_store.read_meta(drafter),
+    meta = heads_store.read_meta(drafter) if drafter.name.endswith(".heads.safetensors") else eagle_store.read_meta(drafter)
+    emit_json({"model": path.name, "drafter": str(drafter), "meta": meta,
                "greedy_unexplained": sum(not d["explained"] for r in rows.values() for d in r["greedy"]["divergences"]),
                "draft_cost": cost, "verify_cost": {k: round(curve.verify_cost(k), 3) for k in (2, 4, 6, 9, 17)}, "copy_min": copy_min, "by_class": rows, "per_class": a.per_class, "max_tokens": a.tokens}, a.json)
 
