@@ -137,6 +137,19 @@ def test_a_target_the_converter_refuses_is_refused_before_any_work(tiny_gguf, tm
     assert seen == ["model.gguf"] and not (tmp_path / "home" / "heads" / "work").exists()
 
 
+@pytest.mark.parametrize("layers", [[1, 2], [1, 2, 99], [0, 1, 2]])
+def test_bad_fused_layers_are_refused_before_any_work(tiny_gguf, tmp_path, monkeypatch, layers):
+    """``layers`` (the 3 target layers fed to fc) outside 1 .. L−1 or not 3 of them: one line naming the range."""
+    from ondevice.heads import eagle_train
+
+    monkeypatch.setenv("ONDEVICE_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(eagle_train.train, "record_answers", lambda *a, **k: pytest.fail("recorded"))
+    with pytest.raises(OndeviceError, match=r"^layers=.*between 1 and") as e:
+        eagle_train.train_eagle(tiny_gguf("llama"), tokens=1500, threads=1, quiet=True, convert=convert_eagle3,
+                                layers=layers)
+    assert "\n" not in str(e.value) and not (tmp_path / "home" / "heads" / "work").exists()
+
+
 def test_a_budget_of_one_answer_is_refused_not_measured_on_its_training_data(tiny_gguf, tmp_path, monkeypatch):
     """One answer leaves none to hold out: τ labelled held-out would be measured on the training answer itself."""
     import shutil
