@@ -137,9 +137,10 @@ def test_a_target_the_converter_refuses_is_refused_before_any_work(tiny_gguf, tm
     assert seen == ["model.gguf"] and not (tmp_path / "home" / "heads" / "work").exists()
 
 
-@pytest.mark.parametrize("layers", [[1, 2], [1, 2, 99], [0, 1, 2]])
+@pytest.mark.parametrize("layers", [[1, 2], [1, 2, 99], [0, 1, 2], [1.0, 1, 1], [1.5, 1, 1], "111", 1, [True, 1, 1]])
 def test_bad_fused_layers_are_refused_before_any_work(tiny_gguf, tmp_path, monkeypatch, layers):
-    """``layers`` (the 3 target layers fed to fc) outside 1 .. L−1 or not 3 of them: one line naming the range."""
+    """``layers`` (the 3 target layers fed to fc) outside 1 .. L−1, not 3 of them, or not integers (a float was
+    truncated, a string read digit by digit): one line naming the range."""
     from ondevice.heads import eagle_train
 
     monkeypatch.setenv("ONDEVICE_HOME", str(tmp_path / "home"))
@@ -148,6 +149,23 @@ def test_bad_fused_layers_are_refused_before_any_work(tiny_gguf, tmp_path, monke
         eagle_train.train_eagle(tiny_gguf("llama"), tokens=1500, threads=1, quiet=True, convert=convert_eagle3,
                                 layers=layers)
     assert "\n" not in str(e.value) and not (tmp_path / "home" / "heads" / "work").exists()
+
+
+def test_fused_layers_are_distinct_and_ascending():
+    """fc_top puts the identity on the last block, the "highest" fused layer only when the list ascends (and EAGLE-3
+    runtimes concatenate the aux layers in forward order); a repeated layer fuses the same feature twice. Both are
+    refused in one line; numpy ints and tuples are taken as ints; a target of < 4 layers has fewer than 3 to pick."""
+    from ondevice.heads import eagle
+
+    assert eagle.fused_layers(None, 28) == [2, 14, 25]
+    got = eagle.fused_layers(np.array([2, 14, 27]), 28)
+    assert got == [2, 14, 27] and all(type(i) is int for i in got)
+    assert eagle.fused_layers((2, 14, 27), 28) == [2, 14, 27]
+    assert eagle.fused_layers([1, 1, 1], 2) == eagle.fused_layers(None, 2) == [1, 1, 1]
+    for bad in ([14, 14, 14], [25, 14, 2], [2, 14, 14], [2, 25, 14]):
+        with pytest.raises(OndeviceError, match=r"^layers=\[.*ascending") as e:
+            eagle.fused_layers(bad, 28, "m.gguf")
+        assert "\n" not in str(e.value) and "m.gguf has 28 layers" in str(e.value)
 
 
 def test_a_budget_of_one_answer_is_refused_not_measured_on_its_training_data(tiny_gguf, tmp_path, monkeypatch):

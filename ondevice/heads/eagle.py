@@ -26,6 +26,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from ondevice.errors import OndeviceError
+
 NEG = -1e30  # a masked score (not −inf: its gradient would be NaN where a row is all masked)
 DECAY = 0.8  # weight of depth j's loss: DECAY ** j
 
@@ -54,6 +56,23 @@ class Shape:
                 "eagle_aux_hidden_state_layer_ids": [int(i) for i in layer_ids], "norm_before_fc": True,
                 "norm_before_residual": False, "max_position_embeddings": 32768, "ondevice": extra or {},
                 "shape": asdict(self)}
+
+
+def fused_layers(layers, n_layers: int, name: str = "the target") -> list[int]:
+    """The target layers whose inputs fc fuses: EAGLE-3's [2, L/2, L − 3] clipped to 1 .. L − 1 (qwen2 cannot hand
+    out layer 0's), or ``layers`` checked: 3 integers in 1 .. L − 1, ascending and distinct (as many as L has) —
+    ``init``'s fc_top takes the last as the highest, and EAGLE-3 runtimes concatenate them in layer order."""
+    L = int(n_layers)
+    default = [min(max(i, 1), L - 1) for i in (2, L // 2, L - 3)]
+    if layers is None:
+        return default
+    got = list(layers) if np.iterable(layers) and not isinstance(layers, (str, bytes)) else [layers]
+    ints = all(isinstance(i, (int, np.integer)) and not isinstance(i, (bool, np.bool_)) for i in got)
+    if not (len(got) == 3 and ints and got == sorted(got) and len(set(got)) == min(3, L - 1) and 1 <= got[0]
+            and got[-1] <= L - 1):
+        raise OndeviceError(f"layers=[{', '.join(map(str, got))}]: give 3 target layer ids between 1 and {L - 1}, "
+                            f"ascending and distinct ({name} has {L} layers; default {default})")
+    return [int(i) for i in got]
 
 
 def init(shape: Shape, lm_rows: np.ndarray, norm_w: np.ndarray, seed: int, fc_top: bool = False) -> dict[str, np.ndarray]:

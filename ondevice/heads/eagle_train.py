@@ -27,7 +27,7 @@ from ondevice.errors import OndeviceError
 from ondevice.heads import eagle, eagle_data, eagle_mlx, eagle_store, store, texts, train
 
 DEFAULTS = dict(vocab=8192, depths=5, epochs=12, max_new=192, window=384, batch_tokens=512, lr=2e-3, noise=0.05,
-                feat_w=0.0, fix_head=False, wd=0.0, fc_top=True)  # the configuration the Qwen and SmolLM2 runs measured
+                feat_w=0.0, fix_head=False, wd=0.0, fc_top=True)  # the Qwen runs' (SmolLM2's: 1,024-row steps)
 # the stored drafter's matrices (llama.cpp's quantizer): q4_0 drafts a token for ~.03 of a Qwen2.5-Coder-1.5B decode
 # against ~.07 (q8_0) and ~.06-.15 (f16), τ unchanged (docs/eagle.md, session 18); an MLX target's drafter stays f16
 DRAFT_DTYPES = ("q4_0", "q8_0", "f16")
@@ -200,7 +200,8 @@ def train_eagle(model: str | os.PathLike, *, tokens: int = train.DEFAULT_TOKENS,
         n_ctx, slots, threads, max_new: recording (as ``train.train_heads``).
         draft_dtype: the drafter file's matrices, one of ``DRAFT_DTYPES`` (default q4_0; f16 for an MLX target, the
             only one it takes). A run already fitted only converts again.
-        layers: the 3 target layers whose inputs are fused (ids 1 .. L−1); default EAGLE-3's (2, L/2, L−3).
+        layers: the 3 target layers whose inputs are fused (ids 1 .. L−1, ascending, distinct; ``eagle.fused_layers``);
+            default EAGLE-3's (2, L/2, L−3).
     Returns:
         A summary: path, wall seconds, tokens, τ of greedy chains (γ 3 / 5) on held-out answers, per-depth
         acceptance, the fit log and the conversion check.
@@ -247,12 +248,7 @@ def train_eagle(model: str | os.PathLike, *, tokens: int = train.DEFAULT_TOKENS,
     dest = dest.with_name(eagle_store.default_path(path).name)
     cfg = eagle_mlx.config(path) if mlx else GGUFFile(path).config()
     L = int(cfg["num_hidden_layers"])
-    layer_ids = [min(max(i, 1), L - 1) for i in (2, L // 2, L - 3)]  # llama.cpp's default, clipped (layer 0: qwen2 cannot)
-    if layers is not None:
-        layer_ids = [int(i) for i in layers]
-        if len(layer_ids) != 3 or any(not 1 <= i <= L - 1 for i in layer_ids):
-            raise OndeviceError(f"layers={list(layers)}: give 3 target layer ids between 1 and {L - 1} ({path.name} has "
-                                f"{L} layers; default {[min(max(i, 1), L - 1) for i in (2, L // 2, L - 3)]})")
+    layer_ids = eagle.fused_layers(layers, L, path.name)  # llama.cpp's default, clipped (layer 0: qwen2 cannot)
     # the features' context first: a target whose graph cannot hand out layer inputs is refused before any work
     fb = None if mlx else LlamaBackend(path, n_ctx=n_ctx, threads=threads, n_batch=512)  # MLX: after the load
     try:
