@@ -56,6 +56,39 @@ def test_collect_many_keeps_the_budget_and_resumes(tiny_gguf, tmp_path):
         b.close()
 
 
+def test_collect_resumes_only_the_answers_to_the_same_prompts(tmp_path, monkeypatch):
+    """``data.collect`` (``scripts/record_heads.py``) reads ``rec-NNNN.npz`` back only while it answers prompt NNNN:
+    held-out classes added to prompts.json move the interleaved prompts (chat, code → chat, code, edit, summary), and
+    a record by position alone would stand for another prompt's answer (duplicates; the new classes never recorded)."""
+
+    class Rt:
+        def __init__(self):
+            self.target = type("B", (), {"n_ctx": 512, "enable_hidden": lambda self: 0})()
+
+        def render_chat(self, msgs):
+            return [ord(c) for c in msgs[0]["content"]]
+
+        def reset(self):
+            pass
+
+    asked = []
+
+    def answer(backend, ids, max_new):
+        asked.append(ids)
+        return data.Record(np.array([ids[-1], 7, 8]), np.zeros((2, 4), np.float32), np.asarray(ids, np.int64))
+
+    monkeypatch.setattr(data, "record_answer", answer)
+    rt = Rt()
+    old = data.collect(rt, [("chat", "c0"), ("code", "k0")], tmp_path, budget=10**9, max_new=8)
+    assert len(asked) == 2 and [r.cls for r in old] == ["chat", "code"]
+    new = data.collect(rt, [("chat", "c0"), ("code", "k0"), ("edit", "e0")], tmp_path, budget=10**9, max_new=8)
+    assert len(asked) == 3 and [r.cls for r in new] == ["chat", "code", "edit"]  # the first two read back
+    moved = data.collect(rt, [("chat", "c0"), ("edit", "e0"), ("code", "k0")], tmp_path, budget=10**9, max_new=8)
+    assert [r.cls for r in moved] == ["chat", "edit", "code"]
+    assert [r.prompt.tolist() for r in moved] == [rt.render_chat([{"content": t}]) for t in ("c0", "e0", "k0")]
+    assert len(asked) == 5  # rec-0001 and rec-0002 answered other prompts: recorded again
+
+
 def test_generate_many_refuses_a_prompt_that_cannot_fit(tiny_gguf):
     b = LlamaBackend(tiny_gguf("llama"), n_ctx=256, threads=1, n_seq_max=2)
     try:

@@ -139,7 +139,8 @@ def collect(
     Args:
         rt: a ``Runtime`` on a llama.cpp target (renders the chat template; its backend decodes).
         prompts: (class, text) pairs.
-        work: folder of finished records (``rec-NNNN.npz``); existing ones are read, not redone.
+        work: folder of finished records (``rec-NNNN.npz``); existing ones are read, not redone, while they answer
+            the same prompt (prompts.json's classes may have moved them).
         budget: answer tokens wanted in all.
         max_new: most tokens per answer.
         on_record: called as ``on_record(tokens_so_far, new_tokens)`` after each answer (progress).
@@ -154,10 +155,9 @@ def collect(
         if total >= budget:
             break
         path = work / f"rec-{i:04d}.npz"
-        if path.is_file():
-            rec = load_record(path)
-        else:
-            ids = rt.render_chat([{"role": "user", "content": text}])
+        ids = rt.render_chat([{"role": "user", "content": text}])
+        rec = load_record(path) if path.is_file() else None
+        if rec is None or rec.prompt.tolist() != list(ids):  # none yet, or the answer to another prompt
             if len(ids) + 16 > backend.n_ctx:  # no room for an answer: skip the prompt
                 continue
             rec = record_answer(backend, ids, min(max_new, budget - total))
