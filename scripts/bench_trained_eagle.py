@@ -72,6 +72,16 @@ def _cost(rt, reps: int = 15) -> dict:
             "ratio": round(float(np.median(d) / np.median(t)), 4)}
 
 
+def _drafter_file(drafter, given: str | None, gguf: Path) -> tuple[str, dict]:
+    """The file of the drafter the run loaded and its metadata: ``--drafter``, else the one ``draft="heads"`` chose
+    (the EAGLE-style drafter stored for the target, or its Medusa heads where there is none)."""
+    from ondevice.drafters.heads import HeadsDrafter
+
+    medusa = isinstance(drafter, HeadsDrafter)
+    p = Path(given) if given else heads_store.find(gguf) if medusa else eagle_store.find(gguf)
+    return str(p), heads_store.read_meta(p) if medusa else eagle_store.read_meta(p)
+
+
 def _by_position(counts: np.ndarray) -> list[float]:
     """Share of drafting passes that kept at least i drafts, i = 1.. (``accept_counts[i]``: passes keeping i)."""
     n = counts.sum()
@@ -96,6 +106,7 @@ def main() -> None:
     with ondevice.load(path, drafter="none", threads=a.threads) as plain, \
             ondevice.load(path, draft=a.drafter or "heads", threads=a.threads) as spec, \
             ondevice.load(path, drafter="ngram", threads=a.threads) as ngram:
+        drafter, meta = _drafter_file(spec.drafter, a.drafter, gguf)  # before the runs: a report that can be written
         cost = _cost(spec)
         if a.copy_min is not None:
             spec.drafter.copies.copy_min = a.copy_min
@@ -152,9 +163,7 @@ def main() -> None:
                 rows[cls][k]["modelled_speed"] = round(rows[cls][k]["tau"] / (curve.verify_cost(n + 1) + rows[cls][k]["draft_per_pass"]), 3)
             rows[cls]["greedy"] = {"equal_runs": equal, "runs": 6 * min(a.per_class, len(prompts)),
                                    "divergences": divergences}
-    drafter = Path(a.drafter) if a.drafter else eagle_store.find(gguf)
-    meta = heads_store.read_meta(drafter) if drafter.name.endswith(".heads.safetensors") else eagle_store.read_meta(drafter)
-    emit_json({"model": path.name, "drafter": str(drafter), "meta": meta,
+    emit_json({"model": path.name, "drafter": drafter, "meta": meta,
                "greedy_unexplained": sum(not d["explained"] for r in rows.values() for d in r["greedy"]["divergences"]),
                "draft_cost": cost, "verify_cost": {k: round(curve.verify_cost(k), 3) for k in (2, 4, 6, 9, 17)}, "copy_min": copy_min, "by_class": rows, "per_class": a.per_class, "max_tokens": a.tokens}, a.json)
 
