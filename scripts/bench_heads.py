@@ -137,7 +137,7 @@ def main() -> None:
     res["head_cost"] = head_cost(path, (heads, meta), recs)
     if a.live:
         h = data.load_prompts()["heldout"]
-        prompts = [(c, h[c][i]) for c in sorted(h) for i in range(a.live)]
+        prompts = [(c, h[c][i]) for c in sorted(h) for i in range(min(a.live, len(h[c])))]
         res["live"] = live(path, heads_file, prompts, a.live_tokens, a.gamma)
     emit_json(res, a.json, indent=1)
 
