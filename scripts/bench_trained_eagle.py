@@ -47,7 +47,9 @@ def _cost(rt, reps: int = 15) -> dict:
     ids = target.tokenize("def fibonacci(n):")
     target.rollback(0)
     target.eval(ids)
-    if not hasattr(drafter, "graph"):  # Medusa heads: a numpy step, timed by the drafter itself
+    from ondevice.drafters.heads import HeadsDrafter
+
+    if isinstance(drafter, HeadsDrafter):  # Medusa heads: a numpy step, timed by the drafter itself
         for _ in range(reps):
             t0 = time.perf_counter()
             target.eval([int(ids[-1])])

@@ -248,7 +248,7 @@ def train_eagle(model: str | os.PathLike, *, tokens: int = train.DEFAULT_TOKENS,
     dest = dest.with_name(eagle_store.default_path(path).name)
     cfg = eagle_mlx.config(path) if mlx else GGUFFile(path).config()
     L = int(cfg["num_hidden_layers"])
-    layer_ids = eagle.fused_layers(layers, L, path.name)  # llama.cpp's default, clipped (layer 0: qwen2 cannot)
+    layer_ids = eagle.fused_layers(layers, L, path.name)
     # the features' context first: a target whose graph cannot hand out layer inputs is refused before any work
     fb = None if mlx else LlamaBackend(path, n_ctx=n_ctx, threads=threads, n_batch=512)  # MLX: after the load
     try:
